@@ -1,0 +1,216 @@
+"""Derived tables: one row per request from any stream of lifecycle events, real or replayed.
+
+The derivation is one DuckDB query, columnar end to end (no Python loop per event). Each timestamp
+of the guide's section 2 comes from an order-independent aggregate over the events of one type,
+ties broken by ``(ts_ns, event_id)``. Duplicated events (the same ``event_id``, from producer
+retries) cannot change a min, max or arg-max; counts use distinct event ids, and the token sums and
+inter-token gaps read de-duplicated deliveries. So the table is the same whatever order and
+duplication the events arrive in, and durations, computed from integer nanoseconds, are
+bit-identical across runs and thread counts. Metric definitions: ``docs/metrics.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from schemas.arrow import EVENTS_SCHEMA, arrow_schema
+from schemas.records import RequestRow
+from schemas.validate import detect_format, iter_event_tables
+
+EventSource = pa.Table | str | Path | Sequence[str | Path]
+
+_REQUESTS_SQL = """
+WITH req AS (  -- every request-scoped event; min/max/arg_* are idempotent, so no de-duplication needed
+    SELECT
+        request_id,
+        arg_min(engine_id, (ts_ns, event_id)) AS engine_id,
+        arg_max(instance_id, (ts_ns, event_id)) FILTER (WHERE instance_id IS NOT NULL) AS instance_id,
+        max(tenant) AS any_tenant, max(service_class) AS any_service_class, max(model) AS any_model,
+        max(adapter) AS any_adapter, max(pool) AS any_pool,
+        count(DISTINCT event_id) AS num_events
+    FROM {source}
+    WHERE request_id IS NOT NULL
+    GROUP BY request_id
+),
+arr AS (
+    SELECT
+        request_id, min(ts_ns) AS arrival_ns, max(tenant) AS tenant, max(service_class) AS service_class,
+        max(model) AS model, max(adapter) AS adapter, max(pool) AS pool, max(session_id) AS session_id,
+        max(num_prompt_tokens) AS num_prompt_tokens, max(num_cached_prefix_tokens) AS num_cached_prefix_tokens,
+        max(max_output_tokens) AS max_output_tokens, max(num_branches) AS num_branches
+    FROM {source} WHERE event_type = 'request_arrived' GROUP BY request_id
+),
+adm AS (
+    SELECT
+        request_id, min(ts_ns) AS admission_ns, arg_max(decision, (ts_ns, event_id)) AS admission_decision,
+        count(DISTINCT event_id) AS num_admission_decisions
+    FROM {source} WHERE event_type = 'admission_decided' GROUP BY request_id
+),
+fin AS (
+    SELECT
+        request_id, min(ts_ns) AS finish_ns, arg_max(outcome, (ts_ns, event_id)) AS outcome,
+        arg_max(num_output_tokens, (ts_ns, event_id)) AS finished_output_tokens
+    FROM {source} WHERE event_type = 'request_finished' GROUP BY request_id
+),
+can AS (
+    SELECT request_id, min(ts_ns) AS cancel_ns
+    FROM {source} WHERE event_type = 'request_cancelled' GROUP BY request_id
+),
+pre AS (
+    SELECT request_id, count(*) AS num_preemptions, sum(num_lost_tokens) AS num_lost_tokens
+    FROM (SELECT DISTINCT ON (event_id) request_id, num_lost_tokens
+          FROM {source} WHERE event_type = 'request_preempted')
+    GROUP BY request_id
+),
+sched AS (
+    SELECT rid AS request_id, min(start_ns) AS scheduled_ns
+    FROM (SELECT unnest(request_ids) AS rid, start_ns FROM {source} WHERE event_type = 'step_executed')
+    GROUP BY rid
+),
+deliveries AS (  -- sums and gaps need each delivery once
+    SELECT DISTINCT ON (event_id) request_id, event_type, ts_ns, first_byte_ns, num_tokens, coalesced
+    FROM {source} WHERE event_type IN ('first_token', 'tokens_delivered')
+),
+gaps AS (
+    SELECT request_id, ts_ns - lag(ts_ns) OVER (PARTITION BY request_id ORDER BY ts_ns) AS gap_ns
+    FROM deliveries
+),
+tok AS (
+    SELECT
+        request_id,
+        min(ts_ns) FILTER (WHERE event_type = 'first_token') AS first_token_ns,
+        min(first_byte_ns) FILTER (WHERE event_type = 'first_token') AS first_byte_ns,
+        max(ts_ns) AS last_token_ns,
+        count(*) FILTER (WHERE event_type = 'first_token')
+            + coalesce(sum(num_tokens) FILTER (WHERE event_type = 'tokens_delivered'), 0) AS delivered_tokens,
+        coalesce(bool_or(coalesced), false) AS itl_from_chunks
+    FROM deliveries GROUP BY request_id
+),
+itl AS (
+    SELECT
+        request_id,
+        count(gap_ns) AS num_itl_gaps,
+        sum(gap_ns)::DOUBLE / count(gap_ns) / 1e9 AS itl_mean_s,
+        quantile_cont(gap_ns, 0.5) / 1e9 AS itl_p50_s,
+        quantile_cont(gap_ns, 0.99) / 1e9 AS itl_p99_s,
+        max(gap_ns) / 1e9 AS itl_max_s
+    FROM gaps WHERE gap_ns IS NOT NULL GROUP BY request_id
+)
+SELECT
+    request_id, engine_id, instance_id,
+    coalesce(arr.tenant, any_tenant) AS tenant,
+    coalesce(arr.service_class, any_service_class) AS service_class,
+    coalesce(arr.model, any_model) AS model,
+    coalesce(arr.adapter, any_adapter) AS adapter,
+    coalesce(arr.pool, any_pool) AS pool,
+    session_id,
+    arrival_ns, admission_ns, scheduled_ns, first_token_ns, first_byte_ns, last_token_ns, cancel_ns,
+    finish_ns, outcome, admission_decision, coalesce(num_admission_decisions, 0) AS num_admission_decisions,
+    num_prompt_tokens, num_cached_prefix_tokens, max_output_tokens, num_branches,
+    CASE WHEN finished_output_tokens IS NOT NULL THEN finished_output_tokens
+         WHEN delivered_tokens > 0 THEN delivered_tokens END AS num_output_tokens,
+    coalesce(num_preemptions, 0) AS num_preemptions, coalesce(num_lost_tokens, 0) AS num_lost_tokens,
+    (scheduled_ns - arrival_ns) / 1e9 AS queue_s,
+    (first_token_ns - arrival_ns) / 1e9 AS ttft_s,
+    CASE WHEN num_output_tokens > 1
+         THEN (last_token_ns - first_token_ns) / 1e9 / (num_output_tokens - 1) END AS tpot_s,
+    (last_token_ns - arrival_ns) / 1e9 AS e2e_s,
+    coalesce(num_itl_gaps, 0) AS num_itl_gaps, itl_mean_s, itl_p50_s, itl_p99_s, itl_max_s,
+    coalesce(itl_from_chunks, false) AS itl_from_chunks, num_events
+FROM req
+LEFT JOIN arr USING (request_id)
+LEFT JOIN adm USING (request_id)
+LEFT JOIN fin USING (request_id)
+LEFT JOIN can USING (request_id)
+LEFT JOIN pre USING (request_id)
+LEFT JOIN sched USING (request_id)
+LEFT JOIN tok USING (request_id)
+LEFT JOIN itl USING (request_id)
+"""
+
+REQUESTS_SCHEMA = arrow_schema(RequestRow)
+
+
+def connect(memory_limit: str | None = None) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection for derivations; ``memory_limit`` (e.g. "1GB") makes it spill."""
+    con = duckdb.connect()
+    con.execute("SET enable_progress_bar = false")
+    if memory_limit:
+        con.execute(f"SET memory_limit = '{memory_limit}'")
+    return con
+
+
+def _source_sql(con: duckdb.DuckDBPyConnection, source: EventSource) -> str:
+    """Register the events and return the SQL relation that reads them."""
+    if isinstance(source, pa.Table):
+        con.register("events_input", source)
+        return "events_input"
+    paths = [source] if isinstance(source, (str, Path)) else list(source)
+    files = ", ".join("'" + str(p).replace("'", "''") + "'" for p in paths)
+    return f"read_parquet([{files}], union_by_name = true)"
+
+
+_DUCKDB_TYPE = {pa.int64(): "BIGINT", pa.float64(): "DOUBLE", pa.string(): "VARCHAR", pa.bool_(): "BOOLEAN"}
+
+
+def typed_select(schema: pa.Schema, query: str, order_by: str) -> str:
+    """Wrap ``query`` so that its columns come out with exactly ``schema``'s names and types."""
+    columns = ", ".join(f'CAST("{f.name}" AS {_DUCKDB_TYPE[f.type]}) AS "{f.name}"' for f in schema)
+    return f"SELECT {columns} FROM ({query}) ORDER BY {order_by}"
+
+
+def requests_query(con: duckdb.DuckDBPyConnection, source: EventSource) -> str:
+    """The request-table SQL over ``source`` (an Arrow table or Parquet files/globs)."""
+    query = _REQUESTS_SQL.format(source=_source_sql(con, source))
+    return typed_select(REQUESTS_SCHEMA, query, order_by="arrival_ns NULLS LAST, request_id")
+
+
+def derive_requests(source: EventSource, *, con: duckdb.DuckDBPyConnection | None = None) -> pa.Table:
+    """One row per request (``schemas.records.RequestRow``) from events, as an Arrow table."""
+    con = con or connect()
+    table = con.sql(requests_query(con, source)).to_arrow_table()
+    return table.cast(REQUESTS_SCHEMA)
+
+
+def write_requests(
+    source: EventSource, out: str | Path, *, con: duckdb.DuckDBPyConnection | None = None
+) -> int:
+    """Derive the request table straight into a zstd Parquet file (streaming); return its row count."""
+    con = con or connect()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    query = requests_query(con, source)
+    target = str(out).replace("'", "''")
+    (count,) = con.execute(f"COPY ({query}) TO '{target}' (FORMAT parquet, COMPRESSION zstd)").fetchone()
+    return count
+
+
+def events_to_parquet(path: str | Path, out: str | Path, *, batch_rows: int = 65_536) -> int:
+    """Validate a JSONL or Parquet events file and write it as zstd Parquet (``EVENTS_SCHEMA``).
+
+    Streams in batches; raises ``schemas.validate.InvalidEventsError`` at the first invalid record
+    (nothing is silently dropped). Returns the number of events written.
+    """
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    count = 0
+    with pq.ParquetWriter(out, EVENTS_SCHEMA, compression="zstd") as writer:
+        for table in iter_event_tables(path, batch_rows=batch_rows):
+            writer.write_table(table)
+            count += table.num_rows
+    return count
+
+
+def staged_parquet(path: str | Path, work_dir: str | Path) -> Path:
+    """A Parquet events file for ``path``: itself if Parquet, else a validated conversion."""
+    path = Path(path)
+    if detect_format(path) == "parquet":
+        return path
+    out = Path(work_dir) / f"{path.stem}.events.parquet"
+    events_to_parquet(path, out)
+    return out

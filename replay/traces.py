@@ -1,0 +1,223 @@
+"""Converters from public LLM-serving trace formats to one workload table.
+
+Each reader returns a table with the ``schemas.records.WorkloadRequest`` schema, in the trace's own
+row order, with arrival times converted exactly (decimal arithmetic, never via a float) to
+nanoseconds. What a trace records is kept as recorded; what it lacks stays null, for a scenario to
+add explicitly. Supported formats:
+
+- Azure LLM inference 2023 (``TIMESTAMP, ContextTokens, GeneratedTokens``): wall-clock UTC arrivals.
+- Mooncake FAST'25 (JSONL ``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids``):
+  arrivals as offsets from the trace start; 512-token prefix blocks.
+- BurstGPT (``Timestamp`` s, ``Model``, ``Request tokens``, ``Response tokens``, ..., v2 adds
+  ``Session ID`` and ``Elapsed time``): offsets from the trace start; rows with 0 response tokens
+  are failed requests. ``Elapsed time`` (a recorded E2E latency) and ``Log Type`` are not carried.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
+import pyarrow.json as pajson
+
+from schemas.arrow import arrow_schema
+from schemas.records import WorkloadRequest
+from servelens.errors import DataNotFoundError, ServelensError
+
+WORKLOAD_SCHEMA = arrow_schema(WorkloadRequest)
+MOONCAKE_BLOCK_TOKENS = 512
+
+
+@dataclass(frozen=True, slots=True)
+class BundledTrace:
+    """A real trace shipped in the shared data folder."""
+
+    name: str
+    relative_path: str
+    format: str
+    description: str
+    licence: str
+
+
+BUNDLED_TRACES: dict[str, BundledTrace] = {
+    t.name: t
+    for t in (
+        BundledTrace(
+            "azure-conv",
+            "traces/azure2023/AzureLLMInferenceTrace_conv.csv",
+            "azure",
+            "Azure LLM inference 2023, conversation service (19,366 requests, 58 min)",
+            "CC-BY-4.0; Patel et al., Splitwise, ISCA 2024",
+        ),
+        BundledTrace(
+            "mooncake",
+            "traces/mooncake/synthetic_trace.jsonl",
+            "mooncake",
+            "Mooncake FAST'25 synthetic trace with prefix blocks (3,993 requests, 17 min)",
+            "Apache-2.0; Qin et al., Mooncake, FAST 2025",
+        ),
+        BundledTrace(
+            "burstgpt-1",
+            "traces/burstgpt/BurstGPT_1_first400.csv",
+            "burstgpt",
+            "BurstGPT v1, first 400 rows (models, failed rows)",
+            "CC-BY-4.0; Wang et al., BurstGPT, arXiv:2401.17644",
+        ),
+        BundledTrace(
+            "burstgpt-3",
+            "traces/burstgpt/BurstGPT_3_first400.csv",
+            "burstgpt",
+            "BurstGPT v2 release, first 400 rows (sessions, models, failed rows)",
+            "CC-BY-4.0; Wang et al., BurstGPT, arXiv:2401.17644",
+        ),
+    )
+}
+
+
+def _seconds_to_ns(values: pa.Array) -> pa.Array:
+    """Decimal seconds (as text) to integer nanoseconds, exactly."""
+    as_decimal = pc.cast(pc.utf8_trim_whitespace(values), pa.decimal128(20, 9))  # up to 10^11 s
+    scaled = pc.multiply(as_decimal, pa.scalar(10**9, pa.decimal128(10, 0)))
+    return pc.cast(scaled, pa.int64())
+
+
+def _workload(prefix: str, columns: dict[str, pa.Array]) -> pa.Table:
+    """Assemble a workload table: fill absent columns with their defaults, ids from row numbers."""
+    n = len(next(iter(columns.values())))
+    width = max(6, len(str(n)))
+    ids = [f"{prefix}-{i:0{width}d}" for i in range(n)]
+    out = {}
+    for field in WORKLOAD_SCHEMA:
+        if field.name == "request_id":
+            out[field.name] = pa.array(ids, pa.string())
+        elif field.name in columns:
+            out[field.name] = pc.cast(columns[field.name], field.type)
+        elif field.name == "num_branches":
+            out[field.name] = pa.array([1] * n, pa.int64())
+        elif field.name == "failed":
+            out[field.name] = pa.array([False] * n, pa.bool_())
+        else:
+            out[field.name] = pa.nulls(n, field.type)
+    return pa.Table.from_pydict(out, schema=WORKLOAD_SCHEMA)
+
+
+def _read_csv(path: Path, column_types: dict[str, pa.DataType]) -> pa.Table:
+    try:
+        return pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(column_types=column_types))
+    except (pa.ArrowInvalid, KeyError) as exc:
+        raise ServelensError(f"{path}: not a readable trace CSV: {exc}") from None
+
+
+def read_azure(path: Path, prefix: str = "azure") -> pa.Table:
+    """Azure LLM inference trace 2023 (conversation or code); timestamps are UTC wall clock."""
+    t = _read_csv(path, {"TIMESTAMP": pa.timestamp("ns"), "ContextTokens": pa.int64(), "GeneratedTokens": pa.int64()})
+    _require(path, t, ["TIMESTAMP", "ContextTokens", "GeneratedTokens"])
+    return _workload(
+        prefix,
+        {
+            "arrival_ns": pc.cast(t["TIMESTAMP"], pa.int64()),
+            "num_prompt_tokens": t["ContextTokens"],
+            "num_output_tokens": t["GeneratedTokens"],
+        },
+    )
+
+
+def read_mooncake(path: Path, prefix: str = "mooncake") -> pa.Table:
+    """Mooncake FAST'25 trace (JSONL with prefix-block hash ids)."""
+    schema = pa.schema(
+        [
+            ("timestamp", pa.int64()),
+            ("input_length", pa.int64()),
+            ("output_length", pa.int64()),
+            ("hash_ids", pa.list_(pa.int64())),
+        ]
+    )
+    try:
+        t = pajson.read_json(path, parse_options=pajson.ParseOptions(explicit_schema=schema))
+    except pa.ArrowInvalid as exc:
+        raise ServelensError(f"{path}: not a readable Mooncake JSONL trace: {exc}") from None
+    n = t.num_rows
+    return _workload(
+        prefix,
+        {
+            "arrival_ns": pc.multiply(t["timestamp"], 1_000_000),
+            "num_prompt_tokens": t["input_length"],
+            "num_output_tokens": t["output_length"],
+            "prefix_block_ids": t["hash_ids"],
+            "prefix_block_size_tokens": pa.array([MOONCAKE_BLOCK_TOKENS] * n, pa.int64()),
+        },
+    )
+
+
+def read_burstgpt(path: Path, prefix: str = "burstgpt") -> pa.Table:
+    """BurstGPT trace (v1 columns, or the v2 release with sessions)."""
+    t = _read_csv(path, {"Timestamp": pa.string(), "Session ID": pa.string(), "Model": pa.string()})
+    _require(path, t, ["Timestamp", "Model", "Request tokens", "Response tokens"])
+    response = pc.cast(t["Response tokens"], pa.int64())
+    columns = {
+        "arrival_ns": _seconds_to_ns(t["Timestamp"]),
+        "num_prompt_tokens": t["Request tokens"],
+        "num_output_tokens": response,
+        "model": t["Model"],
+        "failed": pc.equal(response, 0),
+    }
+    if "Session ID" in t.column_names:
+        session = t["Session ID"]
+        columns["session_id"] = pc.if_else(pc.equal(session, ""), pa.scalar(None, pa.string()), session)
+    return _workload(prefix, columns)
+
+
+def _require(path: Path, table: pa.Table, names: list[str]) -> None:
+    missing = [n for n in names if n not in table.column_names]
+    if missing:
+        raise ServelensError(
+            f"{path}: missing column(s) {', '.join(missing)}",
+            f"this reader expects the columns {', '.join(names)}",
+        )
+
+
+READERS = {"azure": read_azure, "mooncake": read_mooncake, "burstgpt": read_burstgpt}
+
+
+def detect_format(path: Path) -> str:
+    """Guess a trace file's format from its first line."""
+    with path.open("rb") as fh:
+        head = fh.readline().decode("utf-8", "replace")
+    if head.lstrip().startswith("{") and "input_length" in head:
+        return "mooncake"
+    if head.startswith("TIMESTAMP"):
+        return "azure"
+    if head.startswith("Timestamp"):
+        return "burstgpt"
+    raise ServelensError(
+        f"{path}: unknown trace format (first line {head.strip()[:80]!r})",
+        f"supported formats: {', '.join(READERS)}; or name a bundled trace: {', '.join(BUNDLED_TRACES)}",
+    )
+
+
+def resolve_trace(name_or_path: str, shared: Path | None) -> tuple[Path, str, str]:
+    """(file, format, id prefix) of a bundled trace name or a trace file path."""
+    if name_or_path in BUNDLED_TRACES:
+        trace = BUNDLED_TRACES[name_or_path]
+        if shared is None:
+            raise DataNotFoundError(f"bundled trace {name_or_path} needs the shared data folder")
+        path = shared / trace.relative_path
+        if not path.is_file():
+            raise DataNotFoundError(f"bundled trace {name_or_path} is missing: {path} does not exist")
+        return path, trace.format, trace.name
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise DataNotFoundError(
+            f"trace {name_or_path!r} is neither a bundled trace nor a file",
+            f"bundled traces: {', '.join(BUNDLED_TRACES)}; or give the path of an Azure, Mooncake or BurstGPT file",
+        )
+    return path, detect_format(path), path.stem
+
+
+def read_trace(name_or_path: str, shared: Path | None = None) -> pa.Table:
+    """The workload table of a bundled trace (by name) or a trace file (format detected)."""
+    path, fmt, prefix = resolve_trace(name_or_path, shared)
+    return READERS[fmt](path, prefix)

@@ -1,0 +1,97 @@
+"""Field introspection shared by the Arrow and JSON Schema generators and the validator.
+
+One place turns a dataclass annotation into a ``FieldSpec``: its scalar kind, whether it is a list,
+whether it is nullable, its allowed values and its help text. Every generated view starts here, so
+the views cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal
+
+#: Scalar kinds a record field may have.
+Kind = Literal["string", "int", "float", "bool"]
+
+_KIND_OF: dict[Any, Kind] = {str: "string", int: "int", float: "float", bool: "bool"}
+
+
+def doc(text: str, default: Any = dataclasses.MISSING, *, wire_required: bool = False, **kwargs: Any) -> Any:
+    """A dataclass field carrying its help text (it becomes the Arrow and JSON Schema description).
+
+    A field without a default is required on the wire; ``wire_required`` makes a defaulted field
+    required there too (the envelope's version and type must always be written).
+    """
+    return dataclasses.field(default=default, metadata={"doc": text, "wire_required": wire_required}, **kwargs)
+
+
+@dataclass(frozen=True, slots=True)
+class FieldSpec:
+    """What one record field holds."""
+
+    name: str
+    kind: Kind
+    is_list: bool
+    nullable: bool
+    required: bool  # on the wire: must be present (it may still be null when nullable)
+    enum: tuple[str, ...] | None
+    doc: str
+    default: Any
+
+    def describe(self) -> str:
+        """Human wording of the expected value, for error messages."""
+        if self.enum:
+            base = "one of " + ", ".join(repr(v) for v in self.enum)
+        else:
+            base = {"string": "a string", "int": "an integer", "float": "a number", "bool": "true or false"}[
+                self.kind
+            ]
+        if self.is_list:
+            base = f"a list of {base.removeprefix('a ').removeprefix('an ')}s"
+        return f"{base} or null" if self.nullable else base
+
+
+def _unwrap(annotation: Any) -> tuple[Any, bool]:
+    """Strip ``X | None``; return (inner annotation, nullable)."""
+    args = typing.get_args(annotation)
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) != 1:
+            raise TypeError(f"unsupported union {annotation!r}: records are flat, use X | None")
+        return inner[0], True
+    return annotation, False
+
+
+def _spec(f: dataclasses.Field, annotation: Any) -> FieldSpec:
+    inner, nullable = _unwrap(annotation)
+    is_list = typing.get_origin(inner) is list
+    if is_list:
+        (inner,) = typing.get_args(inner)
+    enum: tuple[str, ...] | None = None
+    if typing.get_origin(inner) is Literal:
+        enum = tuple(typing.get_args(inner))
+        inner = type(enum[0])
+    if inner not in _KIND_OF:
+        raise TypeError(f"field {f.name}: unsupported type {inner!r}; records hold flat scalars and lists")
+    has_default = f.default is not dataclasses.MISSING
+    return FieldSpec(
+        name=f.name,
+        kind=_KIND_OF[inner],
+        is_list=is_list,
+        nullable=nullable,
+        required=not has_default or bool(f.metadata.get("wire_required")),
+        enum=enum,
+        doc=f.metadata.get("doc", ""),
+        default=f.default if has_default else None,
+    )
+
+
+@functools.cache
+def field_specs(cls: type) -> tuple[FieldSpec, ...]:
+    """The record's fields, in declaration order."""
+    hints = typing.get_type_hints(cls)
+    return tuple(_spec(f, hints[f.name]) for f in dataclasses.fields(cls))

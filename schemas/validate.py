@@ -1,0 +1,314 @@
+"""Validation of untrusted event records, with errors a person can act on.
+
+``validate_record`` checks one decoded record against the contract and either returns the typed
+event or explains every problem: the field path, the value's type and what was expected.
+``iter_file`` streams a JSONL or Parquet file record by record (a 1 GB file is never loaded at
+once) and ``ValidationSummary`` counts the results by reason.
+
+Beyond the JSON Schema, the validator checks what a schema cannot: a known major version, a step's
+``start_ns <= end_ns``, parallel lists of equal length, at least one token per delivery.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from schemas.events import EVENT_TYPES, SCHEMA_MAJOR, SCHEMA_VERSION, Event
+from schemas.types import FieldSpec, field_specs
+from schemas.wire import decode_json
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+INT64_MAX = 2**63 - 1
+
+# Reasons (stable identifiers, used for counting and in dead-letter tables); see also schemas.wire.
+NOT_AN_OBJECT = "not_an_object"
+MISSING_FIELD = "missing_field"
+WRONG_TYPE = "wrong_type"
+NOT_ALLOWED = "value_not_allowed"
+OUT_OF_RANGE = "out_of_range"
+UNKNOWN_EVENT_TYPE = "unknown_event_type"
+BAD_VERSION = "bad_schema_version"
+UNSUPPORTED_MAJOR = "unsupported_major_version"
+INCONSISTENT = "inconsistent_fields"
+
+
+@dataclass(frozen=True, slots=True)
+class FieldError:
+    """One problem with one record."""
+
+    reason: str
+    path: str
+    message: str
+    value_type: str | None = None
+    expected: str | None = None
+
+    def render(self) -> str:
+        text = f"{self.path}: {self.reason.replace('_', ' ')}: {self.message}"
+        if self.expected is not None:
+            got = f"got {self.value_type}" if self.value_type else ""
+            text += f" ({got}{', ' if got else ''}expected {self.expected})"
+        return text
+
+
+@dataclass(frozen=True, slots=True)
+class RecordResult:
+    """The outcome of validating one record: an event, or the errors; plus fields it ignored."""
+
+    number: int  # 1-based line (JSONL) or row (Parquet)
+    event: Event | None
+    errors: tuple[FieldError, ...]
+    ignored_fields: tuple[str, ...] = ()
+
+
+def type_name(value: Any) -> str:
+    """The JSON name of a Python value's type, for messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def _scalar_error(spec: FieldSpec, value: Any, path: str) -> FieldError | None:
+    expected = spec.describe()
+    if spec.enum is not None:
+        if isinstance(value, str) and value in spec.enum:
+            return None
+        if isinstance(value, str):
+            return FieldError(NOT_ALLOWED, path, f"{value!r} is not allowed", "string", expected)
+        return FieldError(WRONG_TYPE, path, "wrong type", type_name(value), expected)
+    kind = spec.kind
+    if kind == "string":
+        ok = isinstance(value, str)
+    elif kind == "bool":
+        ok = isinstance(value, bool)
+    elif kind == "int":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok:
+        return FieldError(WRONG_TYPE, path, "wrong type", type_name(value), expected)
+    if kind == "int" and not 0 <= value <= INT64_MAX:
+        return FieldError(OUT_OF_RANGE, path, f"{value} is outside 0..2^63-1", "integer", expected)
+    if kind == "float" and (not math.isfinite(value) or value < 0):
+        return FieldError(OUT_OF_RANGE, path, f"{value} is not a finite number >= 0", "number", expected)
+    return None
+
+
+def _field_errors(spec: FieldSpec, value: Any) -> list[FieldError]:
+    path = f"$.{spec.name}"
+    if value is None:
+        if spec.nullable:
+            return []
+        return [FieldError(WRONG_TYPE, path, "null is not allowed", "null", spec.describe())]
+    if not spec.is_list:
+        err = _scalar_error(spec, value, path)
+        return [err] if err else []
+    if not isinstance(value, list):
+        return [FieldError(WRONG_TYPE, path, "wrong type", type_name(value), spec.describe())]
+    errors = []
+    for i, item in enumerate(value):
+        err = _scalar_error(spec, item, f"{path}[{i}]")
+        if err:
+            errors.append(err)
+            if len(errors) >= 3:  # one bad list should not flood the report
+                break
+    return errors
+
+
+def _version_error(version: Any) -> FieldError | None:
+    if not isinstance(version, str):
+        return FieldError(WRONG_TYPE, "$.schema_version", "wrong type", type_name(version), 'a "MAJOR.MINOR" string')
+    major, _, minor = version.partition(".")
+    if not (major.isdigit() and minor.isdigit()):
+        return FieldError(BAD_VERSION, "$.schema_version", f"{version!r} is not MAJOR.MINOR", "string", f'"{SCHEMA_VERSION}"')
+    if int(major) != SCHEMA_MAJOR:
+        return FieldError(
+            UNSUPPORTED_MAJOR,
+            "$.schema_version",
+            f"major version {int(major)} is not readable by this build (it reads {SCHEMA_MAJOR}.x); "
+            "upgrade servelens or have the producer write a supported version",
+            "string",
+            f'"{SCHEMA_MAJOR}.<minor>"',
+        )
+    return None
+
+
+def _consistency_errors(values: dict[str, Any]) -> list[FieldError]:
+    errors = []
+    etype = values["event_type"]
+    if etype == "step_executed":
+        if values["start_ns"] > values["end_ns"]:
+            errors.append(FieldError(INCONSISTENT, "$.start_ns", "start_ns is after end_ns"))
+        if len(values["request_ids"]) != len(values["request_num_tokens"]):
+            errors.append(
+                FieldError(INCONSISTENT, "$.request_num_tokens", "request_ids and request_num_tokens differ in length")
+            )
+    elif etype == "tokens_delivered" and values["num_tokens"] < 1:
+        errors.append(FieldError(OUT_OF_RANGE, "$.num_tokens", "a delivery carries at least one token"))
+    elif etype == "request_arrived" and values.get("num_branches", 1) < 1:
+        errors.append(FieldError(OUT_OF_RANGE, "$.num_branches", "a request has at least one branch"))
+    elif etype == "admission_decided":
+        low, high = values.get("predicted_output_tokens_low"), values.get("predicted_output_tokens_high")
+        if low is not None and high is not None and low > high:
+            errors.append(FieldError(INCONSISTENT, "$.predicted_output_tokens_low", "the interval's low end exceeds its high end"))
+    return errors
+
+
+def validate_record(record: Any, number: int = 0) -> RecordResult:
+    """Check one decoded record; return the typed event or every error found."""
+    if not isinstance(record, dict):
+        err = FieldError(NOT_AN_OBJECT, "$", "a record must be a JSON object", type_name(record), "an object")
+        return RecordResult(number, None, (err,))
+    errors: list[FieldError] = []
+    if "schema_version" not in record:
+        errors.append(FieldError(MISSING_FIELD, "$.schema_version", "required field is missing"))
+    elif err := _version_error(record["schema_version"]):
+        if err.reason == UNSUPPORTED_MAJOR:  # a different major means a different shape: stop here
+            return RecordResult(number, None, (err,))
+        errors.append(err)
+    etype = record.get("event_type")
+    cls = EVENT_TYPES.get(etype) if isinstance(etype, str) else None
+    if cls is None:
+        if "event_type" not in record:
+            errors.append(FieldError(MISSING_FIELD, "$.event_type", "required field is missing"))
+        else:
+            errors.append(
+                FieldError(
+                    UNKNOWN_EVENT_TYPE,
+                    "$.event_type",
+                    f"unknown event type {etype!r}",
+                    type_name(etype),
+                    "one of " + ", ".join(EVENT_TYPES),
+                )
+            )
+        return RecordResult(number, None, tuple(errors))
+    values: dict[str, Any] = {}
+    for spec in field_specs(cls):
+        if spec.name == "schema_version":
+            values[spec.name] = record.get(spec.name)
+            continue
+        if spec.name not in record:
+            if spec.required:
+                errors.append(FieldError(MISSING_FIELD, f"$.{spec.name}", "required field is missing", None, spec.describe()))
+            values[spec.name] = spec.default
+            continue
+        value = record[spec.name]
+        errors.extend(_field_errors(spec, value))
+        values[spec.name] = value
+    known = {s.name for s in field_specs(cls)}
+    ignored = tuple(k for k, v in record.items() if k not in known and v is not None)
+    if not errors:
+        errors.extend(_consistency_errors(values))
+    if errors:
+        return RecordResult(number, None, tuple(errors), ignored)
+    values.pop("event_type")
+    return RecordResult(number, cls(**values), (), ignored)
+
+
+def _iter_jsonl(path: Path) -> Iterator[RecordResult]:
+    with path.open("rb") as fh:
+        for number, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            record, reason, message = decode_json(line)
+            if reason:
+                yield RecordResult(number, None, (FieldError(reason, "$", message),))
+            else:
+                yield validate_record(record, number)
+
+
+def _iter_parquet(path: Path, batch_rows: int) -> Iterator[RecordResult]:
+    import pyarrow.parquet as pq
+
+    number = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_rows):
+        for row in batch.to_pylist():
+            number += 1
+            yield validate_record(row, number)
+
+
+def detect_format(path: Path) -> str:
+    """'parquet' or 'jsonl', from the file's magic bytes (falling back to the suffix)."""
+    with path.open("rb") as fh:
+        head = fh.read(4)
+    if head == b"PAR1":
+        return "parquet"
+    return "parquet" if path.suffix == ".parquet" else "jsonl"
+
+
+def iter_file(path: Path | str, *, batch_rows: int = 65_536) -> Iterator[RecordResult]:
+    """Validate every record of a JSONL or Parquet file, streaming."""
+    path = Path(path)
+    if detect_format(path) == "parquet":
+        yield from _iter_parquet(path, batch_rows)
+    else:
+        yield from _iter_jsonl(path)
+
+
+@dataclass
+class ValidationSummary:
+    """Counts of a validation run."""
+
+    num_valid: int = 0
+    num_invalid: int = 0
+    by_reason: Counter[str] = field(default_factory=Counter)
+    by_event_type: Counter[str] = field(default_factory=Counter)
+    ignored_fields: Counter[str] = field(default_factory=Counter)
+
+    def add(self, result: RecordResult) -> None:
+        if result.event is not None:
+            self.num_valid += 1
+            self.by_event_type[result.event.event_type] += 1
+        else:
+            self.num_invalid += 1
+            for reason in {e.reason for e in result.errors}:
+                self.by_reason[reason] += 1
+        self.ignored_fields.update(result.ignored_fields)
+
+
+class InvalidEventsError(ValueError):
+    """A file holds an invalid record where only valid events are accepted."""
+
+    def __init__(self, path: Path, result: RecordResult) -> None:
+        self.path, self.result = path, result
+        first = result.errors[0].render()
+        super().__init__(f"{path}:{result.number}: {first}")
+
+
+def iter_event_tables(path: Path | str, *, batch_rows: int = 65_536) -> Iterator["pa.Table"]:
+    """The valid events of a JSONL or Parquet file as ``EVENTS_SCHEMA`` tables, streaming.
+
+    Raises ``InvalidEventsError`` at the first invalid record: callers that must not lose data
+    refuse the file and point at ``servelens events validate``.
+    """
+    from schemas.arrow import events_to_table
+
+    path = Path(path)
+    batch: list[Event] = []
+    for result in iter_file(path, batch_rows=batch_rows):
+        if result.event is None:
+            raise InvalidEventsError(path, result)
+        batch.append(result.event)
+        if len(batch) >= batch_rows:
+            yield events_to_table(batch)
+            batch = []
+    if batch:
+        yield events_to_table(batch)

@@ -1,0 +1,305 @@
+"""The ``servelens`` command: a thin click layer over the library packages.
+
+Every command is a few lines that parse options, call one library function and print its result.
+Domain errors (``ServelensError``) become a clean message with a hint and exit code 2; an input that
+fails a check (invalid events) exits 1; nothing prints a traceback unless ``SERVELENS_DEBUG=1``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from servelens import __version__
+from servelens.config import Config, load_config, shared_dir
+from servelens.errors import ServelensError
+
+EXIT_INVALID = 1
+EXIT_ERROR = 2
+
+
+class _Group(click.Group):
+    """A click group that turns domain and OS errors into one clean message."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ServelensError as exc:
+            _fail(str(exc))
+        except OSError as exc:
+            where = f": {exc.filename}" if exc.filename else ""
+            _fail(f"{exc.strerror or exc}{where}", "check the path and its permissions")
+        except (click.exceptions.Exit, click.ClickException, click.Abort, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # a bug: say so plainly, keep the traceback for those who ask
+            if os.environ.get("SERVELENS_DEBUG"):
+                raise
+            _fail(
+                f"internal error: {type(exc).__name__}: {exc}",
+                "rerun with SERVELENS_DEBUG=1 for the traceback and report it",
+            )
+
+
+def _fail(message: str, hint: str | None = None) -> None:
+    click.secho(f"error: {message}", err=True, fg="red")
+    if hint:
+        click.echo(f"  hint: {hint}", err=True)
+    sys.exit(EXIT_ERROR)
+
+
+def _config(ctx: click.Context) -> Config:
+    return ctx.find_root().obj["config"]
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    envvar="SERVELENS_CONFIG",
+    help="TOML configuration file (default: none; environment SERVELENS_<SECTION>__<KEY> overrides).",
+)
+@click.version_option(__version__, prog_name="servelens")
+@click.pass_context
+def cli(ctx: click.Context, config_path: str | None) -> None:
+    """servelens: see, replay and gate LLM-serving scheduler changes.
+
+    \b
+    Example:
+      servelens demo                       # the end-to-end path on a bundled real trace
+      servelens events validate events.jsonl
+    """
+    ctx.obj = {"config": load_config(config_path)}
+
+
+# ---------------------------------------------------------------------------------------------- events
+
+
+@cli.group()
+def events() -> None:
+    """Work with lifecycle event files (JSONL or Parquet)."""
+
+
+@events.command("validate")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--max-errors", default=50, show_default=True, help="Print at most this many errors (all are counted).")
+def events_validate(file: Path, max_errors: int) -> None:
+    """Check every record of FILE against the event contract.
+
+    Reports each error with its line (JSONL) or row (Parquet) number, the field path, the value's
+    type and what was expected; exits 1 if any record is invalid, 0 otherwise. The file is
+    streamed, never loaded whole.
+
+    \b
+    Example:
+      servelens events validate out/demo/events.jsonl
+    """
+    from schemas.validate import ValidationSummary, iter_file
+
+    summary = ValidationSummary()
+    for result in iter_file(file):
+        summary.add(result)
+        if result.errors and summary.num_invalid <= max_errors:
+            for error in result.errors:
+                click.echo(f"{file}:{result.number}: {error.render()}")
+    total = summary.num_valid + summary.num_invalid
+    click.echo(f"{total:,} records: {summary.num_valid:,} valid, {summary.num_invalid:,} invalid")
+    for reason, count in summary.by_reason.most_common():
+        click.echo(f"  invalid, {reason.replace('_', ' ')}: {count:,}")
+    for name, count in summary.ignored_fields.most_common(10):
+        click.echo(f"  ignored unknown field {name!r} in {count:,} records (not stored: allowlist)")
+    if summary.num_invalid:
+        sys.exit(EXIT_INVALID)
+
+
+@events.command("schema")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["json-schema", "arrow"]),
+    default="json-schema",
+    show_default=True,
+    help="Which generated view of the contract to print.",
+)
+def events_schema(fmt: str) -> None:
+    """Print the event contract as JSON Schema or as the Arrow lake schema.
+
+    \b
+    Example:
+      servelens events schema --format arrow
+    """
+    if fmt == "arrow":
+        from schemas.arrow import EVENTS_SCHEMA
+
+        click.echo(EVENTS_SCHEMA.to_string(show_field_metadata=False))
+    else:
+        from schemas.json_schema import events_json_schema
+
+        click.echo(json.dumps(events_json_schema(), indent=2))
+
+
+# ---------------------------------------------------------------------------------------------- traces
+
+
+@cli.group()
+def trace() -> None:
+    """Read real LLM-serving traces (Azure 2023, Mooncake, BurstGPT)."""
+
+
+@trace.command("list")
+@click.pass_context
+def trace_list(ctx: click.Context) -> None:
+    """List the bundled traces and where they are found.
+
+    \b
+    Example:
+      servelens trace list
+    """
+    from replay.traces import BUNDLED_TRACES
+
+    try:
+        shared: Path | None = shared_dir(_config(ctx))
+    except ServelensError:
+        shared = None
+    for t in BUNDLED_TRACES.values():
+        where = shared / t.relative_path if shared else "(shared data folder not found: set SERVELENS_SHARED_DIR)"
+        click.echo(f"{t.name:<12} {t.description}\n{'':<12} {t.licence}\n{'':<12} {where}")
+
+
+@trace.command("convert")
+@click.argument("trace_name", metavar="TRACE")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Output file.")
+@click.option(
+    "--to",
+    "kind",
+    type=click.Choice(["workload", "events"]),
+    default="workload",
+    show_default=True,
+    help="workload: one row per request (Parquet); events: request_arrived events (JSONL or .parquet).",
+)
+@click.pass_context
+def trace_convert(ctx: click.Context, trace_name: str, out: Path, kind: str) -> None:
+    """Convert TRACE (a bundled name or a file) to a workload table or to arrival events.
+
+    \b
+    Example:
+      servelens trace convert azure-conv --out azure.workload.parquet
+      servelens trace convert mooncake --to events --out mooncake.events.jsonl
+    """
+    import pyarrow.parquet as pq
+
+    from replay.traces import read_trace
+    from replay.workload import arrival_events
+    from schemas.wire import iter_table_json, write_jsonl
+
+    workload = read_trace(trace_name, _shared_or_none(ctx, trace_name))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "workload":
+        pq.write_table(workload, out, compression="zstd")
+    else:
+        table = arrival_events(workload, engine_id=f"trace:{trace_name}")
+        if out.suffix == ".parquet":
+            pq.write_table(table, out, compression="zstd")
+        else:
+            write_jsonl(iter_table_json(table), out)
+    click.echo(f"wrote {workload.num_rows:,} {'requests' if kind == 'workload' else 'events'} to {out}")
+
+
+@trace.command("stats")
+@click.argument("trace_name", metavar="TRACE")
+@click.pass_context
+def trace_stats(ctx: click.Context, trace_name: str) -> None:
+    """Print a trace's size, rate, token percentiles and burstiness.
+
+    \b
+    Example:
+      servelens trace stats azure-conv
+    """
+    from replay.traces import read_trace
+    from replay.workload import workload_stats
+
+    s = workload_stats(read_trace(trace_name, _shared_or_none(ctx, trace_name)))
+    click.echo(
+        f"{s.num_requests:,} requests ({s.num_failed:,} failed) over {s.span_s:,.1f} s, {s.mean_rate_per_s:.3f} req/s\n"
+        f"prompt tokens p50 {s.prompt_tokens_p50:,.0f} p99 {s.prompt_tokens_p99:,.0f}; "
+        f"output tokens p50 {s.output_tokens_p50:,.0f} p99 {s.output_tokens_p99:,.0f}\n"
+        f"inter-arrival CV {s.burst.interarrival_cv:.3f}; peak/mean {s.burst.peak_to_mean_1s:.2f} per 1 s, "
+        f"{s.burst.peak_to_mean_10s:.2f} per 10 s"
+    )
+
+
+def _shared_or_none(ctx: click.Context, trace_name: str) -> Path | None:
+    """The shared data folder, required only when TRACE names a bundled trace."""
+    from replay.traces import BUNDLED_TRACES
+
+    return shared_dir(_config(ctx)) if trace_name in BUNDLED_TRACES else None
+
+
+# ---------------------------------------------------------------------------------------------- requests
+
+
+@cli.group()
+def requests() -> None:
+    """Derive and inspect the request table (one row per request)."""
+
+
+@requests.command("derive")
+@click.argument("events_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Output Parquet file.")
+def requests_derive(events_file: Path, out: Path) -> None:
+    """Derive one row per request from EVENTS_FILE (JSONL or Parquet).
+
+    JSONL input is validated first and refused if any record is invalid (run `servelens events
+    validate` to see every error). Events may arrive in any order and duplicated.
+
+    \b
+    Example:
+      servelens requests derive out/demo/events.jsonl --out requests.parquet
+    """
+    from pipelines.tables import staged_parquet, write_requests
+    from schemas.validate import InvalidEventsError
+
+    try:
+        staged = staged_parquet(events_file, out.parent)
+    except InvalidEventsError as exc:
+        raise ServelensError(str(exc), f"run `servelens events validate {events_file}` to see every error") from None
+    count = write_requests(staged, out)
+    click.echo(f"wrote {count:,} requests to {out}")
+
+
+# ---------------------------------------------------------------------------------------------- demo
+
+
+@cli.command()
+@click.option("--trace", "trace_name", default="azure-conv", show_default=True, help="Bundled trace name or trace file.")
+@click.option(
+    "--out", type=click.Path(file_okay=False, path_type=Path), default=None, help="Output folder [default: <out_dir>/demo]."
+)
+@click.pass_context
+def demo(ctx: click.Context, trace_name: str, out: Path | None) -> None:
+    """Run the end-to-end path on a bundled real trace and print a summary.
+
+    \b
+    Example:
+      servelens demo --trace mooncake
+    """
+    from servelens.demo import render_summary, run_demo
+
+    config = _config(ctx)
+    result = run_demo(
+        trace_name,
+        _shared_or_none(ctx, trace_name),
+        out or Path(config.paths.out_dir) / "demo",
+        progress=lambda line: click.echo(line, err=True),
+    )
+    click.echo(render_summary(result))
+
+
+def main() -> None:
+    """Console-script entry point."""
+    cli()

@@ -1,0 +1,190 @@
+"""Validation of untrusted records: every error reported with its line, field path, type and expectation."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from schemas.arrow import events_to_table
+from schemas.events import RequestArrived, StepExecuted
+from schemas.validate import (
+    BAD_VERSION,
+    INCONSISTENT,
+    MISSING_FIELD,
+    NOT_ALLOWED,
+    OUT_OF_RANGE,
+    UNKNOWN_EVENT_TYPE,
+    UNSUPPORTED_MAJOR,
+    WRONG_TYPE,
+    ValidationSummary,
+    iter_file,
+    validate_record,
+)
+from schemas.wire import INVALID_JSON, NOT_UTF8, encode_event
+
+ARRIVED = {
+    "event_id": "e1",
+    "schema_version": "1.0",
+    "event_type": "request_arrived",
+    "ts_ns": 1_700_000_000_000_000_000,
+    "engine_id": "eng",
+    "request_id": "r1",
+    "num_prompt_tokens": 12,
+}
+
+
+def _line(**changes) -> str:
+    record = {**ARRIVED, **changes}
+    return json.dumps({k: v for k, v in record.items() if v is not ...})
+
+
+def _reasons(record) -> list[tuple[str, str]]:
+    return [(e.reason, e.path) for e in validate_record(record).errors]
+
+
+def test_a_valid_record_becomes_its_typed_event():
+    result = validate_record(dict(ARRIVED))
+    assert result.errors == ()
+    assert result.event == RequestArrived(
+        event_id="e1", ts_ns=ARRIVED["ts_ns"], engine_id="eng", request_id="r1", num_prompt_tokens=12
+    )
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({"num_prompt_tokens": "12"}, [(WRONG_TYPE, "$.num_prompt_tokens")]),
+        ({"num_prompt_tokens": True}, [(WRONG_TYPE, "$.num_prompt_tokens")]),
+        ({"num_prompt_tokens": 1.5}, [(WRONG_TYPE, "$.num_prompt_tokens")]),
+        ({"num_prompt_tokens": -1}, [(OUT_OF_RANGE, "$.num_prompt_tokens")]),
+        ({"ts_ns": 2**63}, [(OUT_OF_RANGE, "$.ts_ns")]),
+        ({"num_prompt_tokens": None}, [(WRONG_TYPE, "$.num_prompt_tokens")]),
+        ({"request_id": ...}, [(MISSING_FIELD, "$.request_id")]),
+        ({"event_type": "request_teleported"}, [(UNKNOWN_EVENT_TYPE, "$.event_type")]),
+        ({"event_type": ...}, [(MISSING_FIELD, "$.event_type")]),
+        ({"schema_version": "2.0"}, [(UNSUPPORTED_MAJOR, "$.schema_version")]),
+        ({"schema_version": "one"}, [(BAD_VERSION, "$.schema_version")]),
+        ({"schema_version": ...}, [(MISSING_FIELD, "$.schema_version")]),
+        ({"prefix_block_ids": [1, "x", 3]}, [(WRONG_TYPE, "$.prefix_block_ids[1]")]),
+        ({"num_branches": 0}, [(OUT_OF_RANGE, "$.num_branches")]),
+        ({"ts_ns": "soon", "engine_id": 5}, [(WRONG_TYPE, "$.ts_ns"), (WRONG_TYPE, "$.engine_id")]),
+    ],
+)
+def test_each_problem_is_named_with_its_field_path(changes, expected):
+    record = {k: v for k, v in {**ARRIVED, **changes}.items() if v is not ...}
+    assert _reasons(record) == expected
+
+
+def test_error_says_what_type_it_got_and_what_was_expected():
+    (error,) = validate_record({**ARRIVED, "num_prompt_tokens": "12"}).errors
+    assert error.value_type == "string"
+    assert error.expected == "an integer"
+    assert error.render() == "$.num_prompt_tokens: wrong type: wrong type (got string, expected an integer)"
+
+
+def test_enum_values_are_checked():
+    record = {**ARRIVED, "event_type": "request_finished", "outcome": "exploded", "num_output_tokens": 3}
+    (error,) = validate_record(record).errors
+    assert (error.reason, error.path) == (NOT_ALLOWED, "$.outcome")
+    assert "'completed'" in error.expected
+
+
+def test_step_consistency_is_checked_beyond_types():
+    step = {
+        **ARRIVED, "event_type": "step_executed", "step_index": 1, "start_ns": 10, "end_ns": 5,
+        "num_prefill_tokens": 0, "num_decode_seqs": 1, "request_ids": ["a", "b"], "request_num_tokens": [1],
+        "num_kv_blocks_used": 1, "num_kv_blocks_free": 1,
+    }
+    assert [e.reason for e in validate_record(step).errors] == [INCONSISTENT, INCONSISTENT]
+
+
+def test_unknown_fields_of_a_newer_minor_version_are_ignored_and_reported():
+    result = validate_record({**ARRIVED, "schema_version": "1.7", "prompt_text": "hello", "new_hint": None})
+    assert result.event is not None
+    assert result.ignored_fields == ("prompt_text",)
+
+
+def test_a_record_that_is_not_an_object_is_rejected():
+    assert _reasons([1, 2]) == [("not_an_object", "$")]
+
+
+def test_validate_cli_reports_every_bad_line_with_its_number(tmp_path):
+    lines = [
+        _line(),                                      # 1 valid
+        _line(num_prompt_tokens="many"),              # 2 wrong type
+        _line(request_id=...),                        # 3 missing field
+        _line(event_type="request_teleported"),       # 4 unknown event type
+        '{"event_id": "e5", "oops"',                  # 5 not JSON
+        _line(schema_version="2.3"),                  # 6 unknown major version
+        _line(event_id="e7", ts_ns=5),                # 7 valid
+    ]
+    path = tmp_path / "events.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "servelens", "events", "validate", str(path)], capture_output=True, text=True
+    )
+    assert proc.returncode == 1, proc.stderr
+    out = proc.stdout
+    assert f"{path}:2: $.num_prompt_tokens: wrong type: wrong type (got string, expected an integer)" in out
+    assert f"{path}:3: $.request_id: missing field" in out
+    assert f"{path}:4: $.event_type: unknown event type" in out
+    assert f"{path}:5: $: invalid json" in out
+    assert f"{path}:6: $.schema_version: unsupported major version" in out
+    assert f"{path}:1:" not in out and f"{path}:7:" not in out
+    assert "7 records: 2 valid, 5 invalid" in out
+    for reason in ("wrong type", "missing field", "unknown event type", "invalid json", "unsupported major version"):
+        assert f"invalid, {reason}: 1" in out
+    assert "Traceback" not in proc.stderr
+
+
+def test_validate_cli_exits_zero_on_a_valid_file(tmp_path):
+    path = tmp_path / "ok.jsonl"
+    path.write_text(_line() + "\n" + _line(event_id="e2") + "\n")
+    proc = subprocess.run([sys.executable, "-m", "servelens", "events", "validate", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 records: 2 valid, 0 invalid" in proc.stdout
+
+
+def test_non_utf8_and_nan_are_errors_not_values(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b'{"a": "\xff"}\n' + _line(num_prompt_tokens=12).replace(": 12", ": NaN").encode() + b"\n")
+    reasons = [r.errors[0].reason for r in iter_file(path)]
+    assert reasons == [NOT_UTF8, INVALID_JSON]
+
+
+def test_parquet_files_are_validated_row_by_row(tmp_path):
+    good = RequestArrived(event_id="a", ts_ns=1, engine_id="e", request_id="r", num_prompt_tokens=1)
+    step = StepExecuted(
+        event_id="s", ts_ns=2, engine_id="e", step_index=0, start_ns=1, end_ns=2, num_prefill_tokens=1,
+        num_decode_seqs=0, request_ids=["r"], request_num_tokens=[1], num_kv_blocks_used=1, num_kv_blocks_free=0,
+    )
+    table = events_to_table([good, step])
+    # a foreign producer's file: same columns, but one row with an unknown event type
+    bad = table.slice(0, 1).set_column(2, "event_type", pa.array(["nope"])).cast(table.schema)
+    path = tmp_path / "events.parquet"
+    pq.write_table(pa.concat_tables([table, bad]), path)
+    summary = ValidationSummary()
+    numbers = []
+    for result in iter_file(path, batch_rows=2):
+        summary.add(result)
+        if result.errors:
+            numbers.append(result.number)
+    assert (summary.num_valid, summary.num_invalid, numbers) == (2, 1, [3])
+    assert summary.by_event_type == {"request_arrived": 1, "step_executed": 1}
+
+
+def test_a_large_file_is_streamed_not_loaded(tmp_path):
+    """iter_file is a generator over lines: it yields the first result before reading the rest."""
+    path = tmp_path / "big.jsonl"
+    with path.open("w") as fh:
+        for i in range(50_000):
+            fh.write(_line(event_id=f"e{i}") + "\n")
+    results = iter_file(path)
+    first = next(results)
+    assert first.number == 1 and first.event is not None
+    assert sum(1 for _ in results) == 49_999

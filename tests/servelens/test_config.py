@@ -1,0 +1,51 @@
+"""The configuration tree: defaults, TOML, environment, and errors that name the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from servelens.config import Config, PathsConfig, load_config, shared_dir
+from servelens.errors import ConfigError, DataNotFoundError
+
+
+def test_defaults_need_no_file_and_no_environment():
+    assert load_config(env={}) == Config(paths=PathsConfig(shared_dir=None, out_dir="out"))
+
+
+def test_file_then_environment_take_precedence(tmp_path):
+    path = tmp_path / "servelens.toml"
+    path.write_text('[paths]\nout_dir = "from-file"\nshared_dir = "/data/a"\n')
+    config = load_config(path, env={"SERVELENS_PATHS__OUT_DIR": "from-env"})
+    assert config.paths == PathsConfig(shared_dir="/data/a", out_dir="from-env")
+    assert load_config(path, env={"SERVELENS_SHARED_DIR": "/data/b"}).paths.shared_dir == "/data/b"
+
+
+def test_unknown_keys_list_the_valid_ones(tmp_path):
+    path = tmp_path / "servelens.toml"
+    path.write_text('[paths]\nshared_dri = "/x"\n')
+    with pytest.raises(ConfigError, match=r"unknown config key paths\.shared_dri") as err:
+        load_config(path, env={})
+    assert "shared_dir" in err.value.hint and "out_dir" in err.value.hint
+
+
+def test_wrong_types_and_bad_files_are_named(tmp_path):
+    path = tmp_path / "servelens.toml"
+    path.write_text("[paths]\nout_dir = 3\n")
+    with pytest.raises(ConfigError, match=r"paths\.out_dir has value 3"):
+        load_config(path, env={})
+    path.write_text("[paths\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(path, env={})
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml", env={})
+
+
+def test_missing_shared_data_says_where_it_looked_and_where_to_get_it(tmp_path):
+    config = load_config(env={"SERVELENS_SHARED_DIR": str(tmp_path / "nowhere")})
+    with pytest.raises(DataNotFoundError, match="shared data not found") as err:
+        shared_dir(config)
+    assert "SERVELENS_SHARED_DIR" in err.value.hint and "github.com/Azure/AzurePublicDataset" in err.value.hint
+
+
+def test_the_bundled_data_is_found_in_place(shared):
+    assert (shared / "traces" / "azure2023").is_dir() and (shared / "profiles").is_dir()
