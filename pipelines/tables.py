@@ -16,11 +16,9 @@ from pathlib import Path
 
 import duckdb
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from schemas.arrow import EVENTS_SCHEMA, arrow_schema
+from schemas.arrow import arrow_schema
 from schemas.records import RequestRow
-from schemas.validate import detect_format, iter_event_tables
 
 EventSource = pa.Table | str | Path | Sequence[str | Path]
 
@@ -188,29 +186,3 @@ def write_requests(
     target = str(out).replace("'", "''")
     (count,) = con.execute(f"COPY ({query}) TO '{target}' (FORMAT parquet, COMPRESSION zstd)").fetchone()
     return count
-
-
-def events_to_parquet(path: str | Path, out: str | Path, *, batch_rows: int = 65_536) -> int:
-    """Validate a JSONL or Parquet events file and write it as zstd Parquet (``EVENTS_SCHEMA``).
-
-    Streams in batches; raises ``schemas.validate.InvalidEventsError`` at the first invalid record
-    (nothing is silently dropped). Returns the number of events written.
-    """
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    count = 0
-    with pq.ParquetWriter(out, EVENTS_SCHEMA, compression="zstd") as writer:
-        for table in iter_event_tables(path, batch_rows=batch_rows):
-            writer.write_table(table)
-            count += table.num_rows
-    return count
-
-
-def staged_parquet(path: str | Path, work_dir: str | Path) -> Path:
-    """A Parquet events file for ``path``: itself if Parquet, else a validated conversion."""
-    path = Path(path)
-    if detect_format(path) == "parquet":
-        return path
-    out = Path(work_dir) / f"{path.stem}.events.parquet"
-    events_to_parquet(path, out)
-    return out

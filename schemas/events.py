@@ -68,6 +68,9 @@ class Event:
     model: str | None = doc("Base model serving the request.", None)
     adapter: str | None = doc("LoRA or other adapter, when one is used.", None)
     pool: str | None = doc("Deployment pool label, e.g. 'baseline' or 'canary'.", None)
+    pseudonym_key_id: str | None = doc(
+        "Id of the key that pseudonymized this record; set by privacy/ (null before sanitization).", None
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "event_type", self.EVENT_TYPE)

@@ -293,11 +293,14 @@ class InvalidEventsError(ValueError):
         super().__init__(f"{path}:{result.number}: {first}")
 
 
-def iter_event_tables(path: Path | str, *, batch_rows: int = 65_536) -> Iterator["pa.Table"]:
+def iter_event_tables(
+    path: Path | str, *, batch_rows: int = 65_536, ignored_fields: Counter[str] | None = None
+) -> Iterator["pa.Table"]:
     """The valid events of a JSONL or Parquet file as ``EVENTS_SCHEMA`` tables, streaming.
 
     Raises ``InvalidEventsError`` at the first invalid record: callers that must not lose data
-    refuse the file and point at ``servelens events validate``.
+    refuse the file and point at ``servelens events validate``. Unknown fields the records carried
+    are counted into ``ignored_fields`` (for the privacy report).
     """
     from schemas.arrow import events_to_table
 
@@ -306,6 +309,8 @@ def iter_event_tables(path: Path | str, *, batch_rows: int = 65_536) -> Iterator
     for result in iter_file(path, batch_rows=batch_rows):
         if result.event is None:
             raise InvalidEventsError(path, result)
+        if ignored_fields is not None:
+            ignored_fields.update(result.ignored_fields)
         batch.append(result.event)
         if len(batch) >= batch_rows:
             yield events_to_table(batch)

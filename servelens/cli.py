@@ -251,25 +251,109 @@ def requests() -> None:
 @requests.command("derive")
 @click.argument("events_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Output Parquet file.")
-def requests_derive(events_file: Path, out: Path) -> None:
+@click.pass_context
+def requests_derive(ctx: click.Context, events_file: Path, out: Path) -> None:
     """Derive one row per request from EVENTS_FILE (JSONL or Parquet).
 
-    JSONL input is validated first and refused if any record is invalid (run `servelens events
-    validate` to see every error). Events may arrive in any order and duplicated.
+    Input that is not yet sanitized is validated (and refused if any record is invalid: run
+    `servelens events validate` to see every error) and sanitized with the configured pseudonym
+    key before anything is written. Events may arrive in any order and duplicated.
 
     \b
     Example:
       servelens requests derive out/demo/events.jsonl --out requests.parquet
     """
-    from pipelines.tables import staged_parquet, write_requests
+    from pipelines.lake import staged_parquet
+    from pipelines.tables import write_requests
     from schemas.validate import InvalidEventsError
 
     try:
-        staged = staged_parquet(events_file, out.parent)
+        staged = staged_parquet(events_file, out.parent, _sanitizer(ctx))
     except InvalidEventsError as exc:
         raise ServelensError(str(exc), f"run `servelens events validate {events_file}` to see every error") from None
     count = write_requests(staged, out)
     click.echo(f"wrote {count:,} requests to {out}")
+
+
+def _sanitizer(ctx: click.Context):
+    from privacy.keys import load_keyring
+    from privacy.sanitize import Sanitizer
+
+    privacy = _config(ctx).privacy
+    return Sanitizer(load_keyring(privacy.key_file), privacy)
+
+
+# ---------------------------------------------------------------------------------------------- privacy
+
+
+@cli.group()
+def privacy() -> None:
+    """Pseudonym keys and sanitization (nothing is stored un-sanitized)."""
+
+
+@privacy.command("keygen")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Key file to create.")
+@click.option("--id", "key_id", default=None, help="Key id [default: k<UTC timestamp>].")
+def privacy_keygen(out: Path, key_id: str | None) -> None:
+    """Create a key file with one fresh 32-byte pseudonym key (mode 0600).
+
+    \b
+    Example:
+      servelens privacy keygen --out /etc/servelens/pseudonym-keys.toml
+      export SERVELENS_PRIVACY__KEY_FILE=/etc/servelens/pseudonym-keys.toml
+    """
+    from privacy.keys import generate_keyring, write_keyfile
+
+    if out.exists():
+        raise ServelensError(f"{out} already exists", f"rotate it with `servelens privacy rotate {out}`, or choose another path")
+    ring = generate_keyring(key_id)
+    write_keyfile(out, ring)
+    click.echo(f"wrote pseudonym key {ring.active_id} to {out}")
+
+
+@privacy.command("rotate")
+@click.argument("key_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--id", "key_id", default=None, help="New key id [default: k<UTC timestamp>].")
+def privacy_rotate(key_file: Path, key_id: str | None) -> None:
+    """Add a fresh key to KEY_FILE and make it active; older keys stay for tenant lookups.
+
+    \b
+    Example:
+      servelens privacy rotate /etc/servelens/pseudonym-keys.toml
+    """
+    from privacy.keys import load_keyring, rotate, write_keyfile
+
+    ring = rotate(load_keyring(key_file), key_id)
+    write_keyfile(key_file, ring)
+    click.echo(f"active pseudonym key is now {ring.active_id} ({len(ring.secrets)} keys in {key_file})")
+
+
+@privacy.command("sanitize")
+@click.argument("events_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Sanitized Parquet file.")
+@click.pass_context
+def privacy_sanitize(ctx: click.Context, events_file: Path, out: Path) -> None:
+    """Validate and sanitize EVENTS_FILE (JSONL or Parquet) into Parquet, with a privacy report.
+
+    The report (counts of dropped fields, redactions by entity type, values folded into 'other')
+    is printed and written next to the output as <out>.privacy.json.
+
+    \b
+    Example:
+      servelens privacy sanitize engine-events.jsonl --out events.parquet
+    """
+    from pipelines.lake import events_to_parquet
+    from schemas.validate import InvalidEventsError
+
+    sanitizer = _sanitizer(ctx)
+    try:
+        count = events_to_parquet(events_file, out, sanitizer)
+    except InvalidEventsError as exc:
+        raise ServelensError(str(exc), f"run `servelens events validate {events_file}` to see every error") from None
+    report = sanitizer.report().as_dict()
+    out.with_name(out.name + ".privacy.json").write_text(json.dumps(report, indent=2) + "\n")
+    click.echo(f"wrote {count:,} sanitized events to {out}")
+    click.echo(json.dumps(report, indent=2))
 
 
 # ---------------------------------------------------------------------------------------------- demo
@@ -295,6 +379,7 @@ def demo(ctx: click.Context, trace_name: str, out: Path | None) -> None:
         trace_name,
         _shared_or_none(ctx, trace_name),
         out or Path(config.paths.out_dir) / "demo",
+        config.privacy,
         progress=lambda line: click.echo(line, err=True),
     )
     click.echo(render_summary(result))

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from privacy.config import PrivacyConfig
 from schemas.types import doc
 from servelens.errors import ConfigError, DataNotFoundError
 
@@ -48,6 +49,7 @@ class Config:
     """The servelens configuration tree."""
 
     paths: PathsConfig = field(default_factory=PathsConfig, metadata={"doc": "Data locations."})
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig, metadata={"doc": "Sanitization and views."})
 
 
 def _coerce(value: Any, annotation: Any, key: str) -> Any:

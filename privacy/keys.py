@@ -1,0 +1,171 @@
+"""Keyed pseudonyms: HMAC-SHA256 under a rotatable key ring.
+
+An identifier becomes ``<kind>_<hex>``, the first bytes of ``HMAC-SHA256(key, kind || 0 || value)``.
+Unsalted hashes fall to a dictionary attack (anyone can hash every plausible tenant name); a keyed
+hash does not, as long as the key stays secret. The kind is mixed in so that a tenant and a user
+with the same name get unrelated pseudonyms.
+
+The key ring is a TOML file (``servelens privacy keygen``)::
+
+    active = "k2026-11"
+    [keys]
+    k2026-11 = "<base64, 32 bytes or more>"
+    k2026-05 = "<base64>"   # retired: kept so a tenant can still find its older records
+
+or one key in ``$SERVELENS_PSEUDONYM_KEY`` as ``<key id>:<base64>``. Every sanitized record carries
+the id of the key that produced it. Rotation starts a new pseudonym for every identifier: records
+before and after cannot be linked by pseudonym alone, which is the point of rotating.
+"""
+
+from __future__ import annotations
+
+import base64
+import hmac
+import os
+import re
+import secrets
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from servelens.errors import ConfigError
+
+ENV_KEY = "SERVELENS_PSEUDONYM_KEY"
+MIN_KEY_BYTES = 32
+_KEY_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+def _decode_secret(key_id: str, text: str, where: str) -> bytes:
+    try:
+        secret = base64.b64decode(text, validate=True)
+    except (ValueError, TypeError):
+        raise ConfigError(f"pseudonym key {key_id!r} in {where} is not base64") from None
+    if len(secret) < MIN_KEY_BYTES:
+        raise ConfigError(
+            f"pseudonym key {key_id!r} in {where} has {len(secret)} bytes; at least {MIN_KEY_BYTES} are required",
+            "create a key with `servelens privacy keygen --out FILE`",
+        )
+    return secret
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRing:
+    """The pseudonym keys: one active key that signs new records, older ones kept for lookups."""
+
+    active_id: str
+    secrets: Mapping[str, bytes] = field(repr=False)
+    _macs: dict = field(init=False, repr=False, compare=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # a keyed HMAC state per key, copied per message: half the cost of a fresh HMAC each time
+        self._macs.update({k: hmac.new(v, digestmod="sha256") for k, v in self.secrets.items()})
+        if self.active_id not in self.secrets:
+            raise ConfigError(f"the active pseudonym key {self.active_id!r} is not among the keys {sorted(self.secrets)}")
+        for key_id in self.secrets:
+            if not _KEY_ID.match(key_id):
+                raise ConfigError(f"pseudonym key id {key_id!r} must be 1-64 letters, digits, '.', '_' or '-'")
+
+    def __repr__(self) -> str:  # secrets never appear in logs or reports
+        return f"KeyRing(active_id={self.active_id!r}, key_ids={sorted(self.secrets)!r})"
+
+    def digest(self, kind: str, value: str, key_id: str | None = None) -> bytes:
+        """HMAC-SHA256 of ``kind || 0 || value`` under the active (or the named) key."""
+        mac = self._macs[key_id or self.active_id].copy()
+        mac.update(kind.encode() + b"\0" + value.encode("utf-8", "surrogatepass"))
+        return mac.digest()
+
+    def pseudonym(self, kind: str, value: str, *, hex_chars: int = 20, key_id: str | None = None) -> str:
+        """``<kind>_<hex>``: a stable, keyed, non-reversible stand-in for ``value``."""
+        return f"{kind}_{self.digest(kind, value, key_id).hex()[:hex_chars]}"
+
+    def pseudonyms(self, kind: str, values: list[str | None], *, hex_chars: int = 20) -> list[str | None]:
+        """``pseudonym`` over many values under the active key (the sanitizer's hot loop)."""
+        base, prefix, tag = self._macs[self.active_id], kind.encode() + b"\0", kind + "_"
+        out: list[str | None] = []
+        for value in values:
+            if value is None:
+                out.append(None)
+                continue
+            mac = base.copy()
+            mac.update(prefix + value.encode("utf-8", "surrogatepass"))
+            out.append(tag + mac.hexdigest()[:hex_chars])
+        return out
+
+    def pseudonyms_everywhere(self, kind: str, value: str, *, hex_chars: int = 20) -> frozenset[str]:
+        """``value``'s pseudonym under every key of the ring (to find one tenant's records across rotations)."""
+        return frozenset(self.pseudonym(kind, value, hex_chars=hex_chars, key_id=k) for k in self.secrets)
+
+    def remap_int(self, kind: str, value: int) -> int:
+        """A keyed, equality-preserving replacement for an integer id (a 63-bit non-negative int)."""
+        mac = self._macs[self.active_id].copy()
+        mac.update(kind.encode() + b"\0" + value.to_bytes(8, "big", signed=True))
+        return int.from_bytes(mac.digest()[:8], "big") >> 1
+
+
+def load_keyring(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> KeyRing:
+    """The key ring from a TOML key file or ``$SERVELENS_PSEUDONYM_KEY``; a clear error if neither."""
+    env = os.environ if env is None else env
+    if path:
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(
+                f"pseudonym key file {path} does not exist", f"create it with `servelens privacy keygen --out {path}`"
+            ) from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"pseudonym key file {path} is not valid TOML: {exc}") from None
+        keys = data.get("keys")
+        if not isinstance(keys, dict) or not keys or not isinstance(data.get("active"), str):
+            raise ConfigError(f"pseudonym key file {path} needs `active = \"<id>\"` and a [keys] table")
+        return KeyRing(data["active"], {k: _decode_secret(k, str(v), str(path)) for k, v in keys.items()})
+    if env.get(ENV_KEY):
+        key_id, sep, text = env[ENV_KEY].partition(":")
+        if not sep:
+            raise ConfigError(f"${ENV_KEY} must look like <key id>:<base64 secret>")
+        return KeyRing(key_id, {key_id: _decode_secret(key_id, text, f"${ENV_KEY}")})
+    raise ConfigError(
+        "no pseudonym key is configured: servelens will not store tenant data without one",
+        f"set privacy.key_file (SERVELENS_PRIVACY__KEY_FILE) to a key file made by `servelens privacy keygen --out FILE`, "
+        f"or set ${ENV_KEY}=<key id>:<base64 of {MIN_KEY_BYTES}+ random bytes>",
+    )
+
+
+def new_key_id() -> str:
+    return "k" + datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+
+
+def write_keyfile(path: str | Path, ring: KeyRing) -> None:
+    """Write a key ring as TOML, readable by its owner only."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [f'active = "{ring.active_id}"', "", "[keys]"]
+    lines += [f'"{k}" = "{base64.b64encode(v).decode()}"' for k, v in ring.secrets.items()]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    os.chmod(path, 0o600)
+
+
+def generate_keyring(key_id: str | None = None) -> KeyRing:
+    key_id = key_id or new_key_id()
+    return KeyRing(key_id, {key_id: secrets.token_bytes(MIN_KEY_BYTES)})
+
+
+def rotate(ring: KeyRing, key_id: str | None = None) -> KeyRing:
+    """A ring with a fresh active key; the old keys stay for lookups."""
+    key_id = key_id or new_key_id()
+    if key_id in ring.secrets:
+        raise ConfigError(f"pseudonym key id {key_id!r} already exists")
+    return KeyRing(key_id, {**ring.secrets, key_id: secrets.token_bytes(MIN_KEY_BYTES)})
+
+
+def demo_keyring(path: Path) -> tuple[KeyRing, bool]:
+    """The embedded demo's local key: loaded if present, else generated and stored. (ring, created)"""
+    if path.is_file():
+        return load_keyring(path), False
+    ring = generate_keyring("demo")
+    write_keyfile(path, ring)
+    return ring, True
