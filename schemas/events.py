@@ -125,7 +125,7 @@ class AdmissionDecided(Event):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepExecuted(Event):
-    """One engine iteration (a batch) ran; ``ts_ns`` equals ``end_ns``."""
+    """One engine iteration (a batch) ran, or ``num_steps`` identical ones; ``ts_ns`` equals ``end_ns``."""
 
     EVENT_TYPE: ClassVar[str] = "step_executed"
     REQUEST_SCOPED: ClassVar[bool] = False
@@ -141,6 +141,11 @@ class StepExecuted(Event):
     )
     num_kv_blocks_used: int = doc("KV cache blocks in use after the step.")
     num_kv_blocks_free: int = doc("KV cache blocks free after the step.")
+    num_steps: int = doc(
+        "Consecutive steps of this same composition that the event summarizes (a fast replay "
+        "coalesces runs of decode steps); start_ns/end_ns span them all, counts are per step.",
+        1,
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -161,6 +161,8 @@ def _consistency_errors(values: dict[str, Any]) -> list[FieldError]:
             errors.append(
                 FieldError(INCONSISTENT, "$.request_num_tokens", "request_ids and request_num_tokens differ in length")
             )
+        if values.get("num_steps", 1) < 1:
+            errors.append(FieldError(OUT_OF_RANGE, "$.num_steps", "a step event covers at least one step"))
     elif etype == "tokens_delivered" and values["num_tokens"] < 1:
         errors.append(FieldError(OUT_OF_RANGE, "$.num_tokens", "a delivery carries at least one token"))
     elif etype == "request_arrived" and values.get("num_branches", 1) < 1:

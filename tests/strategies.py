@@ -37,7 +37,12 @@ def _make_consistent(event: Event) -> Event:
     if etype == "step_executed":
         start, end = sorted((event.start_ns, event.end_ns))
         n = len(event.request_ids)
-        fix = {"start_ns": start, "end_ns": end, "request_num_tokens": (event.request_num_tokens + [1] * n)[:n]}
+        fix = {
+            "start_ns": start,
+            "end_ns": end,
+            "request_num_tokens": (event.request_num_tokens + [1] * n)[:n],
+            "num_steps": max(1, event.num_steps),
+        }
     elif etype == "tokens_delivered":
         fix = {"num_tokens": max(1, event.num_tokens)}
     elif etype == "request_arrived":
