@@ -14,6 +14,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@# kcat, a C Kafka client (librdkafka), for the tests' cross-client checks; Debian's package
+	@command -v kcat >/dev/null 2>&1 || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  if command -v apt-get >/dev/null 2>&1; then \
+	    $$SUDO apt-get install -y -qq kcat >/dev/null 2>&1 || { $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq kcat; }; \
+	  else echo "warning: install kcat (a Kafka C client) for the Kafka cross-client tests"; fi; }
 	touch $@
 
 # The end-to-end path on embedded defaults and the bundled Azure conversation trace.

@@ -1,20 +1,366 @@
-"""The lake: sanitized events in Parquet, and the staging of event files into it.
+"""The lake: sanitized events and dead letters as Delta Lake tables of zstd Parquet, dt/hour partitioned.
 
-Nothing reaches a Parquet file here without passing validation (``schemas.validate``) and
-sanitization (``privacy.sanitize``). The Kafka ingest consumer writes the hive-partitioned lake;
-the functions below stage single files (a JSONL export, a foreign Parquet file) the same way.
+Exactly once, without Kafka transactions: every commit to a table carries, as Delta *application
+transactions*, the next Kafka offset of each partition whose records it holds
+(``<table>|<topic>|p<partition>|e<epoch>`` -> offset). Data and offsets are committed in one atomic
+step, so after a crash the consumer resumes exactly where the lake ends; records below a table's
+high-water mark are never written again. A consumer first checks that the marks are still the ones
+it resumed from, then commits against that snapshot: if another consumer (after a rebalance, or a
+paused zombie) has committed for the same partition meanwhile, Delta refuses the commit
+(``CommitFenced``) and the batch is dropped, never stored twice.
+
+An *epoch* per topic incarnation absorbs a topic that was re-created (a development broker keeps
+memory only; on Kafka, a deleted and re-created topic): Kafka gives each incarnation its own topic
+id, the lake maps it to an epoch (``epoch|<topic>|<topic id>`` -> n, ``epoch|<topic>`` -> latest),
+and offsets start again at 0 in the new epoch.
+
+Files stay healthy through ``compact`` (Delta's optimize: small files of a partition merged into
+``target_file_bytes``) and ``vacuum``. Readers query through DuckDB views over the files of the
+current table version (``connect``), so they never see a file that is not committed.
+
+``events_to_parquet`` and ``staged_parquet`` stage single files (a JSONL export, a foreign Parquet
+file) through the same validation and sanitization.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from pipelines.config import LakeConfig
 from privacy.sanitize import Sanitizer
-from schemas.arrow import EVENTS_SCHEMA
+from schemas.arrow import EVENTS_SCHEMA, arrow_schema
+from schemas.records import DeadLetter
 from schemas.validate import detect_format, iter_event_tables
+from servelens.errors import ServelensError
+
+EVENTS = "events"
+DEAD_LETTERS = "dead_letters"
+PARTITION_COLUMNS = ("dt", "hour")
+TABLE_SCHEMAS = {EVENTS: EVENTS_SCHEMA, DEAD_LETTERS: arrow_schema(DeadLetter)}
+TIME_COLUMN = {EVENTS: "ts_ns", DEAD_LETTERS: "received_ns"}
+
+
+class CommitFenced(ServelensError):
+    """Another consumer committed records of a partition this one was about to commit."""
+
+
+@dataclass(frozen=True, slots=True)
+class OffsetRange:
+    """Records [start, end) of one Kafka partition in one epoch (of a topic incarnation)."""
+
+    topic: str
+    partition: int
+    epoch: int
+    start: int
+    end: int
+    topic_id: str | None = None  # Kafka's id of the topic incarnation, when the broker gives one
+
+
+def offsets_app_id(table: str, topic: str, partition: int, epoch: int) -> str:
+    return f"{table}|{topic}|p{partition}|e{epoch}"
+
+
+def epoch_app_id(topic: str, topic_id: str | None = None) -> str:
+    """The app id mapping a topic incarnation to its epoch (or, without an id, the latest epoch)."""
+    return f"epoch|{topic}" if topic_id is None else f"epoch|{topic}|{topic_id}"
+
+
+def with_time_partitions(table: pa.Table, ts_column: str) -> pa.Table:
+    """Add the hive partition columns ``dt`` (YYYY-MM-DD, UTC) and ``hour`` from a ns timestamp."""
+    stamps = pc.cast(table[ts_column], pa.timestamp("ns", tz="UTC"))
+    dt = pc.strftime(stamps, format="%Y-%m-%d")
+    hour = pc.cast(pc.hour(stamps), pa.int32())
+    return table.append_column("dt", dt).append_column("hour", hour)
+
+
+def _stored_schema(name: str) -> pa.Schema:
+    schema = TABLE_SCHEMAS[name]
+    return pa.schema([*schema, pa.field("dt", pa.string()), pa.field("hour", pa.int32())], metadata=schema.metadata)
+
+
+class Lake:
+    """The two Delta tables of a lake root, and the DuckDB views over them."""
+
+    COMMIT_ATTEMPTS = 8
+
+    def __init__(self, root: str | Path, config: LakeConfig | None = None) -> None:
+        self.root = str(root)
+        self.config = config or LakeConfig()
+
+    def uri(self, name: str) -> str:
+        return f"{self.root.rstrip('/')}/{name}"
+
+    # -- tables ---------------------------------------------------------------------------------
+
+    def table(self, name: str):
+        """The Delta table, or None if nothing was ever committed to it."""
+        from deltalake import DeltaTable
+        from deltalake.exceptions import TableNotFoundError
+
+        try:
+            return DeltaTable(self.uri(name))
+        except TableNotFoundError:
+            return None
+
+    def ensure_tables(self) -> None:
+        """Create the empty tables if missing (idempotent; safe when several consumers race)."""
+        from deltalake import DeltaTable
+
+        for name in TABLE_SCHEMAS:
+            if self.table(name) is not None:
+                continue
+            if "://" not in self.root:
+                Path(self.uri(name)).mkdir(parents=True, exist_ok=True)
+            try:
+                DeltaTable.create(self.uri(name), _stored_schema(name), partition_by=list(PARTITION_COLUMNS), mode="ignore")
+            except Exception:  # another consumer created it first
+                if self.table(name) is None:
+                    raise
+
+    def high_water_mark(self, name: str, topic: str, partition: int, epoch: int) -> int | None:
+        """The next offset to read for this partition and epoch, as committed to ``name``."""
+        table = self.table(name)
+        return None if table is None else table.transaction_version(offsets_app_id(name, topic, partition, epoch))
+
+    def _txn(self, app_id: str) -> int | None:
+        versions = [t.transaction_version(app_id) for t in map(self.table, TABLE_SCHEMAS) if t is not None]
+        known = [v for v in versions if v is not None]
+        return max(known) if known else None
+
+    def epoch(self, topic: str, topic_id: str | None) -> tuple[int, bool]:
+        """(epoch, is_new) of a topic incarnation: its recorded epoch, else the next one.
+
+        Without a topic id (a broker that gives none) the latest epoch is assumed. ``is_new`` is
+        true when the lake holds records of an earlier incarnation: the topic was re-created.
+        """
+        latest = self._txn(epoch_app_id(topic))
+        if topic_id is None:
+            return latest or 0, False
+        known = self._txn(epoch_app_id(topic, topic_id))
+        if known is not None:
+            return known, False
+        if latest is None:
+            return 0, False
+        return latest + 1, True
+
+    def commit(
+        self,
+        name: str,
+        rows: pa.Table,
+        ranges: Sequence[OffsetRange],
+        expected: dict[tuple[str, int, int], int | None],
+    ) -> int:
+        """Append ``rows`` with the ranges' end offsets in one atomic commit; return the version.
+
+        ``expected`` maps (topic, partition, epoch) to the high-water mark the caller resumed from;
+        if the lake holds another one, or another commit for those partitions lands first, raises
+        ``CommitFenced`` and writes nothing.
+        """
+        from deltalake import CommitProperties, Transaction, WriterProperties, write_deltalake
+        from deltalake.exceptions import CommitFailedError
+
+        data = with_time_partitions(rows, TIME_COLUMN[name]).cast(_stored_schema(name))
+        transactions = [Transaction(offsets_app_id(name, r.topic, r.partition, r.epoch), r.end) for r in ranges]
+        incarnations = {(r.topic, r.topic_id, r.epoch) for r in ranges if r.topic_id is not None}
+        for topic, topic_id, epoch in sorted(incarnations, key=str):
+            transactions += [Transaction(epoch_app_id(topic, topic_id), epoch), Transaction(epoch_app_id(topic), epoch)]
+        for attempt in range(self.COMMIT_ATTEMPTS):
+            table = self.table(name)
+            if table is None:
+                self.ensure_tables()
+                table = self.table(name)
+            for r in ranges:  # the marks must still be the ones the caller resumed from
+                held = table.transaction_version(offsets_app_id(name, r.topic, r.partition, r.epoch))
+                if held != expected.get((r.topic, r.partition, r.epoch)):
+                    raise CommitFenced(
+                        f"partition {r.partition} of {r.topic} (epoch {r.epoch}) was committed to {name} up to "
+                        f"offset {held} by another consumer; this consumer resumed at "
+                        f"{expected.get((r.topic, r.partition, r.epoch))}",
+                        "its records are dropped here and re-read from the lake's mark; nothing is stored twice",
+                    )
+            try:
+                write_deltalake(
+                    table,
+                    data,
+                    mode="append",
+                    partition_by=list(PARTITION_COLUMNS),
+                    writer_properties=WriterProperties(compression="ZSTD"),
+                    commit_properties=CommitProperties(app_transactions=transactions),
+                )
+                return table.version() + 1
+            except CommitFailedError as exc:
+                # Delta refuses a commit whenever another one with application transactions landed
+                # since our snapshot, even for other partitions: check the marks again and retry
+                last = exc
+        raise CommitFenced(f"commits to {name} kept colliding with other consumers' ({last})") from None
+
+    def files(self, name: str) -> list[str]:
+        """The Parquet files of the table's current version."""
+        table = self.table(name)
+        return [] if table is None else sorted(table.file_uris())
+
+    def num_files_by_partition(self, name: str) -> Counter[tuple[str, int]]:
+        table = self.table(name)
+        if table is None:
+            return Counter()
+        actions = pa.table(table.get_add_actions(flatten=True))
+        return Counter(zip(actions["partition.dt"].to_pylist(), actions["partition.hour"].to_pylist()))
+
+    # -- maintenance ----------------------------------------------------------------------------
+
+    def compact(self, *, min_files: int | None = None, before: tuple[str, int] | None = None) -> dict[str, int]:
+        """Merge the small files of every partition holding at least ``min_files`` files
+        (only partitions before ``before`` = (dt, hour), if given: closed hours, not the one
+        still being written)."""
+        min_files = self.config.compact_min_files if min_files is None else min_files
+        merged: dict[str, int] = {}
+        for name in TABLE_SCHEMAS:
+            table = self.table(name)
+            if table is None:
+                continue
+            crowded = [
+                key for key, count in self.num_files_by_partition(name).items()
+                if count >= min_files and (before is None or key < before)
+            ]
+            removed = 0
+            for dt, hour in crowded:
+                result = table.optimize.compact(
+                    partition_filters=[("dt", "=", dt), ("hour", "=", str(hour))],
+                    target_size=self.config.target_file_bytes,
+                )
+                removed += int(result.get("numFilesRemoved", 0))
+                table = self.table(name)
+            merged[name] = removed
+        return merged
+
+    def vacuum(self, *, retention_hours: int | None = None) -> int:
+        """Delete files no current version references (after compaction, or of failed writes)."""
+        hours = self.config.vacuum_retention_hours if retention_hours is None else retention_hours
+        deleted = 0
+        for name in TABLE_SCHEMAS:
+            table = self.table(name)
+            if table is not None:
+                deleted += len(table.vacuum(retention_hours=hours, dry_run=False, enforce_retention_duration=False))
+        return deleted
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def connect(self, con: duckdb.DuckDBPyConnection | None = None) -> duckdb.DuckDBPyConnection:
+        """A DuckDB connection with the views ``events``, ``dead_letters`` and ``requests``."""
+        from pipelines.tables import connect, requests_sql
+
+        con = con or connect(self.config.duckdb_memory_limit)
+        for name in TABLE_SCHEMAS:
+            files = self.files(name)
+            if files:
+                listed = ", ".join("'" + f.replace("'", "''") + "'" for f in files)
+                con.execute(
+                    f"CREATE OR REPLACE VIEW {name} AS SELECT * FROM read_parquet([{listed}], "
+                    "hive_partitioning = true, hive_types = {'dt': DATE, 'hour': INTEGER}, union_by_name = true)"
+                )
+            else:
+                empty = _stored_schema(name)
+                empty = empty.set(empty.get_field_index("dt"), pa.field("dt", pa.date32()))
+                con.register(f"{name}_empty", empty.empty_table())
+                con.execute(f"CREATE OR REPLACE VIEW {name} AS SELECT * FROM {name}_empty")
+        con.execute(f"CREATE OR REPLACE VIEW requests AS {requests_sql('events')}")
+        return con
+
+    def recent_event_ids(self, limit: int) -> list[str]:
+        """Up to ``limit`` event ids from the most recently written files (to warm de-duplication)."""
+        table = self.table(EVENTS)
+        if table is None or limit <= 0:
+            return []
+        actions = pa.table(table.get_add_actions(flatten=True)).sort_by([("modification_time", "descending")])
+        ids: list[str] = []
+        base = self.uri(EVENTS)
+        for path in actions["path"].to_pylist():
+            ids.extend(pq.read_table(f"{base}/{path}", columns=["event_id"]).column(0).to_pylist())
+            if len(ids) >= limit:
+                break
+        return ids[:limit]
+
+
+class RecentIds:
+    """The last ``capacity`` event ids seen, in fixed memory: 64-bit keys in numpy generations.
+
+    Ids are sanitized pseudonyms (``ev_`` + hex digits of a keyed hash), so the first 64 bits of
+    their digits are uniformly distributed: the chance that two of a million remembered ids share
+    a key is about 3e-8. Memory is 8 bytes per remembered id; a batch is checked with one
+    vectorized lookup per generation, not a Python loop.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.generation_size = max(1, capacity // 4)
+        self._generations: list[np.ndarray] = []  # sorted keys, oldest first
+        self._current: list[np.ndarray] = []
+        self._current_size = 0
+
+    @staticmethod
+    def keys(event_ids: Sequence[str]) -> np.ndarray:
+        """64-bit keys of pseudonymized event ids (``ev_`` + at least 16 hex digits)."""
+        if not len(event_ids):
+            return np.zeros(0, dtype=np.uint64)
+        digits = "".join(e[3:19] for e in event_ids)
+        try:
+            return np.frombuffer(bytes.fromhex(digits), dtype=">u8").astype(np.uint64)
+        except ValueError:  # not pseudonyms (tests, foreign ids): hash them instead
+            import hashlib
+
+            return np.array(
+                [int.from_bytes(hashlib.blake2b(e.encode(), digest_size=8).digest(), "big") for e in event_ids],
+                dtype=np.uint64,
+            )
+
+    def __len__(self) -> int:
+        return sum(len(g) for g in self._generations) + self._current_size
+
+    def _seen(self, keys: np.ndarray) -> np.ndarray:
+        seen = np.zeros(len(keys), dtype=bool)
+        for generation in [*self._generations, *self._current]:
+            if len(generation):
+                pos = np.searchsorted(generation, keys)
+                pos[pos == len(generation)] = 0
+                seen |= generation[pos] == keys
+        return seen
+
+    def _remember(self, keys: np.ndarray) -> None:
+        if not len(keys):
+            return
+        self._current.append(np.sort(keys))
+        self._current_size += len(keys)
+        if self._current_size >= self.generation_size:
+            self._generations.append(np.sort(np.concatenate(self._current)))
+            self._current, self._current_size = [], 0
+            while len(self._generations) > 1 and sum(map(len, self._generations)) > self.capacity:
+                del self._generations[0]  # the oldest generation falls out of the window
+
+    def add(self, event_ids: Sequence[str]) -> None:
+        self._remember(self.keys(event_ids))
+
+    def first_sightings(self, event_ids: Sequence[str], *, remember: bool = True) -> np.ndarray:
+        """Mask of ids seen neither before nor earlier in this batch. The new ones are remembered
+        unless ``remember`` is false (then call ``add`` once they are safely stored: ids of a batch
+        whose commit failed must not count as seen when the batch is read again)."""
+        keys = self.keys(event_ids)
+        keep = ~self._seen(keys)
+        _, first = np.unique(keys, return_index=True)
+        once = np.zeros(len(keys), dtype=bool)
+        once[first] = True
+        keep &= once
+        if remember:
+            self._remember(keys[keep])
+        return keep
 
 
 def events_to_parquet(path: str | Path, out: str | Path, sanitizer: Sanitizer, *, batch_rows: int = 65_536) -> int:

@@ -162,10 +162,15 @@ def typed_select(schema: pa.Schema, query: str, order_by: str) -> str:
     return f"SELECT {columns} FROM ({query}) ORDER BY {order_by}"
 
 
+def requests_sql(relation: str) -> str:
+    """The request-table SQL over a relation (a table, a view, or a ``read_parquet(...)`` call)."""
+    query = _REQUESTS_SQL.format(source=relation)
+    return typed_select(REQUESTS_SCHEMA, query, order_by="arrival_ns NULLS LAST, request_id")
+
+
 def requests_query(con: duckdb.DuckDBPyConnection, source: EventSource) -> str:
     """The request-table SQL over ``source`` (an Arrow table or Parquet files/globs)."""
-    query = _REQUESTS_SQL.format(source=_source_sql(con, source))
-    return typed_select(REQUESTS_SCHEMA, query, order_by="arrival_ns NULLS LAST, request_id")
+    return requests_sql(_source_sql(con, source))
 
 
 def derive_requests(source: EventSource, *, con: duckdb.DuckDBPyConnection | None = None) -> pa.Table:

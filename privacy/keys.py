@@ -60,7 +60,10 @@ class KeyRing:
 
     def __post_init__(self) -> None:
         # a keyed HMAC state per key, copied per message: half the cost of a fresh HMAC each time
-        self._macs.update({k: hmac.new(v, digestmod="sha256") for k, v in self.secrets.items()})
+        # (OpenSSL's state object itself where the hmac module exposes it: no Python wrapper per call)
+        for key_id, secret in self.secrets.items():
+            mac = hmac.new(secret, digestmod="sha256")
+            self._macs[key_id] = getattr(mac, "_hmac", None) or mac
         if self.active_id not in self.secrets:
             raise ConfigError(f"the active pseudonym key {self.active_id!r} is not among the keys {sorted(self.secrets)}")
         for key_id in self.secrets:

@@ -97,3 +97,28 @@ class RequestRow:
     itl_max_s: float | None = doc("Largest inter-token gap.", None)
     itl_from_chunks: bool = doc("Some deliveries were coalesced chunks: ITL gaps are chunk gaps.", False)
     num_events: int = doc("Distinct request-scoped events (de-duplicated by event_id; steps not counted).", 0)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeadLetter:
+    """A message the ingest consumer could not accept, and why; never its content.
+
+    Every text here comes from servelens's own vocabulary (reasons, field paths of the contract,
+    type names) or is a keyed pseudonym, so a dead letter holds no tenant data.
+    """
+
+    TABLE: ClassVar[str] = "dead_letters"
+
+    topic: str = doc("Kafka topic the message came from.")
+    partition: int = doc("Kafka partition.")
+    offset: int = doc("Kafka offset (within the partition's epoch).")
+    epoch: int = doc("Partition epoch: it advances when the broker's log was reset (offsets restart).", 0)
+    key: str | None = doc("The message key (request id) as a keyed pseudonym.", None)
+    size_bytes: int = doc("Message size.")
+    reason: str = doc("Reason of the first error (schemas.validate reasons, oversized, clock_skew).")
+    path: str = doc("Field path of the first error ($ for the whole message).")
+    value_type: str | None = doc("JSON type of the offending value.", None)
+    expected: str | None = doc("What the contract expects there.", None)
+    num_errors: int = doc("How many errors the message had.", 1)
+    event_type: str | None = doc("The event type, when it is a known one.", None)
+    received_ns: int = doc("When the ingest consumer read the message, UTC epoch ns.")

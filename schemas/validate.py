@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from schemas.events import EVENT_TYPES, SCHEMA_MAJOR, SCHEMA_VERSION, Event
 from schemas.types import FieldSpec, field_specs
-from schemas.wire import decode_json
+from schemas.wire import NOT_UTF8, decode_json
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -86,14 +86,21 @@ def type_name(value: Any) -> str:
     return type(value).__name__
 
 
+def _is_unicode(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _scalar_error(spec: FieldSpec, value: Any, path: str) -> FieldError | None:
-    expected = spec.describe()
     if spec.enum is not None:
         if isinstance(value, str) and value in spec.enum:
             return None
         if isinstance(value, str):
-            return FieldError(NOT_ALLOWED, path, f"{value!r} is not allowed", "string", expected)
-        return FieldError(WRONG_TYPE, path, "wrong type", type_name(value), expected)
+            return FieldError(NOT_ALLOWED, path, f"{value!r} is not allowed", "string", spec.describe())
+        return FieldError(WRONG_TYPE, path, "wrong type", type_name(value), spec.describe())
     kind = spec.kind
     if kind == "string":
         ok = isinstance(value, str)
@@ -104,11 +111,13 @@ def _scalar_error(spec: FieldSpec, value: Any, path: str) -> FieldError | None:
     else:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not ok:
-        return FieldError(WRONG_TYPE, path, "wrong type", type_name(value), expected)
+        return FieldError(WRONG_TYPE, path, "wrong type", type_name(value), spec.describe())
+    if kind == "string" and not _is_unicode(value):
+        return FieldError(NOT_UTF8, path, "the string holds a lone surrogate, not valid Unicode", "string", spec.describe())
     if kind == "int" and not 0 <= value <= INT64_MAX:
-        return FieldError(OUT_OF_RANGE, path, f"{value} is outside 0..2^63-1", "integer", expected)
+        return FieldError(OUT_OF_RANGE, path, f"{value} is outside 0..2^63-1", "integer", spec.describe())
     if kind == "float" and (not math.isfinite(value) or value < 0):
-        return FieldError(OUT_OF_RANGE, path, f"{value} is not a finite number >= 0", "number", expected)
+        return FieldError(OUT_OF_RANGE, path, f"{value} is not a finite number >= 0", "number", spec.describe())
     return None
 
 

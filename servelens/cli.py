@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -354,6 +355,176 @@ def privacy_sanitize(ctx: click.Context, events_file: Path, out: Path) -> None:
     out.with_name(out.name + ".privacy.json").write_text(json.dumps(report, indent=2) + "\n")
     click.echo(f"wrote {count:,} sanitized events to {out}")
     click.echo(json.dumps(report, indent=2))
+
+
+# ---------------------------------------------------------------------------------------------- kafka
+
+
+@cli.command()
+@click.option("--port", type=int, default=None, help="Loopback port; 0 picks a free one [default: the port of kafka.bootstrap_servers].")
+@click.pass_context
+def broker(ctx: click.Context, port: int | None) -> None:
+    """Run a local Kafka-compatible broker (Tansu, memory storage) for development and tests.
+
+    The event and dead-letter topics of the configuration are created at start. It binds to
+    127.0.0.1 only and keeps nothing on disk: a restart starts empty. Production and
+    docker-compose.yml use Apache Kafka in KRaft mode. Stop it with Ctrl-C.
+
+    \b
+    Example:
+      servelens broker                 # 127.0.0.1:9092, topic servelens.events.v1
+      servelens broker --port 19092
+    """
+    import signal
+
+    from pipelines.broker import LocalBroker
+
+    kafka = _config(ctx).kafka
+    if port is None:
+        port = int(kafka.bootstrap_servers.split(",")[0].rsplit(":", 1)[1])
+    topics = {kafka.topic: kafka.num_partitions, kafka.dead_letter_topic: 1}
+    local = LocalBroker(port or None, topics=topics)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        local.start()
+        click.echo(f"Kafka-compatible broker (Tansu, memory storage) at {local.bootstrap}; log {local.log_path}", err=True)
+        click.echo("  topics: " + ", ".join(f"{t} ({n} partitions)" for t, n in topics.items()), err=True)
+        local.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        local.stop()
+
+
+@cli.group(invoke_without_command=True)
+@click.option("--max-records", type=int, default=None, help="Stop after reading this many records.")
+@click.option("--idle-exit-s", type=float, default=None, help="Stop after this long with nothing to read.")
+@click.option("--name", "consumer_name", default=None, help="This process's name in logs and status files.")
+@click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
+@click.pass_context
+def ingest(ctx: click.Context, max_records: int | None, idle_exit_s: float | None, consumer_name: str | None, verbose: bool) -> None:
+    """Consume the event topic into the lake: decode, validate, sanitize, commit exactly once.
+
+    Runs until Ctrl-C or SIGTERM (then commits what it holds). Several processes with the same
+    ingest.group_id split the partitions. Invalid records go to the dead_letters table with
+    their reason. Health is logged every ingest.status_interval_s and written for `ingest status`.
+
+    \b
+    Example:
+      servelens ingest
+      servelens ingest --idle-exit-s 10      # drain the topic, then stop
+      servelens ingest status
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    from pipelines.ingest import IngestConsumer, configure_logging
+    from privacy.keys import load_keyring
+
+    configure_logging(verbose)
+    config = _config(ctx)
+    consumer = IngestConsumer(
+        config.kafka, config.ingest, config.lake, config.privacy, load_keyring(config.privacy.key_file),
+        consumer_name=consumer_name,
+    )
+    live = sys.stderr.isatty()
+
+    def show(stats) -> None:
+        if live:
+            click.echo("\r" + stats.line()[:160].ljust(160), err=True, nl=False)
+
+    stats = consumer.run(max_records=max_records, idle_exit_s=idle_exit_s, on_status=show)
+    if live:
+        click.echo("", err=True)
+    click.echo(stats.line())
+    report = consumer.sanitizer.report().as_dict()
+    click.echo(f"privacy: {json.dumps(report)}")
+
+
+@ingest.command("status")
+@click.pass_context
+def ingest_status(ctx: click.Context) -> None:
+    """Show each ingest process's last health line and the lake's committed offsets.
+
+    \b
+    Example:
+      servelens ingest status
+    """
+    from pipelines.ingest import read_statuses
+    from pipelines.lake import DEAD_LETTERS, EVENTS, Lake
+
+    config = _config(ctx)
+    statuses = read_statuses(config.lake.root)
+    if not statuses:
+        click.echo(f"no ingest process has reported into {config.lake.root} yet (start one: servelens ingest)")
+    for s in statuses:
+        age_s = (time.time_ns() - s["written_ns"]) / 1e9
+        last = "never" if s["last_commit_ns"] is None else f"{(time.time_ns() - s['last_commit_ns']) / 1e9:.0f} s ago"
+        click.echo(
+            f"{s['consumer']}: reported {age_s:.0f} s ago; {s['records_read']:,} read, {s['events_written']:,} written "
+            f"({s['events_per_s']:,.0f}/s), {s['dead_letters']:,} dead letters ({s['dead_letter_rate']:.2%}), "
+            f"lag {s['total_lag']:,}, last commit {last}{'' if s['broker_reachable'] else ', BROKER UNREACHABLE'}"
+        )
+    lake = Lake(config.lake.root, config.lake)
+    con = lake.connect()
+    (num_events,) = con.execute("SELECT count(*) FROM events").fetchone()
+    dead = con.execute("SELECT reason, count(*) FROM dead_letters GROUP BY 1 ORDER BY 2 DESC").fetchall()
+    click.echo(f"lake {config.lake.root}: {num_events:,} events in {len(lake.files(EVENTS)):,} files; "
+               f"{sum(n for _, n in dead):,} dead letters in {len(lake.files(DEAD_LETTERS)):,} files")
+    for reason, count in dead:
+        click.echo(f"  dead letters, {reason.replace('_', ' ')}: {count:,}")
+
+
+# ---------------------------------------------------------------------------------------------- lake
+
+
+@cli.group()
+def lake() -> None:
+    """Maintain and query the lake (Delta tables events/ and dead_letters/)."""
+
+
+@lake.command("compact")
+@click.option("--vacuum-hours", type=int, default=None, help="Then delete replaced files older than this [default: lake.vacuum_retention_hours].")
+@click.pass_context
+def lake_compact(ctx: click.Context, vacuum_hours: int | None) -> None:
+    """Merge the small files of crowded dt/hour partitions, then vacuum replaced files.
+
+    \b
+    Example:
+      servelens lake compact
+    """
+    from pipelines.lake import Lake
+
+    config = _config(ctx)
+    store = Lake(config.lake.root, config.lake)
+    merged = store.compact()
+    deleted = store.vacuum(retention_hours=vacuum_hours)
+    click.echo(f"compacted {sum(merged.values()):,} files ({merged}); vacuumed {deleted:,} files")
+
+
+@lake.command("sql")
+@click.argument("query")
+@click.option("--limit", type=int, default=50, show_default=True, help="Rows to print.")
+@click.pass_context
+def lake_sql(ctx: click.Context, query: str, limit: int) -> None:
+    """Run a read-only SQL QUERY over the views events, dead_letters and requests.
+
+    \b
+    Example:
+      servelens lake sql "SELECT outcome, count(*) FROM requests GROUP BY 1"
+    """
+    import duckdb
+
+    from pipelines.lake import Lake
+
+    config = _config(ctx)
+    con = Lake(config.lake.root, config.lake).connect()
+    try:
+        result = con.sql(query)
+    except duckdb.Error as exc:
+        raise ServelensError(f"the query failed: {exc}", "the views are events, dead_letters and requests") from None
+    if result is None:
+        return
+    click.echo(result.limit(limit).to_arrow_table().to_pandas().to_string(index=False))
 
 
 # ---------------------------------------------------------------------------------------------- demo

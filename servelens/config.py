@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipelines.config import IngestConfig, LakeConfig
+from pipelines.kafka_config import KafkaConfig
 from privacy.config import PrivacyConfig
 from schemas.types import doc
 from servelens.errors import ConfigError, DataNotFoundError
@@ -50,6 +52,9 @@ class Config:
 
     paths: PathsConfig = field(default_factory=PathsConfig, metadata={"doc": "Data locations."})
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig, metadata={"doc": "Sanitization and views."})
+    kafka: KafkaConfig = field(default_factory=KafkaConfig, metadata={"doc": "The event stream in Kafka."})
+    lake: LakeConfig = field(default_factory=LakeConfig, metadata={"doc": "The Parquet/Delta lake."})
+    ingest: IngestConfig = field(default_factory=IngestConfig, metadata={"doc": "The ingest consumer."})
 
 
 def _coerce(value: Any, annotation: Any, key: str) -> Any:

@@ -150,7 +150,7 @@ def raw_records(draw):
     """Anything the validator accepts: a valid event plus unknown fields of a newer minor version."""
     event = draw(any_event)
     record = {k: v for k, v in event_as_dict(event).items() if v is not None or draw(st.booleans())}
-    names = st.text(string.ascii_lowercase + "_", min_size=1, max_size=10).filter(lambda n: n not in record)
+    names = st.text(string.ascii_lowercase + "_", min_size=1, max_size=10).filter(lambda n: n not in EVENTS_SCHEMA.names)
     extras = draw(st.dictionaries(names, st.one_of(st.text(max_size=20), st.integers(), st.none()), max_size=3))
     return {**record, **extras}, extras
 

@@ -1,0 +1,149 @@
+"""Benchmark: raw Kafka consume rate against end-to-end ingest (consume, validate, sanitize, write).
+
+Starts a local broker, produces synthetic lifecycle events (realistic mix of types, tenants, users,
+models; ``benchmarks/synthetic.py``) to an 8-partition topic, then, in this one process:
+
+1. reads every record back with a bare kafka-python consumer (``poll(max_records=...)``, no work):
+   the raw consume rate;
+2. ingests the same topic with ``pipelines.ingest.IngestConsumer`` into a fresh lake (decode,
+   validate, sanitize, de-duplicate, commit to Delta/Parquet): the end-to-end rate.
+
+It samples the process's resident memory every half second during the ingest and reports the peak
+of the second and of the last quarter of the run (flat memory: their ratio stays near 1; the first
+quarter is left out, as it holds the warm-up before the first commits).
+
+    python benchmarks/ingest.py            # 5,000,000 events
+    python benchmarks/ingest.py --quick    # 200,000 events, under a minute
+
+Targets: end-to-end >= 50% of the raw consume rate and >= 50,000 events/s for one process.
+The last line is one JSON object with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.synthetic import iter_chunks  # noqa: E402
+from pipelines.broker import LocalBroker  # noqa: E402
+from pipelines.config import IngestConfig, LakeConfig  # noqa: E402
+from pipelines.ingest import IngestConsumer  # noqa: E402
+from pipelines.kafka_config import KafkaConfig  # noqa: E402
+from privacy.config import PrivacyConfig  # noqa: E402
+from privacy.keys import KeyRing  # noqa: E402
+from schemas.wire import iter_table_json  # noqa: E402
+
+TOPIC = "bench.events"
+PARTITIONS = 8
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def produce(bootstrap: str, num_events: int) -> int:
+    from kafka import KafkaProducer
+
+    producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=20, batch_size=512_000, compression_type="zstd",
+                             max_in_flight_requests_per_connection=5)
+    count = 0
+    for table in iter_chunks(num_events, requests_per_chunk=20_000):
+        keys = table["request_id"].to_pylist()
+        fallback = table["instance_id"].to_pylist()
+        for key, alt, value in zip(keys, fallback, iter_table_json(table)):
+            producer.send(TOPIC, key=(key or alt).encode(), value=value)
+            count += 1
+        print(f"\rproduced {count:,}", end="", file=sys.stderr)
+    producer.flush(120)
+    producer.close()
+    print(file=sys.stderr)
+    return count
+
+
+def raw_consume(bootstrap: str, num_events: int) -> float:
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest",
+                             max_poll_records=10_000, fetch_max_bytes=64 * 1024 * 1024)
+    consumer.assign([TopicPartition(TOPIC, p) for p in range(PARTITIONS)])
+    consumer.seek_to_beginning()
+    seen, started = 0, time.perf_counter()
+    while seen < num_events:
+        for records in consumer.poll(timeout_ms=500, max_records=10_000).values():
+            seen += len(records)
+    elapsed = time.perf_counter() - started
+    consumer.close()
+    return seen / elapsed
+
+
+def ingest(bootstrap: str, num_events: int, root: str) -> tuple[float, list[float], object]:
+    consumer = IngestConsumer(
+        KafkaConfig(bootstrap_servers=bootstrap, topic=TOPIC, num_partitions=PARTITIONS),
+        IngestConfig(session_timeout_ms=2_000, heartbeat_interval_ms=500, status_interval_s=5.0),  # else defaults
+        LakeConfig(root=root),
+        PrivacyConfig(),
+        KeyRing("bench", {"bench": bytes(range(32))}),
+        consumer_name="bench",
+    )
+    consumer.start()
+    samples: list[float] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.5):
+            samples.append(rss_mb())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    stats = consumer.run(max_records=num_events)  # its rate counts from the first record read
+    done.set()
+    sampler.join()
+    return stats.events_per_s, samples, stats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="200,000 events instead of 5,000,000")
+    parser.add_argument("--events", type=int, default=None)
+    args = parser.parse_args()
+    num_events = args.events or (200_000 if args.quick else 5_000_000)
+    with LocalBroker(topics={TOPIC: PARTITIONS}) as broker, tempfile.TemporaryDirectory() as tmp:
+        produced = produce(broker.bootstrap, num_events)
+        raw = raw_consume(broker.bootstrap, produced)
+        print(f"raw consume: {raw:,.0f} events/s", file=sys.stderr)
+        rate, samples, stats = ingest(broker.bootstrap, produced, f"{tmp}/lake")
+        print(f"end-to-end ingest: {rate:,.0f} events/s; {stats.line()}", file=sys.stderr)
+    quarter = max(1, len(samples) // 4)
+    first, last = max(samples[quarter : 2 * quarter] or [rss_mb()]), max(samples[-quarter:] or [rss_mb()])
+    print(
+        json.dumps(
+            {
+                "events": produced,
+                "raw_consume_events_per_s": round(raw),
+                "ingest_events_per_s": round(rate),
+                "ingest_vs_raw": round(rate / raw, 2),
+                "peak_rss_mb": round(max(samples or [rss_mb()]), 1),
+                "rss_second_quarter_mb": round(first, 1),
+                "rss_last_quarter_mb": round(last, 1),
+                "rss_last_vs_second_quarter": round(last / first, 2),
+                "events_written": stats.events_written,
+                "dead_letters": stats.dead_letters,
+                "duplicates_dropped": stats.duplicates_dropped,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

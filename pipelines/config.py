@@ -1,0 +1,50 @@
+"""The ``[lake]`` and ``[ingest]`` sections of the configuration tree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from schemas.types import doc
+
+
+@dataclass(frozen=True, slots=True)
+class LakeConfig:
+    """Where sanitized events land: Delta Lake tables of zstd Parquet, hive-partitioned by dt/hour."""
+
+    root: str = doc(
+        "Lake folder (or an object-store URI such as s3://bucket/lake, with storage options from the "
+        "environment). Holds the Delta tables events/ and dead_letters/.",
+        "lake",
+    )
+    target_file_bytes: int = doc("Compaction merges small files of a partition up to about this size.", 128 * 1024 * 1024)
+    compact_min_files: int = doc("A dt/hour partition is compacted once it holds at least this many files.", 8)
+    vacuum_retention_hours: int = doc(
+        "Files replaced by compaction are deleted after this long (readers of older versions keep working).", 24
+    )
+    duckdb_memory_limit: str | None = doc("DuckDB memory limit for lake queries (e.g. '2GB'); unset: DuckDB's default.", None)
+
+
+@dataclass(frozen=True, slots=True)
+class IngestConfig:
+    """How the ingest consumer batches, checks and commits."""
+
+    group_id: str = doc("Kafka consumer group; ingest processes in one group split the partitions.", "servelens-ingest")
+    consumer_name: str | None = doc("Name of this ingest process in logs and status files; unset: host-pid.", None)
+    poll_max_records: int = doc("Records fetched per poll.", 10_000)
+    flush_max_events: int = doc("Buffered records that trigger a commit to the lake (bounds memory).", 100_000)
+    flush_interval_s: float = doc("Longest time records wait in the buffer before a commit, seconds.", 5.0)
+    max_message_bytes: int = doc("Larger messages go to dead letters as 'oversized' without being parsed.", 1_048_576)
+    max_future_skew_s: float = doc(
+        "Events stamped further than this ahead of the ingest clock go to dead letters as 'clock_skew'.", 3600.0
+    )
+    dedup_window_events: int = doc(
+        "Recent event ids remembered to drop producer retries (memory is fixed by this window).", 1_000_000
+    )
+    session_timeout_ms: int = doc("Kafka group session timeout; a dead consumer's partitions move after it.", 10_000)
+    heartbeat_interval_ms: int = doc("Kafka group heartbeat interval.", 3_000)
+    status_interval_s: float = doc("How often the consumer logs and writes its health line, seconds.", 10.0)
+    compact_interval_s: float = doc(
+        "How often the consumer compacts closed dt/hour partitions of the lake, seconds (0: never; "
+        "`servelens lake compact` does it on demand).",
+        600.0,
+    )

@@ -1,0 +1,630 @@
+"""The ingest consumer: Kafka -> decode -> validate -> sanitize -> de-duplicate -> the lake, exactly once.
+
+One loop per process: poll a batch of records, buffer them per partition, and commit when the buffer
+holds ``flush_max_events`` records or ``flush_interval_s`` has passed. A commit decodes and checks
+the whole buffer columnar (``pipelines.decode``), sanitizes the valid events (``privacy``), drops
+event ids seen recently (producer retries), and appends events and dead letters to their Delta
+tables, each commit carrying the partitions' next offsets (``pipelines.lake``). Kafka's own
+committed offsets are written afterwards for lag monitoring only: the lake is the truth.
+
+Exactly once, step by step:
+- **restart**: each assigned partition resumes at the lower of the two tables' marks; records below
+  a table's mark are skipped for that table, so a crash between the dead-letter and the event
+  commit stores nothing twice;
+- **rebalance**: revoked partitions are committed as soon as the rebalance is known (if the new owner
+  committed first, the lake refuses ours); an assigned partition resumes from the lake's marks,
+  whoever wrote them;
+- **zombies**: a commit whose marks moved since this consumer resumed is refused (``CommitFenced``),
+  its records dropped and re-read from the new marks;
+- **producer retries** (the same ``event_id`` at a new offset): dropped against a fixed-size window
+  of recent ids, warmed from the lake at start;
+- **a topic that was re-created** (the development broker keeps memory only, so a restarted broker
+  re-creates it empty): Kafka gives the new incarnation a new topic id; its partitions start a new
+  epoch at offset 0, with a clear error in the log. (The log-end offset cannot tell: the
+  development broker reports the last batch's first offset as the end.)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from pipelines.config import IngestConfig, LakeConfig
+from pipelines.decode import Decoder, Rejected
+from pipelines.kafka_config import BrokerUnreachableError, KafkaConfig
+from pipelines.lake import DEAD_LETTERS, EVENTS, CommitFenced, Lake, OffsetRange, RecentIds
+from privacy.config import PrivacyConfig
+from privacy.keys import KeyRing
+from privacy.sanitize import FIELD_POLICIES, Sanitizer
+from schemas.arrow import arrow_schema
+from schemas.records import DeadLetter
+
+log = logging.getLogger("servelens.ingest")
+
+DEAD_LETTER_SCHEMA = arrow_schema(DeadLetter)
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionLag:
+    partition: int
+    epoch: int
+    committed: int  # next offset the lake expects
+    log_end: int
+
+    @property
+    def lag(self) -> int:
+        return max(0, self.log_end - self.committed)
+
+
+@dataclass(frozen=True, slots=True)
+class IngestStats:
+    """Health of one ingest process (also written to ``<lake>/_ingest/<consumer>.json``)."""
+
+    consumer: str
+    records_read: int
+    events_written: int
+    dead_letters: int
+    duplicates_dropped: int
+    commits: int
+    commits_fenced: int
+    events_per_s: float  # events written per second since the first record was read
+    dead_letter_rate: float  # dead letters per record read
+    last_commit_ns: int | None
+    lag: tuple[PartitionLag, ...]
+    broker_reachable: bool
+
+    @property
+    def total_lag(self) -> int:
+        return sum(p.lag for p in self.lag)
+
+    def line(self) -> str:
+        last = "never" if self.last_commit_ns is None else f"{(time.time_ns() - self.last_commit_ns) / 1e9:.1f} s ago"
+        broker = "" if self.broker_reachable else ", BROKER UNREACHABLE"
+        return (
+            f"{self.consumer}: {self.records_read:,} read, {self.events_written:,} events written "
+            f"({self.events_per_s:,.0f}/s), {self.dead_letters:,} dead letters ({self.dead_letter_rate:.2%}), "
+            f"{self.duplicates_dropped:,} duplicates dropped, lag {self.total_lag:,}, last commit {last}{broker}"
+        )
+
+
+@dataclass
+class _Partition:
+    """What this consumer knows of one assigned partition."""
+
+    epoch: int
+    events_mark: int | None  # the lake's marks when we resumed / last committed
+    dead_mark: int | None
+    topic_id: str | None
+    offsets: list[int] = field(default_factory=list)
+    keys: list[bytes | None] = field(default_factory=list)
+    values: list[bytes] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    """Records taken from the buffer for one commit, parallel arrays in buffer order."""
+
+    values: list[bytes]
+    offsets: np.ndarray
+    owner: np.ndarray  # partition of each record
+    keys: list[bytes | None]
+    ranges: list[OffsetRange]
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    """What one commit did."""
+
+    ranges: list[OffsetRange]
+    num_events: int
+    num_dead: int
+    num_duplicates: int
+    fenced: CommitFenced | None
+
+
+class IngestConsumer:
+    """Consumes the event topic into the lake. ``run()`` until stopped; ``close()`` commits the rest."""
+
+    def __init__(
+        self,
+        kafka: KafkaConfig,
+        ingest: IngestConfig,
+        lake: LakeConfig,
+        privacy: PrivacyConfig,
+        keyring: KeyRing,
+        *,
+        consumer_name: str | None = None,
+    ) -> None:
+        self.kafka_config = kafka
+        self.config = ingest
+        self.topic = kafka.topic
+        self.name = consumer_name or ingest.consumer_name or f"{socket.gethostname()}-{os.getpid()}"
+        self.lake = Lake(lake.root, lake)
+        self.keyring = keyring
+        self.sanitizer = Sanitizer(keyring, privacy)
+        self.decoder = Decoder(
+            max_message_bytes=ingest.max_message_bytes, max_future_skew_ns=int(ingest.max_future_skew_s * 1e9)
+        )
+        self.recent = RecentIds(ingest.dedup_window_events)
+        self.partitions: dict[int, _Partition] = {}
+        self._unresolved: set[int] = set()
+        self._announced_epoch: int | None = None
+        self._rebalance_news: queue.SimpleQueue[tuple[str, list[int]]] = queue.SimpleQueue()
+        self._consumer = None
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="servelens-ingest-commit")
+        self._inflight: Future | None = None
+        self._stop = False
+        self._first_record_s: float | None = None
+        self._last_compact_s = time.monotonic()
+        self._last_flush_s = time.monotonic()
+        self._last_status_s = 0.0
+        self._unreachable_since: float | None = None
+        self._counts = {"read": 0, "events": 0, "dead": 0, "dups": 0, "commits": 0, "fenced": 0}
+        self._last_commit_ns: int | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> IngestConsumer:
+        """Connect (a clear error if no broker answers), create missing topics, join the group."""
+        from kafka import KafkaConsumer
+        from kafka.errors import KafkaError
+
+        from pipelines.broker import ensure_topics
+
+        timeout_s = self.kafka_config.connect_timeout_s
+        ensure_topics(self.kafka_config.bootstrap_servers, {self.topic: self.kafka_config.num_partitions}, timeout_s=timeout_s)
+        self.lake.ensure_tables()
+        self.recent.add(self.lake.recent_event_ids(self.config.dedup_window_events // 2))
+        try:
+            self._consumer = KafkaConsumer(
+                bootstrap_servers=self.kafka_config.bootstrap_servers,
+                client_id=f"{self.kafka_config.client_id}-ingest-{self.name}",
+                group_id=self.config.group_id,
+                enable_auto_commit=False,
+                auto_offset_reset="earliest",
+                max_poll_records=self.config.poll_max_records,
+                session_timeout_ms=self.config.session_timeout_ms,
+                heartbeat_interval_ms=self.config.heartbeat_interval_ms,
+                reconnect_backoff_ms=self.kafka_config.reconnect_backoff_ms,
+                reconnect_backoff_max_ms=self.kafka_config.reconnect_backoff_max_ms,
+            )
+        except KafkaError as exc:
+            raise BrokerUnreachableError(self.kafka_config.bootstrap_servers, timeout_s, str(exc)) from None
+        self._consumer.subscribe([self.topic], listener=_Rebalance(self))
+        log.info("%s: consuming %s into %s", self.name, self.topic, self.lake.root)
+        return self
+
+    def stop(self) -> None:
+        """Ask ``run()`` to return after its current poll (safe from a signal handler)."""
+        self._stop = True
+
+    def close(self) -> IngestStats:
+        """Commit what is buffered and leave the group."""
+        if self._consumer is not None:
+            try:
+                self.flush()
+            finally:
+                self._consumer.close()
+                self._consumer = None
+                self._worker.shutdown(wait=True)
+        return self.stats()
+
+    def run(
+        self,
+        *,
+        max_records: int | None = None,
+        idle_exit_s: float | None = None,
+        on_status: Callable[[IngestStats], None] | None = None,
+    ) -> IngestStats:
+        """Consume until stopped (``stop()``, SIGTERM or SIGINT), ``max_records`` records have been
+        read, or nothing arrived for ``idle_exit_s`` seconds while partitions were assigned; then
+        commit and return the stats."""
+        if self._consumer is None:
+            self.start()
+        previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)} if _main_thread() else {}
+        for sig in previous:
+            signal.signal(sig, lambda *_: self.stop())
+        last_data = time.monotonic()
+        try:
+            while not self._stop:
+                polled = self._consumer.poll(timeout_ms=200, max_records=self.config.poll_max_records)
+                got = self._buffer(polled)
+                self._rebalanced()
+                now = time.monotonic()
+                if got or not self.partitions:  # idle means: assigned, and nothing to read
+                    last_data = now
+                if got:
+                    self._broker_back()
+                else:
+                    self._check_broker()
+                if self._buffered() >= self.config.flush_max_events or now - self._last_flush_s >= self.config.flush_interval_s:
+                    self.flush(wait=False)
+                if now - self._last_status_s >= self.config.status_interval_s:
+                    self._report(on_status)
+                if max_records is not None and self._counts["read"] >= max_records:
+                    break
+                if idle_exit_s is not None and now - last_data >= idle_exit_s and not self._buffered() and self._inflight is None:
+                    break
+            return self.close()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    # -- buffering and committing ---------------------------------------------------------------
+
+    def _buffered(self) -> int:
+        return sum(len(p.offsets) for p in self.partitions.values())
+
+    def _buffer(self, polled) -> int:
+        got = 0
+        for tp, records in polled.items():
+            part = self.partitions.get(tp.partition)
+            if part is None:  # revoked meanwhile
+                continue
+            for record in records:
+                part.offsets.append(record.offset)
+                part.keys.append(record.key)
+                part.values.append(record.value if record.value is not None else b"")
+            got += len(records)
+        self._counts["read"] += got
+        if got and self._first_record_s is None:
+            self._first_record_s = time.monotonic()
+        return got
+
+    def flush(self, partitions: list[int] | None = None, *, wait: bool = True) -> None:
+        """Commit the buffered records of ``partitions`` (default: all) to the lake.
+
+        The commit work (decode, sanitize, write) runs on a worker thread, one batch at a time,
+        while this thread keeps polling; ``wait=False`` returns as soon as the batch is handed over.
+        """
+        self._drain()
+        self._last_flush_s = time.monotonic()
+        batch = self._take(partitions)
+        if batch is None:
+            return
+        if wait:
+            self._apply(self._commit(batch))
+        else:
+            self._inflight = self._worker.submit(self._commit, batch)
+
+    def _drain(self) -> None:
+        """Wait for the batch in flight, if any, and apply its outcome."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            self._apply(inflight.result())
+
+    def _take(self, partitions: list[int] | None) -> _Batch | None:
+        """Move the buffered records of ``partitions`` out of the buffer into a batch."""
+        chosen = sorted(p for p in (partitions or list(self.partitions)) if self.partitions.get(p) and self.partitions[p].offsets)
+        if not chosen:
+            return None
+        parts = [self.partitions[p] for p in chosen]
+        batch = _Batch(
+            values=[v for part in parts for v in part.values],
+            offsets=np.array([o for part in parts for o in part.offsets], dtype=np.int64),
+            owner=np.repeat(np.array(chosen, dtype=np.int64), [len(part.offsets) for part in parts]),
+            keys=[k for part in parts for k in part.keys],
+            ranges=[
+                OffsetRange(self.topic, p, part.epoch, part.offsets[0], part.offsets[-1] + 1, part.topic_id)
+                for p, part in zip(chosen, parts)
+            ],
+        )
+        for part in parts:
+            part.offsets, part.keys, part.values = [], [], []
+        return batch
+
+    def _commit(self, batch: _Batch) -> _Outcome:
+        """Decode, check, sanitize, de-duplicate and commit one batch (the worker thread's job)."""
+        now_ns = time.time_ns()
+        decoded = self.decoder.decode(batch.values, now_ns=now_ns)
+        parts = {r.partition: self.partitions[r.partition] for r in batch.ranges}
+        dead_marks = {p: part.dead_mark for p, part in parts.items()}
+        event_marks = {p: part.events_mark for p, part in parts.items()}
+        dead_rows = self._dead_letters(decoded.rejected, batch, dead_marks, now_ns)
+        # events of records the lake already holds (below its mark after a crash) are not written again
+        limits = np.array([event_marks[p] or 0 for p in batch.owner[decoded.indices]], dtype=np.int64)
+        fresh = batch.offsets[decoded.indices] >= limits
+        events = decoded.events if fresh.all() else decoded.events.filter(pa.array(fresh))
+        clean = self.sanitizer.sanitize(events, decoded.dropped_fields)
+        first = self.recent.first_sightings(clean["event_id"].to_pylist(), remember=False)
+        duplicates = int((~first).sum())
+        clean = clean.filter(pa.array(first)) if duplicates else clean
+        expected = lambda marks: {(self.topic, r.partition, r.epoch): marks[r.partition] for r in batch.ranges}  # noqa: E731
+        try:
+            self.lake.commit(DEAD_LETTERS, dead_rows, batch.ranges, expected(dead_marks))
+            for r in batch.ranges:
+                parts[r.partition].dead_mark = r.end
+            self.lake.commit(EVENTS, clean, batch.ranges, expected(event_marks))
+        except CommitFenced as exc:
+            return _Outcome(batch.ranges, 0, 0, 0, exc)
+        self.recent.add(clean["event_id"].to_pylist())  # seen, now that they are stored
+        for r in batch.ranges:
+            parts[r.partition].events_mark = r.end
+        log.debug("%s: committed %s", self.name, [(r.partition, r.start, r.end) for r in batch.ranges])
+        self._maybe_compact()
+        return _Outcome(batch.ranges, clean.num_rows, dead_rows.num_rows, duplicates, None)
+
+    def _maybe_compact(self) -> None:
+        """Now and then, merge the small files of closed hours (on the worker thread, between commits)."""
+        interval = self.config.compact_interval_s
+        now = time.monotonic()
+        if interval <= 0 or now - self._last_compact_s < interval:
+            return
+        self._last_compact_s = now
+        stamp = time.gmtime()
+        current = (time.strftime("%Y-%m-%d", stamp), stamp.tm_hour)
+        try:
+            merged = self.lake.compact(before=current)
+        except Exception as exc:  # a concurrent compaction, say: the next interval tries again
+            log.warning("%s: compaction skipped: %s", self.name, exc)
+            return
+        if any(merged.values()):
+            log.info("%s: compacted %s small files of closed hours", self.name, merged)
+
+    def _apply(self, outcome: _Outcome) -> None:
+        """Account for a committed (or refused) batch; re-read fenced partitions from the lake."""
+        if outcome.fenced is not None:
+            self._counts["fenced"] += 1
+            log.warning("%s: %s; re-reading from the lake's marks", self.name, outcome.fenced.message)
+            self._resume([r.partition for r in outcome.ranges])
+            return
+        self._counts["events"] += outcome.num_events
+        self._counts["dead"] += outcome.num_dead
+        self._counts["dups"] += outcome.num_duplicates
+        self._counts["commits"] += 1
+        self._last_commit_ns = time.time_ns()
+        self._commit_kafka(outcome.ranges)
+
+    def _dead_letters(self, rejected: list[Rejected], batch: _Batch, marks: dict[int, int | None], now_ns: int) -> pa.Table:
+        rows = []
+        kind = FIELD_POLICIES["request_id"].kind
+        epochs = {r.partition: r.epoch for r in batch.ranges}
+        for r in rejected:
+            p, offset = int(batch.owner[r.index]), int(batch.offsets[r.index])
+            if offset < (marks[p] or 0):
+                continue  # already in the lake
+            first = r.errors[0]
+            key = batch.keys[r.index]
+            rows.append(
+                {
+                    "topic": self.topic,
+                    "partition": p,
+                    "offset": offset,
+                    "epoch": epochs[p],
+                    "key": None if key is None else self.keyring.pseudonym(kind, key.decode("utf-8", "replace")),
+                    "size_bytes": r.size_bytes,
+                    "reason": first.reason,
+                    "path": first.path,
+                    "value_type": first.value_type,
+                    "expected": first.expected,
+                    "num_errors": len(r.errors),
+                    "event_type": None,
+                    "received_ns": now_ns,
+                }
+            )
+        return pa.Table.from_pylist(rows, schema=DEAD_LETTER_SCHEMA)
+
+    def _commit_kafka(self, ranges: list[OffsetRange]) -> None:
+        """Advisory: Kafka's committed offsets make lag visible to standard tools."""
+        from kafka import TopicPartition
+        from kafka.errors import KafkaError
+        from kafka.structs import OffsetAndMetadata
+
+        try:
+            self._consumer.commit(
+                {TopicPartition(self.topic, r.partition): OffsetAndMetadata(r.end, "", -1) for r in ranges}
+            )
+        except (KafkaError, AssertionError, ValueError) as exc:  # the lake holds the truth
+            log.debug("advisory Kafka offset commit failed: %s", exc)
+
+    # -- assignment -----------------------------------------------------------------------------
+
+    def _resume(self, partitions: list[int]) -> None:
+        """Forget ``partitions`` until ``_resolve`` has read the lake's marks for them and seeked;
+        records polled for them meanwhile are dropped (they will be read again after the seek)."""
+        for p in partitions:
+            self.partitions.pop(p, None)
+            self._unresolved.add(p)
+
+    def _resolve(self) -> None:
+        """Seek each unresolved partition to the lake's marks for the topic's current incarnation."""
+        from kafka import TopicPartition
+
+        assigned = {tp.partition for tp in self._consumer.assignment() if tp.topic == self.topic}
+        self._unresolved &= assigned
+        if not self._unresolved:
+            return
+        topic_id = _topic_id(self._consumer, self.topic)
+        epoch, recreated = self.lake.epoch(self.topic, topic_id)
+        if recreated and epoch != self._announced_epoch:
+            self._announced_epoch = epoch
+            log.error(
+                "%s: topic %s was re-created (new topic id %s): the broker lost its log (the development "
+                "broker keeps memory only). Its offsets restart at 0 in epoch %d; records before the loss "
+                "are safe in the lake.",
+                self.name, self.topic, topic_id, epoch,
+            )
+        for p in sorted(self._unresolved):
+            tp = TopicPartition(self.topic, p)
+            events_mark = self.lake.high_water_mark(EVENTS, self.topic, p, epoch)
+            dead_mark = self.lake.high_water_mark(DEAD_LETTERS, self.topic, p, epoch)
+            start = min(m or 0 for m in (events_mark, dead_mark))
+            log.debug("%s: partition %d resumes at offset %d (epoch %d)", self.name, p, start, epoch)
+            self._consumer.seek(tp, start)
+            self.partitions[p] = _Partition(epoch, events_mark, dead_mark, topic_id)
+        self._unresolved.clear()
+
+    def _rebalanced(self) -> None:
+        """Act on the rebalance callbacks' news, on the polling thread (callbacks only queue it).
+
+        Revoked partitions are committed now: if their new owner committed first, the lake refuses
+        ours (fenced) and nothing is stored twice. Assigned ones resume from the lake's marks.
+        """
+        while not self._rebalance_news.empty():
+            kind, partitions = self._rebalance_news.get()
+            if kind == "revoked":
+                self.flush([p for p in partitions if p in self.partitions])
+                for p in partitions:
+                    self.partitions.pop(p, None)
+                    self._unresolved.discard(p)
+            else:
+                log.info("%s: assigned partitions %s", self.name, partitions)
+                self._resume(partitions)
+        if self._unresolved:
+            self._resolve()
+
+    def _on_assigned(self, assigned) -> None:  # kafka-python's IO thread: queue, never block
+        self._rebalance_news.put(("assigned", sorted(tp.partition for tp in assigned if tp.topic == self.topic)))
+
+    def _on_revoked(self, revoked) -> None:  # kafka-python's IO thread: queue, never block
+        self._rebalance_news.put(("revoked", sorted(tp.partition for tp in revoked if tp.topic == self.topic)))
+
+    # -- health ---------------------------------------------------------------------------------
+
+    def _check_broker(self) -> None:
+        if self._consumer is None or _any_broker_connected(self._consumer):
+            self._broker_back()
+            return
+        now = time.monotonic()
+        if self._unreachable_since is None:
+            self._unreachable_since = now
+            log.error(
+                "%s: the Kafka broker at %s is unreachable; buffered records are committed as usual and "
+                "consumption resumes when it returns",
+                self.name, self.kafka_config.bootstrap_servers,
+            )
+
+    def _broker_back(self) -> None:
+        if self._unreachable_since is not None:
+            log.warning("%s: the broker is reachable again after %.1f s", self.name, time.monotonic() - self._unreachable_since)
+            self._unreachable_since = None
+
+    def stats(self) -> IngestStats:
+        elapsed = max(time.monotonic() - (self._first_record_s or time.monotonic()), 1e-9)
+        read = self._counts["read"]
+        lag = tuple(
+            PartitionLag(p, part.epoch, part.events_mark or 0, (part.events_mark or 0) + len(part.offsets))
+            for p, part in sorted(self.partitions.items())
+        )
+        return IngestStats(
+            consumer=self.name,
+            records_read=read,
+            events_written=self._counts["events"],
+            dead_letters=self._counts["dead"],
+            duplicates_dropped=self._counts["dups"],
+            commits=self._counts["commits"],
+            commits_fenced=self._counts["fenced"],
+            events_per_s=self._counts["events"] / elapsed,
+            dead_letter_rate=self._counts["dead"] / read if read else 0.0,
+            last_commit_ns=self._last_commit_ns,
+            lag=self._log_lag(lag),
+            broker_reachable=self._unreachable_since is None,
+        )
+
+    def _log_lag(self, lag: tuple[PartitionLag, ...]) -> tuple[PartitionLag, ...]:
+        from kafka import TopicPartition
+
+        if self._consumer is None or not lag or self._unreachable_since is not None:
+            return lag
+        try:
+            ends = self._consumer.end_offsets([TopicPartition(self.topic, p.partition) for p in lag])
+        except Exception:
+            return lag
+        return tuple(
+            PartitionLag(p.partition, p.epoch, p.committed, ends.get(TopicPartition(self.topic, p.partition), p.log_end))
+            for p in lag
+        )
+
+    def _report(self, on_status: Callable[[IngestStats], None] | None) -> None:
+        self._last_status_s = time.monotonic()
+        stats = self.stats()
+        log.info("%s", stats.line())
+        write_status(self.lake.root, stats)
+        if on_status is not None:
+            on_status(stats)
+
+
+def _Rebalance(owner: IngestConsumer):
+    """kafka-python's rebalance callbacks, forwarded to the consumer."""
+    from kafka import ConsumerRebalanceListener
+
+    class Listener(ConsumerRebalanceListener):
+        def on_partitions_revoked(self, revoked) -> None:
+            owner._on_revoked(revoked)
+
+        def on_partitions_assigned(self, assigned) -> None:
+            owner._on_assigned(assigned)
+
+    return Listener()
+
+
+def _topic_id(consumer, topic: str) -> str | None:
+    """Kafka's id of the topic's current incarnation (KIP-516), if the broker reports one."""
+    try:
+        topic_id = consumer._client.cluster.topic_id(topic)
+    except Exception:
+        return None
+    return None if topic_id is None else str(topic_id)
+
+
+def _any_broker_connected(consumer) -> bool:
+    """Whether the consumer holds a live connection to any broker (kafka-python's client state)."""
+    client = getattr(consumer, "_client", None)
+    if client is None:
+        return True
+    try:
+        return any(client.connected(b.node_id) for b in client.cluster.brokers()) or consumer.bootstrap_connected()
+    except Exception:
+        return True
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def status_dir(root: str) -> Path:
+    return Path(root) / "_ingest"
+
+
+def write_status(root: str, stats: IngestStats) -> None:
+    """The consumer's health as JSON beside the lake (read by ``servelens ingest status``)."""
+    if "://" in root:
+        return  # object stores: the log line is the health signal
+    folder = status_dir(root)
+    folder.mkdir(parents=True, exist_ok=True)
+    data = asdict(stats) | {"total_lag": stats.total_lag, "written_ns": time.time_ns()}
+    tmp = folder / f".{stats.consumer}.json.tmp"
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(folder / f"{stats.consumer}.json")
+
+
+def read_statuses(root: str) -> list[dict]:
+    folder = status_dir(root)
+    if not folder.is_dir():
+        return []
+    return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+
+
+def configure_logging(verbose: bool = False) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    logging.getLogger("kafka").setLevel(logging.CRITICAL)  # its connection noise; ours says what matters
+

@@ -1,0 +1,288 @@
+"""The ingest consumer against a real broker: exactly once through crashes, rebalances and resets."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from pipelines.broker import LocalBroker, ensure_topics, free_port
+from pipelines.config import IngestConfig, LakeConfig
+from pipelines.emitter import Emitter
+from pipelines.ingest import IngestConsumer, read_statuses
+from pipelines.kafka_config import KafkaConfig
+from pipelines.lake import DEAD_LETTERS, EVENTS, Lake
+from privacy.config import PrivacyConfig
+from privacy.keys import KeyRing
+from schemas.events import RequestArrived
+from schemas.wire import encode_event
+from tests.pipelines.conftest import NUM_TEST_PARTITIONS, sample_events
+
+KEYRING = KeyRing("test", {"test": bytes(range(32))})
+KEY_ENV = {"SERVELENS_PSEUDONYM_KEY": "test:" + base64.b64encode(bytes(range(32))).decode()}
+FAST = IngestConfig(session_timeout_ms=2_000, heartbeat_interval_ms=500, flush_interval_s=0.3, status_interval_s=0.5)
+
+
+def consumer(bootstrap: str, topic: str, root: Path, name: str = "c1", lake: LakeConfig | None = None, **ingest) -> IngestConsumer:
+    kafka = KafkaConfig(bootstrap_servers=bootstrap, topic=topic, num_partitions=NUM_TEST_PARTITIONS)
+    config = dataclasses.replace(FAST, **ingest)
+    lake = dataclasses.replace(lake or LakeConfig(), root=str(root))
+    return IngestConsumer(kafka, config, lake, PrivacyConfig(), KEYRING, consumer_name=name)
+
+
+def produce(bootstrap: str, topic: str, items) -> int:
+    """Send (key, value) pairs with a plain producer; return how many (all acknowledged)."""
+    from kafka import KafkaProducer
+
+    producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=5, batch_size=256_000, compression_type="zstd",
+                             retries=10, max_in_flight_requests_per_connection=1)
+    failures = []
+    count = 0
+    for key, value in items:
+        producer.send(topic, key=key, value=value).add_errback(failures.append)
+        count += 1
+    producer.flush(60)
+    producer.close()
+    assert not failures, f"{len(failures)} sends failed: {failures[:3]}"
+    return count
+
+
+def run_until(ingest: IngestConsumer, root: Path, expected: int, timeout_s: float = 60.0) -> threading.Thread:
+    """Run ``ingest`` on a thread and stop it once the lake holds ``expected`` rows (or at the timeout)."""
+    thread = threading.Thread(target=ingest.run)
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and _stored(root) < expected:
+            time.sleep(0.1)
+        ingest.stop()
+
+    thread.start()
+    threading.Thread(target=watch, daemon=True).start()
+    return thread
+
+
+def arrivals(start: int, n: int) -> list[tuple[bytes, bytes]]:
+    return [
+        (f"r{i}".encode(), encode_event(RequestArrived(event_id=f"e{i}", ts_ns=1_764_000_000_000_000_000 + i,
+                                                       engine_id="eng", request_id=f"r{i}", num_prompt_tokens=i % 4096)))
+        for i in range(start, start + n)
+    ]
+
+
+def pseudonyms(event_ids) -> list[str]:
+    return KEYRING.pseudonyms("ev", list(event_ids), hex_chars=32)
+
+
+def lake_counts(root: Path) -> tuple[int, int]:
+    (total, distinct) = Lake(root).connect().execute("SELECT count(*), count(DISTINCT event_id) FROM events").fetchone()
+    return total, distinct
+
+
+def _stored(root: Path) -> int:
+    return lake_counts(root)[0] if Lake(root).table(EVENTS) is not None else 0
+
+
+def lake_ids(root: Path) -> list[str]:
+    return [r[0] for r in Lake(root).connect().execute("SELECT event_id FROM events").fetchall()]
+
+
+# ------------------------------------------------------------------------------------------ basics
+
+
+def test_events_from_the_emitter_sdk_land_sanitized_exactly_once(broker, topic, tmp_path):
+    events = sample_events(40)
+    with Emitter(broker.bootstrap, topic) as emitter:
+        for event in events:
+            assert emitter.emit(event)
+        assert emitter.flush(10)
+    stats = consumer(broker.bootstrap, topic, tmp_path / "lake").run(idle_exit_s=1.5)
+    assert stats.events_written == len(events) and stats.dead_letters == 0
+    assert sorted(lake_ids(tmp_path / "lake")) == sorted(pseudonyms(e.event_id for e in events))
+    con = Lake(tmp_path / "lake").connect()
+    tenants = {r[0] for r in con.execute("SELECT DISTINCT tenant FROM events WHERE tenant IS NOT NULL").fetchall()}
+    assert tenants and all(t.startswith("tn_") for t in tenants)  # sanitized: no raw tenant ids
+    (num_requests,) = con.execute("SELECT count(*) FROM requests").fetchone()
+    assert num_requests == 40
+    outcomes = dict(con.execute("SELECT outcome, count(*) FROM requests GROUP BY 1").fetchall())
+    assert outcomes == {"completed": 32, "cancelled": 8}
+
+
+def test_events_produced_by_kcat_a_c_client_are_ingested(broker, topic, tmp_path, kcat):
+    events = sample_events(10)
+    lines = b"".join((e.request_id or e.instance_id).encode() + b"\t" + encode_event(e) + b"\n" for e in events)
+    kcat("-b", broker.bootstrap, "-t", topic, "-P", "-K", "\t", stdin=lines)
+    stats = consumer(broker.bootstrap, topic, tmp_path / "lake").run(idle_exit_s=1.5)
+    assert stats.events_written == len(events)
+    assert sorted(lake_ids(tmp_path / "lake")) == sorted(pseudonyms(e.event_id for e in events))
+
+
+def test_a_poison_message_goes_to_dead_letters_and_the_batch_goes_on(broker, topic, tmp_path):
+    items = arrivals(0, 500)
+    poison = [
+        (b"r-bad1", b'{"event_type": "request_arrived", "ts_ns": "yesterday"'),
+        (b"r-bad2", b"\xff\xfe not utf-8"),
+        (b"r-bad3", json.dumps({**json.loads(items[0][1]), "schema_version": "2.0", "event_id": "x2"}).encode()),
+        (b"r-bad4", json.dumps({**json.loads(items[0][1]), "event_id": "x3", "user_agent": "a" * 3_000}).encode()),
+        (b"r-bad5", json.dumps({**json.loads(items[0][1]), "event_id": "x4", "ts_ns": 4_000_000_000_000_000_000}).encode()),
+        (b"r-bad6", json.dumps({**json.loads(items[0][1]), "event_id": "x5", "email": "jane@example.com"}).encode()),
+    ]
+    produce(broker.bootstrap, topic, items[:250] + poison + items[250:])
+    stats = consumer(broker.bootstrap, topic, tmp_path / "lake", max_message_bytes=2_000).run(idle_exit_s=1.5)
+    assert stats.events_written == 501 and stats.dead_letters == 5
+    con = Lake(tmp_path / "lake").connect()
+    reasons = sorted(r[0] for r in con.execute("SELECT reason FROM dead_letters").fetchall())
+    assert reasons == ["clock_skew", "invalid_json", "not_utf8", "oversized", "unsupported_major_version"]
+    keys = [r[0] for r in con.execute("SELECT key FROM dead_letters").fetchall()]
+    assert all(k.startswith("rq_") for k in keys)  # keys pseudonymized like request ids
+    for path in Lake(tmp_path / "lake").files(DEAD_LETTERS) + Lake(tmp_path / "lake").files(EVENTS):
+        data = Path(path).read_bytes()
+        assert b"yesterday" not in data and b"jane@example.com" not in data and b"r-bad" not in data
+
+
+def test_producer_retries_and_replays_after_a_restart_are_stored_once(broker, topic, tmp_path):
+    items = arrivals(0, 300)
+    produce(broker.bootstrap, topic, items + items[:50])  # a retried batch: same event ids, new offsets
+    first = consumer(broker.bootstrap, topic, tmp_path / "lake").run(idle_exit_s=1.5)
+    assert first.duplicates_dropped == 50 and lake_counts(tmp_path / "lake") == (300, 300)
+    produce(broker.bootstrap, topic, items[100:150])  # retried again, after the consumer restarted
+    second = consumer(broker.bootstrap, topic, tmp_path / "lake").run(idle_exit_s=1.5)
+    assert second.records_read == 50 and second.duplicates_dropped == 50
+    assert lake_counts(tmp_path / "lake") == (300, 300)
+
+
+def test_health_is_reported_and_written_for_the_status_command(broker, topic, tmp_path):
+    produce(broker.bootstrap, topic, arrivals(0, 100))
+    seen = []
+    stats = consumer(broker.bootstrap, topic, tmp_path / "lake").run(idle_exit_s=1.5, on_status=seen.append)
+    assert seen and stats.total_lag == 0 and stats.last_commit_ns is not None
+    (status,) = read_statuses(str(tmp_path / "lake"))
+    assert status["consumer"] == "c1" and status["broker_reachable"]
+    env = {**os.environ, **KEY_ENV, "SERVELENS_LAKE__ROOT": str(tmp_path / "lake")}
+    out = subprocess.run([sys.executable, "-m", "servelens", "ingest", "status"], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "c1: reported" in out.stdout and "100 events in" in out.stdout
+
+
+def test_small_files_of_closed_hours_are_compacted_by_the_consumer(broker, topic, tmp_path):
+    root = tmp_path / "lake"
+    ingest = consumer(broker.bootstrap, topic, root, lake=LakeConfig(compact_min_files=3), compact_interval_s=0.05,
+                      flush_max_events=50)
+    thread = run_until(ingest, root, 400)
+    for start in range(0, 400, 50):  # several commits, so several small files in one (long closed) hour
+        produce(broker.bootstrap, topic, arrivals(start, 50))
+        time.sleep(0.4)
+    thread.join(60)
+    files = Lake(root).num_files_by_partition(EVENTS)
+    assert lake_counts(root) == (400, 400)
+    assert files and max(files.values()) < 3  # merged by the consumer, rows intact
+
+
+# ------------------------------------------------------------------------------------------ faults
+
+
+def test_sigkill_at_random_points_loses_and_duplicates_nothing(broker, topic, tmp_path):
+    """200,000 events; the ingest process is killed with SIGKILL at random moments and restarted."""
+    total = 200_000
+    producer = threading.Thread(target=produce, args=(broker.bootstrap, topic, arrivals(0, total)))
+    producer.start()
+    env = {
+        **os.environ, **KEY_ENV,
+        "SERVELENS_KAFKA__BOOTSTRAP_SERVERS": broker.bootstrap, "SERVELENS_KAFKA__TOPIC": topic,
+        "SERVELENS_KAFKA__NUM_PARTITIONS": str(NUM_TEST_PARTITIONS), "SERVELENS_LAKE__ROOT": str(tmp_path / "lake"),
+        "SERVELENS_INGEST__SESSION_TIMEOUT_MS": "2000", "SERVELENS_INGEST__HEARTBEAT_INTERVAL_MS": "500",
+        "SERVELENS_INGEST__FLUSH_INTERVAL_S": "0.2", "SERVELENS_INGEST__FLUSH_MAX_EVENTS": "20000",
+    }
+    rng = random.Random(7)
+    stored = [0]
+    for _ in range(5):
+        proc = subprocess.Popen([sys.executable, "-m", "servelens", "ingest"], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60  # wait until this process is committing, then kill it at random
+        while time.monotonic() < deadline and _stored(tmp_path / "lake") <= stored[-1]:
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 1.0))
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait() == -signal.SIGKILL
+        total_rows, distinct = lake_counts(tmp_path / "lake")
+        assert total_rows == distinct  # never a row twice, even right after a kill
+        stored.append(total_rows)
+    producer.join()
+    assert all(b > a for a, b in zip(stored, stored[1:]))  # every killed process had been committing
+    final = subprocess.run([sys.executable, "-m", "servelens", "ingest", "--idle-exit-s", "3"], env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert final.returncode == 0, final.stderr[-3000:]
+    assert lake_counts(tmp_path / "lake") == (total, total)
+    assert set(lake_ids(tmp_path / "lake")) == set(pseudonyms(f"e{i}" for i in range(total)))
+
+
+def test_two_consumers_and_a_rebalance_keep_exactly_once(broker, topic, tmp_path):
+    total = 20_000
+    produce(broker.bootstrap, topic, arrivals(0, total // 2))
+    root = tmp_path / "lake"
+    first = consumer(broker.bootstrap, topic, root, "c1")
+    t1 = run_until(first, root, total)
+    deadline = time.monotonic() + 30
+    while _stored(root) == 0 and time.monotonic() < deadline:  # c1 is committing
+        time.sleep(0.05)
+    second = consumer(broker.bootstrap, topic, root, "c2")  # joins mid-stream: partitions move
+    t2 = run_until(second, root, total)
+    deadline = time.monotonic() + 60
+    while not second.partitions and time.monotonic() < deadline:  # the rebalance gave c2 its share
+        time.sleep(0.05)
+    assert second.partitions and len(first.partitions) < NUM_TEST_PARTITIONS
+    produce(broker.bootstrap, topic, arrivals(total // 2, total // 2))
+    t1.join(90)
+    t2.join(90)
+    assert lake_counts(root) == (total, total)
+    c1, c2 = first.stats(), second.stats()
+    assert c1.events_written + c2.events_written == total
+    assert c1.events_written > 0 and c2.events_written > 0  # the rebalance really moved partitions
+
+
+def test_a_broker_that_vanishes_and_returns_empty_is_survived(tmp_path, caplog):
+    port = free_port()
+    topic = "ev"
+    root = tmp_path / "lake"
+    broker = LocalBroker(port, topics={topic: NUM_TEST_PARTITIONS}).start()
+    produce(broker.bootstrap, topic, arrivals(0, 1_000))
+    ingest = consumer(broker.bootstrap, topic, root)
+    thread = run_until(ingest, root, 1_500, timeout_s=90)
+    deadline = time.monotonic() + 30
+    while _stored(root) < 1_000 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert lake_counts(root) == (1_000, 1_000)
+    broker.stop()  # all of its data is gone: memory storage
+    time.sleep(2.0)
+    assert not ingest.stats().broker_reachable
+    broker.start()  # empty again, same port; its topic is re-created
+    ensure_topics(broker.bootstrap, {topic: NUM_TEST_PARTITIONS})
+    produce(broker.bootstrap, topic, arrivals(1_000, 500))  # offsets restart at 0
+    thread.join(120)
+    broker.stop()
+    assert not thread.is_alive()
+    assert lake_counts(root) == (1_500, 1_500)  # nothing lost, nothing doubled
+    epoch, _ = Lake(root).epoch(topic, None)  # the latest epoch
+    assert epoch == 1
+    messages = [r.getMessage() for r in caplog.records if r.name == "servelens.ingest"]
+    assert any("is unreachable" in m for m in messages)
+    assert any("was re-created" in m and "epoch 1" in m for m in messages)
+    assert any("reachable again" in m for m in messages)
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_threads():
+    yield
+    for thread in threading.enumerate():
+        if thread.name.startswith("Thread-") and thread.is_alive() and thread is not threading.current_thread():
+            thread.join(5)

@@ -1,0 +1,153 @@
+"""The lake: atomic commits that carry offsets, fencing, epochs, compaction, views, de-duplication."""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+
+import pyarrow as pa
+import pytest
+
+from pipelines.config import LakeConfig
+from pipelines.lake import DEAD_LETTERS, EVENTS, CommitFenced, Lake, OffsetRange, RecentIds
+from schemas.arrow import arrow_schema, events_to_table
+from schemas.events import FirstToken, RequestArrived
+from schemas.records import DeadLetter
+
+T0 = 1_764_400_000_000_000_000  # 2025-11-29T07:06:40Z
+
+
+def _events(start: int, n: int, ts: int = T0) -> pa.Table:
+    return events_to_table(
+        RequestArrived(event_id=f"ev_{i:032x}", ts_ns=ts + i, engine_id="eng", request_id=f"r{i}", num_prompt_tokens=i)
+        for i in range(start, start + n)
+    )
+
+
+def test_commits_carry_offsets_and_views_show_exactly_the_committed_rows(tmp_path):
+    lake = Lake(tmp_path / "lake")
+    lake.ensure_tables()
+    lake.commit(EVENTS, _events(0, 10), [OffsetRange("t", 0, 0, 0, 10)], {("t", 0, 0): None})
+    lake.commit(EVENTS, _events(10, 5), [OffsetRange("t", 0, 0, 10, 15), OffsetRange("t", 1, 0, 0, 7)], {("t", 0, 0): 10, ("t", 1, 0): None})
+    assert lake.high_water_mark(EVENTS, "t", 0, 0) == 15 and lake.high_water_mark(EVENTS, "t", 1, 0) == 7
+    assert lake.high_water_mark(DEAD_LETTERS, "t", 0, 0) is None
+    con = lake.connect()
+    assert con.execute("SELECT count(*), count(DISTINCT event_id) FROM events").fetchone() == (15, 15)
+    assert con.execute("SELECT DISTINCT dt, hour FROM events").fetchall() == [(datetime.date(2025, 11, 29), 7)]
+    assert con.execute("SELECT count(*) FROM requests").fetchone() == (15,)
+    assert con.execute("SELECT count(*) FROM dead_letters").fetchone() == (0,)
+
+
+def test_a_stale_consumer_is_fenced_and_writes_nothing(tmp_path):
+    lake = Lake(tmp_path / "lake")
+    lake.commit(EVENTS, _events(0, 3), [OffsetRange("t", 0, 0, 0, 3)], {("t", 0, 0): None})
+    with pytest.raises(CommitFenced, match="another consumer"):
+        lake.commit(EVENTS, _events(0, 3), [OffsetRange("t", 0, 0, 0, 3)], {("t", 0, 0): None})
+    assert lake.connect().execute("SELECT count(*) FROM events").fetchone() == (3,)
+
+
+def test_a_concurrent_commit_between_check_and_write_is_refused(tmp_path, monkeypatch):
+    lake = Lake(tmp_path / "lake")
+    lake.ensure_tables()
+    other = Lake(tmp_path / "lake")
+    real_table = Lake.table
+    calls = {"n": 0}
+
+    def table_then_race(self, name):  # the other consumer commits right after our snapshot is taken
+        snapshot = real_table(self, name)
+        calls["n"] += 1
+        if calls["n"] == 1 and self is lake:
+            other.commit(EVENTS, _events(100, 2), [OffsetRange("t", 0, 0, 0, 2)], {("t", 0, 0): None})
+        return snapshot
+
+    monkeypatch.setattr(Lake, "table", table_then_race)
+    with pytest.raises(CommitFenced):
+        lake.commit(EVENTS, _events(0, 2), [OffsetRange("t", 0, 0, 0, 2)], {("t", 0, 0): None})
+    monkeypatch.undo()
+    assert lake.connect().execute("SELECT count(*) FROM events").fetchone() == (2,)
+
+
+def test_a_concurrent_commit_for_other_partitions_is_retried_not_fenced(tmp_path, monkeypatch):
+    lake = Lake(tmp_path / "lake")
+    lake.ensure_tables()
+    other = Lake(tmp_path / "lake")
+    real_table = Lake.table
+    calls = {"n": 0}
+
+    def table_then_race(self, name):  # another consumer commits its own partition meanwhile
+        snapshot = real_table(self, name)
+        calls["n"] += 1
+        if calls["n"] == 1 and self is lake:
+            other.commit(EVENTS, _events(100, 2), [OffsetRange("t", 1, 0, 0, 2)], {("t", 1, 0): None})
+        return snapshot
+
+    monkeypatch.setattr(Lake, "table", table_then_race)
+    lake.commit(EVENTS, _events(0, 2), [OffsetRange("t", 0, 0, 0, 2)], {("t", 0, 0): None})
+    monkeypatch.undo()
+    assert lake.high_water_mark(EVENTS, "t", 0, 0) == 2 and lake.high_water_mark(EVENTS, "t", 1, 0) == 2
+    assert lake.connect().execute("SELECT count(*) FROM events").fetchone() == (4,)
+
+
+def test_a_re_created_topic_starts_a_new_epoch(tmp_path):
+    lake = Lake(tmp_path / "lake")
+    assert lake.epoch("t", "id-a") == (0, False)  # the first incarnation
+    lake.commit(EVENTS, _events(0, 4), [OffsetRange("t", 2, 0, 0, 4, "id-a")], {("t", 2, 0): None})
+    assert lake.epoch("t", "id-a") == (0, False)
+    assert lake.epoch("t", "id-b") == (1, True)  # re-created: a new id
+    lake.commit(EVENTS, _events(4, 2), [OffsetRange("t", 2, 1, 0, 2, "id-b")], {("t", 2, 1): None})
+    assert lake.epoch("t", "id-b") == (1, False) and lake.epoch("t", None) == (1, False)
+    assert lake.high_water_mark(EVENTS, "t", 2, 1) == 2 and lake.high_water_mark(EVENTS, "t", 2, 0) == 4
+
+
+def test_compaction_merges_small_files_and_keeps_every_row(tmp_path):
+    lake = Lake(tmp_path / "lake", LakeConfig(compact_min_files=4))
+    for k in range(6):
+        lake.commit(EVENTS, _events(k * 10, 10), [OffsetRange("t", 0, 0, k * 10, k * 10 + 10)], {("t", 0, 0): (k * 10) or None})
+    assert lake.num_files_by_partition(EVENTS)[("2025-11-29", 7)] == 6
+    assert lake.compact(before=("2025-11-29", 7))[EVENTS] == 0  # the hour is still open: left alone
+    assert lake.compact()[EVENTS] == 6
+    assert lake.num_files_by_partition(EVENTS)[("2025-11-29", 7)] == 1
+    assert lake.high_water_mark(EVENTS, "t", 0, 0) == 60  # compaction keeps the offsets
+    assert lake.vacuum(retention_hours=0) == 6
+    assert lake.connect().execute("SELECT count(DISTINCT event_id), count(*) FROM events").fetchone() == (60, 60)
+
+
+def test_dead_letters_table_and_recent_ids(tmp_path):
+    lake = Lake(tmp_path / "lake")
+    dead = pa.Table.from_pylist(
+        [dict(topic="t", partition=0, offset=3, epoch=0, key=None, size_bytes=9, reason="invalid_json", path="$",
+              value_type=None, expected=None, num_errors=1, event_type=None, received_ns=T0)],
+        schema=arrow_schema(DeadLetter),
+    )
+    lake.commit(DEAD_LETTERS, dead, [OffsetRange("t", 0, 0, 0, 4)], {("t", 0, 0): None})
+    assert lake.connect().execute("SELECT reason, \"offset\" FROM dead_letters").fetchall() == [("invalid_json", 3)]
+    lake.commit(EVENTS, _events(0, 5), [OffsetRange("t", 0, 0, 0, 5)], {("t", 0, 0): None})
+    assert sorted(lake.recent_event_ids(3))[:1] and len(lake.recent_event_ids(3)) == 3
+
+
+def _pseudonym_like(i: int) -> str:
+    return "ev_" + hashlib.sha256(str(i).encode()).hexdigest()[:32]  # uniform digits, as real pseudonyms
+
+
+def test_recent_ids_drop_repeats_in_fixed_memory():
+    recent = RecentIds(capacity=1_000)
+    ids = [_pseudonym_like(i) for i in range(600)]
+    assert recent.first_sightings(ids).all()
+    assert not recent.first_sightings(ids[:10]).any()
+    assert recent.first_sightings([_pseudonym_like(-1), _pseudonym_like(-1)]).tolist() == [True, False]
+    for start in range(0, 100_000, 1_000):
+        recent.first_sightings([_pseudonym_like(i) for i in range(start + 10_000, start + 11_000)])
+        assert len(recent) <= 1_000 + 1_000  # a window of 1,000 plus the batch being remembered
+    assert recent.first_sightings([_pseudonym_like(10_000)]).tolist() == [True]  # long forgotten
+    unstored = [_pseudonym_like(-5)]
+    assert recent.first_sightings(unstored, remember=False).tolist() == [True]
+    assert recent.first_sightings(unstored, remember=False).tolist() == [True]  # a failed commit's ids
+    recent.add(unstored)
+    assert recent.first_sightings(unstored).tolist() == [False]
+
+
+def test_first_token_events_land_in_the_hour_of_their_own_timestamp(tmp_path):
+    lake = Lake(tmp_path / "lake")
+    late = events_to_table([FirstToken(event_id="ev_" + "1" * 32, ts_ns=T0 + 3_600 * 10**9, engine_id="e", request_id="r")])
+    lake.commit(EVENTS, late, [OffsetRange("t", 0, 0, 0, 1)], {("t", 0, 0): None})
+    assert lake.connect().execute("SELECT dt, hour FROM events").fetchall() == [(datetime.date(2025, 11, 29), 8)]
