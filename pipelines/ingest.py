@@ -108,9 +108,7 @@ class _Partition:
     events_mark: int | None  # the lake's marks when we resumed / last committed
     dead_mark: int | None
     topic_id: str | None
-    offsets: list[int] = field(default_factory=list)
-    keys: list[bytes | None] = field(default_factory=list)
-    values: list[bytes] = field(default_factory=list)
+    records: list = field(default_factory=list)  # kafka-python ConsumerRecords, in offset order
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,18 +264,15 @@ class IngestConsumer:
     # -- buffering and committing ---------------------------------------------------------------
 
     def _buffered(self) -> int:
-        return sum(len(p.offsets) for p in self.partitions.values())
+        return sum(len(p.records) for p in self.partitions.values())
 
     def _buffer(self, polled) -> int:
         got = 0
         for tp, records in polled.items():
             part = self.partitions.get(tp.partition)
-            if part is None:  # revoked meanwhile
+            if part is None:  # not (or no longer) resolved: read again after the seek
                 continue
-            for record in records:
-                part.offsets.append(record.offset)
-                part.keys.append(record.key)
-                part.values.append(record.value if record.value is not None else b"")
+            part.records.extend(records)
             got += len(records)
         self._counts["read"] += got
         if got and self._first_record_s is None:
@@ -308,22 +303,23 @@ class IngestConsumer:
 
     def _take(self, partitions: list[int] | None) -> _Batch | None:
         """Move the buffered records of ``partitions`` out of the buffer into a batch."""
-        chosen = sorted(p for p in (partitions or list(self.partitions)) if self.partitions.get(p) and self.partitions[p].offsets)
+        chosen = sorted(p for p in (partitions or list(self.partitions)) if self.partitions.get(p) and self.partitions[p].records)
         if not chosen:
             return None
         parts = [self.partitions[p] for p in chosen]
+        records = [r for part in parts for r in part.records]
         batch = _Batch(
-            values=[v for part in parts for v in part.values],
-            offsets=np.array([o for part in parts for o in part.offsets], dtype=np.int64),
-            owner=np.repeat(np.array(chosen, dtype=np.int64), [len(part.offsets) for part in parts]),
-            keys=[k for part in parts for k in part.keys],
+            values=[r.value if r.value is not None else b"" for r in records],
+            offsets=np.fromiter((r.offset for r in records), dtype=np.int64, count=len(records)),
+            owner=np.repeat(np.array(chosen, dtype=np.int64), [len(part.records) for part in parts]),
+            keys=[r.key for r in records],
             ranges=[
-                OffsetRange(self.topic, p, part.epoch, part.offsets[0], part.offsets[-1] + 1, part.topic_id)
+                OffsetRange(self.topic, p, part.epoch, part.records[0].offset, part.records[-1].offset + 1, part.topic_id)
                 for p, part in zip(chosen, parts)
             ],
         )
         for part in parts:
-            part.offsets, part.keys, part.values = [], [], []
+            part.records = []
         return batch
 
     def _commit(self, batch: _Batch) -> _Outcome:
@@ -339,7 +335,7 @@ class IngestConsumer:
         fresh = batch.offsets[decoded.indices] >= limits
         events = decoded.events if fresh.all() else decoded.events.filter(pa.array(fresh))
         clean = self.sanitizer.sanitize(events, decoded.dropped_fields)
-        first = self.recent.first_sightings(clean["event_id"].to_pylist(), remember=False)
+        first = self.recent.first_sightings(clean["event_id"], remember=False)
         duplicates = int((~first).sum())
         clean = clean.filter(pa.array(first)) if duplicates else clean
         expected = lambda marks: {(self.topic, r.partition, r.epoch): marks[r.partition] for r in batch.ranges}  # noqa: E731
@@ -350,7 +346,7 @@ class IngestConsumer:
             self.lake.commit(EVENTS, clean, batch.ranges, expected(event_marks))
         except CommitFenced as exc:
             return _Outcome(batch.ranges, 0, 0, 0, exc)
-        self.recent.add(clean["event_id"].to_pylist())  # seen, now that they are stored
+        self.recent.add(clean["event_id"])  # seen, now that they are stored
         for r in batch.ranges:
             parts[r.partition].events_mark = r.end
         log.debug("%s: committed %s", self.name, [(r.partition, r.start, r.end) for r in batch.ranges])
@@ -516,7 +512,7 @@ class IngestConsumer:
         elapsed = max(time.monotonic() - (self._first_record_s or time.monotonic()), 1e-9)
         read = self._counts["read"]
         lag = tuple(
-            PartitionLag(p, part.epoch, part.events_mark or 0, (part.events_mark or 0) + len(part.offsets))
+            PartitionLag(p, part.epoch, part.events_mark or 0, (part.events_mark or 0) + len(part.records))
             for p, part in sorted(self.partitions.items())
         )
         return IngestStats(

@@ -307,18 +307,25 @@ class RecentIds:
         self._current_size = 0
 
     @staticmethod
-    def keys(event_ids: Sequence[str]) -> np.ndarray:
-        """64-bit keys of pseudonymized event ids (``ev_`` + at least 16 hex digits)."""
-        if not len(event_ids):
+    def keys(event_ids: pa.Array | pa.ChunkedArray | Sequence[str]) -> np.ndarray:
+        """64-bit keys of pseudonymized event ids (``ev_`` + at least 16 hex digits), vectorized:
+        the 16 digits after the prefix of every id, sliced by Arrow, parsed as one hex string."""
+        ids = pa.array(event_ids, pa.string()) if not isinstance(event_ids, (pa.Array, pa.ChunkedArray)) else event_ids
+        if isinstance(ids, pa.ChunkedArray):
+            ids = ids.combine_chunks()
+        if not len(ids):
             return np.zeros(0, dtype=np.uint64)
-        digits = "".join(e[3:19] for e in event_ids)
+        digits = pc.utf8_slice_codeunits(ids, 3, 19)
         try:
-            return np.frombuffer(bytes.fromhex(digits), dtype=">u8").astype(np.uint64)
+            if digits.null_count or not pc.all(pc.equal(pc.utf8_length(digits), 16)).as_py():
+                raise ValueError("not pseudonyms")
+            text = b"".join(digits.cast(pa.binary()).to_pylist()) if digits.offset else digits.buffers()[2].to_pybytes()
+            return np.frombuffer(bytes.fromhex(text[: 16 * len(ids)].decode()), dtype=">u8").astype(np.uint64)
         except ValueError:  # not pseudonyms (tests, foreign ids): hash them instead
             import hashlib
 
             return np.array(
-                [int.from_bytes(hashlib.blake2b(e.encode(), digest_size=8).digest(), "big") for e in event_ids],
+                [int.from_bytes(hashlib.blake2b(e.encode(), digest_size=8).digest(), "big") for e in ids.to_pylist()],
                 dtype=np.uint64,
             )
 
@@ -345,10 +352,10 @@ class RecentIds:
             while len(self._generations) > 1 and sum(map(len, self._generations)) > self.capacity:
                 del self._generations[0]  # the oldest generation falls out of the window
 
-    def add(self, event_ids: Sequence[str]) -> None:
+    def add(self, event_ids: pa.Array | pa.ChunkedArray | Sequence[str]) -> None:
         self._remember(self.keys(event_ids))
 
-    def first_sightings(self, event_ids: Sequence[str], *, remember: bool = True) -> np.ndarray:
+    def first_sightings(self, event_ids: pa.Array | pa.ChunkedArray | Sequence[str], *, remember: bool = True) -> np.ndarray:
         """Mask of ids seen neither before nor earlier in this batch. The new ones are remembered
         unless ``remember`` is false (then call ``add`` once they are safely stored: ids of a batch
         whose commit failed must not count as seen when the batch is read again)."""

@@ -46,21 +46,27 @@ def test_a_stale_consumer_is_fenced_and_writes_nothing(tmp_path):
     assert lake.connect().execute("SELECT count(*) FROM events").fetchone() == (3,)
 
 
-def test_a_concurrent_commit_between_check_and_write_is_refused(tmp_path, monkeypatch):
-    lake = Lake(tmp_path / "lake")
-    lake.ensure_tables()
-    other = Lake(tmp_path / "lake")
+def _race_after_first_snapshot(monkeypatch, lake: Lake, other_partition: int) -> None:
+    """Make another consumer commit partition ``other_partition`` right after ``lake`` takes its
+    first table snapshot, i.e. between its mark check and its write."""
+    other = Lake(lake.root)
     real_table = Lake.table
     calls = {"n": 0}
 
-    def table_then_race(self, name):  # the other consumer commits right after our snapshot is taken
+    def table_then_race(self, name):
         snapshot = real_table(self, name)
         calls["n"] += 1
         if calls["n"] == 1 and self is lake:
-            other.commit(EVENTS, _events(100, 2), [OffsetRange("t", 0, 0, 0, 2)], {("t", 0, 0): None})
+            other.commit(EVENTS, _events(100, 2), [OffsetRange("t", other_partition, 0, 0, 2)], {("t", other_partition, 0): None})
         return snapshot
 
     monkeypatch.setattr(Lake, "table", table_then_race)
+
+
+def test_a_concurrent_commit_between_check_and_write_is_refused(tmp_path, monkeypatch):
+    lake = Lake(tmp_path / "lake")
+    lake.ensure_tables()
+    _race_after_first_snapshot(monkeypatch, lake, other_partition=0)  # the same partition: a zombie
     with pytest.raises(CommitFenced):
         lake.commit(EVENTS, _events(0, 2), [OffsetRange("t", 0, 0, 0, 2)], {("t", 0, 0): None})
     monkeypatch.undo()
@@ -70,18 +76,7 @@ def test_a_concurrent_commit_between_check_and_write_is_refused(tmp_path, monkey
 def test_a_concurrent_commit_for_other_partitions_is_retried_not_fenced(tmp_path, monkeypatch):
     lake = Lake(tmp_path / "lake")
     lake.ensure_tables()
-    other = Lake(tmp_path / "lake")
-    real_table = Lake.table
-    calls = {"n": 0}
-
-    def table_then_race(self, name):  # another consumer commits its own partition meanwhile
-        snapshot = real_table(self, name)
-        calls["n"] += 1
-        if calls["n"] == 1 and self is lake:
-            other.commit(EVENTS, _events(100, 2), [OffsetRange("t", 1, 0, 0, 2)], {("t", 1, 0): None})
-        return snapshot
-
-    monkeypatch.setattr(Lake, "table", table_then_race)
+    _race_after_first_snapshot(monkeypatch, lake, other_partition=1)  # another consumer's partition
     lake.commit(EVENTS, _events(0, 2), [OffsetRange("t", 0, 0, 0, 2)], {("t", 0, 0): None})
     monkeypatch.undo()
     assert lake.high_water_mark(EVENTS, "t", 0, 0) == 2 and lake.high_water_mark(EVENTS, "t", 1, 0) == 2
