@@ -14,11 +14,15 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
-	@# kcat, a C Kafka client (librdkafka), for the tests' cross-client checks; Debian's package
-	@command -v kcat >/dev/null 2>&1 || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
-	  if command -v apt-get >/dev/null 2>&1; then \
-	    $$SUDO apt-get install -y -qq kcat >/dev/null 2>&1 || { $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq kcat; }; \
-	  else echo "warning: install kcat (a Kafka C client) for the Kafka cross-client tests"; fi; }
+	@# Debian packages the tests use: kcat (a C Kafka client) and chromium (the browser tests)
+	@missing=""; \
+	  command -v kcat >/dev/null 2>&1 || missing="$$missing kcat"; \
+	  command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	  if [ -n "$$missing" ]; then SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	    if command -v apt-get >/dev/null 2>&1; then \
+	      echo "installing Debian packages:$$missing"; \
+	      $$SUDO apt-get install -y -qq $$missing >/dev/null 2>&1 || { $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq $$missing; }; \
+	    else echo "warning: install$$missing (the Kafka and browser tests need them)"; fi; fi
 	touch $@
 
 # The end-to-end path on embedded defaults and the bundled Azure conversation trace.

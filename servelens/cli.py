@@ -1,8 +1,9 @@
 """The ``servelens`` command: a thin click layer over the library packages.
 
 Every command is a few lines that parse options, call one library function and print its result.
-Domain errors (``ServelensError``) become a clean message with a hint and exit code 2; an input that
-fails a check (invalid events) exits 1; nothing prints a traceback unless ``SERVELENS_DEBUG=1``.
+Exit codes: 0 success, 1 a check failed (invalid events, a failed gate), 2 an inconclusive gate,
+3 the command could not run (usage, configuration and input errors: a clean message with a hint).
+Nothing prints a traceback unless ``SERVELENS_DEBUG=1``.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from servelens import __version__
 from servelens.config import Config, load_config, shared_dir
 from servelens.errors import ServelensError
 
-EXIT_INVALID = 1
-EXIT_ERROR = 2
+EXIT_INVALID = 1  # a check failed (invalid events; a failed gate)
+EXIT_ERROR = 3  # the command could not run: usage, configuration or input errors (gate: 2 is inconclusive)
 
 
 class _Group(click.Group):
@@ -527,6 +528,72 @@ def lake_sql(ctx: click.Context, query: str, limit: int) -> None:
     click.echo(result.limit(limit).to_arrow_table().to_pandas().to_string(index=False))
 
 
+# ---------------------------------------------------------------------------------------------- gate
+
+
+@cli.command()
+@click.option("--baseline", type=click.Path(exists=True, path_type=Path), help="Baseline run: a replay output folder, an events file or a request table.")
+@click.option("--candidate", type=click.Path(exists=True, path_type=Path), help="Candidate run, likewise.")
+@click.option("--config", "gate_config", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Gate configuration (YAML) [default: the built-in one].")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None, help="Report folder [default: <out_dir>/gate].")
+@click.option("--live", is_flag=True, help="Judge two live pools from the lake instead of two runs.")
+@click.option("--baseline-pool", default="baseline", show_default=True, help="With --live: the baseline pool label.")
+@click.option("--candidate-pool", default="canary", show_default=True, help="With --live: the canary (or shadow) pool label.")
+@click.option("--since", "since_s", type=float, default=None, help="With --live: only requests from the last this many seconds.")
+@click.option("--previous-config", default=None, help="With --live: the configuration to restore on rollback (named in the decision).")
+@click.option("--write-default-config", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the built-in configuration as YAML and stop.")
+@click.option("--list-metrics", is_flag=True, help="List the metrics a configuration can judge and stop.")
+@click.pass_context
+def gate(ctx: click.Context, baseline: Path | None, candidate: Path | None, gate_config: Path | None, out: Path | None,
+         live: bool, baseline_pool: str, candidate_pool: str, since_s: float | None, previous_config: str | None,
+         write_default_config: Path | None, list_metrics: bool) -> None:
+    """Judge a candidate against a baseline: pass (exit 0), fail (1) or inconclusive (2).
+
+    Writes gate.json, gate.md (a pull-request comment) and gate.html (charts and the per-metric
+    table) and prints the verdict with its reasons. With --live, the two pools are read from the
+    lake (by the events' pool label) and the verdict becomes a decision: promote, continue, or
+    roll back to --previous-config. Errors exit 3.
+
+    \b
+    Example:
+      servelens gate --baseline out/replay/fcfs --candidate out/replay/deadline --config gate.yaml
+      servelens gate --live --candidate-pool canary --since 3600 --previous-config policy=fcfs@v12
+      servelens gate --write-default-config gate.yaml
+    """
+    from replay.compare import metric_names
+    from replay.gate import config_yaml, decide, default_config, lake_pools, load_config, load_run
+    from replay.gate import compare_runs
+    from replay.report import write_reports
+
+    if write_default_config is not None:
+        write_default_config.write_text(config_yaml(default_config()))
+        click.echo(f"wrote the default gate configuration to {write_default_config}")
+        return
+    config = load_config(gate_config)
+    if list_metrics:
+        click.echo("\n".join(metric_names(config.metrics_config())))
+        return
+    if live:
+        root = _config(ctx).lake.root
+        since_ns = None if since_s is None else time.time_ns() - int(since_s * 1e9)
+        base_run, cand_run = lake_pools(root, baseline_pool, candidate_pool, since_ns, None)
+    else:
+        if baseline is None or candidate is None:
+            raise ServelensError("--baseline and --candidate are both needed", "or use --live to judge two pools of the lake")
+        base_run, cand_run = load_run(baseline, "baseline"), load_run(candidate, "candidate")
+    verdict = compare_runs(base_run, cand_run, config)
+    decision = decide(verdict, previous_config) if live else None
+    paths = write_reports(verdict, base_run, cand_run, out or Path(_config(ctx).paths.out_dir) / "gate", decision)
+    score = "" if verdict.score is None else f" (score {verdict.score:.0f})"
+    click.echo(f"gate: {verdict.status.upper()}{score}")
+    for reason in verdict.reasons:
+        click.echo(f"  - {reason}")
+    if decision is not None:
+        click.echo(f"decision: {decision.action}" + (f", restore {decision.restore}" if decision.restore else ""))
+    click.echo(f"reports: {paths['json']}, {paths['markdown']}, {paths['html']}")
+    sys.exit(verdict.exit_code)
+
+
 # ---------------------------------------------------------------------------------------------- demo
 
 
@@ -557,5 +624,15 @@ def demo(ctx: click.Context, trace_name: str, out: Path | None) -> None:
 
 
 def main() -> None:
-    """Console-script entry point."""
-    cli()
+    """Console-script entry point (usage errors exit 3, like every error, so that 2 stays the gate's
+    "inconclusive")."""
+    try:
+        cli.main(standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(EXIT_ERROR)

@@ -85,7 +85,9 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
     )
 
 
-def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
+def build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
+    """A frozen dataclass from a mapping (TOML, YAML, environment): types checked, nested sections
+    and lists of sections built, unknown keys refused with the valid ones listed."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
@@ -97,13 +99,26 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
     kwargs = {}
     for name, value in data.items():
         annotation = hints[name]
+        item = _section_list(annotation)
         if dataclasses.is_dataclass(annotation):
             if not isinstance(value, Mapping):
                 raise ConfigError(f"config key {prefix}{name} must be a table of settings")
-            kwargs[name] = _build(annotation, value, f"{prefix}{name}.")
+            kwargs[name] = build(annotation, value, f"{prefix}{name}.")
+        elif item is not None:
+            if not isinstance(value, list) or not all(isinstance(v, Mapping) for v in value):
+                raise ConfigError(f"config key {prefix}{name} must be a list of tables of settings")
+            kwargs[name] = tuple(build(item, v, f"{prefix}{name}[{i}].") for i, v in enumerate(value))
         else:
             kwargs[name] = _coerce(value, annotation, f"{prefix}{name}")
     return cls(**kwargs)
+
+
+def _section_list(annotation: Any) -> type | None:
+    """``X`` for an annotation ``tuple[X, ...]`` whose X is a dataclass, else None."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is tuple and len(args) == 2 and args[1] is Ellipsis and dataclasses.is_dataclass(args[0]):
+        return args[0]
+    return None
 
 
 def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
@@ -144,7 +159,7 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
     data = _merge(data, _env_overrides(env))
     if "SERVELENS_SHARED_DIR" in env:  # the short, documented spelling
         data = _merge(data, {"paths": {"shared_dir": env["SERVELENS_SHARED_DIR"]}})
-    return _build(Config, data, "")
+    return build(Config, data, "")
 
 
 def shared_dir(config: Config) -> Path:

@@ -64,14 +64,14 @@ def test_derive_refuses_invalid_events_and_points_to_validate(tmp_path):
     events = tmp_path / "bad.jsonl"
     events.write_text('{"event_type": "request_arrived"}\n')
     proc = servelens("requests", "derive", str(events), "--out", str(tmp_path / "r.parquet"), env=KEY_ENV)
-    assert proc.returncode == 2
+    assert proc.returncode == 3
     assert f"error: {events}:1: $.schema_version: missing field" in proc.stderr
     assert "servelens events validate" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_missing_shared_data_is_a_clean_error(tmp_path):
     proc = servelens("demo", "--out", str(tmp_path), env={"SERVELENS_SHARED_DIR": str(tmp_path / "nope")})
-    assert proc.returncode == 2
+    assert proc.returncode == 3
     assert "error: shared data not found" in proc.stderr and "hint: set SERVELENS_SHARED_DIR" in proc.stderr
     assert "Traceback" not in proc.stderr
 
@@ -80,11 +80,11 @@ def test_bad_config_and_unwritable_output_are_clean_errors(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text("[nope]\n")
     proc = servelens("--config", str(cfg), "trace", "list")
-    assert proc.returncode == 2 and "unknown config key nope" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 3 and "unknown config key nope" in proc.stderr and "Traceback" not in proc.stderr
     blocker = tmp_path / "file"
     blocker.write_text("")
     proc = servelens("trace", "convert", "mooncake", "--out", str(blocker / "sub" / "w.parquet"))
-    assert proc.returncode == 2 and "error:" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 3 and "error:" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_storing_without_a_pseudonym_key_is_refused_with_a_hint(tmp_path):
@@ -95,7 +95,7 @@ def test_storing_without_a_pseudonym_key_is_refused_with_a_hint(tmp_path):
         [sys.executable, "-m", "servelens", "requests", "derive", str(events), "--out", str(tmp_path / "r.parquet")],
         capture_output=True, text=True, env=env,
     )
-    assert proc.returncode == 2 and "no pseudonym key is configured" in proc.stderr
+    assert proc.returncode == 3 and "no pseudonym key is configured" in proc.stderr
     assert "servelens privacy keygen" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "r.parquet").exists()
 
@@ -104,7 +104,7 @@ def test_privacy_keygen_rotate_and_sanitize_with_a_report(tmp_path):
     keys = tmp_path / "keys.toml"
     assert servelens("privacy", "keygen", "--out", str(keys), "--id", "k1").returncode == 0
     again = servelens("privacy", "keygen", "--out", str(keys))
-    assert again.returncode == 2 and "already exists" in again.stderr
+    assert again.returncode == 3 and "already exists" in again.stderr
     rotated = servelens("privacy", "rotate", str(keys), "--id", "k2")
     assert rotated.returncode == 0 and "active pseudonym key is now k2 (2 keys" in rotated.stdout
     events = tmp_path / "e.jsonl"

@@ -1,0 +1,169 @@
+"""The gate: known answers, configuration errors, live canaries, and the command's exit codes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+
+from replay.gate import (
+    FAIL,
+    INCONCLUSIVE,
+    PASS,
+    GateConfig,
+    Run,
+    compare_runs,
+    config_yaml,
+    decide,
+    default_config,
+    load_config,
+)
+from replay.metrics import ClassObjectives
+from servelens.errors import ConfigError
+from tests.replay.gate_data import synthetic_requests
+
+
+def _run(label: str, **kw) -> Run:
+    return Run(label, synthetic_requests(**kw), None, label, None, None)
+
+
+def _by(verdict, metric: str, group: str = ""):
+    (found,) = [m for m in verdict.metrics if m.metric == metric and m.group == group]
+    return found
+
+
+def test_identical_runs_pass():
+    verdict = compare_runs(_run("b", seed=1), _run("c", seed=1), default_config())
+    assert verdict.status == PASS and verdict.exit_code == 0 and verdict.score == 100
+
+
+def test_a_thirty_percent_worse_p99_ttft_in_one_class_fails_and_names_it():
+    verdict = compare_runs(_run("b", seed=1), _run("c", seed=1, ttft_factor={"interactive": 1.3}), default_config())
+    assert verdict.status == FAIL and verdict.exit_code == 1
+    failed = _by(verdict, "ttft_p99_s", "interactive")
+    assert failed.status == FAIL and failed.critical
+    assert any("ttft_p99_s (interactive)" in r and "critical failure" in r for r in verdict.reasons)
+    assert _by(verdict, "ttft_p99_s", "batch").status == PASS  # the other class is untouched
+
+
+def test_winning_goodput_by_rejecting_a_fifth_of_requests_is_not_a_pass():
+    """The baseline admits everything and misses TTFT for many; the candidate rejects 20% and meets
+    TTFT for the rest: more goodput, but the rejections are judged and fail the run."""
+    config = dataclasses.replace(default_config(), classes=(ClassObjectives(name="default", ttft_s=0.3),))
+    baseline = _run("b", seed=2, ttft_median_s=0.3, classes=("default",))
+    candidate = _run("c", seed=2, ttft_median_s=0.1, reject_share=0.2, classes=("default",))
+    verdict = compare_runs(baseline, candidate, config)
+    goodput = _by(verdict, "goodput_rps")
+    assert goodput.difference.candidate > goodput.difference.baseline and goodput.status == PASS
+    assert verdict.status == FAIL
+    assert _by(verdict, "rejected_share").status == FAIL
+    assert any(r.startswith("critical failure: rejected_share") for r in verdict.reasons)
+
+
+def test_ten_requests_are_inconclusive():
+    verdict = compare_runs(_run("b", num_requests=10), _run("c", num_requests=10, seed=3), default_config())
+    assert verdict.status == INCONCLUSIVE and verdict.exit_code == 2
+    assert "too little data" in _by(verdict, "goodput_rps").reason
+
+
+def test_a_baseline_without_data_for_a_metric_is_inconclusive_with_that_reason():
+    baseline = Run("b", synthetic_requests(classes=("batch",)), None, "b", None, None)
+    candidate = Run("c", synthetic_requests(classes=("batch", "interactive")), None, "c", None, None)
+    verdict = compare_runs(baseline, candidate, default_config())
+    interactive = _by(verdict, "ttft_p99_s", "interactive")
+    assert interactive.status == INCONCLUSIVE and "baseline 0" in interactive.reason
+    assert verdict.status != PASS
+
+
+def test_the_configuration_round_trips_and_bad_ones_are_named(tmp_path):
+    path = tmp_path / "gate.yaml"
+    path.write_text(config_yaml(default_config()))
+    assert load_config(path) == default_config()
+    path.write_text("metrics:\n  - {name: p99_latency, bad: increase, allowed: 0.1, critical: 0.2}\n")
+    with pytest.raises(ConfigError, match="unknown metric 'p99_latency'") as err:
+        load_config(path)
+    assert "ttft_p99_s" in err.value.hint
+    path.write_text("metrics:\n  - {name: ttft_p99_s, bad: up, allowed: 0.1, critical: 0.2}\n")
+    with pytest.raises(ConfigError, match="bad must be 'increase' or 'decrease'"):
+        load_config(path)
+    path.write_text("metrics:\n  - {name: ttft_p99_s, bad: increase, allowed: 0.3, critical: 0.2}\n")
+    with pytest.raises(ConfigError, match="allowed"):
+        load_config(path)
+    path.write_text("windows_s: 60\n")
+    with pytest.raises(ConfigError, match="unknown config key windows_s"):
+        load_config(path)
+    path.write_text("score: {pass: 80, marginal: 60}\n")
+    assert load_config(path).score.pass_ == 80
+
+
+def test_a_failed_live_canary_rolls_back_to_the_named_configuration():
+    failing = compare_runs(_run("b", seed=1), _run("c", seed=1, ttft_factor={"interactive": 1.5}), default_config())
+    decision = decide(failing, "policy=fcfs@v12")
+    assert decision.action == "rollback" and decision.restore == "policy=fcfs@v12"
+    assert decide(compare_runs(_run("b"), _run("c"), default_config()), None).action == "promote"
+    watching = decide(compare_runs(_run("b", num_requests=10), _run("c", num_requests=10), default_config()), None)
+    assert watching.action == "continue"
+    never = dataclasses.replace(failing, config=dataclasses.replace(failing.config, rollback_on="never"))
+    assert decide(never, "x").action == "continue"
+
+
+def test_live_pools_are_read_from_the_lake(tmp_path):
+    """Two pools over the same period, from sanitized events in the lake."""
+    from pipelines.lake import EVENTS, Lake, OffsetRange
+    from privacy.keys import KeyRing
+    from privacy.sanitize import Sanitizer
+    from replay.gate import lake_pools
+    from schemas.arrow import events_to_table
+    from schemas.events import FirstToken, RequestArrived, RequestFinished
+
+    events = []
+    for i in range(300):
+        pool = "canary" if i % 2 else "baseline"
+        env = {"engine_id": f"eng-{pool}", "request_id": f"r{i}", "pool": pool, "service_class": "interactive"}
+        t = 1_764_000_000_000_000_000 + i * 100_000_000
+        ttft = 200_000_000 if pool == "baseline" else 600_000_000  # the canary is 3x slower to first token
+        events += [RequestArrived(event_id=f"a{i}", ts_ns=t, num_prompt_tokens=10, **env),
+                   FirstToken(event_id=f"f{i}", ts_ns=t + ttft, **env),
+                   RequestFinished(event_id=f"z{i}", ts_ns=t + ttft, outcome="completed", num_output_tokens=1, **env)]
+    clean = Sanitizer(KeyRing("k", {"k": bytes(32)})).sanitize(events_to_table(events))
+    Lake(tmp_path / "lake").commit(EVENTS, clean, [OffsetRange("t", 0, 0, 0, 1)], {("t", 0, 0): None})
+    base, cand = lake_pools(str(tmp_path / "lake"), "baseline", "canary", None, None)
+    assert base.requests.num_rows == cand.requests.num_rows == 150
+    verdict = compare_runs(base, cand, dataclasses.replace(default_config(), window_s=5.0, min_points=20))
+    assert _by(verdict, "ttft_p99_s").status == FAIL and verdict.status == FAIL
+
+
+def _gate(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "servelens", "gate", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})})
+
+
+def test_the_gate_command_exits_0_1_2_and_3_and_writes_its_reports(tmp_path):
+    paths = {}
+    for name, kw in {"base": {"seed": 1}, "same": {"seed": 1}, "worse": {"seed": 1, "ttft_factor": {"interactive": 1.3}},
+                     "tiny": {"num_requests": 10}}.items():
+        paths[name] = tmp_path / f"{name}.parquet"
+        pq.write_table(synthetic_requests(**kw), paths[name])
+    passed = _gate("--baseline", str(paths["base"]), "--candidate", str(paths["same"]), "--out", str(tmp_path / "pass"))
+    assert passed.returncode == 0 and "gate: PASS" in passed.stdout, passed.stderr
+    failed = _gate("--baseline", str(paths["base"]), "--candidate", str(paths["worse"]), "--out", str(tmp_path / "fail"))
+    assert failed.returncode == 1 and "ttft_p99_s (interactive)" in failed.stdout
+    report = json.loads((tmp_path / "fail" / "gate.json").read_text())
+    assert report["status"] == "fail" and any(m["metric"] == "ttft_p99_s" and m["status"] == "fail" for m in report["metrics"])
+    assert "| ttft\\_p99\\_s | interactive |" in (tmp_path / "fail" / "gate.md").read_text()
+    unsure = _gate("--baseline", str(paths["tiny"]), "--candidate", str(paths["tiny"]), "--out", str(tmp_path / "unsure"))
+    assert unsure.returncode == 2 and "gate: INCONCLUSIVE" in unsure.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("metrics: [{name: nope, bad: increase, allowed: 0, critical: 1}]\n")
+    error = _gate("--baseline", str(paths["base"]), "--candidate", str(paths["same"]), "--config", str(bad))
+    assert error.returncode == 3 and "unknown metric 'nope'" in error.stderr and "Traceback" not in error.stderr
+    usage = _gate("--no-such-option")
+    assert usage.returncode == 3
+    written = tmp_path / "default.yaml"
+    assert _gate("--write-default-config", str(written)).returncode == 0
+    assert load_config(written) == default_config() and isinstance(load_config(written), GateConfig)
