@@ -44,7 +44,8 @@ class WindowStats:
 
 def window_stats(r: Requests, rows: np.ndarray, steps: Steps | None, num_windows: int, config: MetricsConfig,
                  tenants: np.ndarray) -> WindowStats:
-    """Sufficient statistics of the requests selected by ``rows``, per window of the common grid."""
+    """Sufficient statistics of the requests selected by ``rows``, per window of the common grid
+    (``tenants``: the sorted tenant names of both runs, so tenant columns line up)."""
     w = np.clip(np.floor(r.arrival_s[rows] / config.window_s).astype(np.int64), 0, num_windows - 1)
 
     def total(values: np.ndarray) -> np.ndarray:
@@ -52,7 +53,7 @@ def window_stats(r: Requests, rows: np.ndarray, steps: Steps | None, num_windows
 
     sub = {name: getattr(r, name)[rows] for name in (
         "good", "outcome", "num_output_tokens", "num_prompt_tokens", "num_preemptions", "num_lost_tokens",
-        "past_limit", "meets_ttft", "meets_itl", "meets_e2e", "queue_s", "tenant", "rejected", "arrival_s")}
+        "past_limit", "meets_ttft", "meets_itl", "meets_e2e", "queue_s", "tenant_code", "rejected", "arrival_s")}
     sums = {
         "good": total(sub["good"]),
         "good_tokens": total(np.where(sub["good"], sub["num_output_tokens"], 0)),
@@ -82,10 +83,10 @@ def window_stats(r: Requests, rows: np.ndarray, steps: Steps | None, num_windows
     np.maximum.at(qmax, w, queue)
     served = np.where(sub["num_output_tokens"] > 0, sub["num_prompt_tokens"] + 2 * sub["num_output_tokens"], 0.0)
     weights = config.weights()
-    t_index = np.searchsorted(tenants, sub["tenant"])
+    t_index = np.searchsorted(tenants, r.tenant_names)[sub["tenant_code"]]  # this run's codes -> shared columns
+    weight_of = np.array([weights.get(t, 1.0) for t in tenants], dtype=np.float64)
     service = np.zeros((num_windows, len(tenants)))
-    tenant_weight = np.array([weights.get(t, 1.0) for t in sub["tenant"].tolist()], dtype=np.float64)
-    np.add.at(service, (w, t_index), served / tenant_weight)
+    np.add.at(service, (w, t_index), served / weight_of[t_index])
     backlogged = np.zeros((num_windows, len(tenants)), dtype=bool)
     backlogged[w, t_index] = True
     gap = np.where(backlogged.sum(1) >= 2,

@@ -373,14 +373,14 @@ def compare_runs(baseline: Run, candidate: Run, config: GateConfig) -> Verdict:
     sc = load_steps(candidate.events, origin) if candidate.events is not None else None
     end = max([r.arrival_s.max() for r in (rb, rc) if r.size] or [0.0])
     num_windows = max(1, int(np.floor(end / config.window_s)) + 1)
-    tenants = np.unique(np.concatenate([rb.tenant, rc.tenant])) if rb.size + rc.size else np.array([], dtype=object)
+    tenants = np.union1d(rb.tenant_names, rc.tenant_names)
     rng = np.random.default_rng(config.seed)
     block = min(config.block_windows or default_block_windows(num_windows), num_windows)
     counts = block_counts(num_windows, config.resamples, block, rng)
     num_blocks = -(-num_windows // block)
-    classes = sorted(set(rb.service_class.tolist()) | set(rc.service_class.tolist()))
+    classes = np.union1d(rb.class_names, rc.class_names)
     groups = [("", np.ones(rb.size, bool), np.ones(rc.size, bool))]
-    groups += [(name, rb.service_class == name, rc.service_class == name) for name in classes]
+    groups += [(str(name), _of_class(rb, name), _of_class(rc, name)) for name in classes]
     stats = {
         g: (window_stats(rb, mb, sb if not g else None, num_windows, mconfig, tenants),
             window_stats(rc, mc, sc if not g else None, num_windows, mconfig, tenants))
@@ -404,6 +404,12 @@ def compare_runs(baseline: Run, candidate: Run, config: GateConfig) -> Verdict:
                                  tests, num_blocks)
             verdicts.append(judge_metric(diff, spec, config.min_points))
     return _overall(verdicts, baseline, candidate, config)
+
+
+def _of_class(r, name: str) -> np.ndarray:
+    """Mask of the requests of one class (none when the run never saw it)."""
+    found = np.flatnonzero(r.class_names == name)
+    return r.class_code == found[0] if len(found) else np.zeros(r.size, dtype=bool)
 
 
 def _overall(verdicts: list[MetricVerdict], baseline: Run, candidate: Run, config: GateConfig) -> Verdict:

@@ -24,6 +24,8 @@ def _autocorrelated_run(rng: np.random.Generator, windows: int, reject_p: float,
     return Requests(
         arrival_s=window * CONFIG.window_s + rng.uniform(0, CONFIG.window_s, n),
         service_class=np.full(n, "default", dtype=object), tenant=np.full(n, "t", dtype=object),
+        class_code=np.zeros(n, dtype=np.int64), class_names=np.array(["default"], dtype=object),
+        tenant_code=np.zeros(n, dtype=np.int64), tenant_names=np.array(["t"], dtype=object),
         outcome=np.where(rejected, "rejected", "completed").astype(object),
         ttft_s=nans, itl_p99_s=nans, tpot_s=nans, e2e_s=nans, queue_s=nans, num_prompt_tokens=zeros,
         num_output_tokens=zeros, num_preemptions=zeros, num_lost_tokens=zeros, num_admission_decisions=zeros,
