@@ -229,10 +229,14 @@ class Decoder:
             rejected.append(Rejected(i, int(sizes[i]), (error,)))
         candidates = np.flatnonzero(sizes <= self.max_message_bytes).tolist()
         joined = b"\n".join(values[i] for i in candidates)
-        if joined.count(b"\n") == len(candidates) - 1 and b"\r" not in joined:  # the usual case, checked in C
+        # NaN and Infinity are not JSON, but pyarrow reads them (in an unknown field, unchecked): the
+        # reference path refuses them. A mention anywhere sends the message there (conservative).
+        suspicious = (b"\r", b"NaN", b"Infinity")
+        if joined.count(b"\n") == len(candidates) - 1 and not any(s in joined for s in suspicious):  # the usual case, in C
             odd = [i for i in candidates if not values[i] or values[i][0] != 0x7B]
         else:
-            odd = [i for i in candidates if not values[i] or values[i][0] != 0x7B or b"\n" in values[i] or b"\r" in values[i]]
+            odd = [i for i in candidates if not values[i] or values[i][0] != 0x7B or b"\n" in values[i]
+                   or any(s in values[i] for s in suspicious)]
         slow: list[int] = odd  # not "{...}" on one line: the reference path decides
         odd_set = set(odd)
         fast = [i for i in candidates if i not in odd_set] if odd else candidates

@@ -222,7 +222,13 @@ def validate_record(record: Any, number: int = 0) -> RecordResult:
             values[spec.name] = spec.default
             continue
         value = record[spec.name]
-        errors.extend(_field_errors(spec, value))
+        found = _field_errors(spec, value)
+        if not found and spec.kind == "float" and isinstance(value, int):  # JSON 3 for a float field: 3.0
+            try:
+                value = float(value)
+            except OverflowError:
+                found = [FieldError(OUT_OF_RANGE, f"$.{spec.name}", "the number is too large", "integer", spec.describe())]
+        errors.extend(found)
         values[spec.name] = value
     known = {s.name for s in field_specs(cls)}
     ignored = tuple(k for k, v in record.items() if k not in known and v is not None)

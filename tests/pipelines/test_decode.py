@@ -81,6 +81,15 @@ def test_clock_skewed_events_go_to_dead_letters():
     assert [r.errors[0].reason for r in batch.rejected] == [CLOCK_SKEW] and batch.events.num_rows == 1
 
 
+def test_found_by_hypothesis_infinity_in_an_unknown_field_and_a_huge_integer_for_a_float():
+    good = event_as_dict(_arrived(1))
+    infinite = json.dumps({**good, "prompt": float("inf")}).encode()  # Infinity: not JSON, even unknown
+    decision = {**good, "event_type": "admission_decided", "decision": "accept", "retry_after_s": 2**63}
+    batch = Decoder().decode([infinite, json.dumps(decision).encode()])
+    assert [(r.index, r.errors[0].reason) for r in batch.rejected] == [(0, "invalid_json")]
+    assert batch.events["retry_after_s"].to_pylist() == [float(2**63)]
+
+
 # ----------------------------------------------------------------------------- agreement with the reference
 
 WRONG_VALUES = st.one_of(
