@@ -1,18 +1,28 @@
-"""Workload tables: their burst statistics and their arrivals as lifecycle events.
+"""Workload tables: burst statistics, arrivals as events, sources for the replay, load transforms.
 
 A workload (``schemas.records.WorkloadRequest``) is what arrived and how much work it asked for. The
 statistics here (rate, token percentiles, inter-arrival CV, peak-to-mean per window) describe the
-burst structure that every load transform must keep.
+burst structure that every load transform must keep. The replay reads a workload as a ``Workload``
+source (a table, or copies of one generated on the fly); the transforms (rate scaling,
+superposition of shifted copies, tiling, block bootstrap of time windows, trimming) change the
+load without ever reordering arrivals within what they copy. Workloads come from a trace
+converter (``replay.traces``) or from ingested telemetry (``workload_from_requests``).
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from replay.errors import ReplayError
+from replay.traces import WORKLOAD_SCHEMA
 from schemas.arrow import EVENTS_SCHEMA
 from schemas.events import SCHEMA_VERSION
 
@@ -34,6 +44,21 @@ def peak_to_mean(arrival_ns: np.ndarray, window_s: float) -> float:
     offsets = arrival_ns - arrival_ns.min()
     counts = np.bincount(offsets // window_ns)
     return float(counts.max() / counts.mean())
+
+
+def sliding_peak_to_mean(arrival_ns: np.ndarray, window_s: float) -> float:
+    """The most arrivals in any window of that length (at any position) over the mean per window.
+
+    Unlike ``peak_to_mean``, it does not depend on where a fixed grid of windows happens to fall:
+    shifting the Azure trace's 1 s grid by a fraction of a second moves ``peak_to_mean`` by up to 12%.
+    """
+    arrivals = np.sort(np.asarray(arrival_ns, dtype=np.int64))
+    if len(arrivals) < 2 or arrivals[-1] == arrivals[0]:
+        return float("nan")
+    window_ns = int(window_s * 1e9)
+    counts = np.searchsorted(arrivals, arrivals + window_ns, side="left") - np.arange(len(arrivals))
+    mean = len(arrivals) * window_ns / float(arrivals[-1] - arrivals[0])
+    return float(counts.max() / mean)
 
 
 def burstiness(arrival_ns: np.ndarray) -> Burstiness:
@@ -104,3 +129,275 @@ def arrival_events(workload: pa.Table, engine_id: str) -> pa.Table:
         columns[f.name] if f.name in columns else pa.nulls(n, f.type) for f in EVENTS_SCHEMA
     ]
     return pa.Table.from_arrays(arrays, schema=EVENTS_SCHEMA)
+
+
+# ---------------------------------------------------------------------------------------------- sources
+
+
+class Workload:
+    """A workload the replay reads in arrival order, a record batch at a time (``WORKLOAD_SCHEMA``).
+
+    ``fingerprint`` identifies its content (the manifest's workload hash) without materializing it
+    when the workload is generated (``TiledWorkload``), so memory stays independent of its length.
+    """
+
+    name: str
+    num_requests: int | None
+
+    def batches(self) -> Iterator[pa.RecordBatch]:
+        raise NotImplementedError
+
+    def fingerprint(self) -> str:
+        raise NotImplementedError
+
+
+def table_sha256(table: pa.Table) -> str:
+    """SHA-256 of a table's Arrow IPC stream (deterministic for equal tables and schemas)."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table.combine_chunks())
+    return hashlib.sha256(sink.getvalue().to_pybytes()).hexdigest()
+
+
+class TableWorkload(Workload):
+    """A workload held as one table (a trace, a transformed trace, ingested telemetry)."""
+
+    def __init__(self, table: pa.Table, name: str = "workload", batch_rows: int = 65_536) -> None:
+        self.table = _checked(table)
+        self.name = name
+        self.num_requests = table.num_rows
+        self._batch_rows = batch_rows
+        self._fingerprint: str | None = None
+
+    def batches(self) -> Iterator[pa.RecordBatch]:
+        return iter(self.table.to_batches(max_chunksize=self._batch_rows))
+
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            self._fingerprint = table_sha256(self.table)
+        return self._fingerprint
+
+
+class TiledWorkload(Workload):
+    """``num_copies`` time-shifted copies of a table laid back to back, generated batch by batch.
+
+    Copy ``i`` is the base shifted by ``i * period_ns`` (the base's span plus one mean gap, rounded
+    up to a 10 s grid: the load per instance is the base's and the trace just gets longer); request
+    ids get ``#i``.
+    """
+
+    def __init__(self, base: pa.Table, num_copies: int, *, num_requests: int | None = None, name: str | None = None) -> None:
+        self.base = _checked(base)
+        self.num_copies = num_copies
+        self.num_requests = num_requests if num_requests is not None else base.num_rows * num_copies
+        if self.num_requests > base.num_rows * num_copies:
+            raise ReplayError(f"{num_copies} copies of {base.num_rows} requests hold fewer than {self.num_requests}")
+        self.period_ns = tile_period_ns(base)
+        self.name = name or f"tiled({num_copies})"
+
+    def batches(self) -> Iterator[pa.RecordBatch]:
+        left = self.num_requests
+        for i in range(self.num_copies):
+            if left <= 0:
+                return
+            copy = _shifted_copy(self.base, i * self.period_ns, f"#{i}")
+            if copy.num_rows > left:
+                copy = copy.slice(0, left)
+            left -= copy.num_rows
+            yield from copy.to_batches(max_chunksize=65_536)
+
+    def batches_as_tables(self) -> list[pa.Table]:
+        return [pa.Table.from_batches([b]) for b in self.batches()]
+
+    def fingerprint(self) -> str:
+        spec = f"tiled:{table_sha256(self.base)}:{self.num_copies}:{self.num_requests}:{self.period_ns}"
+        return hashlib.sha256(spec.encode()).hexdigest()
+
+
+def as_workload(workload: pa.Table | Workload, name: str = "workload") -> Workload:
+    return workload if isinstance(workload, Workload) else TableWorkload(workload, name)
+
+
+def _checked(table: pa.Table) -> pa.Table:
+    missing = [f.name for f in WORKLOAD_SCHEMA if f.name not in table.column_names]
+    if missing:
+        raise ReplayError(f"not a workload table: missing column(s) {', '.join(missing)}")
+    table = table.select(WORKLOAD_SCHEMA.names).cast(WORKLOAD_SCHEMA)
+    arrivals = table["arrival_ns"].to_numpy()
+    if len(arrivals) > 1 and (np.diff(arrivals) < 0).any():
+        row = int(np.argmax(np.diff(arrivals) < 0)) + 1
+        raise ReplayError(
+            f"the workload is not in arrival order (row {row} arrives before row {row - 1})",
+            "sort it by arrival_ns once; the replay never reorders arrivals itself",
+        )
+    return table
+
+
+# ---------------------------------------------------------------------------------------------- load transforms
+#
+# Each keeps the order of arrivals within what it copies (never a shuffle) and returns a workload
+# table; request ids stay unique by suffixing the copy or window they come from.
+
+
+def scale_rate(workload: pa.Table, factor: float | Fraction) -> pa.Table:
+    """Rate x ``factor``: every gap between arrivals divided by ``factor`` (exactly, in rationals)."""
+    f = Fraction(factor).limit_denominator(10**6)
+    if f <= 0:
+        raise ReplayError(f"rate factor must be positive, not {factor}")
+    arrivals = workload["arrival_ns"].to_numpy().astype(object)
+    if len(arrivals) == 0:
+        return workload
+    t0 = int(arrivals[0])
+    scaled = [t0 + (int(a) - t0) * f.denominator // f.numerator for a in arrivals]
+    index = workload.schema.get_field_index("arrival_ns")
+    return workload.set_column(index, workload.schema.field(index), pa.array(scaled, pa.int64()))
+
+
+def superpose(workload: pa.Table, num_copies: int, shift_ns: int) -> pa.Table:
+    """``num_copies`` copies, copy i shifted by ``i * shift_ns``, merged by arrival (ties: copy order)."""
+    copies = [_shifted_copy(workload, i * shift_ns, f"#{i}") for i in range(num_copies)]
+    merged = pa.concat_tables(copies)
+    copy_index = np.repeat(np.arange(num_copies), workload.num_rows)
+    row_index = np.tile(np.arange(workload.num_rows), num_copies)
+    order = np.lexsort((row_index, copy_index, merged["arrival_ns"].to_numpy()))
+    return merged.take(pa.array(order))
+
+
+def tile(workload: pa.Table, num_copies: int) -> pa.Table:
+    """Copies laid back to back (see ``TiledWorkload``, the streaming form), as one table."""
+    return pa.concat_tables(TiledWorkload(workload, num_copies).batches_as_tables())
+
+
+#: Tiled copies start on this grid, so per-1 s and per-10 s window counts repeat exactly in each copy.
+TILE_GRID_NS = 10 * 10**9
+
+
+def tile_period_ns(workload: pa.Table) -> int:
+    """The shift between tiled copies: the span plus one mean inter-arrival gap, rounded up to 10 s."""
+    arrivals = workload["arrival_ns"].to_numpy()
+    if len(arrivals) < 2:
+        return TILE_GRID_NS
+    span = int(arrivals[-1] - arrivals[0])
+    period = span + max(1, span // (len(arrivals) - 1))
+    return -(-period // TILE_GRID_NS) * TILE_GRID_NS
+
+
+def block_bootstrap(workload: pa.Table, window_ns: int, num_windows: int, seed: int) -> pa.Table:
+    """A trace of ``num_windows`` windows, each a copy of a window of the original drawn with replacement.
+
+    Windows tile the original from its first arrival; only whole windows are drawn (a partial last
+    window would leave a silent gap). Output window j holds the arrivals of the drawn window at the
+    same offsets, so bursts shorter than a window keep their shape exactly; ids get ``#b<j>``.
+    """
+    arrivals = workload["arrival_ns"].to_numpy()
+    t0 = int(arrivals[0])
+    num_source = int((arrivals[-1] - t0) // window_ns)
+    if num_source < 1:
+        raise ReplayError(f"the workload spans less than one {window_ns / 1e9:g} s window")
+    window_of = (arrivals - t0) // window_ns
+    draws = np.random.default_rng(seed).integers(0, num_source, size=num_windows)
+    starts = np.searchsorted(window_of, np.arange(num_source + 1))
+    parts = []
+    for j, w in enumerate(draws):
+        part = workload.slice(int(starts[w]), int(starts[w + 1] - starts[w]))
+        parts.append(_shifted_copy(part, (j - int(w)) * window_ns, f"#b{j}"))
+    return pa.concat_tables(parts)
+
+
+def trim(workload: pa.Table, start_ns: int, end_ns: int) -> pa.Table:
+    """The requests arriving in [start_ns, end_ns)."""
+    a = workload["arrival_ns"]
+    return workload.filter(pc.and_(pc.greater_equal(a, start_ns), pc.less(a, end_ns)))
+
+
+def _shifted_copy(table: pa.Table, shift_ns: int, suffix: str) -> pa.Table:
+    schema = table.schema
+    arrivals = pc.add(table["arrival_ns"], pa.scalar(shift_ns, pa.int64()))
+    ids = pc.binary_join_element_wise(table["request_id"], suffix, "")
+    table = table.set_column(schema.get_field_index("arrival_ns"), "arrival_ns", arrivals)
+    return table.set_column(schema.get_field_index("request_id"), "request_id", ids).cast(schema)
+
+
+# ---------------------------------------------------------------------------------------------- builders
+
+
+def poisson_workload(
+    rate_per_s: float,
+    num_requests: int,
+    seed: int,
+    *,
+    num_prompt_tokens: int = 128,
+    num_output_tokens: int = 1,
+    start_ns: int = 0,
+) -> pa.Table:
+    """Poisson arrivals (exponential gaps, seeded) with fixed lengths: for closed-form queueing checks."""
+    gaps = np.random.default_rng(seed).exponential(1e9 / rate_per_s, size=num_requests)
+    arrivals = start_ns + np.floor(np.cumsum(gaps)).astype(np.int64)
+    n = num_requests
+    width = max(6, len(str(n)))
+    columns = {
+        "request_id": pa.array([f"poisson-{i:0{width}d}" for i in range(n)], pa.string()),
+        "arrival_ns": pa.array(arrivals, pa.int64()),
+        "num_prompt_tokens": pa.array(np.full(n, num_prompt_tokens), pa.int64()),
+        "num_output_tokens": pa.array(np.full(n, num_output_tokens), pa.int64()),
+        "num_branches": pa.array(np.ones(n, dtype=np.int64), pa.int64()),
+        "failed": pa.array(np.zeros(n, dtype=bool), pa.bool_()),
+    }
+    return pa.Table.from_arrays(
+        [columns[f.name] if f.name in columns else pa.nulls(n, f.type) for f in WORKLOAD_SCHEMA],
+        schema=WORKLOAD_SCHEMA,
+    )
+
+
+def workload_from_requests(requests: pa.Table) -> pa.Table:
+    """A workload from a request table (``pipelines.tables.derive_requests``: ingested telemetry).
+
+    Keeps what the table records: arrival, prompt and output lengths (the tokens actually produced),
+    session, tenant pseudonym, class, model, adapter, branches, and the cancellation offset of
+    cancelled requests; a request that ended in ``error`` is marked failed. A cancelled request's
+    intended length is unknown: it gets its ``max_output_tokens`` when telemetry recorded one, else
+    what it produced (so a faster replay may complete it before its cancellation). Prefix block ids
+    are not in the request table, so a workload from telemetry has none.
+    """
+    t = requests.filter(pc.is_valid(requests["arrival_ns"])).sort_by([("arrival_ns", "ascending"), ("request_id", "ascending")])
+    n = t.num_rows
+    cancel_after = pc.subtract(t["cancel_ns"], t["arrival_ns"])
+    columns = {
+        "request_id": t["request_id"],
+        "arrival_ns": t["arrival_ns"],
+        "num_prompt_tokens": pc.fill_null(t["num_prompt_tokens"], 0),
+        "num_output_tokens": pc.fill_null(
+            pc.if_else(
+                pc.and_(pc.is_valid(t["cancel_ns"]), pc.is_valid(t["max_output_tokens"])),
+                t["max_output_tokens"],
+                t["num_output_tokens"],
+            ),
+            0,
+        ),
+        "session_id": t["session_id"],
+        "tenant": t["tenant"],
+        "service_class": t["service_class"],
+        "model": t["model"],
+        "adapter": t["adapter"],
+        "num_branches": pc.fill_null(t["num_branches"], 1),
+        "cancel_after_ns": cancel_after,
+        "failed": pc.fill_null(pc.equal(t["outcome"], "error"), False),
+    }
+    return pa.Table.from_arrays(
+        [pc.cast(columns[f.name], f.type) if f.name in columns else pa.nulls(n, f.type) for f in WORKLOAD_SCHEMA],
+        schema=WORKLOAD_SCHEMA,
+    )
+
+
+def load_workload(name_or_path: str, shared: Path | None, num_requests: int | None = None) -> Workload:
+    """A workload from a bundled trace name, a trace file or a workload Parquet file; tiled (copies
+    back to back, burst timing kept) to ``num_requests`` when given."""
+    import pyarrow.parquet as pq
+
+    from replay.traces import read_trace
+
+    path = Path(name_or_path)
+    table = pq.read_table(path) if path.suffix == ".parquet" and path.is_file() else read_trace(name_or_path, shared)
+    if num_requests:
+        return TiledWorkload(table, -(-num_requests // table.num_rows), num_requests=num_requests, name=name_or_path)
+    return TableWorkload(table, name=name_or_path)

@@ -528,6 +528,66 @@ def lake_sql(ctx: click.Context, query: str, limit: int) -> None:
     click.echo(result.limit(limit).to_arrow_table().to_pandas().to_string(index=False))
 
 
+# ---------------------------------------------------------------------------------------------- replay
+
+
+@cli.command("replay")
+@click.option("--workload", "workload_name", required=True,
+              help="Bundled trace name, trace file, or workload Parquet file (from `servelens trace convert`).")
+@click.option("--policy", "policy_name", default="fcfs", show_default=True, help="Registered scheduling policy.")
+@click.option("--engine", "engine_spec", default="llama-3-8b@h100-sxm", show_default=True,
+              help="MODEL@ACCELERATOR[xTP], e.g. llama-2-70b@a100-80gx2.")
+@click.option("--cost-model", type=click.Choice(["roofline", "profile", "constant"]), default="roofline",
+              show_default=True, help="Step cost model (profile: measured Vidur operator timings from the shared data folder).")
+@click.option("--mode", type=click.Choice(["fast", "reference"]), default="fast", show_default=True,
+              help="fast coalesces runs of identical decode steps (same timestamps); reference simulates every step.")
+@click.option("--requests", "num_requests", type=int, default=None, help="Tile the workload to this many requests.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of every random choice (scenario draws).")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True, help="Output folder.")
+@click.pass_context
+def replay_command(ctx: click.Context, workload_name: str, policy_name: str, engine_spec: str, cost_model: str,
+                   mode: str, num_requests: int | None, seed: int, out: Path) -> None:
+    """Replay a workload through a modelled serving instance; write events.parquet and manifest.json.
+
+    The events follow the lifecycle contract, so `servelens requests derive OUT/events.parquet`
+    and `servelens gate` read them as they read a real engine's. Progress (simulated against wall
+    time) goes to stderr, the summary to stdout.
+
+    \b
+    Example:
+      servelens replay --workload azure-conv --policy fcfs --engine llama-3-8b@h100-sxm --out out/replay/fcfs
+      servelens replay --workload azure-conv --engine llama-2-70b@a100-80gx2 --cost-model profile --out out/70b
+    """
+    from replay.run import run_replay
+    from replay.workload import load_workload
+
+    workload = load_workload(workload_name, _shared_or_none(ctx, workload_name), num_requests)
+    shared = shared_dir(_config(ctx)) if cost_model == "profile" else None
+    with click.progressbar(length=workload.num_requests or 0, label="replaying", file=sys.stderr,
+                           item_show_func=lambda p: f"{p.simulated_ns / 1e9:,.0f} s simulated in {p.wall_s:,.1f} s" if p else None) as bar:
+        done = [0]
+
+        def progress(p) -> None:
+            bar.update(p.num_arrived - done[0], p)
+            done[0] = p.num_arrived
+
+        summary = run_replay(workload, policy_name=policy_name, instance=_instance(engine_spec),
+                             cost_model=cost_model, shared=shared, seed=seed, out_dir=out, mode=mode,
+                             progress=progress, progress_every=max(1, (workload.num_requests or 100_000) // 200))
+    click.echo(
+        f"replayed {summary.num_requests:,} requests ({summary.simulated_s:,.1f} s simulated) in {summary.wall_s:,.1f} s "
+        f"({summary.requests_per_wall_s:,.0f} requests/s): {summary.num_events:,} events, "
+        f"{summary.num_steps:,} engine steps, {summary.num_preemptions:,} preemptions\n"
+        f"events:   {summary.events_path}\nmanifest: {summary.manifest_path} (run {summary.run_id})"
+    )
+
+
+def _instance(engine_spec: str):
+    from replay.config import parse_instance
+
+    return parse_instance(engine_spec)
+
+
 # ---------------------------------------------------------------------------------------------- gate
 
 

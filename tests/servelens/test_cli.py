@@ -125,7 +125,8 @@ def test_privacy_keygen_rotate_and_sanitize_with_a_report(tmp_path):
 def test_every_command_has_an_example_in_its_help():
     for args in (["events", "validate"], ["events", "schema"], ["trace", "list"], ["trace", "convert"],
                  ["trace", "stats"], ["requests", "derive"], ["privacy", "keygen"], ["privacy", "rotate"],
-                 ["privacy", "sanitize"], ["demo"]):
+                 ["privacy", "sanitize"], ["broker"], ["ingest"], ["ingest", "status"], ["lake", "compact"],
+                 ["lake", "sql"], ["replay"], ["gate"], ["demo"]):
         proc = servelens(*args, "--help")
         assert proc.returncode == 0 and "Example:" in proc.stdout, args
 
@@ -133,3 +134,14 @@ def test_every_command_has_an_example_in_its_help():
 def test_schema_command_prints_both_views():
     assert '"oneOf"' in servelens("events", "schema").stdout
     assert "ts_ns: int64 not null" in servelens("events", "schema", "--format", "arrow").stdout
+
+
+def test_replay_then_gate_from_the_command_line(tmp_path):
+    out = tmp_path / "fcfs"
+    proc = servelens("replay", "--workload", "mooncake", "--requests", "300", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "replayed 300 requests" in proc.stdout and (out / "events.parquet").is_file() and (out / "manifest.json").is_file()
+    gate = servelens("gate", "--baseline", str(out), "--candidate", str(out), "--out", str(tmp_path / "gate"))
+    assert gate.returncode == 0 and "gate: PASS" in gate.stdout
+    bad = servelens("replay", "--workload", "mooncake", "--engine", "gpt-9@tpu", "--out", str(tmp_path / "x"))
+    assert bad.returncode == 3 and "unknown" in bad.stderr and "Traceback" not in bad.stderr

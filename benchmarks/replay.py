@@ -1,0 +1,140 @@
+"""Benchmark: replay speed (simulated requests per wall-clock second) and faithfulness of the fast mode.
+
+1. Throughput. The Azure conversation trace, tiled into time-shifted copies laid back to back (same
+   load per instance, a longer trace: ``replay.workload.TiledWorkload``), is replayed in the default
+   fast mode to Parquet at 10,000, 100,000 and 1,000,000 requests, each size in a fresh process of
+   its own, which reports its wall time and peak memory (max RSS). Cost should grow linearly (flat
+   requests/s) and memory should stay flat: it follows the requests in flight, not the trace length.
+2. Fast vs reference. The full Azure and Mooncake traces are replayed in both modes; the request
+   tables' timestamps are compared (largest relative difference) and the speed ratio is reported.
+
+    python benchmarks/replay.py            # the README figures (a few minutes)
+    python benchmarks/replay.py --quick    # 10k and 100k requests, trace slices: under a minute
+
+The last line of output is one JSON object with the figures. Single process, single thread of
+simulation (Parquet encoding runs on a background thread of the same process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+TIMESTAMPS = ["arrival_ns", "admission_ns", "scheduled_ns", "first_token_ns", "last_token_ns", "cancel_ns", "finish_ns"]
+
+
+def replay_tiled(num_requests: int, out_dir: Path) -> dict:
+    """Replay the tiled Azure trace in this process; report speed and peak memory."""
+    from replay.run import run_replay
+    from replay.traces import read_trace
+    from replay.workload import TiledWorkload
+    from servelens.config import load_config, shared_dir
+
+    base = read_trace("azure-conv", shared_dir(load_config()))
+    workload = TiledWorkload(base, -(-num_requests // base.num_rows), num_requests=num_requests, name="azure-conv-tiled")
+    rss_before_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    cpu0 = time.process_time()
+    summary = run_replay(workload, out_dir=out_dir)
+    cpu_s = time.process_time() - cpu0
+    return {
+        "requests": summary.num_requests,
+        "events": summary.num_events,
+        "steps": summary.num_steps,
+        "step_events": summary.num_step_events,
+        "simulated_s": round(summary.simulated_s, 1),
+        "wall_s": round(summary.wall_s, 2),
+        "process_cpu_s": round(cpu_s, 2),
+        "requests_per_s": round(summary.requests_per_wall_s),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "rss_before_replay_mb": round(rss_before_mb, 1),
+        "events_mb": round((out_dir / "events.parquet").stat().st_size / 1e6, 1),
+    }
+
+
+def compare_modes(trace: str, num_requests: int | None, out_dir: Path) -> dict:
+    """Both modes on one trace: largest relative timestamp difference and the speed ratio."""
+    from pipelines.tables import derive_requests
+    from replay.run import run_replay
+    from replay.traces import read_trace
+    from servelens.config import load_config, shared_dir
+
+    workload = read_trace(trace, shared_dir(load_config()))
+    if num_requests is not None:
+        workload = workload.slice(0, num_requests)
+    runs = {}
+    for mode in ("fast", "reference"):
+        summary = run_replay(workload, out_dir=out_dir / f"{trace}-{mode}", mode=mode)
+        runs[mode] = (summary, derive_requests(summary.events_path))
+    worst = 0.0
+    for column in TIMESTAMPS:
+        for a, b in zip(runs["fast"][1][column].to_pylist(), runs["reference"][1][column].to_pylist()):
+            if (a is None) != (b is None):
+                worst = float("inf")
+            elif a is not None:
+                worst = max(worst, abs(a - b) / max(abs(a), abs(b), 1))
+    fast, ref = runs["fast"][0], runs["reference"][0]
+    return {
+        "trace": trace,
+        "requests": fast.num_requests,
+        "max_relative_timestamp_difference": worst,
+        "fast_wall_s": round(fast.wall_s, 2),
+        "reference_wall_s": round(ref.wall_s, 2),
+        "fast_over_reference_speed": round(ref.wall_s / fast.wall_s, 1),
+        "fast_events": fast.num_events,
+        "reference_events": ref.num_events,
+        "steps": fast.num_steps,
+        "fast_step_events": fast.num_step_events,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="10k and 100k requests; mode comparison on trace slices")
+    parser.add_argument("--sizes", type=int, nargs="*", default=None, help="tiled workload sizes (overrides --quick)")
+    parser.add_argument("--one", type=int, metavar="N", help=argparse.SUPPRESS)  # child: replay N requests
+    args = parser.parse_args()
+    if args.one:
+        with tempfile.TemporaryDirectory() as tmp:
+            print(json.dumps(replay_tiled(args.one, Path(tmp))))
+        return
+    sizes = args.sizes or ([10_000, 100_000] if args.quick else [10_000, 100_000, 1_000_000])
+    throughput = []
+    for n in sizes:
+        proc = subprocess.run([sys.executable, __file__, "--one", str(n)], capture_output=True, text=True, check=True)
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(f"tiled azure-conv, {n:,} requests: {result}", file=sys.stderr)
+        throughput.append(result)
+    with tempfile.TemporaryDirectory() as tmp:
+        modes = [
+            compare_modes("azure-conv", 3_000 if args.quick else None, Path(tmp)),
+            compare_modes("mooncake", 500 if args.quick else None, Path(tmp)),
+        ]
+    for m in modes:
+        print(f"fast vs reference: {m}", file=sys.stderr)
+    largest = throughput[-1]
+    figures = {
+        "throughput": throughput,
+        "requests_per_s_at_largest": largest["requests_per_s"],
+        "largest_requests": largest["requests"],
+        "target_requests_per_s": 20_000,
+        "peak_rss_mb_by_size": {str(t["requests"]): t["peak_rss_mb"] for t in throughput},
+        "modes": modes,
+        "fast_over_reference_speed": {m["trace"]: m["fast_over_reference_speed"] for m in modes},
+        "max_relative_timestamp_difference": max(m["max_relative_timestamp_difference"] for m in modes),
+        "cpu_count": os.cpu_count(),
+        "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
+    }
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+"""Typed configuration of one modelled serving instance: accelerator, model shape, engine settings.
+
+Frozen slotted dataclasses, each field with help text (``schemas.types.doc``), names carrying their
+units. Presets by name (``ACCELERATORS``, ``MODELS``) give published figures; ``instance_config``
+assembles an instance from them, and an unknown name raises an error listing the valid ones.
+Constructors do no I/O.
+
+Published figures used by the presets (dense bf16, no sparsity):
+
+- A100 SXM 80 GB: 312 TFLOP/s, 2.039 TB/s HBM2e, NVLink 3 600 GB/s (300 GB/s each way).
+- H100 SXM 80 GB: 989 TFLOP/s, 3.35 TB/s HBM3, NVLink 4 900 GB/s (450 GB/s each way).
+- H200 SXM 141 GB: 989 TFLOP/s, 4.8 TB/s HBM3e, NVLink 4 900 GB/s (450 GB/s each way).
+- Llama shapes from the models' Hugging Face ``config.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+from replay.errors import ReplayError, unknown_name
+from schemas.types import doc
+
+GIB = 2**30
+
+PreemptionMode = Literal["recompute", "swap"]
+
+
+def _positive(obj: object, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not value > 0:
+            raise ReplayError(f"{type(obj).__name__}.{name} must be positive, not {value!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AcceleratorConfig:
+    """The accelerators of one instance (all ``tensor_parallel_size`` of them alike)."""
+
+    name: str = doc("Accelerator name, e.g. 'h100-sxm'.")
+    memory_bytes: int = doc("Device memory of one accelerator, bytes.")
+    peak_bf16_flops: float = doc("Dense bf16 peak of one accelerator, FLOP/s.")
+    memory_bandwidth_bytes_per_s: float = doc("Device memory bandwidth of one accelerator, bytes/s.")
+    tensor_parallel_size: int = doc("Accelerators the model is sharded over (tensor parallelism).", 1)
+    interconnect: str = doc("Interconnect between the instance's accelerators, e.g. 'nvlink4'.", "nvlink")
+    interconnect_bandwidth_bytes_per_s: float = doc(
+        "Per-accelerator interconnect bandwidth in one direction, bytes/s (all-reduce cost).", 300e9
+    )
+    interconnect_latency_ns: int = doc("Fixed latency of one all-reduce, ns.", 10_000)
+    profile_name: str | None = doc(
+        "Folder name of this accelerator in the Vidur profiles (profiles/vidur/compute/<name>), if any.", None
+    )
+
+    def __post_init__(self) -> None:
+        _positive(self, "memory_bytes", "peak_bf16_flops", "memory_bandwidth_bytes_per_s", "tensor_parallel_size")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelConfig:
+    """The shape of a dense decoder-only transformer (Llama family)."""
+
+    name: str = doc("Model name, e.g. 'llama-3-8b'.")
+    num_layers: int = doc("Transformer layers.")
+    hidden_size: int = doc("Hidden (embedding) dimension.")
+    num_attention_heads: int = doc("Query heads.")
+    num_kv_heads: int = doc("Key/value heads (grouped-query attention when fewer than query heads).")
+    head_dim: int = doc("Dimension of one attention head.")
+    intermediate_size: int = doc("Inner dimension of the gated MLP.")
+    vocab_size: int = doc("Vocabulary size (embedding rows, LM-head columns).")
+    bytes_per_param: int = doc("Bytes of one weight (2 for bf16).", 2)
+    kv_bytes_per_element: int = doc("Bytes of one cached key or value element (2 for bf16, 1 for fp8).", 2)
+    profile_name: str | None = doc(
+        "Folder of this model in the Vidur profiles (profiles/vidur/compute/<gpu>/<name>), if any.", None
+    )
+
+    def __post_init__(self) -> None:
+        _positive(self, "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "head_dim")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV cache one token occupies across all layers (keys and values)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_bytes_per_element
+
+    @property
+    def num_layer_params(self) -> int:
+        """Weights of one layer: Q, K, V, O projections, the gated MLP, two norms."""
+        q = self.hidden_size * self.num_attention_heads * self.head_dim
+        kv = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
+        o = self.num_attention_heads * self.head_dim * self.hidden_size
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        return q + kv + o + mlp + 2 * self.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        """All weights: the layers, the embedding, the LM head (untied) and the final norm."""
+        return self.num_layers * self.num_layer_params + 2 * self.vocab_size * self.hidden_size + self.hidden_size
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of all weights."""
+        return self.num_params * self.bytes_per_param
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineConfig:
+    """The serving engine's settings (vLLM v1 names and defaults where vLLM has them)."""
+
+    max_num_batched_tokens: int = doc("Token budget of one step (prefill chunks plus decodes).", 2048)
+    max_num_seqs: int = doc("Most requests in the running batch.", 128)
+    block_size_tokens: int = doc("Tokens per KV cache block.", 16)
+    gpu_memory_utilization: float = doc("Share of device memory the engine may use (weights, activations, KV).", 0.9)
+    activation_reserve_bytes: int = doc(
+        "Device memory kept for activations and other non-KV use per accelerator, bytes.", 2 * GIB
+    )
+    num_kv_blocks_override: int | None = doc(
+        "Use exactly this many KV blocks instead of deriving them from memory (tests, what-ifs).", None
+    )
+    kv_watermark_fraction: float = doc(
+        "Share of KV blocks a new admission must leave free (vLLM v1 has none: 0; v0 used 0.01).", 0.0
+    )
+    enable_chunked_prefill: bool = doc(
+        "Split long prompts into chunks that fit the step budget; off: a prompt is scheduled whole.", True
+    )
+    enable_prefix_caching: bool = doc("Reuse cached KV blocks of shared prompt prefixes (LRU eviction).", True)
+    preemption_mode: PreemptionMode = doc(
+        "What preemption does to a victim's KV: recompute (drop it) or swap (copy it to host memory).",
+        "recompute",
+    )
+    swap_bandwidth_bytes_per_s: float = doc("Host<->device copy bandwidth for swap, bytes/s (PCIe 5 x16 ~ 50e9).", 50e9)
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_num_batched_tokens", "max_num_seqs", "block_size_tokens", "swap_bandwidth_bytes_per_s")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ReplayError(f"gpu_memory_utilization must be in (0, 1], not {self.gpu_memory_utilization}")
+        if not 0 <= self.kv_watermark_fraction < 1:
+            raise ReplayError(f"kv_watermark_fraction must be in [0, 1), not {self.kv_watermark_fraction}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ReplayError(f"unknown preemption_mode {self.preemption_mode!r}", "valid: recompute, swap")
+        if self.num_kv_blocks_override is not None and self.num_kv_blocks_override <= 0:
+            raise ReplayError("num_kv_blocks_override must be positive")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InstanceConfig:
+    """One serving instance: a model on its accelerators, run by an engine."""
+
+    accelerator: AcceleratorConfig = doc("The accelerators.")
+    model: ModelConfig = doc("The model.")
+    engine: EngineConfig = field(default_factory=EngineConfig, metadata={"doc": "Engine settings."})
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """KV cache capacity in blocks: what memory leaves after weights and activations, or the override."""
+        if self.engine.num_kv_blocks_override is not None:
+            return self.engine.num_kv_blocks_override
+        tp = self.accelerator.tensor_parallel_size
+        usable = int(self.accelerator.memory_bytes * self.engine.gpu_memory_utilization) * tp
+        free = usable - self.model.weight_bytes - self.engine.activation_reserve_bytes * tp
+        block_bytes = self.model.kv_bytes_per_token * self.engine.block_size_tokens
+        if free < block_bytes:
+            raise ReplayError(
+                f"{self.model.name} does not fit on {tp} x {self.accelerator.name}: "
+                f"{self.model.weight_bytes / GIB:.1f} GiB of weights, {usable / GIB:.1f} GiB usable",
+                "use more tensor parallelism, a larger accelerator or a higher gpu_memory_utilization",
+            )
+        return free // block_bytes
+
+
+ACCELERATORS: dict[str, AcceleratorConfig] = {
+    a.name: a
+    for a in (
+        AcceleratorConfig(
+            name="a100-80g",
+            memory_bytes=80 * GIB,
+            peak_bf16_flops=312e12,
+            memory_bandwidth_bytes_per_s=2.039e12,
+            interconnect="nvlink3",
+            interconnect_bandwidth_bytes_per_s=300e9,
+            profile_name="a100",
+        ),
+        AcceleratorConfig(
+            name="h100-sxm",
+            memory_bytes=80 * GIB,
+            peak_bf16_flops=989e12,
+            memory_bandwidth_bytes_per_s=3.35e12,
+            interconnect="nvlink4",
+            interconnect_bandwidth_bytes_per_s=450e9,
+            profile_name="h100",
+        ),
+        AcceleratorConfig(
+            name="h200",
+            memory_bytes=141 * 10**9,
+            peak_bf16_flops=989e12,
+            memory_bandwidth_bytes_per_s=4.8e12,
+            interconnect="nvlink4",
+            interconnect_bandwidth_bytes_per_s=450e9,
+        ),
+    )
+}
+
+MODELS: dict[str, ModelConfig] = {
+    m.name: m
+    for m in (
+        ModelConfig(
+            name="llama-3-8b",
+            num_layers=32,
+            hidden_size=4096,
+            num_attention_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            intermediate_size=14336,
+            vocab_size=128256,
+            profile_name="meta-llama/Meta-Llama-3-8B",
+        ),
+        ModelConfig(
+            name="llama-2-7b",
+            num_layers=32,
+            hidden_size=4096,
+            num_attention_heads=32,
+            num_kv_heads=32,
+            head_dim=128,
+            intermediate_size=11008,
+            vocab_size=32000,
+            profile_name="meta-llama/Llama-2-7b-hf",
+        ),
+        ModelConfig(
+            name="llama-2-70b",
+            num_layers=80,
+            hidden_size=8192,
+            num_attention_heads=64,
+            num_kv_heads=8,
+            head_dim=128,
+            intermediate_size=28672,
+            vocab_size=32000,
+            profile_name="meta-llama/Llama-2-70b-hf",
+        ),
+    )
+}
+
+
+def accelerator(name: str, tensor_parallel_size: int = 1) -> AcceleratorConfig:
+    """The named accelerator preset, with the instance's tensor-parallel degree."""
+    if name not in ACCELERATORS:
+        raise unknown_name("accelerator", name, list(ACCELERATORS))
+    return dataclasses.replace(ACCELERATORS[name], tensor_parallel_size=tensor_parallel_size)
+
+
+def model(name: str) -> ModelConfig:
+    """The named model preset."""
+    if name not in MODELS:
+        raise unknown_name("model", name, list(MODELS))
+    return MODELS[name]
+
+
+def instance_config(
+    model_name: str = "llama-3-8b",
+    accelerator_name: str = "h100-sxm",
+    *,
+    tensor_parallel_size: int = 1,
+    engine: EngineConfig | None = None,
+) -> InstanceConfig:
+    """An instance from presets: ``instance_config("llama-2-70b", "a100-80g", tensor_parallel_size=2)``."""
+    return InstanceConfig(
+        accelerator=accelerator(accelerator_name, tensor_parallel_size),
+        model=model(model_name),
+        engine=engine or EngineConfig(),
+    )
+
+
+def parse_instance(spec: str, engine: EngineConfig | None = None) -> InstanceConfig:
+    """An instance from ``MODEL@ACCELERATOR[xTP]``, e.g. ``llama-2-70b@a100-80gx2`` (the CLI's ``--engine``)."""
+    model_name, sep, rest = spec.partition("@")
+    if not sep:
+        raise ReplayError(
+            f"engine spec {spec!r} is not MODEL@ACCELERATOR",
+            f"e.g. llama-3-8b@h100-sxm or llama-2-70b@a100-80gx2; models: {', '.join(MODELS)}; "
+            f"accelerators: {', '.join(ACCELERATORS)}",
+        )
+    accel, _, tp = rest.rpartition("x") if rest.rpartition("x")[2].isdigit() and "x" in rest else (rest, "", "1")
+    return instance_config(model_name, accel, tensor_parallel_size=int(tp), engine=engine)

@@ -1,0 +1,879 @@
+"""One modelled serving instance: iteration-level batching over a KV block pool, on the event kernel.
+
+The engine owns the queues (waiting, running, held by admission), the KV ``BlockPool`` and the
+batch; the policy (``replay.policies``) decides admission, order, chunk sizes and preemption
+victims through read-only views. Each scheduling pass follows vLLM v1's scheduler:
+
+1. running requests first, in the order they joined the batch: a decode takes one position (one
+   token per branch), a prefilling request a chunk of its remaining prompt (``chunk_tokens``);
+   when its KV blocks cannot be allocated, the policy's victim (FCFS: the newest not yet scheduled)
+   is preempted until they can, or the request itself is;
+2. then, only if nothing was preempted, waiting requests in the policy's order while the sequence
+   cap, the token budget and the KV pool (less the watermark) allow; the first that does not fit
+   stops the pass. A request's prefix-cache hits are looked up as it is admitted.
+
+A step's duration comes from the cost model for its whole composition; its tokens are delivered
+at its end.
+
+Two modes. The *reference* mode runs the pass above request by request for every step. The *fast*
+mode (the default) computes the same passes with less work:
+
+- Decoding requests form a *lockstep* set advanced by one shared decode clock (``Lockstep``): their
+  step composition (sequences, summed context), the blocks they need at each step (a histogram by
+  block phase), and the first of them to finish (a heap) are aggregates updated when a request
+  joins or leaves, so a pass whose running batch is the lockstep set followed by a few prefilling
+  requests costs O(1 + those few) instead of O(batch). Anything irregular (a preemption, a budget
+  too small for every decode, a prefilling request between decoders) falls back to the
+  request-by-request pass, which is the reference mode's code.
+- A decode-only pass whose decisions would repeat (every running request decoding, nothing
+  admitted, nothing preempted, the policy's horizon open) advances the whole run of identical steps
+  at once: up to the first request's last token, the KV pool's limit, or the step during which the
+  next kernel event (arrival, cancellation) happens, whichever comes first. While requests wait, the
+  run also stops before it would evict a cached prefix unit (a waiting request's hits could change).
+  The cost model sums the run's step times exactly, so every step boundary, and so every timestamp,
+  is the reference mode's. An event inside a run first brings the run's progress to where the
+  reference has it (all but its last step), so policies observe the same state in both modes.
+
+Invariants checked with ``check_invariants``: KV blocks never negative nor above capacity; the
+blocks requests hold add up to the pool's used count; every request ends with exactly one
+``request_finished``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable
+from typing import Literal
+
+from replay.config import InstanceConfig
+from replay.costmodel import StepCostModel, StepShape
+from replay.emit import EventWriter, Snapshot
+from replay.errors import ReplayError
+from replay.kernel import CANCEL, SCHEDULE, STEP_END, Kernel
+from replay.kvcache import BlockPool
+from replay.lockstep import Lockstep
+from replay.policies.base import AdmissionDecision, Policy
+from replay.request import FINISHED, HELD, RUNNING, WAITING, Request
+from replay.views import EngineView, RequestSequence, RequestView, blocks_for, held_blocks
+
+Mode = Literal["fast", "reference"]
+MODES: tuple[str, ...] = ("fast", "reference")
+
+
+class _Flight:
+    """The step, or run of identical decode steps, in flight."""
+
+    __slots__ = ("start_ns", "end_ns", "prev_end_ns", "num_steps", "num_applied", "lockstep", "snapshot", "scheduled")
+
+    def __init__(self, start_ns: int, end_ns: int, prev_end_ns: int, num_steps: int, lockstep: bool,
+                 snapshot: Snapshot | None, scheduled: list) -> None:
+        self.start_ns = start_ns
+        self.end_ns = end_ns
+        self.prev_end_ns = prev_end_ns  # end of a run's second-to-last step
+        self.num_steps = num_steps
+        self.num_applied = 0  # steps of a run whose progress is already applied (see _catch_up)
+        self.lockstep = lockstep  # the lockstep set decodes in it (as a whole)
+        self.snapshot = snapshot  # the lockstep members at its start (batch membership)
+        self.scheduled = scheduled  # [(request, positions)] scheduled one by one
+
+
+class EngineStats:
+    """Counters of one instance's replay."""
+
+    __slots__ = (
+        "num_submitted", "num_finished", "num_steps", "num_step_events", "num_runs", "num_preemptions",
+        "num_prefix_hit_tokens", "num_swapped_bytes", "max_running", "max_waiting", "num_general_passes",
+    )
+
+    def __init__(self) -> None:
+        for name in self.__slots__:
+            setattr(self, name, 0)
+
+
+class Engine:
+    """A single serving instance on a kernel, emitting lifecycle events to a writer."""
+
+    def __init__(
+        self,
+        kernel: Kernel,
+        instance: InstanceConfig,
+        cost_model: StepCostModel,
+        policy: Policy,
+        writer: EventWriter,
+        *,
+        instance_id: str,
+        mode: Mode = "fast",
+        check_invariants: bool = False,
+    ) -> None:
+        if mode not in MODES:
+            raise ReplayError(f"unknown replay mode {mode!r}", "valid modes: fast, reference")
+        e = instance.engine
+        self.kernel = kernel
+        self.instance = instance
+        self.cost_model = cost_model
+        self.policy = policy
+        self.writer = writer
+        self.instance_id = instance_id
+        self.fast = mode == "fast"
+        self.check = check_invariants
+        self.block_size = e.block_size_tokens
+        self.max_batched = e.max_num_batched_tokens
+        self.max_seqs = e.max_num_seqs
+        self.chunked = e.enable_chunked_prefill
+        self.prefix_caching = e.enable_prefix_caching
+        self.swap = e.preemption_mode == "swap"
+        self.kv_bytes_per_block = instance.model.kv_bytes_per_token * e.block_size_tokens
+        self.swap_bandwidth = e.swap_bandwidth_bytes_per_s
+        self.pool = BlockPool(instance.num_kv_blocks)
+        self.watermark_blocks = int(e.kv_watermark_fraction * self.pool.num_total)
+        self.running: list[Request] = []
+        self.waiting: deque[Request] = deque()
+        self.held: deque[Request] = deque()
+        self._targets: dict[Request, int] = {}  # true output length per branch: never reachable from views
+        self._budget = [self.max_batched]
+        self.view = EngineView(
+            kernel, self.pool, self.running, self.waiting, self.held, self._budget, instance, cost_model, instance_id
+        )
+        self._waiting_view = RequestSequence(self.waiting)
+        self._lock = Lockstep(self.block_size)
+        self._flight: _Flight | None = None
+        self._flush_countdown = 64  # steps between checks of the writer's buffer
+        self._schedule_pending = False
+        self._swap_ns = 0
+        self._step_index = 0
+        self._report_steps = policy.wants_step_reports()
+        self._short_completion = not self._report_steps and not check_invariants
+        self._waiting_first = type(policy).schedule_waiting_first is not Policy.schedule_waiting_first
+        self._default_order = type(policy).order is Policy.order
+        self._horizon = (
+            None if type(policy).run_horizon_steps is Policy.run_horizon_steps else policy.run_horizon_steps
+        )
+        self.stats = EngineStats()
+        self.num_active = 0  # submitted, not finished
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self.writer.on_state(
+            self.kernel.now_ns, self.instance_id, "ready", self.pool.num_total, self.block_size, [self.instance.model.name]
+        )
+
+    def stop(self) -> None:
+        """End of the replay: whatever never ran is finished as an error, then the instance reports stopped."""
+        now = self.kernel.now_ns
+        for r in list(self.held) + list(self.waiting) + list(self.running):
+            self._finish(r, now, "error", "still queued when the replay ended (never scheduled)")
+        self.writer.on_state(now, self.instance_id, "stopped", self.pool.num_total, self.block_size, [self.instance.model.name])
+
+    # ------------------------------------------------------------------ arrivals and admission
+
+    def check_fits(self, r: Request, num_output_tokens: int) -> None:
+        """Raise when a request can never run on this instance, naming it and the capacity."""
+        bs, total = self.block_size, self.pool.num_total
+        need = blocks_for(r, r.num_prompt_tokens + max(num_output_tokens, 1) - 1, bs)
+        if need > total:
+            raise ReplayError(
+                f"request {r.request_id} can never fit: it needs {need:,} KV blocks "
+                f"({r.num_prompt_tokens:,} prompt + {num_output_tokens:,} output tokens x {r.num_branches} branches) "
+                f"but {self.instance.model.name} on {self.instance.accelerator.tensor_parallel_size} x "
+                f"{self.instance.accelerator.name} holds {total:,} blocks of {bs} tokens ({total * bs:,} tokens)",
+                "use a larger accelerator or more tensor parallelism, or trim the workload",
+            )
+        first = min(r.num_prompt_tokens, self.max_batched) if self.chunked else r.num_prompt_tokens
+        if self.watermark_blocks and blocks_for(r, first, bs) > total - self.watermark_blocks:
+            raise ReplayError(
+                f"request {r.request_id} can never be admitted: its first prefill chunk needs "
+                f"{blocks_for(r, first, bs):,} KV blocks, the watermark leaves {total - self.watermark_blocks:,}",
+                "lower kv_watermark_fraction",
+            )
+        if not self.chunked and r.num_prompt_tokens > self.max_batched:
+            raise ReplayError(
+                f"request {r.request_id} can never be scheduled: {r.num_prompt_tokens:,} prompt tokens exceed "
+                f"max_num_batched_tokens {self.max_batched:,} and chunked prefill is off",
+                "enable chunked prefill or raise max_num_batched_tokens",
+            )
+
+    def submit(self, r: Request, num_output_tokens: int) -> None:
+        """A request arrives now: record it, ask admission, queue it (its true length stays private)."""
+        self._catch_up()
+        now = self.kernel.now_ns
+        self.check_fits(r, num_output_tokens)
+        target = num_output_tokens if r.max_output_tokens is None else min(num_output_tokens, r.max_output_tokens)
+        self._targets[r] = 0 if r.failed else target
+        r.view = RequestView(r)
+        if not self.writer.labelled and (r.tenant or r.service_class or r.model or r.adapter):
+            self.writer.labelled = True
+        self.num_active += 1
+        self.stats.num_submitted += 1
+        cached = self._lookup(r)[1] * self.block_size if (self.prefix_caching and r.unit_keys) else None
+        self.writer.arrived.append((r, self.instance_id, cached))
+        if r.cancel_after_ns is not None:
+            self.kernel.schedule(now + r.cancel_after_ns, CANCEL, lambda: self.cancel(r))
+        self._decide(r, self.policy.admit(self.view, r.view), now)
+
+    def _decide(self, r: Request, d: AdmissionDecision, now: int) -> None:
+        kind = d.decision
+        was_held = r.state == HELD
+        if kind == "queue" and d.retry_after_s is not None:  # offer it again then, even if the engine is idle
+            self.kernel.schedule(now + max(1, round(d.retry_after_s * 1e9)), SCHEDULE, self._schedule)
+        if was_held and kind == "queue":
+            return  # unchanged: no new event
+        r.num_admission_decisions += 1
+        self.writer.admission.append((r, now, d, r.num_admission_decisions, self.instance_id))
+        if kind == "accept":
+            if was_held:
+                self.held.remove(r)
+            r.state = WAITING
+            r.admitted_ns = now
+            self.waiting.append(r)
+            self._wake()
+        elif kind == "queue":
+            r.state = HELD
+            self.held.append(r)
+            self._wake()
+        else:
+            if was_held:
+                self.held.remove(r)
+            self._finish(r, now, "rejected", d.reason)
+
+    def _wake(self) -> None:
+        """Make sure a scheduling pass runs at the current instant if the engine is idle."""
+        if self._flight is None and not self._schedule_pending:
+            self._schedule_pending = True
+            self.kernel.schedule(self.kernel.now_ns, SCHEDULE, self._schedule)
+
+    # ------------------------------------------------------------------ cancellation
+
+    def cancel(self, r: Request) -> None:
+        """The client cancels ``r`` now: it leaves at once and its KV blocks are freed."""
+        if r.state == FINISHED:
+            return
+        self._catch_up()
+        now = self.kernel.now_ns
+        f = self._flight
+        if r.lock is not None:
+            in_run = f is not None and f.lockstep and f.num_steps > 1
+            self._lock.leave(r)
+            if in_run:  # the run's steps before its last one ended before now: their tokens were delivered
+                k = f.num_steps - 1
+                self._deliver(r, f.prev_end_ns, k * r.num_branches, k > 1)
+        self.writer.cancelled.append((r, now, self.instance_id))
+        if r.state == WAITING:
+            self.waiting.remove(r)
+        elif r.state == HELD:
+            self.held.remove(r)
+        self._finish(r, now, "cancelled", None)
+
+    def _catch_up(self) -> None:
+        """Inside a run, bring the lockstep progress to the reference's (all but the run's last step)."""
+        f = self._flight
+        if f is None or not f.lockstep or f.num_applied or f.num_steps < 2:
+            return
+        k = f.num_steps - 1
+        lock = self._lock
+        lock.ticks += k
+        lock.ahead -= k
+        f.num_applied = k
+
+    # ------------------------------------------------------------------ lockstep set
+
+    def _join(self, r: Request) -> None:
+        """``r`` decodes from now on in lockstep (fast mode)."""
+        if r.next_unit < len(r.unit_keys):
+            raise AssertionError(f"{r} decodes with prompt blocks not yet cached")
+        pool = self.pool
+        unit_blocks = sum(pool.cached_blocks(k) for k in r.held_units) if r.held_units else 0
+        self._lock.join(r, self._targets[r] - r.num_output, unit_blocks)
+
+    def _dissolve(self) -> None:
+        """Make every request's state explicit (before a request-by-request pass)."""
+        lock = self._lock
+        if lock.members:
+            for r in list(lock.members):
+                lock.leave(r)
+            lock.heap.clear()
+
+    # ------------------------------------------------------------------ scheduling
+
+    def _schedule(self) -> None:
+        """Plan the next step; while nothing else is due before it ends, finish it here and plan on.
+
+        Running ahead this way (``Kernel.advance``) is what the kernel would do anyway when no other
+        action is pending before the step's end; it saves a heap round trip per step.
+        """
+        self._schedule_pending = False
+        if self._flight is not None:
+            return
+        kernel = self.kernel
+        stats = self.stats
+        while True:
+            now = kernel.now_ns
+            if self.held:
+                for r in list(self.held):
+                    self._decide(r, self.policy.admit(self.view, r.view), now)
+            running = self.running
+            if not running and not self.waiting:
+                return
+            self._swap_ns = 0
+            if not (self.fast and self._plan_lockstep(now)):
+                self._plan_general(now)
+            f = self._flight
+            if f is None:
+                return  # idle: waiting requests are blocked by the policy until something changes
+            if len(running) > stats.max_running:
+                stats.max_running = len(running)
+            if len(self.waiting) > stats.max_waiting:
+                stats.max_waiting = len(self.waiting)
+            nxt = kernel.next_time_ns()
+            if nxt is not None and nxt <= f.end_ns:
+                kernel.schedule(f.end_ns, STEP_END, self._end_flight)
+                return
+            kernel.advance(f.end_ns)
+            self._complete_flight()
+
+    def _plan_lockstep(self, now: int) -> bool:
+        """The pass when the running batch is the lockstep set followed by prefilling requests.
+
+        Returns False, having changed nothing, when the request-by-request pass is needed.
+        """
+        if self.held or self._waiting_first:
+            return False
+        lock, running, pool, bs = self._lock, self.running, self.pool, self.block_size
+        num_lock = len(lock.members)
+        budget = self.max_batched - lock.num_seqs
+        if budget < 0:
+            return False  # not every decode fits the budget
+        t = lock.ticks
+        need = lock.hist[t % bs] if num_lock else 0
+        if num_lock and num_lock == len(running) and not self.waiting:
+            # the common case: the lockstep set alone, nobody waiting: a run
+            if need > pool.num_free:
+                return False
+            if need:
+                pool.allocate(need)
+            k, duration, last = self._plan_run(now, lock.num_seqs, lock.ctx_base + lock.num_seqs * t, need)
+            lock.ahead = k
+            end = now + duration
+            self._flight = _Flight(now, end, end - last, k, True, lock.current_snapshot(), ())
+            self.stats.num_steps += k
+            return True
+        scheduled: list[tuple[Request, int]] = []
+        if len(running) > num_lock:
+            tail = running[num_lock:]
+            for q in tail:
+                if q.lock is not None:
+                    return False  # a prefilling request sits between decoders
+            planned: list[tuple[Request, int, int]] = []
+            policy, view = self.policy, self.view
+            for q in tail:
+                if budget <= 0:
+                    break
+                left = q.num_tokens - q.num_computed
+                if left == 1 and q.num_computed >= q.num_prompt_tokens:
+                    m, cost = 1, q.num_branches
+                    if cost > budget:
+                        continue
+                else:
+                    self._budget[0] = budget
+                    m = policy.chunk_tokens(view, q.view, left, budget)
+                    if m <= 0:
+                        continue
+                    m = min(m, left, budget)
+                    cost = m
+                q_need = blocks_for(q, q.num_computed + m, bs) - q.num_blocks
+                need += q_need
+                planned.append((q, m, q_need))
+                budget -= cost
+            if need > pool.num_free:
+                return False  # someone must be preempted: the request-by-request pass decides whom
+            for q, m, q_need in planned:
+                if q_need > 0:
+                    q.num_blocks += q_need
+                    q.num_anon_blocks += q_need
+                if q.next_unit < len(q.unit_keys):
+                    self._register_units(q, q.num_computed + m)
+                scheduled.append((q, m))
+        elif need > pool.num_free:
+            return False
+        if need:
+            pool.allocate(need)
+        if self.waiting:
+            self._plan_waiting(now, budget, scheduled)
+        if not scheduled:
+            if not num_lock:
+                if running:
+                    raise ReplayError("the scheduler found nothing to run while requests are running (a policy bug)")
+                return True  # idle: waiting requests are blocked by the policy until something changes
+            k, duration, last = self._plan_run(now, lock.num_seqs, lock.ctx_base + lock.num_seqs * t, need)
+            lock.ahead = k
+            snapshot = lock.current_snapshot()
+        else:
+            num_decode = lock.num_seqs
+            decode_ctx = lock.ctx_base + lock.num_seqs * t
+            chunks: list[tuple[int, int]] = []
+            for r, m in scheduled:
+                if r.scheduled_ns is None:
+                    r.scheduled_ns = now
+                if r.num_tokens - r.num_computed == 1 and r.num_computed >= r.num_prompt_tokens:
+                    num_decode += r.num_branches
+                    decode_ctx += r.num_branches * (r.num_computed + 1)
+                else:
+                    chunks.append((m, r.num_computed))
+            k = 1
+            duration = self.cost_model.step_time_ns(StepShape(tuple(chunks), num_decode, decode_ctx)) + self._swap_ns
+            last = duration
+            if num_lock:
+                lock.ahead = 1
+                snapshot = lock.current_snapshot()
+            else:
+                snapshot = None
+        end = now + duration
+        self._flight = _Flight(now, end, end - last, k, True, snapshot, scheduled)
+        self.stats.num_steps += k
+        return True
+
+    def _plan_run(self, now: int, num_decode: int, decode_ctx: int, first_need: int) -> tuple[int, int, int]:
+        """How many identical lockstep decode steps to advance at once, their total and last step's time."""
+        lock = self._lock
+        k_max = lock.first_finish() - lock.ticks
+        if self._horizon is not None:
+            h = self._horizon(self.view)
+            if h is not None:
+                k_max = min(k_max, max(1, h))
+        nxt = self.kernel.next_time_ns()
+        horizon_ns = None if nxt is None else nxt - now
+        k, duration, last = self.cost_model.decode_run(num_decode, decode_ctx, k_max, horizon_ns)
+        if k > 1:
+            t = lock.ticks
+            pool = self.pool
+            free = pool.num_free
+            extra = lock.blocks_needed(t, k) - first_need
+            if extra and self.waiting:
+                # a waiting request's prefix hits must not be evicted inside the run: the reference
+                # would offer it the batch again after that eviction
+                free = min(free, pool.free_before_eviction(extra))
+            if extra > free:  # stop before the step that cannot allocate (or would evict)
+                lo, hi = 1, k - 1
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if lock.blocks_needed(t, mid) - first_need <= free:
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                k, duration, last = self.cost_model.decode_run(num_decode, decode_ctx, lo, horizon_ns)
+                extra = lock.blocks_needed(t, k) - first_need
+            if extra:
+                pool.allocate(extra)
+            self.stats.num_runs += 1
+        return k, duration, last
+
+    def _plan_general(self, now: int) -> None:
+        """The request-by-request pass (the reference mode's, and the fast mode's fallback)."""
+        self._dissolve()
+        self.stats.num_general_passes += 1
+        running, pool, policy, view = self.running, self.pool, self.policy, self.view
+        bs = self.block_size
+        budget = self.max_batched
+        scheduled: list[tuple[Request, int]] = []
+        preempted = False
+        first: list[Request] = []
+        waiting_first = policy.schedule_waiting_first(view)
+        if waiting_first:
+            budget, first = self._plan_waiting(now, budget, scheduled)
+
+        # 1. running requests, in batch order
+        i = 0
+        while i < len(running) and budget > 0:
+            r = running[i]
+            if first and r in first:
+                i += 1
+                continue
+            left = r.num_tokens - r.num_computed
+            if left == 1 and r.num_computed >= r.num_prompt_tokens:
+                m, cost = 1, r.num_branches
+                if cost > budget:
+                    i += 1
+                    continue
+            else:
+                self._budget[0] = budget
+                m = policy.chunk_tokens(view, r.view, left, budget)
+                if m <= 0:
+                    i += 1
+                    continue
+                m = min(m, left, budget)
+                cost = m
+            need = blocks_for(r, r.num_computed + m, bs) - r.num_blocks
+            while need > pool.num_free:
+                candidates = [x for x in running[i:] if not (first and x in first)]
+                victim = policy.victim(view, RequestSequence(candidates))._r
+                if all(victim is not x for x in candidates):
+                    raise ReplayError(f"policy {policy.name!r} chose a preemption victim that is not a candidate")
+                self._preempt(victim, now)
+                preempted = True
+                if victim is r:
+                    break
+            if r.state != RUNNING:
+                continue  # r itself was preempted: running[i] is now the next request
+            if need > 0:
+                pool.allocate(need)
+                r.num_blocks += need
+                r.num_anon_blocks += need
+            if r.next_unit < len(r.unit_keys):
+                self._register_units(r, r.num_computed + m)
+            scheduled.append((r, m))
+            budget -= cost
+            i += 1
+
+        # 2. waiting requests, in the policy's order, unless something was preempted
+        if not preempted and not waiting_first:
+            budget, first = self._plan_waiting(now, budget, scheduled)
+
+        if not scheduled:
+            if running:
+                raise ReplayError("the scheduler found nothing to run while requests are running (a policy bug)")
+            return  # idle until the next arrival: waiting requests are blocked by the policy
+        num_decode = decode_ctx = 0
+        chunks: list[tuple[int, int]] = []
+        for r, m in scheduled:
+            if r.scheduled_ns is None:
+                r.scheduled_ns = now
+            if r.num_tokens - r.num_computed == 1 and r.num_computed >= r.num_prompt_tokens:
+                num_decode += r.num_branches
+                decode_ctx += r.num_branches * (r.num_computed + 1)
+            else:
+                chunks.append((m, r.num_computed))
+        duration = self.cost_model.step_time_ns(StepShape(tuple(chunks), num_decode, decode_ctx)) + self._swap_ns
+        self._launch(now, duration, duration, 1, False, None, scheduled)
+
+    def _launch(self, now: int, duration: int, last: int, k: int, lockstep: bool, snapshot: Snapshot | None,
+                scheduled: list) -> None:
+        end = now + duration
+        self._flight = _Flight(now, end, end - last, k, lockstep, snapshot, scheduled)
+        self.stats.num_steps += k
+
+    def _plan_waiting(self, now: int, budget: int, scheduled: list) -> tuple[int, list[Request]]:
+        """Admit waiting requests into the batch while they fit; returns (budget left, those admitted)."""
+        waiting, running, pool, policy, view = self.waiting, self.running, self.pool, self.policy, self.view
+        if not waiting:
+            return budget, []
+        bs = self.block_size
+        admitted: list[Request] = []
+        self._budget[0] = budget
+        seats = self.max_seqs - len(running)
+        order = waiting if self._default_order else (rv._r for rv in policy.order(view, self._waiting_view))
+        for r in order:
+            if len(admitted) >= seats or budget <= 0:
+                break
+            if r.state != WAITING:
+                raise ReplayError(f"policy {policy.name!r} ordered a request that is not waiting")
+            rv = r.view
+            hits: list[Hashable] = []
+            hit_blocks = 0
+            computed = r.swapped_tokens
+            if not computed and self.prefix_caching and r.unit_keys:
+                hits, hit_blocks = self._lookup(r)
+                computed = hit_blocks * bs
+            left = r.num_tokens - computed
+            if left == 1 and computed >= r.num_prompt_tokens:
+                m = 1
+                if r.num_branches > budget:
+                    break
+                cost = r.num_branches
+            else:
+                self._budget[0] = budget
+                m = min(policy.chunk_tokens(view, rv, left, budget), left, budget)
+                if m <= 0 or (not self.chunked and m < left):
+                    break
+                cost = m
+            reused = sum(pool.cached_blocks(key) for key in hits if pool.is_free_unit(key)) if hits else 0
+            need = blocks_for(r, computed + m, bs) - hit_blocks
+            if need + reused > pool.num_free - self.watermark_blocks:
+                break
+            for key in hits:
+                pool.hold(key)
+            r.held_units = hits
+            r.next_unit = len(hits)
+            pool.allocate(need)
+            r.num_blocks = hit_blocks + need
+            r.num_anon_blocks = need
+            if r.swapped_tokens:
+                swap_bytes = need * self.kv_bytes_per_block
+                self._swap_ns += -(-swap_bytes * 1_000_000_000 // int(self.swap_bandwidth))
+                self.stats.num_swapped_bytes += swap_bytes
+                r.next_unit = len(r.unit_keys)
+                r.swapped_tokens = 0
+            elif r.num_preemptions == 0:
+                r.num_cached_prefix_tokens = computed
+                self.stats.num_prefix_hit_tokens += computed
+            r.num_computed = computed
+            if r.next_unit < len(r.unit_keys):
+                self._register_units(r, computed + m)
+            r.state = RUNNING
+            admitted.append(r)
+            scheduled.append((r, m))
+            budget -= cost
+        for r in admitted:
+            if waiting[0] is r:
+                waiting.popleft()
+            else:
+                waiting.remove(r)
+            running.append(r)
+        return budget, admitted
+
+    # ------------------------------------------------------------------ prefix cache
+
+    def _lookup(self, r: Request) -> tuple[list[Hashable], int]:
+        """The cached units that cover a prefix of ``r`` (contiguous, exact size), and their blocks."""
+        pool, bs = self.pool, self.block_size
+        hits: list[Hashable] = []
+        covered = 0
+        for key, start, size in r.unit_keys:
+            if start != covered or pool.cached_blocks(key) != size:
+                break
+            hits.append(key)
+            covered += size
+        max_blocks = (r.num_tokens - 1) // bs  # at least one token is computed, as in vLLM
+        while covered > max_blocks:
+            covered -= pool.cached_blocks(hits.pop())
+        return hits, covered
+
+    def _register_units(self, r: Request, num_tokens: int) -> None:
+        """Cache the units whose blocks are fully computed once ``num_tokens`` are (at allocation, as vLLM v1)."""
+        full = num_tokens // self.block_size
+        keys = r.unit_keys
+        pool = self.pool
+        while r.next_unit < len(keys):
+            key, start, size = keys[r.next_unit]
+            if start + size > full:
+                return
+            if pool.register(key, size):
+                r.held_units.append(key)
+                r.num_anon_blocks -= size
+            r.next_unit += 1
+
+    def _release(self, r: Request) -> None:
+        pool = self.pool
+        pool.release(r.num_anon_blocks)
+        for key in r.held_units:
+            pool.unhold(key)
+        r.held_units = []
+        r.num_blocks = r.num_anon_blocks = 0
+
+    # ------------------------------------------------------------------ preemption and completion
+
+    def _preempt(self, r: Request, now: int) -> None:
+        self.running.remove(r)
+        lost = 0
+        if self.swap:
+            swap_bytes = r.num_blocks * self.kv_bytes_per_block
+            self._swap_ns += -(-swap_bytes * 1_000_000_000 // int(self.swap_bandwidth))
+            self.stats.num_swapped_bytes += swap_bytes
+            r.swapped_tokens = r.num_computed
+            mode = "swap"
+        else:
+            lost = r.num_computed
+            mode = "recompute"
+            if self.prefix_caching and r.num_branches == 1:
+                self._leave_private_unit(r)
+            r.num_computed = 0
+        self._release(r)
+        r.next_unit = 0
+        r.state = WAITING
+        r.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(r)
+        self.writer.preempted.append((r, now, mode, r.num_preemptions, lost, self.instance_id))
+
+    def _leave_private_unit(self, r: Request) -> None:
+        """Keep a recomputed request's remaining full blocks cached under a private key (vLLM caches them)."""
+        covered = 0
+        for key, start, size in r.unit_keys:
+            if start != covered or key not in r.held_units:
+                break
+            covered += size
+        if covered != sum(self.pool.cached_blocks(k) for k in r.held_units):
+            return  # not a contiguous prefix: leave it
+        full = r.num_computed // self.block_size
+        size = full - covered
+        if size <= 0:
+            return
+        key = ("private", r.index, r.num_preemptions)
+        if self.pool.register(key, size):
+            r.held_units.append(key)
+            r.num_anon_blocks -= size
+            r.unit_keys = [u for u in r.unit_keys if u[1] < covered] + [(key, covered, size)]
+
+    def _finish(self, r: Request, now: int, outcome: str, error: str | None) -> None:
+        if r.lock is not None:
+            self._lock.leave(r)
+        if r.state == RUNNING:
+            self.running.remove(r)
+        self._release(r)
+        r.state = FINISHED
+        r.view = None  # breaks the request <-> view cycle, so finished requests are freed by refcount
+        self._targets.pop(r, None)
+        self.num_active -= 1
+        self.stats.num_finished += 1
+        self.writer.finished.append((r, now, outcome, r.num_output * r.num_branches, error, self.instance_id))
+
+    def _deliver(self, r: Request, ts: int, num_tokens: int, coalesced: bool) -> None:
+        self.writer.tokens.append((r, ts, num_tokens, r.num_output * r.num_branches, coalesced, self.instance_id))
+
+    # ------------------------------------------------------------------ step end
+
+    def _end_flight(self) -> None:
+        """Kernel action: the flight ended; then plan the next step (after anything else due now)."""
+        self._complete_flight()
+        nxt = self.kernel.next_time_ns()
+        if nxt is not None and nxt == self.kernel.now_ns:
+            self._schedule_pending = True
+            self.kernel.schedule(nxt, SCHEDULE, self._schedule)
+        else:
+            self._schedule()
+
+    def _complete_flight(self) -> None:
+        """Apply the flight's results at its end: progress, tokens, finishes, the step event."""
+        f = self._flight
+        if f.lockstep and not f.scheduled and self._short_completion:
+            self._complete_run(f)
+            return
+        now = self.kernel.now_ns
+        writer = self.writer
+        iid = self.instance_id
+        lock = self._lock
+        finished: list[tuple[Request, str]] = []
+        if f.lockstep and f.snapshot is not None:
+            lock.ticks += f.num_steps - f.num_applied
+            lock.ahead = 0
+            if lock.members:
+                writer.runs.append((self._lock.current_snapshot(), now, f.num_steps, lock.ticks, f.num_steps > 1, iid))
+            finished.extend((r, "completed") for r in lock.pop_finished())
+        ids: list[str] = []
+        per: list[int] = []
+        num_prefill = 0
+        num_decode = f.snapshot.num_seqs if f.snapshot is not None else 0
+        targets = self._targets
+        tokens = writer.tokens
+        joiners: list[Request] = []
+        for r, m in f.scheduled:
+            ids.append(r.request_id)
+            left = r.num_tokens - r.num_computed
+            decode = left == 1 and r.num_computed >= r.num_prompt_tokens
+            n = r.num_branches if decode else m
+            per.append(n)
+            if decode:
+                num_decode += n
+            else:
+                num_prefill += m
+            if r.state != RUNNING:
+                continue  # cancelled during the step
+            r.num_computed += m
+            if r.num_computed < r.num_tokens:
+                continue  # a chunk of a longer prefill
+            if targets[r] == 0:
+                finished.append((r, "error" if r.failed else "completed"))
+                continue
+            r.num_output += 1
+            r.num_tokens += 1
+            if r.num_output == 1:
+                r.first_token_ns = now
+                writer.first_tokens.append((r, now, iid))
+            else:
+                tokens.append((r, now, r.num_branches, r.num_output * r.num_branches, False, iid))
+            if r.num_output >= targets[r]:
+                finished.append((r, "completed"))
+            elif self.fast and (r.num_branches == 1 or r.num_computed > r.num_prompt_tokens):
+                joiners.append(r)
+        if self._report_steps:  # before finishing: finished requests drop their views
+            members = [r for r in f.snapshot.requests if r.view is not None] if f.snapshot is not None else []
+            views = [r.view for r in members] + [r.view for r, _ in f.scheduled if r.view is not None]
+            counts = [r.num_branches for r in members] + [c for (r, _), c in zip(f.scheduled, per) if r.view is not None]
+            self.policy.observe_step(self.view, views, counts, f.num_steps)
+        for r, outcome in finished:
+            self._finish(r, now, outcome, "failed in the recorded trace" if outcome == "error" else None)
+        pool = self.pool
+        writer.steps.append(
+            (iid, self._step_index, f.start_ns, now, f.num_steps, num_prefill, num_decode, f.snapshot, ids, per,
+             pool.num_total - pool.num_free, pool.num_free)
+        )
+        self._step_index += 1
+        self.stats.num_step_events += 1
+        self._flight = None
+        if self.fast:
+            if not f.lockstep:  # after a request-by-request pass, decoders rejoin the lockstep set
+                for r in self.running:
+                    if r.lock is None and r.num_tokens - r.num_computed == 1 and (
+                        r.num_computed > r.num_prompt_tokens or (r.num_branches == 1 and r.num_computed >= r.num_prompt_tokens)
+                    ):
+                        self._join(r)
+            else:
+                for r in joiners:
+                    self._join(r)
+        if self.check:
+            self.check_invariants()
+        self._flush_countdown -= 1
+        if self._flush_countdown <= 0:
+            self._flush_countdown = 64
+            if writer.pending_rows() >= writer.chunk_rows:
+                writer.flush()
+
+    def _complete_run(self, f: _Flight) -> None:
+        """``_complete_flight`` for a flight of the lockstep set alone (the common case, kept short)."""
+        now = self.kernel.now_ns
+        writer = self.writer
+        lock = self._lock
+        k = f.num_steps
+        lock.ticks += k - f.num_applied
+        lock.ahead = 0
+        ticks = lock.ticks
+        if lock.members:
+            writer.runs.append((lock.current_snapshot(), now, k, ticks, k > 1, self.instance_id))
+        heap = lock.heap
+        if heap and heap[0][0] <= ticks:
+            for r in lock.pop_finished():
+                self._finish(r, now, "completed", None)
+        pool = self.pool
+        free = pool.num_free
+        writer.steps.append(
+            (self.instance_id, self._step_index, f.start_ns, now, k, 0, f.snapshot.num_seqs, f.snapshot, (), (),
+             pool.num_total - free, free)
+        )
+        self._step_index += 1
+        self.stats.num_step_events += 1
+        self._flight = None
+        self._flush_countdown -= 1
+        if self._flush_countdown <= 0:
+            self._flush_countdown = 64
+            if writer.pending_rows() >= writer.chunk_rows:
+                writer.flush()
+
+    # ------------------------------------------------------------------ checks
+
+    def check_invariants(self) -> None:
+        """Assert the KV accounting, the lockstep aggregates and the queue states (tests: after every step)."""
+        pool, bs, lock = self.pool, self.block_size, self._lock
+        anon = 0
+        for r in self.running:
+            assert r.state == RUNNING
+            unit_blocks = sum(pool.cached_blocks(k) for k in r.held_units)
+            blocks = held_blocks(r)
+            if r.lock is not None:
+                assert r in lock.members
+                anon += blocks - r.unit_blocks
+                assert r.unit_blocks == unit_blocks
+            else:
+                assert r.num_blocks == r.num_anon_blocks + unit_blocks, (r, r.num_blocks, r.num_anon_blocks, unit_blocks)
+                anon += r.num_anon_blocks
+            assert blocks - unit_blocks >= 0
+            assert blocks == blocks_for(r, r.num_computed + r.live_ticks(), bs), (r, blocks)
+        assert len(lock.members) == sum(1 for r in self.running if r.lock is not None)
+        assert lock.num_seqs == sum(r.num_branches for r in lock.members)
+        assert lock.ctx_base + lock.num_seqs * lock.ticks == sum(
+            r.num_branches * (r.num_computed + r.live_ticks() + 1) for r in lock.members
+        )
+        assert sum(lock.hist) == lock.num_seqs and min(lock.hist, default=0) >= 0
+        for r in self.waiting:
+            assert r.state == WAITING and r.num_blocks == 0 and not r.held_units and r.lock is None
+        pool.check(anon)
+        assert 0 <= pool.num_used <= pool.num_total
+        assert len(self.running) <= self.max_seqs

@@ -1,0 +1,131 @@
+"""The policy seam: what a scheduling policy decides, and the registry that names policies.
+
+The engine owns the clock, the queues, the KV pool and the batch; a policy only decides, through
+read-only views (``replay.views``):
+
+``admit(view, request)``           accept into the waiting queue, queue (hold it: it is offered
+                                   again at every scheduling point, and ``retry_after_s`` after this
+                                   decision at the latest, even if the engine is idle), or reject
+                                   (with retry-after); the decision may carry the predicted output
+                                   interval it used.
+``order(view, waiting)``           which waiting requests to try this step, in order (an iterable:
+                                   the engine stops at the first that does not fit, as vLLM does).
+``victim(view, candidates)``       which request to preempt when KV blocks run out; ``candidates``
+                                   are the running requests not yet scheduled in this step,
+                                   the one being scheduled last.
+``chunk_tokens(view, request, num_tokens_left, budget)``
+                                   how many of a prefilling request's tokens go into this step.
+``schedule_waiting_first(view)``   plan waiting requests before running ones (prefill-first).
+``run_horizon_steps(view)``        how many identical decode steps its decisions are sure to repeat
+                                   for when nothing else happens (None: as long as the state holds).
+                                   The fast mode never advances further than this; a policy whose
+                                   decisions move with time or with tokens served must bound it.
+``observe_step(view, request_views, tokens, num_steps)``
+                                   optional feedback after each step (or run of steps), for
+                                   policies that keep counters (e.g. served tokens per tenant).
+
+A policy class registers under a name with a typed, frozen config class; ``make_policy`` builds one
+by name and an unknown name raises an error listing the valid ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from replay.errors import ReplayError, unknown_name
+from replay.views import EngineView, RequestView
+from schemas.types import doc
+
+AdmissionKind = Literal["accept", "queue", "reject"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdmissionDecision:
+    """An admission decision, as the ``admission_decided`` event records it."""
+
+    decision: AdmissionKind = doc("accept (into the waiting queue), queue (hold, offer again later) or reject.")
+    reason: str | None = doc("Why, in a few words.", None)
+    retry_after_s: float | None = doc(
+        "reject: the retry-after sent to the client; queue: offer the request again this long after, seconds.", None
+    )
+    predicted_output_tokens_low: int | None = doc("Low end of the predicted output interval used.", None)
+    predicted_output_tokens_high: int | None = doc("High end of the predicted output interval used.", None)
+
+    def __post_init__(self) -> None:
+        if self.decision not in ("accept", "queue", "reject"):
+            raise ReplayError(
+                f"admission decision {self.decision!r} is not supported by a single instance",
+                "accept, queue or reject (route/downgrade/degrade belong to the cluster layer)",
+            )
+
+
+ACCEPT = AdmissionDecision(decision="accept")
+
+
+class Policy:
+    """Base class with vLLM v1 FCFS behaviour for every decision; policies override what they change."""
+
+    name: ClassVar[str] = ""
+    config_type: ClassVar[type] = object
+
+    def __init__(self, config: object | None = None) -> None:
+        self.config = config if config is not None else self.config_type()
+
+    def admit(self, view: EngineView, request: RequestView) -> AdmissionDecision:
+        return ACCEPT
+
+    def order(self, view: EngineView, waiting: Sequence[RequestView]) -> Iterable[RequestView]:
+        return waiting
+
+    def victim(self, view: EngineView, candidates: Sequence[RequestView]) -> RequestView:
+        return candidates[-1]
+
+    def chunk_tokens(self, view: EngineView, request: RequestView, num_tokens_left: int, budget_tokens: int) -> int:
+        return min(num_tokens_left, budget_tokens)
+
+    def schedule_waiting_first(self, view: EngineView) -> bool:
+        return False
+
+    def run_horizon_steps(self, view: EngineView) -> int | None:
+        return None
+
+    def observe_step(
+        self, view: EngineView, requests: Sequence[RequestView], num_tokens: Sequence[int], num_steps: int
+    ) -> None:
+        """Called after each step only when a subclass overrides it."""
+
+    @classmethod
+    def wants_step_reports(cls) -> bool:
+        return cls.observe_step is not Policy.observe_step
+
+
+POLICIES: dict[str, type[Policy]] = {}
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+    """Class decorator: make a policy available by its ``name``."""
+    if not cls.name:
+        raise TypeError(f"{cls.__name__} needs a name")
+    if cls.name in POLICIES and POLICIES[cls.name] is not cls:
+        raise TypeError(f"policy name {cls.name!r} is taken by {POLICIES[cls.name].__name__}")
+    POLICIES[cls.name] = cls
+    return cls
+
+
+def policy_class(name: str) -> type[Policy]:
+    """The registered policy class of that name."""
+    if name not in POLICIES:
+        raise unknown_name("policy", name, list(POLICIES))
+    return POLICIES[name]
+
+
+def make_policy(name: str, config: object | None = None) -> Policy:
+    """A policy by name, with its typed config (defaults when None)."""
+    cls = policy_class(name)
+    if config is not None and not isinstance(config, cls.config_type):
+        raise ReplayError(
+            f"policy {name!r} takes a {cls.config_type.__name__}, not a {type(config).__name__}"
+        )
+    return cls(config)

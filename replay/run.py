@@ -1,0 +1,363 @@
+"""One replay run, end to end: workload in, events and a run manifest out (the library entry point).
+
+``run_replay`` builds the kernel, the engine, the policy and the cost model, feeds the workload's
+arrivals (streamed batch by batch, the scenario applied on the way), runs the kernel to the end and
+writes:
+
+- the lifecycle events, to ``<out_dir>/events.parquet`` or to any ``sink(table)`` callable;
+- ``<out_dir>/manifest.json``: workload hash, scenario, policy and its config, instance and engine
+  config, cost model, seed, mode, code version and the SHA-256 of the events. Nothing in it depends
+  on the wall clock, so identical inputs give a byte-identical manifest and event file.
+
+Progress (simulated time against wall time) goes to an optional callback; the CLI draws it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import hashlib
+import json
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from replay.config import InstanceConfig, instance_config
+from replay.costmodel import StepCostModel, make_cost_model
+from replay.emit import EventWriter, ParquetSink, Sink
+from replay.engine import MODES, Engine, Mode
+from replay.errors import ReplayError
+from replay.kernel import ARRIVAL, Kernel
+from replay.policies import make_policy
+from replay.request import Request
+from replay.scenario import Scenario, apply_scenario
+from replay.workload import Workload, as_workload
+from schemas.events import SCHEMA_VERSION
+
+MANIFEST_VERSION = 1
+PROGRESS_EVERY = 20_000  # arrivals between progress reports
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayProgress:
+    """Where a running replay is."""
+
+    simulated_ns: int  # simulated time since the first arrival
+    wall_s: float
+    num_arrived: int
+    num_finished: int
+    num_requests: int | None  # in the workload, when known
+
+
+@dataclass(frozen=True, slots=True)
+class ReplaySummary:
+    """What a finished replay did and where its outputs are."""
+
+    run_id: str
+    engine_id: str
+    instance_id: str
+    mode: str
+    num_requests: int
+    num_events: int
+    num_steps: int  # engine iterations simulated
+    num_step_events: int  # step_executed events (a fast run of k identical steps is one)
+    num_preemptions: int
+    num_prefix_hit_tokens: int
+    num_kv_blocks: int
+    simulated_s: float
+    wall_s: float
+    requests_per_wall_s: float
+    output_sha256: str
+    workload_sha256: str
+    events_path: Path | None
+    manifest_path: Path | None
+
+
+def run_replay(
+    workload: pa.Table | Workload,
+    *,
+    scenario: Scenario | None = None,
+    policy_name: str = "fcfs",
+    policy_config: object | None = None,
+    instance: InstanceConfig | None = None,
+    cost_model: str | StepCostModel = "roofline",
+    cost_model_config: object | None = None,
+    seed: int = 0,
+    out_dir: str | Path | None = None,
+    sink: Sink | None = None,
+    mode: Mode = "fast",
+    progress: Callable[[ReplayProgress], None] | None = None,
+    shared: Path | None = None,
+    chunk_rows: int = 200_000,
+    check_invariants: bool = False,
+    progress_every: int = PROGRESS_EVERY,
+) -> ReplaySummary:
+    """Replay ``workload`` through one modelled instance; write events and a manifest.
+
+    Outputs go to ``out_dir`` (``events.parquet`` + ``manifest.json``) and/or ``sink`` (called with
+    each chunk of events as an ``EVENTS_SCHEMA`` table). ``cost_model`` is a name (``roofline``,
+    ``profile``, ``constant``; the profile model reads its tables under ``shared``) or a model.
+    """
+    if mode not in MODES:
+        raise ReplayError(f"unknown replay mode {mode!r}", "valid modes: fast, reference")
+    source = as_workload(workload)
+    scenario = scenario or Scenario()
+    instance = instance or instance_config()
+    policy = make_policy(policy_name, policy_config)
+    model = (
+        make_cost_model(cost_model, instance, config=cost_model_config, shared=shared)
+        if isinstance(cost_model, str)
+        else cost_model
+    )
+    manifest = _manifest(source, scenario, policy_name, policy.config, instance, model, seed, mode)
+    run_id = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:12]
+    engine_id = f"replay-{run_id}"
+    instance_id = f"{engine_id}-i0"
+
+    out = Path(out_dir) if out_dir is not None else None
+    parquet = ParquetSink(out / "events.parquet") if out is not None else None
+    sinks = [s for s in (parquet, sink) if s is not None]
+
+    def emit(table: pa.Table) -> None:
+        for s in sinks:
+            s(table)
+
+    writer = EventWriter(emit, run_id=run_id, engine_id=engine_id, chunk_rows=chunk_rows, hash_tables=parquet is None)
+    kernel = Kernel()
+    engine = Engine(
+        kernel, instance, model, policy, writer, instance_id=instance_id, mode=mode, check_invariants=check_invariants
+    )
+    feeder = _Feeder(kernel, engine, source, scenario, seed, instance, progress, progress_every)
+    wall0 = time.perf_counter()
+    # The replay makes no reference cycles that outlive a request (finished requests drop their
+    # view), so the cyclic collector would only rescan millions of live buffer tuples: pause it.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        engine.start()
+        feeder.start()
+        kernel.run()
+        engine.stop()
+        writer.flush()
+    except BaseException:
+        if parquet is not None:
+            parquet.abort()
+        raise
+    finally:
+        if collecting:
+            gc.enable()
+    output_sha256 = parquet.close() if parquet is not None else writer.output_sha256()
+    wall_s = time.perf_counter() - wall0
+    if engine.num_active:
+        raise ReplayError(f"{engine.num_active} requests did not finish (an engine bug)")
+    if progress is not None:
+        progress(feeder.report(wall0))
+
+    manifest["run_id"] = run_id
+    manifest["engine_id"] = engine_id
+    manifest["instance_id"] = instance_id
+    manifest["output"] = {
+        "events_sha256": output_sha256,
+        "hash_of": "the events Parquet file" if parquet is not None else "the Arrow IPC stream of the event chunks",
+        "num_events": writer.num_events,
+        "events_file": "events.parquet" if parquet is not None else None,
+    }
+    manifest_path = None
+    if out is not None:
+        manifest_path = out / "manifest.json"
+        manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    simulated_s = (kernel.now_ns - feeder.first_arrival_ns) / 1e9 if feeder.first_arrival_ns is not None else 0.0
+    stats = engine.stats
+    return ReplaySummary(
+        run_id=run_id,
+        engine_id=engine_id,
+        instance_id=instance_id,
+        mode=mode,
+        num_requests=feeder.num_arrived,
+        num_events=writer.num_events,
+        num_steps=stats.num_steps,
+        num_step_events=stats.num_step_events,
+        num_preemptions=stats.num_preemptions,
+        num_prefix_hit_tokens=stats.num_prefix_hit_tokens,
+        num_kv_blocks=engine.pool.num_total,
+        simulated_s=simulated_s,
+        wall_s=wall_s,
+        requests_per_wall_s=feeder.num_arrived / wall_s if wall_s > 0 else float("inf"),
+        output_sha256=output_sha256,
+        workload_sha256=manifest["workload"]["sha256"],
+        events_path=parquet.path if parquet is not None else None,
+        manifest_path=manifest_path,
+    )
+
+
+class _Feeder:
+    """Streams the workload's arrivals into the kernel, one pending arrival at a time."""
+
+    def __init__(self, kernel: Kernel, engine: Engine, source: Workload, scenario: Scenario, seed: int,
+                 instance: InstanceConfig, progress: Callable[[ReplayProgress], None] | None,
+                 progress_every: int) -> None:
+        self.kernel = kernel
+        self.engine = engine
+        self.source = source
+        self.scenario = scenario
+        self.seed = seed
+        self.progress = progress
+        self.progress_every = max(1, progress_every)
+        self.block_size = instance.engine.block_size_tokens
+        self.prefix_caching = instance.engine.enable_prefix_caching
+        self._batches = source.batches()
+        self._rows: list[tuple] = []
+        self._pos = 0
+        self._offset = 0
+        self.num_arrived = 0
+        self.first_arrival_ns: int | None = None
+        self._last_arrival_ns = -(2**63)
+        self._wall0 = time.perf_counter()
+        self._objectives = {c.name: c for c in scenario.service_classes}
+
+    def start(self) -> None:
+        self._wall0 = time.perf_counter()
+        self._schedule_next()
+
+    def report(self, wall0: float | None = None) -> ReplayProgress:
+        start = self.first_arrival_ns or 0
+        return ReplayProgress(
+            simulated_ns=self.kernel.now_ns - start,
+            wall_s=time.perf_counter() - (wall0 if wall0 is not None else self._wall0),
+            num_arrived=self.num_arrived,
+            num_finished=self.engine.stats.num_finished,
+            num_requests=self.source.num_requests,
+        )
+
+    def _load(self) -> bool:
+        for batch in self._batches:
+            if batch.num_rows == 0:
+                continue
+            if self.scenario != Scenario():
+                batch = apply_scenario(batch, self.scenario, self.seed, self._offset)
+            self._offset += batch.num_rows
+            cols = [batch.column(name).to_pylist() for name in _FEED_COLUMNS]
+            self._rows = list(zip(*cols))
+            self._pos = 0
+            return True
+        return False
+
+    def _schedule_next(self) -> None:
+        if self._pos >= len(self._rows) and not self._load():
+            return
+        row = self._rows[self._pos]
+        arrival = row[1]
+        if arrival < self._last_arrival_ns:
+            raise ReplayError(
+                f"request {row[0]} arrives before the request ahead of it: the workload is not in arrival order",
+                "sort the workload by arrival_ns once; the replay never reorders arrivals itself",
+            )
+        self._last_arrival_ns = arrival
+        self.kernel.schedule(max(arrival, self.kernel.now_ns), ARRIVAL, self._arrive)
+
+    def _arrive(self) -> None:
+        row = self._rows[self._pos]
+        self._pos += 1
+        (rid, arrival, prompt, output, block_ids, block_tokens, session, tenant, cls, model, adapter,
+         branches, cancel_after, failed) = row
+        if self.first_arrival_ns is None:
+            self.first_arrival_ns = arrival
+        spec = self._objectives.get(cls) if cls is not None else None
+        prompt = max(1, prompt)
+        r = Request(
+            self.num_arrived,
+            rid,
+            arrival,
+            prompt,
+            num_branches=max(1, branches),
+            unit_keys=_unit_keys(block_ids, block_tokens, prompt, self.block_size) if (block_ids and self.prefix_caching) else (),
+            tenant=tenant,
+            service_class=cls,
+            model=model,
+            adapter=adapter,
+            session_id=session,
+            prefix_block_ids=block_ids,
+            ttft_deadline_ns=arrival + round(spec.ttft_objective_s * 1e9) if spec and spec.ttft_objective_s is not None else None,
+            e2e_deadline_ns=arrival + round(spec.e2e_objective_s * 1e9) if spec and spec.e2e_objective_s is not None else None,
+            max_output_tokens=spec.max_output_tokens if spec else None,
+            cancel_after_ns=cancel_after,
+            failed=failed,
+        )
+        self.num_arrived += 1
+        self.engine.submit(r, output)
+        if self.progress is not None and self.num_arrived % self.progress_every == 0:
+            self.progress(self.report())
+        self._schedule_next()
+
+
+_FEED_COLUMNS = (
+    "request_id", "arrival_ns", "num_prompt_tokens", "num_output_tokens", "prefix_block_ids",
+    "prefix_block_size_tokens", "session_id", "tenant", "service_class", "model", "adapter",
+    "num_branches", "cancel_after_ns", "failed",
+)
+
+
+def _unit_keys(block_ids: list[int], block_tokens: int | None, prompt: int, block_size: int) -> tuple:
+    """Cache units of a prompt: one per trace block id, covering the engine blocks fully inside it.
+
+    A trace block of ``block_tokens`` (Mooncake: 512) holds ``block_tokens / block_size`` engine
+    blocks (32 of 16 tokens); the prompt's last trace block covers only the engine blocks its
+    tokens fill. Without a trace block size, ids are taken to name engine blocks.
+    """
+    per = (block_tokens or block_size)
+    full = prompt // block_size
+    units = []
+    for i, key in enumerate(block_ids):
+        start = -(-i * per // block_size)
+        end = min((i + 1) * per // block_size, full)
+        if end <= start:
+            break
+        units.append((key, start, end - start))
+    return tuple(units)
+
+
+def _manifest(source: Workload, scenario: Scenario, policy_name: str, policy_config: Any,
+              instance: InstanceConfig, model: StepCostModel, seed: int, mode: str) -> dict[str, Any]:
+    info = model.info()
+    return {
+        "manifest_version": MANIFEST_VERSION,
+        "event_schema_version": SCHEMA_VERSION,
+        "workload": {"name": source.name, "sha256": source.fingerprint(), "num_requests": source.num_requests},
+        "scenario": _plain(scenario),
+        "policy": {"name": policy_name, "config": _plain(policy_config)},
+        "instance": _plain(instance),
+        "num_kv_blocks": instance.num_kv_blocks,
+        "cost_model": {"name": info.name, "description": info.description, "parameters": dict(info.parameters)},
+        "seed": seed,
+        "mode": mode,
+        "code_version": code_version(),
+    }
+
+
+def _plain(obj: Any) -> Any:
+    """A config dataclass as JSON-ready values (for the manifest only)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+def code_version() -> dict[str, str | None]:
+    """The package version and, in a git checkout, the commit it runs from."""
+    from servelens import __version__
+
+    commit = None
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        if head.returncode == 0:
+            commit = head.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"servelens": __version__, "git_commit": commit}

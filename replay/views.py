@@ -1,0 +1,188 @@
+"""Read-only views that policies decide over: one of the engine, one per request.
+
+A policy reads the clock, the queues, the KV pool and each request's progress through these views
+and never changes them: the views have no setters and the queues come as read-only sequences. A
+request's true output length is what a real scheduler cannot know, so it is not reachable from a
+view: the engine keeps it apart from the request state (``replay.request``). Policies that predict
+output lengths do so from what they can see (class, prompt, history), and report the interval
+they used in their admission decision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, overload
+
+from replay.request import FINISHED, HELD, RUNNING, WAITING, Request
+
+if TYPE_CHECKING:
+    from replay.config import InstanceConfig
+    from replay.costmodel import StepCostModel
+    from replay.kernel import Kernel
+    from replay.kvcache import BlockPool
+
+_STATE_NAMES = {WAITING: "waiting", RUNNING: "running", HELD: "held", FINISHED: "finished"}
+
+
+class RequestView:
+    """What a policy may know about a request (everything but its true output length)."""
+
+    __slots__ = ("_r",)
+
+    def __init__(self, request: Request) -> None:
+        self._r = request
+
+    request_id = property(lambda self: self._r.request_id, doc="Request id.")
+    arrival_ns = property(lambda self: self._r.arrival_ns, doc="Arrival time, ns.")
+    num_prompt_tokens = property(lambda self: self._r.num_prompt_tokens, doc="Prompt length.")
+    num_branches = property(lambda self: self._r.num_branches, doc="Parallel samples (n).")
+    tenant = property(lambda self: self._r.tenant, doc="Tenant.")
+    service_class = property(lambda self: self._r.service_class, doc="Service class.")
+    model = property(lambda self: self._r.model, doc="Model.")
+    adapter = property(lambda self: self._r.adapter, doc="Adapter.")
+    session_id = property(lambda self: self._r.session_id, doc="Session.")
+    ttft_deadline_ns = property(lambda self: self._r.ttft_deadline_ns, doc="First-token deadline, ns.")
+    e2e_deadline_ns = property(lambda self: self._r.e2e_deadline_ns, doc="Last-token deadline, ns.")
+    max_output_tokens = property(lambda self: self._r.max_output_tokens, doc="The request's max_tokens, if set.")
+    num_computed_tokens = property(
+        lambda self: self._r.num_computed + self._r.live_ticks(), doc="Tokens whose KV is computed."
+    )
+    num_tokens = property(lambda self: self._r.num_tokens + self._r.live_ticks(), doc="Prompt plus output positions so far.")
+    num_output_tokens = property(
+        lambda self: (self._r.num_output + self._r.live_ticks()) * self._r.num_branches,
+        doc="Output tokens produced so far (all branches).",
+    )
+    num_cached_prefix_tokens = property(
+        lambda self: self._r.num_cached_prefix_tokens, doc="Prompt tokens found in the prefix cache at admission."
+    )
+    num_preemptions = property(lambda self: self._r.num_preemptions, doc="Times the request was preempted.")
+    num_blocks = property(lambda self: held_blocks(self._r), doc="KV blocks the request holds.")
+    admitted_ns = property(lambda self: self._r.admitted_ns, doc="When admission accepted it, ns.")
+    scheduled_ns = property(lambda self: self._r.scheduled_ns, doc="First batch membership, ns.")
+    first_token_ns = property(lambda self: self._r.first_token_ns, doc="First token, ns.")
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than one token left to compute before the next sample (a prompt, or a recomputation)."""
+        r = self._r
+        return r.lock is None and (r.num_tokens - r.num_computed > 1 or r.num_computed < r.num_prompt_tokens)
+
+    @property
+    def state(self) -> str:
+        """waiting, running, held or finished."""
+        return _STATE_NAMES[self._r.state]
+
+    def __repr__(self) -> str:
+        return f"RequestView({self.request_id!r}, {self.state})"
+
+
+class RequestSequence(Sequence[RequestView]):
+    """A read-only sequence of request views over one of the engine's queues (no copy)."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Sequence[Request]) -> None:
+        self._items = items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @overload
+    def __getitem__(self, index: int) -> RequestView: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[RequestView]: ...
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [r.view for r in list(self._items)[index]]
+        return self._items[index].view
+
+    def __iter__(self) -> Iterator[RequestView]:
+        return (r.view for r in self._items)
+
+
+class EngineView:
+    """What a policy may know about the instance: clock, queues, KV pool, settings, cost model."""
+
+    __slots__ = ("_kernel", "_pool", "_running", "_waiting", "_held", "_budget", "instance", "cost_model", "instance_id")
+
+    def __init__(
+        self,
+        kernel: Kernel,
+        pool: BlockPool,
+        running: list[Request],
+        waiting: Sequence[Request],
+        held: Sequence[Request],
+        budget: list[int],
+        instance: InstanceConfig,
+        cost_model: StepCostModel,
+        instance_id: str,
+    ) -> None:
+        self._kernel = kernel
+        self._pool = pool
+        self._running = RequestSequence(running)
+        self._waiting = RequestSequence(waiting)
+        self._held = RequestSequence(held)
+        self._budget = budget  # [token budget left] of the step being planned
+        self.instance = instance
+        self.cost_model = cost_model
+        self.instance_id = instance_id
+
+    @property
+    def now_ns(self) -> int:
+        return self._kernel.now_ns
+
+    @property
+    def num_kv_blocks_total(self) -> int:
+        return self._pool.num_total
+
+    @property
+    def num_kv_blocks_free(self) -> int:
+        return self._pool.num_free
+
+    @property
+    def num_kv_blocks_used(self) -> int:
+        return self._pool.num_used
+
+    @property
+    def kv_block_size_tokens(self) -> int:
+        return self.instance.engine.block_size_tokens
+
+    @property
+    def running(self) -> RequestSequence:
+        return self._running
+
+    @property
+    def waiting(self) -> RequestSequence:
+        return self._waiting
+
+    @property
+    def held(self) -> RequestSequence:
+        return self._held
+
+    @property
+    def token_budget_left(self) -> int:
+        """Tokens still unassigned in the step being planned (max_num_batched_tokens between steps)."""
+        return self._budget[0]
+
+    def blocks_for_tokens(self, request: RequestView, num_tokens: int) -> int:
+        """KV blocks a request holds once ``num_tokens`` of its positions are computed (branches included)."""
+        return blocks_for(request._r, num_tokens, self.instance.engine.block_size_tokens)
+
+
+def held_blocks(r: Request) -> int:
+    """Blocks ``r`` holds now (derived from its progress while it is in the lockstep set)."""
+    lock = r.lock
+    if lock is None:
+        return r.num_blocks
+    return blocks_for(r, r.num_computed + lock.ticks - r.g0 + lock.ahead, lock.block_size)
+
+
+def blocks_for(r: Request, num_tokens: int, block_size: int) -> int:
+    """Blocks that hold ``num_tokens`` computed positions of ``r``: the prompt's blocks are shared by its
+    branches; from the first decode on, each branch owns a copy of the prompt's last partial block and
+    the blocks of its own output."""
+    n = r.num_branches
+    p = r.num_prompt_tokens
+    if n == 1 or num_tokens <= p:
+        return -(-num_tokens // block_size)
+    return p // block_size + n * -(-(p % block_size + num_tokens - p) // block_size)
