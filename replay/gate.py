@@ -199,13 +199,17 @@ def config_yaml(config: GateConfig) -> str:
 # ------------------------------------------------------------------------------------------ runs
 
 
+#: The columns of the step events the gate reads (for cost and idle time).
+STEP_COLUMNS = ["event_type", "instance_id", "start_ns", "end_ns", "request_ids", "request_num_tokens"]
+
+
 @dataclass(frozen=True, slots=True)
 class Run:
     """One side of a comparison: its request table, its engine steps and where it came from."""
 
     label: str
     requests: pa.Table
-    events: pa.Table | None  # for steps (cost); None when only a request table was given
+    steps: pa.Table | None  # the step_executed events (STEP_COLUMNS); None when only a request table was given
     source: str
     manifest_path: str | None
     manifest_sha256: str | None
@@ -231,14 +235,14 @@ def load_run(path: str | Path, label: str) -> Run:
                                     "give a replay output folder, an events file or a request table")
     elif not path.is_file():
         raise DataNotFoundError(f"{label} {path} does not exist", "give a replay output folder, an events file or a request table")
-    events = None
+    steps = None
     if detect_format(path) == "parquet":
         names = pq.read_schema(path).names
         if "ttft_s" in names:
             requests = pq.read_table(path)
         elif "event_type" in names:
-            events = pq.read_table(path)
-            requests = derive_requests(events)
+            requests = derive_requests(path)  # DuckDB streams the file: events never all in memory
+            steps = pq.read_table(path, columns=STEP_COLUMNS, filters=[("event_type", "==", "step_executed")])
         else:
             raise ServelensError(f"{path} is neither an events file nor a request table")
     else:
@@ -246,8 +250,9 @@ def load_run(path: str | Path, label: str) -> Run:
         if events is None:
             raise ServelensError(f"{path} is empty")
         requests = derive_requests(events)
+        steps = events.filter(pc.equal(events["event_type"], "step_executed")).select(STEP_COLUMNS)
     sha = hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest else None
-    return Run(label, requests, events, str(path), str(manifest) if manifest else None, sha)
+    return Run(label, requests, steps, str(path), str(manifest) if manifest else None, sha)
 
 
 def lake_pools(lake_root: str, baseline_pool: str, candidate_pool: str, since_ns: int | None, until_ns: int | None,
@@ -268,7 +273,7 @@ def lake_pools(lake_root: str, baseline_pool: str, candidate_pool: str, since_ns
             params.append(until_ns)
         requests = con.sql(f"SELECT * FROM requests WHERE {' AND '.join(clauses)}", params=params).to_arrow_table()
         steps = con.sql(
-            "SELECT * EXCLUDE (dt, hour) FROM events WHERE event_type = 'step_executed' AND pool = ?", params=[pool]
+            f"SELECT {', '.join(STEP_COLUMNS)} FROM events WHERE event_type = 'step_executed' AND pool = ?", params=[pool]
         ).to_arrow_table()
         runs.append(Run(label, requests, steps if steps.num_rows else None, f"{lake_root} (pool {pool})", None, None))
     return runs[0], runs[1]
@@ -369,8 +374,8 @@ def compare_runs(baseline: Run, candidate: Run, config: GateConfig) -> Verdict:
               if r.requests.num_rows and r.requests["arrival_ns"].null_count < r.requests.num_rows]
     origin = min(starts) if starts else 0
     rb, rc = load_requests(baseline.requests, mconfig, origin), load_requests(candidate.requests, mconfig, origin)
-    sb = load_steps(baseline.events, origin) if baseline.events is not None else None
-    sc = load_steps(candidate.events, origin) if candidate.events is not None else None
+    sb = load_steps(baseline.steps, origin) if baseline.steps is not None else None
+    sc = load_steps(candidate.steps, origin) if candidate.steps is not None else None
     end = max([r.arrival_s.max() for r in (rb, rc) if r.size] or [0.0])
     num_windows = max(1, int(np.floor(end / config.window_s)) + 1)
     tenants = np.union1d(rb.tenant_names, rc.tenant_names)

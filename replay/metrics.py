@@ -239,7 +239,8 @@ class Steps:
 
 
 def load_steps(events: pa.Table, origin_ns: int) -> Steps:
-    """The ``step_executed`` events of an events table (``EVENTS_SCHEMA``) as numpy columns."""
+    """The ``step_executed`` events of an events table (``EVENTS_SCHEMA``, or just the step columns)
+    as numpy columns."""
     steps = events.filter(pc.equal(events["event_type"], "step_executed"))
     start = pc.fill_null(steps["start_ns"], 0).to_numpy()
     end = pc.fill_null(steps["end_ns"], 0).to_numpy()
