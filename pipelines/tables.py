@@ -71,12 +71,23 @@ sched AS (
     GROUP BY rid
 ),
 deliveries AS (  -- sums and gaps need each delivery once
-    SELECT DISTINCT ON (event_id) request_id, event_type, ts_ns, first_byte_ns, num_tokens, coalesced
+    SELECT DISTINCT ON (event_id) event_id, request_id, event_type, ts_ns, first_byte_ns, num_tokens, coalesced
     FROM {source} WHERE event_type IN ('first_token', 'tokens_delivered')
 ),
-gaps AS (
-    SELECT request_id, ts_ns - lag(ts_ns) OVER (PARTITION BY request_id ORDER BY ts_ns) AS gap_ns
-    FROM deliveries
+gaps AS (  -- a delivery of k tokens after a gap g: k per-token gaps of g / k
+    SELECT request_id, gap_ns::DOUBLE / coalesce(num_tokens, 1) AS token_gap_ns, coalesce(num_tokens, 1) AS weight
+    FROM (
+        SELECT request_id, num_tokens,
+               ts_ns - lag(ts_ns) OVER (PARTITION BY request_id ORDER BY ts_ns, event_type, event_id) AS gap_ns
+        FROM deliveries
+    )
+    WHERE gap_ns IS NOT NULL
+),
+ranked AS (  -- cumulative weight, for nearest-rank percentiles of the per-token gaps
+    SELECT request_id, token_gap_ns, weight,
+           sum(weight) OVER (PARTITION BY request_id ORDER BY token_gap_ns RANGE UNBOUNDED PRECEDING) AS below,
+           sum(weight) OVER (PARTITION BY request_id) AS total
+    FROM gaps
 ),
 tok AS (
     SELECT
@@ -92,12 +103,12 @@ tok AS (
 itl AS (
     SELECT
         request_id,
-        count(gap_ns) AS num_itl_gaps,
-        sum(gap_ns)::DOUBLE / count(gap_ns) / 1e9 AS itl_mean_s,
-        quantile_cont(gap_ns, 0.5) / 1e9 AS itl_p50_s,
-        quantile_cont(gap_ns, 0.99) / 1e9 AS itl_p99_s,
-        max(gap_ns) / 1e9 AS itl_max_s
-    FROM gaps WHERE gap_ns IS NOT NULL GROUP BY request_id
+        max(total) AS num_itl_gaps,
+        sum(token_gap_ns * weight) / max(total) / 1e9 AS itl_mean_s,
+        min(token_gap_ns) FILTER (WHERE below >= 0.5 * total) / 1e9 AS itl_p50_s,
+        min(token_gap_ns) FILTER (WHERE below >= 0.99 * total) / 1e9 AS itl_p99_s,
+        max(token_gap_ns) / 1e9 AS itl_max_s
+    FROM ranked GROUP BY request_id
 )
 SELECT
     request_id, engine_id, instance_id,

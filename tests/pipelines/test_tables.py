@@ -67,11 +67,13 @@ def test_a_completed_request_row_is_hand_checked():
     assert row["ttft_s"] == pytest.approx(0.050, abs=1e-12)
     assert row["e2e_s"] == pytest.approx(0.160, abs=1e-12)  # to the last token, not to finish
     assert row["tpot_s"] == pytest.approx((0.160 - 0.050) / 4, abs=1e-12)  # 5 tokens -> 4 intervals
-    # gaps 30, 20, 60 ms: mean 36.67, median 30, p99 = 30 + 0.98 * (60 - 30) by linear interpolation
-    assert row["num_itl_gaps"] == 3
-    assert row["itl_mean_s"] == pytest.approx(0.110 / 3, abs=1e-12)
-    assert row["itl_p50_s"] == pytest.approx(0.030, abs=1e-12)
-    assert row["itl_p99_s"] == pytest.approx(0.0594, abs=1e-12)
+    # deliveries at 50 (first), 80 (1 token), 100 (a 2-token chunk), 160 ms (1 token): per-token gaps
+    # 30, 10, 10, 60 ms (the chunk's 20 ms split evenly over its 2 tokens); 4 gaps for 5 tokens.
+    # Nearest rank: p50 is the 2nd of [10, 10, 30, 60] = 10 ms, p99 the 4th = 60 ms; mean 110 / 4 ms.
+    assert row["num_itl_gaps"] == 4
+    assert row["itl_mean_s"] == pytest.approx(0.110 / 4, abs=1e-12)
+    assert row["itl_p50_s"] == pytest.approx(0.010, abs=1e-12)
+    assert row["itl_p99_s"] == pytest.approx(0.060, abs=1e-12)
     assert row["itl_max_s"] == pytest.approx(0.060, abs=1e-12)
     assert row["itl_from_chunks"] is True
     assert row["num_output_tokens"] == 5 and row["outcome"] == "completed"

@@ -188,3 +188,21 @@ def test_a_large_file_is_streamed_not_loaded(tmp_path):
     first = next(results)
     assert first.number == 1 and first.event is not None
     assert sum(1 for _ in results) == 49_999
+
+
+def test_parquet_events_are_read_columnar_and_a_bad_row_is_named(tmp_path):
+    from collections import Counter
+
+    from schemas.validate import InvalidEventsError, iter_event_tables
+
+    good = [RequestArrived(event_id=f"e{i}", ts_ns=i, engine_id="e", request_id=f"r{i}", num_prompt_tokens=i) for i in range(5)]
+    table = events_to_table(good).append_column("prompt", pa.array(["secret"] * 5))
+    path = tmp_path / "events.parquet"
+    pq.write_table(table, path)
+    ignored = Counter()
+    (read,) = list(iter_event_tables(path, ignored_fields=ignored))
+    assert read.equals(events_to_table(good)) and ignored == {"prompt": 5}
+    broken = events_to_table(good).set_column(3, "ts_ns", pa.array(["soon"] * 5))
+    pq.write_table(broken, path)
+    with pytest.raises(InvalidEventsError, match=r"events.parquet:1: \$.ts_ns: wrong type"):
+        list(iter_event_tables(path))

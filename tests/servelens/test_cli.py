@@ -36,6 +36,8 @@ def test_demo_prints_the_summary_of_the_azure_conversation_trace(tmp_path):
     assert "19,366 requests over 3,501.7 s (5.53 req/s), 0 failed" in proc.stdout
     assert "prompt p50 1,020 / p99 4,142; output p50 129 / p99 601" in proc.stdout
     assert "19,366 rows in" in proc.stdout and "every one valid" in proc.stdout
+    assert "replay       fcfs on llama-3-8b@h100-sxm" in proc.stdout
+    assert "goodput 5.53 req/s, attainment 100.0%" in proc.stdout  # the 8B on an H100 keeps up at 1x
     assert "[4/4]" in proc.stderr  # progress goes to stderr, the summary to stdout
     requests = pq.read_table(tmp_path / "demo" / "requests.parquet")
     assert requests.num_rows == 19_366
