@@ -193,7 +193,7 @@ def single_line_run(c: int, a: int, b: int, max_steps: int, horizon_ns: int | No
         quad = b / (2 * m)
         est = (-lin + (lin * lin + 4 * quad * horizon_ns) ** 0.5) / (2 * quad)
     else:
-        est = horizon_ns / lin
+        est = horizon_ns / lin if lin else max_steps  # steps of 0 ns never reach the horizon
     k = min(max_steps, max(1, int(est)))
     total = k * c + floor_sum(k, m, b, a + m - 1)
     if total >= horizon_ns:
@@ -223,7 +223,7 @@ def search_run(
         k = max_steps if horizon_ns is None else 1
         return DecodeRun(k, total_ns(k), step_ns(k - 1))
     first = step_ns(0)
-    hi = min(max_steps, -(-horizon_ns // first))
+    hi = min(max_steps, -(-horizon_ns // first)) if first else max_steps  # (0 ns steps: the last bound)
     total_hi = total_ns(hi)
     if total_hi < horizon_ns:  # only when hi == max_steps
         return DecodeRun(hi, total_hi, step_ns(hi - 1))

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from itertools import chain
 from operator import attrgetter
 from pathlib import Path
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from replay.request import Request
 
 Sink = Callable[[pa.Table], None]
+#: One event type's rows of a chunk: the row count, and the function that builds their table.
+_Part = tuple[int, Callable[[], pa.Table]]
 
 _TYPES = {f.name: f.type for f in EVENTS_SCHEMA}
 _STRING_LIST = _TYPES["request_ids"]
@@ -50,28 +52,92 @@ _DICTIONARY_COLUMNS = [
 
 
 class Snapshot:
-    """The lockstep members at one moment, with what their deliveries need (fixed at creation)."""
+    """The lockstep members at one moment; run and step events that name it expand to its members.
 
-    __slots__ = ("requests", "ids", "offsets", "branches", "num_seqs", "tokens")
+    Taken through ``EventWriter.snapshot``, which also appends one row per member (the request and
+    its output offset) to the chunk's member log: rows ``row`` .. ``row + num_rows`` of member log
+    number ``chunk`` (the writer starts a new log at each flush).
+    """
 
-    def __init__(self, requests: tuple[Request, ...], num_seqs: int) -> None:
+    __slots__ = ("requests", "offsets", "num_seqs", "row", "num_rows", "chunk")
+
+    def __init__(self, requests: tuple[Request, ...], num_seqs: int, row: int = 0, chunk: int = -1) -> None:
         self.requests = requests
-        self.ids = list(map(_REQUEST_ID, requests))
         # output positions of member i at lockstep clock t are offsets[i] + t
         self.offsets = list(map(_LOCK_OUTPUT, requests))
-        self.num_seqs = num_seqs
-        # branches per member (None: all 1), and the tokens each member decodes per step
-        self.branches = None if num_seqs == len(requests) else list(map(_BRANCHES, requests))
-        self.tokens = self.branches if self.branches is not None else [1] * len(requests)
+        self.num_seqs = num_seqs  # decode sequences: the members' branches summed
+        self.row = row
+        self.num_rows = len(requests)
+        self.chunk = chunk
+
+    @property
+    def ids(self) -> list[str]:
+        """The members' request ids."""
+        return list(map(_REQUEST_ID, self.requests))
 
 
 _REQUEST_ID = attrgetter("request_id")
 _LOCK_OUTPUT = attrgetter("lock_output")
 _BRANCHES = attrgetter("num_branches")
+_ROW = attrgetter("row")
+_NUM_ROWS = attrgetter("num_rows")
+_CHUNK = attrgetter("chunk")
+
+#: The members of a step without lockstep members.
+NO_MEMBERS = Snapshot((), 0)
+
+
+class _Members:
+    """A chunk's member log as columns: row i is one member of one snapshot."""
+
+    def __init__(self, requests: list[Request], offsets: list[int], branches: bool, labelled: bool) -> None:
+        self.num_rows = n = len(requests)
+        self.ids = pa.array(list(map(_REQUEST_ID, requests)), pa.string())
+        # output positions of a member at lockstep clock t: offset + t
+        self.offsets = np.fromiter(offsets, np.int64, n)
+        # tokens each member decodes per step: its branches
+        self.tokens = np.fromiter(map(_BRANCHES, requests), np.int64, n) if branches else np.ones(n, np.int64)
+        self.labels = _labels(requests) if labelled else None
+
+    def rows(self, snapshots: tuple[Snapshot, ...], log_number: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each snapshot's first row and number of rows in this log (they must be in this log)."""
+        n = len(snapshots)
+        first = np.fromiter(map(_ROW, snapshots), np.int64, n)
+        count = np.fromiter(map(_NUM_ROWS, snapshots), np.int64, n)
+        taken = np.fromiter(map(_CHUNK, snapshots), np.int64, n)
+        if ((taken != log_number) & (count > 0)).any():
+            raise AssertionError("an event names lockstep members logged in an earlier chunk")
+        return first, count
+
+
+class EventChunk:
+    """About ``chunk_rows`` events, gathered from the engine's buffers; ``table()`` finishes them.
+
+    Gathering reads the engine's Python objects, so it runs on the replay's thread. What is left,
+    building event id strings, list columns and the table, is Arrow compute over those arrays, which
+    releases the GIL: ``ParquetSink`` finishes chunks on its background thread, beside the replay.
+    """
+
+    __slots__ = ("num_rows", "_parts", "_table")
+
+    def __init__(self, parts: list[_Part]) -> None:
+        self.num_rows = sum(n for n, _ in parts)
+        self._parts = parts
+        self._table: pa.Table | None = None
+
+    def table(self) -> pa.Table:
+        """The chunk as one ``EVENTS_SCHEMA`` table (built once; rows grouped by event type)."""
+        if self._table is None:
+            self._table = pa.concat_tables([build() for _, build in self._parts])
+            self._parts = []
+        return self._table
 
 
 class ParquetSink:
-    """Writes event tables to one zstd Parquet file, one row group per chunk, on a background thread."""
+    """Writes event tables to one zstd Parquet file, one row group per chunk, on a background thread.
+
+    It takes tables or ``EventChunk``s; a chunk is finished (``EventChunk.table``) on that thread too.
+    """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -80,7 +146,7 @@ class ParquetSink:
         self._writer = pq.ParquetWriter(
             str(self.path), EVENTS_SCHEMA, compression="zstd", use_dictionary=_DICTIONARY_COLUMNS
         )
-        self._queue: queue.Queue[pa.Table | None] = queue.Queue(maxsize=2)  # bounded: memory stays flat
+        self._queue: queue.Queue[pa.Table | EventChunk | None] = queue.Queue(maxsize=2)  # bounded: memory stays flat
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="replay-parquet", daemon=True)
         self._thread.start()
@@ -88,20 +154,22 @@ class ParquetSink:
 
     def _run(self) -> None:
         while True:
-            table = self._queue.get()
-            if table is None:
+            item = self._queue.get()
+            if item is None:
                 return
+            if self._error is not None:
+                continue  # after a failure, drain: a put never blocks on a full queue
             try:
+                table = item.table() if isinstance(item, EventChunk) else item
                 self._writer.write_table(table, row_group_size=max(1, table.num_rows))
             except BaseException as exc:  # surfaced on the next call or at close
                 self._error = exc
-                return
 
-    def __call__(self, table: pa.Table) -> None:
+    def __call__(self, events: pa.Table | EventChunk) -> None:
         if self._error is not None:
             raise self._error
-        self._queue.put(table)
-        self.num_rows += table.num_rows
+        self._queue.put(events)
+        self.num_rows += events.num_rows
 
     def abort(self) -> None:
         """Stop the writer thread after a failed replay (the file is left incomplete)."""
@@ -127,9 +195,10 @@ class ParquetSink:
 
 
 class EventWriter:
-    """Per-type event buffers, flushed as ``EVENTS_SCHEMA`` tables to a sink."""
+    """Per-type event buffers, flushed as ``EventChunk``s to a sink (``hash_tables``: the SHA-256 of
+    their tables' Arrow IPC stream is kept, for when no Parquet file is written)."""
 
-    def __init__(self, sink: Sink, *, run_id: str, engine_id: str, chunk_rows: int = 200_000,
+    def __init__(self, sink: Callable[[EventChunk], None], *, run_id: str, engine_id: str, chunk_rows: int = 200_000,
                  hash_tables: bool = True) -> None:
         self.sink = sink
         self.run_id = run_id
@@ -150,8 +219,22 @@ class EventWriter:
         self.cancelled: list[tuple] = []
         self.finished: list[tuple] = []
         self.states: list[tuple] = []
+        # the member log: one row per member of each snapshot taken for this chunk (number _log_number)
+        self._log_number = 0
+        self._member_requests: list[Request] = []
+        self._member_offsets: list[int] = []
+        self._member_branches = False  # some member decodes several sequences
         #: set by the engine once a request carries a tenant, class, model or adapter label
         self.labelled = False
+
+    def snapshot(self, members: tuple[Request, ...], num_seqs: int) -> Snapshot:
+        """The lockstep members now, their rows appended to the member log (valid until the next flush)."""
+        taken = Snapshot(members, num_seqs, len(self._member_requests), self._log_number)
+        self._member_requests.extend(members)
+        self._member_offsets.extend(taken.offsets)
+        if num_seqs != len(members):
+            self._member_branches = True
+        return taken
 
     def on_state(self, ts_ns: int, instance_id: str, state: str, num_blocks: int, block_size: int, models: list[str]) -> None:
         self.states.append((ts_ns, instance_id, state, num_blocks, block_size, models))
@@ -163,38 +246,47 @@ class EventWriter:
     # ------------------------------------------------------------------ flush
 
     def flush(self) -> None:
+        """Gather the buffered events into one ``EventChunk`` and hand it to the sink."""
+        members = _Members(self._member_requests, self._member_offsets, self._member_branches, self.labelled)
+        log_number = self._log_number
+        self._log_number += 1
+        self._member_requests, self._member_offsets, self._member_branches = [], [], False
         parts = [
-            t
-            for t in (
-                self._arrived_table(),
-                self._admission_table(),
-                self._steps_table(),
-                self._preempted_table(),
-                self._first_token_table(),
-                self._tokens_table(),
-                self._runs_table(),
-                self._cancelled_table(),
-                self._finished_table(),
-                self._states_table(),
+            part
+            for part in (
+                self._arrived_part(),
+                self._admission_part(),
+                self._steps_part(members, log_number),
+                self._preempted_part(),
+                self._first_token_part(),
+                self._tokens_part(),
+                self._runs_part(members, log_number),
+                self._cancelled_part(),
+                self._finished_part(),
+                self._states_part(),
             )
-            if t is not None
+            if part is not None
         ]
         if not parts:
             return
-        table = pa.concat_tables(parts)
+        chunk = EventChunk(parts)
         if self.hash_tables:
             stream = pa.BufferOutputStream()
             with pa.ipc.new_stream(stream, EVENTS_SCHEMA) as ipc:
-                ipc.write_table(table)
+                ipc.write_table(chunk.table())
             self.hash.update(stream.getvalue())
-        self.num_events += table.num_rows
+        self.num_events += chunk.num_rows
         self.num_chunks += 1
-        self.sink(table)
+        self.sink(chunk)
 
     def output_sha256(self) -> str:
         return self.hash.hexdigest()
 
-    # ------------------------------------------------------------------ table builders
+    # ------------------------------------------------------------------ parts of a chunk
+    #
+    # Each ``_*_part`` empties one buffer: it reads the buffered tuples and the requests into arrays
+    # (the engine's thread), and returns the row count and a ``build`` function that finishes the
+    # table with Arrow compute only (event ids, takes, list columns), wherever the chunk is finished.
 
     def _table(self, event_type: str, n: int, columns: dict[str, pa.Array]) -> pa.Table:
         columns["schema_version"] = _repeat(SCHEMA_VERSION, n)
@@ -206,200 +298,264 @@ class EventWriter:
     def _event_ids(self, ids: pa.Array, suffix: pa.Array | str) -> pa.Array:
         return pc.binary_join_element_wise(f"{self.run_id}:", ids, suffix, "")
 
-    def _request_columns(self, reqs: list[Request], suffix: pa.Array | str) -> dict[str, pa.Array]:
-        """Envelope columns of request-scoped events: ids, event ids, the request's labels."""
-        ids = pa.array([r.request_id for r in reqs], pa.string())
-        columns = {"event_id": self._event_ids(ids, suffix), "request_id": ids}
+    def _request_columns(self, reqs: tuple[Request, ...]) -> dict[str, pa.Array]:
+        """Envelope columns of request-scoped events: request ids and the requests' labels."""
+        columns = {"request_id": pa.array(list(map(_REQUEST_ID, reqs)), pa.string())}
         if self.labelled:
             columns.update(_labels(reqs))
         return columns
 
-    @staticmethod
-    def _numbered(label: str, numbers) -> pa.Array:
-        return pc.binary_join_element_wise(label, pc.cast(pa.array(numbers, pa.int64()), pa.string()), "")
+    def _request_part(self, event_type: str, columns: dict[str, pa.Array], suffix: str | tuple[str, np.ndarray]) -> _Part:
+        """Request-scoped events; their ids are ``<run>:<request><suffix>``, a suffix numbered per row
+        when given as (label, numbers)."""
 
-    def _arrived_table(self) -> pa.Table | None:
+        def build() -> pa.Table:
+            end = suffix if isinstance(suffix, str) else _numbered(*suffix)
+            columns["event_id"] = self._event_ids(columns["request_id"], end)
+            return self._table(event_type, n, columns)
+
+        n = len(columns["request_id"])
+        return n, build
+
+    def _arrived_part(self) -> _Part | None:
         buf, self.arrived = self.arrived, []
         if not buf:
             return None
         # (request, instance_id, num_cached_prefix_tokens)
-        reqs = [b[0] for b in buf]
-        cols = self._request_columns(reqs, ":arrived")
-        cols["ts_ns"] = pa.array([r.arrival_ns for r in reqs], pa.int64())
-        cols["instance_id"] = pa.array([b[1] for b in buf], pa.string())
-        cols["num_prompt_tokens"] = pa.array([r.num_prompt_tokens for r in reqs], pa.int64())
-        cols["num_cached_prefix_tokens"] = pa.array([b[2] for b in buf], pa.int64())
-        cols["max_output_tokens"] = pa.array([r.max_output_tokens for r in reqs], pa.int64())
-        cols["num_branches"] = pa.array([r.num_branches for r in reqs], pa.int64())
-        cols["ttft_deadline_ns"] = pa.array([r.ttft_deadline_ns for r in reqs], pa.int64())
-        cols["e2e_deadline_ns"] = pa.array([r.e2e_deadline_ns for r in reqs], pa.int64())
-        cols["session_id"] = pa.array([r.session_id for r in reqs], pa.string())
-        cols["prefix_block_ids"] = pa.array([r.prefix_block_ids for r in reqs], _TYPES["prefix_block_ids"])
-        return self._table("request_arrived", len(buf), cols)
+        reqs, instance, cached = zip(*buf)
+        (arrival, prompt, max_output, branches, ttft_deadline, e2e_deadline, session, block_ids) = zip(
+            *map(_ARRIVAL_FIELDS, reqs)
+        )
+        cols = self._request_columns(reqs)
+        cols["ts_ns"] = _ints(arrival)
+        cols["instance_id"] = _strings(instance)
+        cols["num_prompt_tokens"] = _ints(prompt)
+        cols["num_cached_prefix_tokens"] = pa.array(cached, pa.int64())
+        cols["max_output_tokens"] = pa.array(max_output, pa.int64())
+        cols["num_branches"] = _ints(branches)
+        cols["ttft_deadline_ns"] = pa.array(ttft_deadline, pa.int64())
+        cols["e2e_deadline_ns"] = pa.array(e2e_deadline, pa.int64())
+        cols["session_id"] = pa.array(session, pa.string())
+        cols["prefix_block_ids"] = pa.array(block_ids, _TYPES["prefix_block_ids"])
+        return self._request_part("request_arrived", cols, ":arrived")
 
-    def _admission_table(self) -> pa.Table | None:
+    def _admission_part(self) -> _Part | None:
         buf, self.admission = self.admission, []
         if not buf:
             return None
         # (request, ts_ns, AdmissionDecision, decision number, instance_id)
-        reqs = [b[0] for b in buf]
-        cols = self._request_columns(reqs, self._numbered(":admission", [b[3] for b in buf]))
-        cols["ts_ns"] = pa.array([b[1] for b in buf], pa.int64())
-        cols["instance_id"] = pa.array([b[4] for b in buf], pa.string())
-        decisions = [b[2] for b in buf]
-        cols["decision"] = pa.array([d.decision for d in decisions], pa.string())
-        cols["reason"] = pa.array([d.reason for d in decisions], pa.string())
-        cols["retry_after_s"] = pa.array([d.retry_after_s for d in decisions], pa.float64())
-        cols["predicted_output_tokens_low"] = pa.array([d.predicted_output_tokens_low for d in decisions], pa.int64())
-        cols["predicted_output_tokens_high"] = pa.array([d.predicted_output_tokens_high for d in decisions], pa.int64())
-        return self._table("admission_decided", len(buf), cols)
+        reqs, ts, decisions, number, instance = zip(*buf)
+        decision, reason, retry_after, low, high = zip(*map(_DECISION_FIELDS, decisions))
+        cols = self._request_columns(reqs)
+        cols["ts_ns"] = _ints(ts)
+        cols["instance_id"] = _strings(instance)
+        cols["decision"] = pa.array(decision, pa.string())
+        cols["reason"] = pa.array(reason, pa.string())
+        cols["retry_after_s"] = pa.array(retry_after, pa.float64())
+        cols["predicted_output_tokens_low"] = pa.array(low, pa.int64())
+        cols["predicted_output_tokens_high"] = pa.array(high, pa.int64())
+        return self._request_part("admission_decided", cols, (":admission", np.array(number, np.int64)))
 
-    def _steps_table(self) -> pa.Table | None:
+    def _steps_part(self, members: _Members, log_number: int) -> _Part | None:
         buf, self.steps = self.steps, []
         if not buf:
             return None
         n = len(buf)
         # (instance_id, step_index, start_ns, end_ns, num_steps, num_prefill_tokens, num_decode_seqs,
-        #  lockstep Snapshot or None, explicit request ids, their tokens per step, kv used, kv free)
+        #  lockstep Snapshot (or NO_MEMBERS), explicit request ids, their tokens per step, kv used, kv free)
         instance, index, start, end, num_steps, prefill, decode, snaps, ids, tokens, used, free = zip(*buf)
-        # members: the lockstep snapshot's, then those scheduled one by one
-        id_lists = [i if s is None else (s.ids + i if i else s.ids) for s, i in zip(snaps, ids)]
-        token_lists = [t if s is None else (s.tokens + t if t else s.tokens) for s, t in zip(snaps, tokens)]
-        offsets = np.zeros(n + 1, np.int64)
-        np.cumsum(np.fromiter(map(len, id_lists), np.int64, n), out=offsets[1:])
-        off = pa.array(offsets.astype(np.int32))
-        flat_ids = list(chain.from_iterable(id_lists))
-        flat_tokens = np.fromiter(chain.from_iterable(token_lists), np.int64, int(offsets[-1]))
-        inst = pa.array(instance, pa.string())
+        # a step's members: its snapshot's rows of the chunk's members, then those scheduled one by one
+        # (their own rows, appended after all the snapshots' rows)
+        snap_starts, snap_lengths = members.rows(snaps, log_number)
+        own_lengths = np.fromiter(map(len, ids), np.int64, n)
+        own_ids = pa.array(list(chain.from_iterable(ids)), pa.string())
+        own_tokens = np.fromiter(chain.from_iterable(tokens), np.int64, len(own_ids))
+        own_starts = members.num_rows + np.cumsum(own_lengths) - own_lengths
+        rows = _ranges(
+            np.column_stack((snap_starts, own_starts)).ravel(),
+            np.column_stack((snap_lengths, own_lengths)).ravel(),
+        )
+        offsets = np.zeros(n + 1, np.int32)
+        np.cumsum(snap_lengths + own_lengths, out=offsets[1:])
+        flat_tokens = np.concatenate((members.tokens, own_tokens))[rows]
+        member_ids = members.ids
+        index = np.array(index, np.int64)
         cols = {
-            "event_id": self._event_ids(inst, self._numbered(":step", index)),
-            "ts_ns": pa.array(end, pa.int64()),
-            "instance_id": inst,
-            "step_index": pa.array(index, pa.int64()),
-            "start_ns": pa.array(start, pa.int64()),
-            "end_ns": pa.array(end, pa.int64()),
-            "num_prefill_tokens": pa.array(prefill, pa.int64()),
-            "num_decode_seqs": pa.array(decode, pa.int64()),
-            "request_ids": pa.ListArray.from_arrays(off, pa.array(flat_ids, pa.string()), type=_STRING_LIST),
-            "request_num_tokens": pa.ListArray.from_arrays(off, pa.array(flat_tokens), type=_INT_LIST),
-            "num_kv_blocks_used": pa.array(used, pa.int64()),
-            "num_kv_blocks_free": pa.array(free, pa.int64()),
-            "num_steps": pa.array(num_steps, pa.int64()),
+            "ts_ns": _ints(end),
+            "instance_id": _strings(instance),
+            "step_index": pa.array(index),
+            "start_ns": _ints(start),
+            "end_ns": _ints(end),
+            "num_prefill_tokens": _ints(prefill),
+            "num_decode_seqs": _ints(decode),
+            "request_num_tokens": pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat_tokens), type=_INT_LIST),
+            "num_kv_blocks_used": _ints(used),
+            "num_kv_blocks_free": _ints(free),
+            "num_steps": _ints(num_steps),
         }
-        return self._table("step_executed", n, cols)
 
-    def _preempted_table(self) -> pa.Table | None:
+        def build() -> pa.Table:
+            flat_ids = pa.concat_arrays([member_ids, own_ids]).take(rows)
+            cols["request_ids"] = pa.ListArray.from_arrays(pa.array(offsets), flat_ids, type=_STRING_LIST)
+            cols["event_id"] = self._event_ids(cols["instance_id"], _numbered(":step", index))
+            return self._table("step_executed", n, cols)
+
+        return n, build
+
+    def _preempted_part(self) -> _Part | None:
         buf, self.preempted = self.preempted, []
         if not buf:
             return None
         # (request, ts_ns, mode, preemption number, num_lost_tokens, instance_id)
-        reqs = [b[0] for b in buf]
-        cols = self._request_columns(reqs, self._numbered(":preempted", [b[3] for b in buf]))
-        cols["ts_ns"] = pa.array([b[1] for b in buf], pa.int64())
-        cols["mode"] = pa.array([b[2] for b in buf], pa.string())
-        cols["lease_generation"] = pa.array([b[3] for b in buf], pa.int64())
-        cols["num_lost_tokens"] = pa.array([b[4] for b in buf], pa.int64())
-        cols["instance_id"] = pa.array([b[5] for b in buf], pa.string())
-        return self._table("request_preempted", len(buf), cols)
+        reqs, ts, mode, number, lost, instance = zip(*buf)
+        cols = self._request_columns(reqs)
+        cols["ts_ns"] = _ints(ts)
+        cols["mode"] = pa.array(mode, pa.string())
+        cols["lease_generation"] = _ints(number)
+        cols["num_lost_tokens"] = _ints(lost)
+        cols["instance_id"] = _strings(instance)
+        return self._request_part("request_preempted", cols, (":preempted", np.array(number, np.int64)))
 
-    def _first_token_table(self) -> pa.Table | None:
+    def _first_token_part(self) -> _Part | None:
         buf, self.first_tokens = self.first_tokens, []
         if not buf:
             return None
         # (request, ts_ns, instance_id)
-        reqs = [b[0] for b in buf]
-        cols = self._request_columns(reqs, ":first_token")
-        cols["ts_ns"] = pa.array([b[1] for b in buf], pa.int64())
-        cols["instance_id"] = pa.array([b[2] for b in buf], pa.string())
-        return self._table("first_token", len(buf), cols)
+        reqs, ts, instance = zip(*buf)
+        cols = self._request_columns(reqs)
+        cols["ts_ns"] = _ints(ts)
+        cols["instance_id"] = _strings(instance)
+        return self._request_part("first_token", cols, ":first_token")
 
-    def _tokens_table(self) -> pa.Table | None:
+    def _tokens_part(self) -> _Part | None:
         buf, self.tokens = self.tokens, []
         if not buf:
             return None
         # (request, ts_ns, num_tokens, tokens delivered in total after this delivery, coalesced, instance_id)
         reqs, ts, num, upto, coalesced, instance = zip(*buf)
-        cols = self._request_columns(list(reqs), self._numbered(":tokens", upto))
-        cols["ts_ns"] = pa.array(ts, pa.int64())
-        cols["num_tokens"] = pa.array(num, pa.int64())
+        cols = self._request_columns(reqs)
+        cols["ts_ns"] = _ints(ts)
+        cols["num_tokens"] = _ints(num)
         cols["coalesced"] = pa.array(coalesced, pa.bool_())
-        cols["instance_id"] = pa.array(instance, pa.string())
-        return self._table("tokens_delivered", len(buf), cols)
+        cols["instance_id"] = _strings(instance)
+        return self._request_part("tokens_delivered", cols, (":tokens", np.array(upto, np.int64)))
 
-    def _runs_table(self) -> pa.Table | None:
+    def _runs_part(self, members: _Members, log_number: int) -> _Part | None:
         """One ``tokens_delivered`` per lockstep member per recorded run, expanded with numpy."""
         buf, self.runs = self.runs, []
         if not buf:
             return None
         # (Snapshot, ts_ns = the run's last step end, num_steps, lockstep clock after it, coalesced, instance_id)
         snaps, ts, steps, clock, coalesced, instance = zip(*buf)
-        lengths = np.fromiter((len(s.ids) for s in snaps), np.int64, len(snaps))
-        n = int(lengths.sum())
-        branches = np.fromiter(chain.from_iterable(s.tokens for s in snaps), np.int64, n)
-        offsets = np.fromiter(chain.from_iterable(s.offsets for s in snaps), np.int64, n)
-        upto = (offsets + np.repeat(np.asarray(clock, np.int64), lengths)) * branches
-        ids = pa.array(list(chain.from_iterable(s.ids for s in snaps)), pa.string())
+        starts, lengths = members.rows(snaps, log_number)
+        rows = _ranges(starts, lengths)  # each run's members, as rows of the member log
+        n = len(rows)
+        branches = members.tokens[rows]
+        upto = (members.offsets[rows] + np.repeat(np.array(clock, np.int64), lengths)) * branches
+        member_ids, labels = members.ids, members.labels
         cols = {
-            "event_id": self._event_ids(ids, self._numbered(":tokens", upto)),
-            "request_id": ids,
-            "ts_ns": pa.array(np.repeat(np.asarray(ts, np.int64), lengths)),
-            "num_tokens": pa.array(np.repeat(np.asarray(steps, np.int64), lengths) * branches),
-            "coalesced": pa.array(np.repeat(np.asarray(coalesced, bool), lengths)),
-            "instance_id": (
-                _repeat(instance[0], n)
-                if instance.count(instance[0]) == len(instance)
-                else pa.array(instance, pa.string()).take(pa.array(np.repeat(np.arange(len(snaps)), lengths)))
-            ),
+            "ts_ns": pa.array(np.repeat(np.array(ts, np.int64), lengths)),
+            "num_tokens": pa.array(np.repeat(np.array(steps, np.int64), lengths) * branches),
+            "coalesced": pa.array(np.repeat(np.array(coalesced, bool), lengths)),
         }
-        if self.labelled:
-            cols.update(_labels(list(chain.from_iterable(s.requests for s in snaps))))
-        return self._table("tokens_delivered", n, cols)
+        if instance.count(instance[0]) == len(instance):
+            cols["instance_id"] = _repeat(instance[0], n)
+        else:
+            instance_rows = pa.array(np.repeat(np.arange(len(snaps)), lengths))
+            cols["instance_id"] = pa.array(instance, pa.string()).take(instance_rows)
 
-    def _cancelled_table(self) -> pa.Table | None:
+        def build() -> pa.Table:
+            ids = member_ids.take(rows)
+            cols["request_id"] = ids
+            cols["event_id"] = self._event_ids(ids, _numbered(":tokens", upto))
+            if labels is not None:
+                cols.update({name: column.take(rows) for name, column in labels.items()})
+            return self._table("tokens_delivered", n, cols)
+
+        return n, build
+
+    def _cancelled_part(self) -> _Part | None:
         buf, self.cancelled = self.cancelled, []
         if not buf:
             return None
         # (request, ts_ns, instance_id)
-        reqs = [b[0] for b in buf]
-        cols = self._request_columns(reqs, ":cancelled")
-        cols["ts_ns"] = pa.array([b[1] for b in buf], pa.int64())
-        cols["instance_id"] = pa.array([b[2] for b in buf], pa.string())
-        return self._table("request_cancelled", len(buf), cols)
+        reqs, ts, instance = zip(*buf)
+        cols = self._request_columns(reqs)
+        cols["ts_ns"] = _ints(ts)
+        cols["instance_id"] = _strings(instance)
+        return self._request_part("request_cancelled", cols, ":cancelled")
 
-    def _finished_table(self) -> pa.Table | None:
+    def _finished_part(self) -> _Part | None:
         buf, self.finished = self.finished, []
         if not buf:
             return None
         # (request, ts_ns, outcome, num_output_tokens, error_message, instance_id)
-        reqs = [b[0] for b in buf]
-        cols = self._request_columns(reqs, ":finished")
-        cols["ts_ns"] = pa.array([b[1] for b in buf], pa.int64())
-        cols["outcome"] = pa.array([b[2] for b in buf], pa.string())
-        cols["num_output_tokens"] = pa.array([b[3] for b in buf], pa.int64())
-        cols["error_message"] = pa.array([b[4] for b in buf], pa.string())
-        cols["instance_id"] = pa.array([b[5] for b in buf], pa.string())
-        return self._table("request_finished", len(buf), cols)
+        reqs, ts, outcome, num_output, error, instance = zip(*buf)
+        cols = self._request_columns(reqs)
+        cols["ts_ns"] = _ints(ts)
+        cols["outcome"] = pa.array(outcome, pa.string())
+        cols["num_output_tokens"] = _ints(num_output)
+        cols["error_message"] = pa.array(error, pa.string())
+        cols["instance_id"] = _strings(instance)
+        return self._request_part("request_finished", cols, ":finished")
 
-    def _states_table(self) -> pa.Table | None:
+    def _states_part(self) -> _Part | None:
         buf, self.states = self.states, []
         if not buf:
             return None
         # (ts_ns, instance_id, state, num_kv_blocks_total, kv_block_size_tokens, resident_models)
         ts, inst, state, blocks, size, models = zip(*buf)
-        instances = pa.array(inst, pa.string())
         cols = {
-            "event_id": self._event_ids(
-                instances, pc.binary_join_element_wise(":state:", pa.array(state, pa.string()), "")
-            ),
             "ts_ns": pa.array(ts, pa.int64()),
-            "instance_id": instances,
+            "instance_id": pa.array(inst, pa.string()),
             "state": pa.array(state, pa.string()),
             "num_kv_blocks_total": pa.array(blocks, pa.int64()),
             "kv_block_size_tokens": pa.array(size, pa.int64()),
             "resident_models": pa.array(models, _STRING_LIST),
             "resident_adapters": pa.array([[] for _ in buf], _STRING_LIST),
         }
-        return self._table("instance_state", len(buf), cols)
+
+        def build() -> pa.Table:
+            suffix = pc.binary_join_element_wise(":state:", cols["state"], "")
+            cols["event_id"] = self._event_ids(cols["instance_id"], suffix)
+            return self._table("instance_state", len(buf), cols)
+
+        return len(buf), build
+
+
+def _ints(values: tuple[int, ...]) -> pa.Array:
+    """An int64 column from Python ints (never None)."""
+    return pa.array(np.fromiter(values, np.int64, len(values)))
+
+
+def _strings(values: tuple[str, ...]) -> pa.Array:
+    """A string column, built from buffers when it holds one value (an instance id, usually)."""
+    if values and values.count(values[0]) == len(values) and values[0] is not None:
+        return _repeat(values[0], len(values))
+    return pa.array(values, pa.string())
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The concatenated index ranges ``starts[i] .. starts[i] + lengths[i]``."""
+    ends = np.cumsum(lengths)
+    return np.repeat(starts - (ends - lengths), lengths) + np.arange(ends[-1] if len(ends) else 0)
+
+
+def _numbered(label: str, numbers: np.ndarray | tuple[int, ...]) -> pa.Array:
+    """``label`` followed by each number (``:tokens42``): small numbers are looked up in a cached table."""
+    numbers = np.asarray(numbers, np.int64)
+    top = int(numbers.max()) if len(numbers) else 0
+    if top >= _MAX_TABLED_NUMBER or (len(numbers) and int(numbers.min()) < 0):
+        return pc.binary_join_element_wise(label, pc.cast(pa.array(numbers), pa.string()), "")
+    table = _NUMBERED.get(label)
+    if table is None or len(table) <= top:
+        size = min(_MAX_TABLED_NUMBER, max(top + 1, 2 * len(table) if table is not None else 1024))
+        table = _NUMBERED[label] = pa.array([f"{label}{i}" for i in range(size)], pa.string())
+    return table.take(numbers)
+
+
+_NUMBERED: dict[str, pa.Array] = {}
+_MAX_TABLED_NUMBER = 1 << 16
 
 
 def _repeat(value: str, n: int) -> pa.Array:
@@ -420,11 +576,18 @@ def _nulls(n: int, type_: pa.DataType) -> pa.Array:
 _NULL_LISTS: dict[pa.DataType, pa.Array] = {}
 
 
-def _labels(reqs: list[Request]) -> dict[str, pa.Array]:
+def _labels(reqs: Iterable[Request]) -> dict[str, pa.Array]:
     """The envelope's request labels."""
-    return {
-        "tenant": pa.array([r.tenant for r in reqs], pa.string()),
-        "service_class": pa.array([r.service_class for r in reqs], pa.string()),
-        "model": pa.array([r.model for r in reqs], pa.string()),
-        "adapter": pa.array([r.adapter for r in reqs], pa.string()),
-    }
+    columns = zip(*map(_LABEL_FIELDS, reqs))
+    return {name: pa.array(values, pa.string()) for name, values in zip(_LABELS, columns)}
+
+
+_LABELS = ("tenant", "service_class", "model", "adapter")
+_LABEL_FIELDS = attrgetter(*_LABELS)
+_ARRIVAL_FIELDS = attrgetter(
+    "arrival_ns", "num_prompt_tokens", "max_output_tokens", "num_branches", "ttft_deadline_ns", "e2e_deadline_ns",
+    "session_id", "prefix_block_ids",
+)
+_DECISION_FIELDS = attrgetter(
+    "decision", "reason", "retry_after_s", "predicted_output_tokens_low", "predicted_output_tokens_high"
+)

@@ -47,7 +47,7 @@ from typing import Literal
 
 from replay.config import InstanceConfig
 from replay.costmodel import StepCostModel, StepShape
-from replay.emit import EventWriter, Snapshot
+from replay.emit import NO_MEMBERS, EventWriter, Snapshot
 from replay.errors import ReplayError
 from replay.kernel import CANCEL, SCHEDULE, STEP_END, Kernel
 from replay.kvcache import BlockPool
@@ -135,7 +135,7 @@ class Engine:
             kernel, self.pool, self.running, self.waiting, self.held, self._budget, instance, cost_model, instance_id
         )
         self._waiting_view = RequestSequence(self.waiting)
-        self._lock = Lockstep(self.block_size)
+        self._lock = Lockstep(self.block_size, writer.snapshot)
         self._flight: _Flight | None = None
         self._flush_countdown = 64  # steps between checks of the writer's buffer
         self._schedule_pending = False
@@ -324,11 +324,9 @@ class Engine:
                 stats.max_running = len(running)
             if len(self.waiting) > stats.max_waiting:
                 stats.max_waiting = len(self.waiting)
-            nxt = kernel.next_time_ns()
-            if nxt is not None and nxt <= f.end_ns:
+            if not kernel.try_advance(f.end_ns):  # something else is due before the step ends
                 kernel.schedule(f.end_ns, STEP_END, self._end_flight)
                 return
-            kernel.advance(f.end_ns)
             self._complete_flight()
 
     def _plan_lockstep(self, now: int) -> bool:
@@ -354,7 +352,7 @@ class Engine:
             k, duration, last = self._plan_run(now, lock.num_seqs, lock.ctx_base + lock.num_seqs * t, need)
             lock.ahead = k
             end = now + duration
-            self._flight = _Flight(now, end, end - last, k, True, lock.current_snapshot(), ())
+            self._flight = _Flight(now, end, end - last, k, True, lock.snapshot or lock.current_snapshot(), ())
             self.stats.num_steps += k
             return True
         scheduled: list[tuple[Request, int]] = []
@@ -364,6 +362,7 @@ class Engine:
                 if q.lock is not None:
                     return False  # a prefilling request sits between decoders
             planned: list[tuple[Request, int, int]] = []
+            tail_need = 0  # blocks the prefilling requests need
             policy, view = self.policy, self.view
             for q in tail:
                 if budget <= 0:
@@ -381,13 +380,18 @@ class Engine:
                     m = min(m, left, budget)
                     cost = m
                 q_need = blocks_for(q, q.num_computed + m, bs) - q.num_blocks
-                need += q_need
+                tail_need += q_need
                 planned.append((q, m, q_need))
                 budget -= cost
-            if need > pool.num_free:
+            if need + tail_need > pool.num_free:
                 return False  # someone must be preempted: the request-by-request pass decides whom
+            # allocate in the request-by-request pass's order: the decodes' blocks, then each request's
+            # before its units are cached (an allocation may evict a unit with the key it caches)
+            if need:
+                pool.allocate(need)
             for q, m, q_need in planned:
                 if q_need > 0:
+                    pool.allocate(q_need)
                     q.num_blocks += q_need
                     q.num_anon_blocks += q_need
                 if q.next_unit < len(q.unit_keys):
@@ -395,7 +399,7 @@ class Engine:
                 scheduled.append((q, m))
         elif need > pool.num_free:
             return False
-        if need:
+        elif need:
             pool.allocate(need)
         if self.waiting:
             self._plan_waiting(now, budget, scheduled)
@@ -746,8 +750,9 @@ class Engine:
             lock.ticks += f.num_steps - f.num_applied
             lock.ahead = 0
             if lock.members:
-                writer.runs.append((self._lock.current_snapshot(), now, f.num_steps, lock.ticks, f.num_steps > 1, iid))
-            finished.extend((r, "completed") for r in lock.pop_finished())
+                writer.runs.append((lock.snapshot or lock.current_snapshot(), now, f.num_steps, lock.ticks, f.num_steps > 1, iid))
+            if lock.heap and lock.heap[0][0] <= lock.ticks:
+                finished.extend((r, "completed") for r in lock.pop_finished())
         ids: list[str] = []
         per: list[int] = []
         num_prefill = 0
@@ -793,8 +798,8 @@ class Engine:
             self._finish(r, now, outcome, "failed in the recorded trace" if outcome == "error" else None)
         pool = self.pool
         writer.steps.append(
-            (iid, self._step_index, f.start_ns, now, f.num_steps, num_prefill, num_decode, f.snapshot, ids, per,
-             pool.num_total - pool.num_free, pool.num_free)
+            (iid, self._step_index, f.start_ns, now, f.num_steps, num_prefill, num_decode, f.snapshot or NO_MEMBERS,
+             ids, per, pool.num_total - pool.num_free, pool.num_free)
         )
         self._step_index += 1
         self.stats.num_step_events += 1
@@ -813,9 +818,14 @@ class Engine:
             self.check_invariants()
         self._flush_countdown -= 1
         if self._flush_countdown <= 0:
-            self._flush_countdown = 64
-            if writer.pending_rows() >= writer.chunk_rows:
-                writer.flush()
+            self._flush_if_full()
+
+    def _flush_if_full(self) -> None:
+        """Every 64 steps: hand the buffered events to the writer once they make a chunk."""
+        self._flush_countdown = 64
+        if self.writer.pending_rows() >= self.writer.chunk_rows:
+            self.writer.flush()
+            self._lock.snapshot = None  # its members were logged in the chunk just flushed
 
     def _complete_run(self, f: _Flight) -> None:
         """``_complete_flight`` for a flight of the lockstep set alone (the common case, kept short)."""
@@ -827,7 +837,7 @@ class Engine:
         lock.ahead = 0
         ticks = lock.ticks
         if lock.members:
-            writer.runs.append((lock.current_snapshot(), now, k, ticks, k > 1, self.instance_id))
+            writer.runs.append((lock.snapshot or lock.current_snapshot(), now, k, ticks, k > 1, self.instance_id))
         heap = lock.heap
         if heap and heap[0][0] <= ticks:
             for r in lock.pop_finished():
@@ -843,9 +853,7 @@ class Engine:
         self._flight = None
         self._flush_countdown -= 1
         if self._flush_countdown <= 0:
-            self._flush_countdown = 64
-            if writer.pending_rows() >= writer.chunk_rows:
-                writer.flush()
+            self._flush_if_full()
 
     # ------------------------------------------------------------------ checks
 

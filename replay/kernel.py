@@ -61,6 +61,14 @@ class Kernel:
             raise ValueError(f"cannot advance to {time_ns} ns: an action is due first")
         self.now_ns = time_ns
 
+    def try_advance(self, time_ns: int) -> bool:
+        """``advance`` to ``time_ns`` if no pending action is due at or before it; returns whether it did."""
+        heap = self._heap
+        if (heap and heap[0][0] <= time_ns) or time_ns < self.now_ns:
+            return False
+        self.now_ns = time_ns
+        return True
+
     def step(self) -> bool:
         """Run the earliest pending action; False when nothing was pending."""
         if not self._heap:

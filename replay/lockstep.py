@@ -19,6 +19,7 @@ step events record, rebuilt only after the membership changed.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 
 from replay.emit import Snapshot
 from replay.request import Request
@@ -28,9 +29,11 @@ from replay.views import blocks_for
 class Lockstep:
     """Decoding requests advanced together by one decode clock."""
 
-    __slots__ = ("ticks", "ahead", "block_size", "members", "num_seqs", "ctx_base", "hist", "heap", "snapshot")
+    __slots__ = (
+        "ticks", "ahead", "block_size", "members", "num_seqs", "ctx_base", "hist", "heap", "snapshot", "_take_snapshot"
+    )
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, take_snapshot: Callable[[tuple[Request, ...], int], Snapshot] = Snapshot) -> None:
         self.ticks = 0  # decode positions every member has gained since the clock started
         self.ahead = 0  # positions whose KV blocks are allocated but not yet computed (inside a flight)
         self.block_size = block_size
@@ -39,7 +42,8 @@ class Lockstep:
         self.ctx_base = 0  # summed context at the step of clock t is ctx_base + num_seqs * t
         self.hist = [0] * block_size  # sequences that need a new block at clock t, by t mod block_size
         self.heap: list[tuple[int, int, Request]] = []  # (clock of a member's last token, index, member)
-        self.snapshot: Snapshot | None = None
+        self.snapshot: Snapshot | None = None  # of the current members, once taken (``current_snapshot``)
+        self._take_snapshot = take_snapshot  # (members, num_seqs) -> Snapshot: the writer's, which logs them
 
     def join(self, r: Request, num_tokens_left: int, unit_blocks: int) -> None:
         """``r`` decodes from now on in lockstep; it produces ``num_tokens_left`` more positions."""
@@ -99,11 +103,13 @@ class Lockstep:
         bs, hist = self.block_size, self.hist
         full, part = divmod(num_steps, bs)
         total = full * self.num_seqs  # every sequence crosses one block boundary per block_size steps
-        for j in range(part):
-            total += hist[(t0 + j) % bs]
+        if part:  # the phases t0 .. t0 + part - 1 (mod block_size), wrapping around at most once
+            start = t0 % bs
+            end = start + part
+            total += sum(hist[start:end]) if end <= bs else sum(hist[start:]) + sum(hist[: end - bs])
         return total
 
     def current_snapshot(self) -> Snapshot:
         if self.snapshot is None:
-            self.snapshot = Snapshot(tuple(self.members), self.num_seqs)
+            self.snapshot = self._take_snapshot(tuple(self.members), self.num_seqs)
         return self.snapshot

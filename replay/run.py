@@ -29,7 +29,7 @@ import pyarrow as pa
 
 from replay.config import InstanceConfig, instance_config
 from replay.costmodel import StepCostModel, make_cost_model
-from replay.emit import EventWriter, ParquetSink, Sink
+from replay.emit import EventChunk, EventWriter, ParquetSink, Sink
 from replay.engine import MODES, Engine, Mode
 from replay.errors import ReplayError
 from replay.kernel import ARRIVAL, Kernel
@@ -121,11 +121,16 @@ def run_replay(
 
     out = Path(out_dir) if out_dir is not None else None
     parquet = ParquetSink(out / "events.parquet") if out is not None else None
-    sinks = [s for s in (parquet, sink) if s is not None]
 
-    def emit(table: pa.Table) -> None:
-        for s in sinks:
-            s(table)
+    def emit(chunk: EventChunk) -> None:
+        if sink is None:
+            if parquet is not None:
+                parquet(chunk)  # finished on the Parquet thread
+            return
+        table = chunk.table()
+        if parquet is not None:
+            parquet(table)
+        sink(table)
 
     writer = EventWriter(emit, run_id=run_id, engine_id=engine_id, chunk_rows=chunk_rows, hash_tables=parquet is None)
     kernel = Kernel()
@@ -139,8 +144,11 @@ def run_replay(
     collecting = gc.isenabled()
     gc.disable()
     try:
-        engine.start()
         feeder.start()
+        first_ns = kernel.next_time_ns()
+        if first_ns is not None:  # the instance comes up when the trace begins, not at the epoch
+            kernel.now_ns = first_ns  # (the earliest action: the order stays the heap's)
+        engine.start()
         kernel.run()
         engine.stop()
         writer.flush()

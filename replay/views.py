@@ -168,6 +168,28 @@ class EngineView:
         """KV blocks a request holds once ``num_tokens`` of its positions are computed (branches included)."""
         return blocks_for(request._r, num_tokens, self.instance.engine.block_size_tokens)
 
+    def cached_prefix_blocks(self, request: RequestView) -> tuple[int, int]:
+        """(blocks of the request's prompt prefix the prefix cache holds now, how many of them running
+        requests hold): what admitting it now would share rather than allocate (the engine's lookup:
+        contiguous cached units from the prompt's start, at least one prompt token left to compute)."""
+        r = request._r
+        if not r.unit_keys:
+            return 0, 0
+        pool = self._pool
+        covered = 0
+        sizes: list[tuple[int, bool]] = []
+        for key, start, size in r.unit_keys:
+            if start != covered or pool.cached_blocks(key) != size:
+                break
+            held = not pool.is_free_unit(key)
+            sizes.append((size, held))
+            covered += size
+        max_blocks = (r.num_tokens - 1) // self.instance.engine.block_size_tokens
+        while covered > max_blocks:
+            covered -= sizes.pop()[0]
+        shared = sum(size for size, held in sizes if held)
+        return covered, shared
+
 
 def held_blocks(r: Request) -> int:
     """Blocks ``r`` holds now (derived from its progress while it is in the lockstep set)."""
