@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test env
+.PHONY: demo test env dagster
 
 env: $(STAMP)
 
@@ -32,3 +32,7 @@ demo: $(STAMP)
 # The whole test suite (pytest exits non-zero when it collects no tests).
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# The Dagster UI over the batch side (asset graph, partitions, checks, schedules) on 127.0.0.1:3000.
+dagster: $(STAMP)
+	$(BIN)/dagster dev -m pipelines.definitions

@@ -1,4 +1,4 @@
-"""The ``[lake]`` and ``[ingest]`` sections of the configuration tree."""
+"""The ``[lake]``, ``[ingest]`` and ``[nightly]`` sections of the configuration tree."""
 
 from __future__ import annotations
 
@@ -48,3 +48,14 @@ class IngestConfig:
         "`servelens lake compact` does it on demand).",
         600.0,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class NightlyConfig:
+    """What the nightly replay compares (the Dagster schedule, the comparisons and the verdicts)."""
+
+    production: str = doc("The production policy every candidate is judged against.", "fcfs")
+    candidates: str = doc("Comma-separated candidate policies; empty: every registered policy besides production.", "")
+    loads: str = doc("Comma-separated load scenarios, multiples of the recorded arrival rate.", "1x,2x")
+    engine: str = doc("The modelled instance of the replays, MODEL@GPU[xTP].", "llama-3-8b@h100-sxm")
+    seed: int = doc("Seed of every replay.", 0)

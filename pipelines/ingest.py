@@ -616,6 +616,35 @@ def read_statuses(root: str) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
 
 
+def topic_backlog(kafka: KafkaConfig, lake: Lake, timeout_s: float = 5.0) -> tuple[PartitionLag, ...]:
+    """Per partition of the event topic: the broker's log end against the lake's committed mark.
+
+    Read-only (a consumer that joins no group); raises ``BrokerUnreachableError`` if no broker
+    answers. The development broker reports the last batch's first offset as the log end, so there
+    the backlog reads low by up to one batch.
+    """
+    from kafka import KafkaConsumer, TopicPartition
+    from kafka.errors import KafkaError
+
+    try:
+        consumer = KafkaConsumer(bootstrap_servers=kafka.bootstrap_servers.split(","), client_id=kafka.client_id,
+                                 request_timeout_ms=int(timeout_s * 1000))
+    except KafkaError as exc:
+        raise BrokerUnreachableError(kafka.bootstrap_servers, timeout_s, str(exc)) from None
+    try:
+        partitions = sorted(consumer.partitions_for_topic(kafka.topic) or ())
+        ends = consumer.end_offsets([TopicPartition(kafka.topic, p) for p in partitions]) if partitions else {}
+        epoch, _ = lake.epoch(kafka.topic, _topic_id(consumer, kafka.topic))
+    except KafkaError as exc:
+        raise BrokerUnreachableError(kafka.bootstrap_servers, timeout_s, str(exc)) from None
+    finally:
+        consumer.close()
+    return tuple(
+        PartitionLag(p, epoch, lake.high_water_mark(EVENTS, kafka.topic, p, epoch) or 0, ends[TopicPartition(kafka.topic, p)])
+        for p in partitions
+    )
+
+
 def configure_logging(verbose: bool = False) -> None:
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,

@@ -146,6 +146,13 @@ def dimension_budgets(config: PrivacyConfig) -> dict[str, int]:
     }
 
 
+def bounded_columns(config: PrivacyConfig) -> dict[str, int]:
+    """Each scalar lake column whose values form a bounded dimension, with its budget."""
+    budgets = dimension_budgets(config)
+    return {name: budgets[policy.dimension] for name, policy in FIELD_POLICIES.items()
+            if getattr(policy, "dimension", None) and not pa.types.is_list(EVENTS_SCHEMA.field(name).type)}
+
+
 @dataclass(frozen=True, slots=True)
 class PrivacyReport:
     """What sanitization removed or coarsened in a run (counts only, never values)."""

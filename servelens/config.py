@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipelines.config import IngestConfig, LakeConfig
+from pipelines.config import IngestConfig, LakeConfig, NightlyConfig
 from pipelines.kafka_config import KafkaConfig
 from privacy.config import PrivacyConfig
 from schemas.types import doc
@@ -55,6 +55,7 @@ class Config:
     kafka: KafkaConfig = field(default_factory=KafkaConfig, metadata={"doc": "The event stream in Kafka."})
     lake: LakeConfig = field(default_factory=LakeConfig, metadata={"doc": "The Parquet/Delta lake."})
     ingest: IngestConfig = field(default_factory=IngestConfig, metadata={"doc": "The ingest consumer."})
+    nightly: NightlyConfig = field(default_factory=NightlyConfig, metadata={"doc": "The nightly replay and gate."})
 
 
 def _coerce(value: Any, annotation: Any, key: str) -> Any:
