@@ -1,0 +1,94 @@
+"""Gate: the canary verdict, each metric's reason and statistics, the reports and the run manifests."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import streamlit as st
+
+from dashboard import charts, ui
+from dashboard.runs import GateReportError, gate_metrics_table
+
+s = ui.page("Gate", "The verdicts of `servelens gate` and of the nightly comparisons: pass, fail or inconclusive, with "
+            "the reason and the statistics of every metric (inconclusive is never a pass).")
+reports = ui.gate_reports(s)
+if not reports:
+    ui.first_run(s, f"no gate report in {s.dashboard.gate_dir}")
+    st.stop()
+names = [r.name or "(the latest `servelens gate` report)" for r in reports]
+wanted = ui.url_get("report")
+index = next((i for i, r in enumerate(reports) if r.name == wanted), 0)
+if len(reports) > 1:
+    chosen = st.selectbox("Report (newest first)", range(len(reports)), index=index, format_func=names.__getitem__,
+                          key="gate.report")
+else:
+    chosen = 0
+ref = reports[chosen]
+ui.url_set("report", ref.name or None)
+gate_json = Path(ref.folder) / "gate.json"
+try:
+    report = ui.gate_report(ref.folder, gate_json.stat().st_mtime_ns if gate_json.is_file() else 0)
+except GateReportError as exc:
+    st.error("The gate report cannot be read.")
+    st.text(str(exc))
+    st.stop()
+if report is None:
+    ui.first_run(s, f"no gate report in {s.dashboard.gate_dir}")
+    st.stop()
+if ref.name:
+    st.text(f"report: {ref.name}")
+
+score = "" if report.score is None else f" (score {report.score:.0f})"
+headline = {"pass": st.success, "fail": st.error, "inconclusive": st.warning}.get(report.status, st.info)
+headline(f"Verdict: {report.status.upper()}{score}")
+if report.decision in ("promote", "continue", "rollback"):
+    st.info(f"Live canary decision: {report.decision}")
+    if report.decision_restore:
+        st.text(f"restore: {report.decision_restore}")
+    if report.decision_reason:
+        st.text(report.decision_reason)
+st.subheader("Why")
+for reason in report.reasons:
+    st.text(f"- {reason}")
+st.caption("Written " + dt.datetime.fromtimestamp(report.written_ns / 1e9, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"))
+
+st.subheader("Runs compared")
+st.text(f"baseline:  {report.baseline}")
+st.text(f"candidate: {report.candidate}")
+columns = st.columns(5)
+downloads = [(path, Path(path).name) for path in report.report_files]
+downloads += [(m, f"{side} manifest.json") for side, m in (("baseline", report.baseline_manifest), ("candidate", report.candidate_manifest))
+              if m and Path(m).is_file()]
+labels = {"gate.html": "Report (HTML, charts)", "gate.md": "Report (Markdown)", "gate.json": "Report (JSON)",
+          "baseline manifest.json": "Baseline manifest", "candidate manifest.json": "Candidate manifest"}
+mimes = {".html": "text/html", ".md": "text/markdown", ".json": "application/json"}
+for i, (path, name) in enumerate(downloads):
+    columns[i % 5].download_button(labels.get(name, "Download"), Path(path).read_bytes(), file_name=Path(path).name,
+                                   mime=mimes.get(Path(path).suffix, "application/octet-stream"), key=f"gate-file-{i}")
+for path, name in downloads:
+    st.text(f"{labels.get(name, name)}: {path}")
+run_of_folder = {str(Path(r.folder).resolve()): r.name for r in ui.run_list(s)}
+compared = []
+for source in (report.baseline, report.candidate):
+    folder = Path(source).parent if Path(source).name in ("events.parquet", "requests.parquet") else Path(source)
+    compared.append(run_of_folder.get(str(folder.resolve())))
+if all(compared):
+    ui.link_to("app_pages/policies.py", "Open both runs side by side on the Policies page", {"run": compared})
+
+st.subheader("Every metric")
+table = gate_metrics_table(report)
+statuses = st.multiselect("Status", ["fail", "inconclusive", "pass", "skipped"], default=["fail", "inconclusive", "pass", "skipped"],
+                          key="gate.status")
+if table.num_rows:
+    table = table.filter(pc.is_in(table["status"], pa.array(statuses)))
+ui.show_figure(charts.effects_figure(table), "effects")
+ui.show_table(table.select(["metric", "group", "status", "critical", "baseline", "candidate", "effect_kind", "effect",
+                            "effect_low", "effect_high", "allowed", "critical_effect", "num_baseline", "num_candidate",
+                            "mann_whitney_u", "mann_whitney_p", "hodges_lehmann_s", "brown_forsythe_stat",
+                            "brown_forsythe_p", "reason"]) if table.num_rows else table)
+st.caption("Effects are bad effects (positive is worse), relative or absolute as configured, with their block-bootstrap "
+           "interval. Mann-Whitney U, the Hodges-Lehmann shift and Brown-Forsythe treat requests as independent: they "
+           "describe, the bootstrap decides. See docs/gate.md.")

@@ -1,0 +1,112 @@
+"""The ``[dashboard]`` section of the configuration tree, and how the app process receives it.
+
+``DashboardConfig`` is a frozen dataclass like every other section (``servelens/config.py`` mounts
+it as ``Config.dashboard``). The Streamlit process does not parse command-line options of its own:
+``dashboard.serve`` hands it the resolved configuration as JSON in ``$SERVELENS_DASHBOARD_SETTINGS``
+(``settings_json`` / ``settings_from_env``), so what the operator configured on the server is
+exactly what every page sees. Nothing a browser sends (the URL, its query parameters, widgets) can
+change these settings: in particular the viewer's tenant is configuration, never a URL parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pipelines.config import LakeConfig
+from privacy.config import PrivacyConfig
+from schemas.types import doc
+
+#: Environment variable carrying the resolved settings from ``serve`` to the Streamlit process.
+SETTINGS_ENV = "SERVELENS_DASHBOARD_SETTINGS"
+
+
+@dataclass(frozen=True, slots=True)
+class DashboardConfig:
+    """The Streamlit dashboard: where it reads runs and reports, who is viewing, where it listens."""
+
+    runs_dir: str = doc(
+        "Folder of replay runs: one sub-folder per run holding events.parquet and manifest.json "
+        "(what `servelens replay --out` writes).",
+        "out/replay",
+    )
+    gate_dir: str = doc("Folder of the gate's reports (gate.json, gate.md, gate.html from `servelens gate`).", "out/gate")
+    gate_config_file: str | None = doc(
+        "Gate configuration (YAML) whose classes, cost and tenant weights define the objectives, prices "
+        "and entitlements the dashboard uses; unset: the gate's built-in defaults.",
+        None,
+    )
+    viewer_tenant: str | None = doc(
+        "The tenant (its raw id, as engines send it) whose per-request detail this dashboard may show; "
+        "resolved to its pseudonyms with the configured key ring (privacy.key_file). Server-side only: "
+        "no URL parameter can set or widen it. Unset: k-anonymous aggregates only.",
+        None,
+    )
+    host: str = doc(
+        "Address the dashboard binds to. It has no login of its own: keep it on loopback, or put an "
+        "authenticating proxy in front.",
+        "127.0.0.1",
+    )
+    port: int = doc("Port the dashboard listens on.", 8501)
+    max_points: int = doc(
+        "Most points one chart series draws; longer series are aggregated (time bins) or sampled in "
+        "DuckDB before plotting.",
+        1500,
+    )
+    cache_dir: str = doc(
+        "Where the dashboard keeps derived tables (the lake's request table per Delta version, each "
+        "run's request table and metrics); rebuilt when the lake or a run changes, safe to delete.",
+        "out/dashboard-cache",
+    )
+    refresh_interval_s: float = doc(
+        "How often the dashboard looks for a new lake version or new runs, seconds (derived tables are "
+        "rebuilt when it finds one).",
+        60.0,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Everything the dashboard process reads: its own section and the sections it shares."""
+
+    dashboard: DashboardConfig
+    lake: LakeConfig
+    privacy: PrivacyConfig
+
+
+def _plain(obj: Any) -> Any:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+def settings_from_config(config: Any, dashboard: DashboardConfig | None = None) -> Settings:
+    """Settings from a ``servelens.config.Config`` (its ``dashboard`` section unless one is given)."""
+    section = dashboard or getattr(config, "dashboard", None) or DashboardConfig()
+    return Settings(dashboard=section, lake=config.lake, privacy=config.privacy)
+
+
+def settings_json(settings: Settings) -> str:
+    """The settings as JSON for ``$SERVELENS_DASHBOARD_SETTINGS`` (paths and values only: the key
+    ring itself never travels; the app loads it from ``privacy.key_file`` or its own environment)."""
+    return json.dumps({"dashboard": _plain(settings.dashboard), "lake": _plain(settings.lake),
+                       "privacy": _plain(settings.privacy)}, sort_keys=True)
+
+
+def settings_from_env(env: Mapping[str, str] | None = None) -> Settings:
+    """The settings ``serve`` passed, or, when the app was started by hand (``streamlit run``),
+    the configuration loaded as the CLI loads it (TOML file and environment)."""
+    from servelens.config import build, load_config
+
+    env = os.environ if env is None else env
+    text = env.get(SETTINGS_ENV)
+    if text:
+        data = json.loads(text)
+        return Settings(
+            dashboard=build(DashboardConfig, data.get("dashboard", {}), "dashboard."),
+            lake=build(LakeConfig, data.get("lake", {}), "lake."),
+            privacy=build(PrivacyConfig, data.get("privacy", {}), "privacy."),
+        )
+    return settings_from_config(load_config(env=env))

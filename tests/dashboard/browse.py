@@ -1,0 +1,74 @@
+"""Walk every page of a running dashboard in Chromium (``tests/browser.py``): click each page in
+the sidebar, wait until its script finished and its charts are drawn, look for exceptions shown in
+the page, and keep a full-height screenshot. Shared by the browser test and benchmarks/dashboard.py."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.browser import screenshot
+
+#: (sidebar title, URL path, plotly charts the page draws on the sample data at least)
+PAGES = (
+    ("Overview", "", 0),
+    ("Traffic", "traffic", 3),
+    ("Service levels", "service-levels", 4),
+    ("Policies", "policies", 2),
+    ("Gate", "gate", 1),
+    ("Request explorer", "request-explorer", 2),
+    ("Tenants", "tenants", 1),
+)
+IDLE = "[data-testid=stApp][data-test-script-state=notRunning]"
+TIMEOUT_MS = 120_000
+
+
+@dataclass(frozen=True, slots=True)
+class PageVisit:
+    """What one page did in the browser."""
+
+    title: str
+    path: str
+    seconds: float  # from the click (or load) to the script finished and the charts drawn
+    num_exceptions: int  # stException elements shown in the page
+    num_charts: int
+    screenshot: Path
+
+
+def wait_rendered(page, title: str, min_charts: int) -> int:
+    """Wait until ``title``'s script finished and at least ``min_charts`` plotly charts are drawn."""
+    page.get_by_role("heading", name=title, exact=True).first.wait_for(timeout=TIMEOUT_MS)
+    page.wait_for_selector(IDLE, timeout=TIMEOUT_MS)
+    if min_charts:
+        page.wait_for_function(f"document.querySelectorAll('.js-plotly-plot .main-svg').length >= {2 * min_charts}",
+                               timeout=TIMEOUT_MS)  # plotly draws two svg layers per chart
+    page.wait_for_selector(IDLE, timeout=TIMEOUT_MS)
+    return page.locator(".js-plotly-plot").count()
+
+
+def full_height_screenshot(page, name: str, width: int = 1400) -> Path:
+    """Grow the viewport to the page's content (Streamlit scrolls inside its main block), then shoot."""
+    height = page.evaluate("() => { const m = document.querySelector('[data-testid=stMain]');"
+                           " return Math.max(document.body.scrollHeight, m ? m.scrollHeight : 0); }")
+    page.set_viewport_size({"width": width, "height": int(min(max(height + 40, 800), 12_000))})
+    page.wait_for_timeout(400)  # plotly re-lays out to the new viewport
+    return screenshot(page, name)
+
+
+def visit_pages(page, prefix: str) -> list[PageVisit]:
+    """Starting on the Overview page, open every page from the sidebar (no reload, as a user does)."""
+    visits = []
+    for title, path, charts in PAGES:
+        start = time.perf_counter()
+        page.locator("[data-testid=stSidebarNav] a", has_text=title).first.click()
+        if path:
+            page.wait_for_url(f"**/{path}*", timeout=TIMEOUT_MS)
+        heading = "servelens" if not path else title
+        num_charts = wait_rendered(page, heading, charts)
+        seconds = time.perf_counter() - start
+        exceptions = page.locator("[data-testid=stException]").count()
+        shot = full_height_screenshot(page, f"{prefix}-{path or 'overview'}.png")
+        page.set_viewport_size({"width": 1400, "height": 1000})
+        visits.append(PageVisit(title, path, seconds, exceptions, num_charts, shot))
+    return visits

@@ -1,0 +1,255 @@
+"""Every page under Streamlit's AppTest: on the sample lake, on an empty one, with filters in the
+URL, against a URL that tries to widen the tenant scope, and with hostile text in the data."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import shutil
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+from dashboard import data
+from privacy.views import TenantScope
+
+from .conftest import KEYRING, PAGES, VIEWER
+
+
+def _clean(at) -> None:
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+
+
+def _charts(at) -> list[dict]:
+    return [json.loads(el.proto.spec) for el in at.get("plotly_chart")]
+
+
+def _metrics(at) -> dict[str, str]:
+    return {m.label: m.value for m in at.metric}
+
+
+def _texts(at) -> list[str]:
+    return [t.value for t in at.text]
+
+
+def _lake_requests(sample):
+    snapshot = data.lake_snapshot(sample.settings.lake.root)
+    return pq.read_table(data.lake_requests_path(snapshot, sample.settings.dashboard.cache_dir))
+
+
+def _ids_of(requests, tenant: str) -> list[str]:
+    scope = TenantScope.for_tenant(KEYRING, tenant)
+    return requests.filter(pc.is_in(requests["tenant"], pc.cast(sorted(scope.pseudonyms), "string")))["request_id"].to_pylist()
+
+
+def test_the_overview_says_what_the_dashboard_holds(sample, app):
+    at = app(sample.settings)
+    _clean(at)
+    metrics = _metrics(at)
+    assert metrics["Lake version (events)"].startswith("v") and metrics["Replay runs"] == "4"
+    assert metrics["Gate report"] == "present"
+    assert any(sample.settings.lake.root in t for t in _texts(at))
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_page_renders_the_sample_lake(sample, app, page):
+    at = app(sample.settings, page)
+    _clean(at)
+    charts, metrics = _charts(at), _metrics(at)
+    if page == "traffic":
+        assert metrics["Requests in the window"] == f"{sample.num_requests:,}"
+        assert float(metrics["Busiest second, requests"]) >= float(metrics["Mean arrivals per second"])
+        assert {"ingest-test"} <= set(at.dataframe[0].value["consumer"])
+        titles = [c["layout"]["title"]["text"] for c in charts]
+        assert any("Dead letters" in t for t in titles) and any("busiest second" in t for t in titles)
+        assert any("Token volume" in t for t in titles)
+    elif page == "service_levels":
+        (cdf,) = [c for c in charts if "Latency CDFs" in c["layout"]["title"]["text"]]
+        boundaries = [a["text"] for a in cdf["layout"]["annotations"]]
+        assert any(b.startswith("TTFT, s: arrival -> first token (user-facing, not vLLM's scheduled-based") for b in boundaries)
+        assert any(b.startswith("ITL, s: each request's p99 gap") for b in boundaries)
+        assert any(b.startswith("E2E, s: arrival -> last token") for b in boundaries)
+        assert {t["name"] for t in cdf["data"]} == {"batch", "interactive"}
+        titles = " ".join(c["layout"]["title"]["text"] for c in charts)
+        assert "Attainment per class" in titles and "SLO goodput per class" in titles and "Rejected share" in titles
+        per_class = at.dataframe[1].value
+        assert set(per_class["service_class"]) == {"batch", "interactive"} and per_class["num_requests"].sum() == sample.num_requests
+    elif page == "policies":
+        table = at.dataframe[0].value
+        assert list(table["run"]) == ["fcfs", "fcfs-chunk256", "fcfs@1.5x", "fcfs@2x"]
+        titles = [c["layout"]["title"]["text"] for c in charts]
+        assert any("Goodput against cost" in t for t in titles) and any("Load sweep" in t for t in titles)
+        (sweep,) = [c for c in charts if "Load sweep" in c["layout"]["title"]["text"]]
+        assert sorted(len(t["x"]) for t in sweep["data"]) == [1, 3]  # fcfs at 1x, 1.5x, 2x; the other config once
+        assert len(at.get("download_button")) == 4
+    elif page == "gate":
+        report = json.loads((sample.root / "gate" / "gate.json").read_text())
+        headline = (at.success or at.warning)[0].value
+        assert headline.startswith(f"Verdict: {report['status'].upper()}")
+        assert [t for t in _texts(at) if t.startswith("- ")] == [f"- {r}" for r in report["reasons"]]
+        assert len(at.dataframe[0].value) == len(report["metrics"])
+        assert len(at.get("download_button")) == 5  # three reports, two manifests
+        assert any("Bad effect" in c["layout"]["title"]["text"] for c in charts)
+    elif page == "request_explorer":
+        assert at.selectbox[0].options[0] == "the lake"
+        assert "Queue, s (arrival -> scheduled)" in metrics
+        titles = [c["layout"]["title"]["text"] for c in charts]
+        assert any("request's life" in t for t in titles) and any("Batch composition" in t for t in titles)
+        requested = at.selectbox(key="explorer.request").value
+        assert requested in _ids_of(_lake_requests(sample), VIEWER)
+    elif page == "tenants":
+        assert metrics["Tenants hidden (fewer than k requests)"] == "1"
+        tenants = at.dataframe[0].value
+        assert len(tenants) == 8 and tenants["suppressed"].sum() == 1
+        assert "ttft_p99_s" not in tenants.columns  # no timing across tenants
+        assert metrics["Requests"] == f"{len(_ids_of(_lake_requests(sample), VIEWER)):,}"
+
+
+@pytest.mark.parametrize("page", ("overview", *PAGES))
+def test_every_page_on_an_empty_lake_says_how_to_get_data(empty, app, page):
+    at = app(empty, None if page == "overview" else page)
+    _clean(at)
+    commands = "\n".join(c.value for c in at.code)
+    assert "servelens ingest" in commands and "servelens replay --workload azure-conv" in commands
+    assert "servelens gate --baseline" in commands and "servelens demo" in commands
+    assert any("There is no data for this page yet" in i.value for i in at.info)
+
+
+def test_filters_come_from_the_url_and_go_back_into_it(sample, app):
+    requests = _lake_requests(sample)
+    first = pc.min(requests["arrival_ns"]).as_py() // 10**9
+    start = dt.datetime.fromtimestamp(first + 30, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    end = dt.datetime.fromtimestamp(first + 90, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    at = app(sample.settings, "service_levels", {"class": "interactive", "from": start, "to": end})
+    _clean(at)
+    assert at.selectbox(key="service.class").value == "interactive"
+    lo, hi = at.slider(key="service.window").value
+    assert (lo.strftime("%Y-%m-%dT%H:%M:%SZ"), hi.strftime("%Y-%m-%dT%H:%M:%SZ")) == (start, end)
+    per_class = at.dataframe[1].value
+    assert list(per_class["service_class"]) == ["interactive"]
+    in_window = requests.filter(pc.and_(pc.and_(pc.greater_equal(requests["arrival_ns"], (first + 30) * 10**9),
+                                                pc.less(requests["arrival_ns"], (first + 90) * 10**9)),
+                                        pc.equal(requests["service_class"], "interactive")))
+    assert per_class["num_requests"].iloc[0] == in_window.num_rows
+    assert at.query_params["class"] == "interactive" and at.query_params["from"] == start
+
+    at = app(sample.settings, "policies", {"run": ["fcfs", "fcfs@2x"], "class": "batch"})
+    _clean(at)
+    assert at.multiselect(key="policies.runs").value == ["fcfs", "fcfs@2x"]
+    assert list(at.dataframe[0].value["run"]) == ["fcfs", "fcfs@2x"] and at.query_params["run"] == ["fcfs", "fcfs@2x"]
+
+    run_requests = pq.read_table(sample.root / "runs" / "fcfs@2x" / "events.parquet", columns=["request_id"])
+    wanted = run_requests["request_id"][0].as_py()
+    at = app(sample.settings, "request_explorer", {"source": "fcfs@2x", "request": wanted})
+    _clean(at)
+    assert at.selectbox(key="explorer.source").value == "fcfs@2x"
+    assert at.selectbox(key="explorer.request").value == wanted
+    assert any(t.startswith(f"request {wanted};") for t in _texts(at))
+
+
+HOSTILE_PARAMS = {"viewer_tenant": "tenant-1", "tenant": None, "scope": "all", "tenants": "*", "k": "1",
+                  "min_group_size": "1", "source": "the lake"}
+
+
+def test_the_url_cannot_widen_the_tenant_scope(sample, app):
+    requests = _lake_requests(sample)
+    other_id = _ids_of(requests, "tenant-1")[0]
+    hostile = dict(HOSTILE_PARAMS, tenant=sorted(TenantScope.for_tenant(KEYRING, "tenant-1").pseudonyms)[0])
+
+    # no viewer configured: a URL naming a tenant shows no tenant detail and opens no lake request
+    anonymous = sample.with_dashboard(viewer_tenant=None)
+    at = app(anonymous, "tenants", hostile)
+    _clean(at)
+    assert "Attainment" not in _metrics(at) and any("No viewer tenant is configured" in i.value for i in at.info)
+    assert at.dataframe[0].value["suppressed"].sum() == 1  # k from the server, not from the URL
+    at = app(anonymous, "request_explorer", dict(hostile, request=other_id))
+    _clean(at)
+    assert not [c for c in _charts(at) if "request's life" in c["layout"]["title"]["text"]]
+    assert any("No request with that id among the requests you may see" in w.value for w in at.warning)
+
+    # a configured viewer stays itself whatever the URL says
+    plain = app(sample.settings, "tenants")
+    at = app(sample.settings, "tenants", hostile)
+    _clean(at)
+    assert _metrics(at)["Requests"] == _metrics(plain)["Requests"] == f"{len(_ids_of(requests, VIEWER)):,}"
+    assert set(at.dataframe[2].value["request_id"]) <= set(_ids_of(requests, VIEWER))
+    at = app(sample.settings, "request_explorer", dict(hostile, request=other_id))
+    _clean(at)
+    assert not [c for c in _charts(at) if "request's life" in c["layout"]["title"]["text"]]
+    assert not any(other_id in t for t in _texts(at) if t.startswith("request "))
+
+
+PAYLOAD = "[click](javascript:alert(1)) <img src=x onerror=alert(2)> **bold** :red[red] $x^2$"
+
+
+def test_text_from_data_is_shown_as_text_never_as_markdown(sample, app, tmp_path):
+    runs = tmp_path / "runs"
+    hostile_run = runs / "[run](javascript:alert(3)) <img src=x onerror=alert(5)>"  # no '/' in a folder name
+    shutil.copytree(sample.root / "runs" / "fcfs", hostile_run)
+    manifest = json.loads((hostile_run / "manifest.json").read_text())
+    manifest["policy"]["name"] = "<script>alert(4)</script>"
+    manifest["workload"]["name"] = PAYLOAD
+    (hostile_run / "manifest.json").write_text(json.dumps(manifest))
+    gate = tmp_path / "gate"
+    shutil.copytree(sample.root / "gate", gate)
+    report = json.loads((gate / "gate.json").read_text())
+    report["reasons"] = [PAYLOAD]
+    report["baseline"]["source"] = PAYLOAD
+    report["metrics"][0]["reason"] = PAYLOAD
+    (gate / "gate.json").write_text(json.dumps(report))
+    settings = sample.with_dashboard(runs_dir=str(runs), gate_dir=str(gate), cache_dir=str(tmp_path / "cache"))
+    for page in ("policies", "gate", "request_explorer"):
+        at = app(settings, page)
+        _clean(at)
+        rendered = [e.value for kind in ("markdown", "caption", "title", "header", "subheader", "info", "warning",
+                                         "success", "error") for e in getattr(at, kind)]
+        rendered += [w.label for w in (*at.selectbox, *at.multiselect, *at.slider)] + [m.label for m in at.metric]
+        for text in rendered:
+            for marker in ("javascript:", "<img", "<script", "<b>", ":red[", "$x^2$"):
+                assert marker not in text, (page, text)
+        for chart in _charts(at):
+            dumped = json.dumps(chart)
+            assert "<script" not in dumped and "<img" not in dumped, page
+        shown = " ".join(_texts(at)) + " ".join(" ".join(map(str, d.value.to_numpy().ravel())) for d in at.dataframe)
+        if page == "gate":
+            assert PAYLOAD in shown
+        if page == "policies":
+            assert "<script>alert(4)</script>" in shown and hostile_run.name in shown
+
+
+def test_a_new_lake_version_is_derived_in_the_background_while_the_previous_one_is_shown(sample, app, tmp_path):
+    import time
+
+    from dashboard.sample import LakeSink
+    from pipelines.lake import Lake
+    from privacy.sanitize import Sanitizer
+    from replay.run import run_replay
+    from replay.traces import read_trace
+    from replay.workload import TableWorkload
+    from servelens.config import load_config, shared_dir
+
+    shutil.copytree(sample.settings.lake.root, tmp_path / "lake")
+    settings = sample.with_dashboard(cache_dir=str(tmp_path / "cache"))
+    settings = type(settings)(settings.dashboard, type(settings.lake)(root=str(tmp_path / "lake")), settings.privacy)
+    first = data.lake_snapshot(settings.lake.root)
+    data.lake_requests_path(first, settings.dashboard.cache_dir)
+    more = read_trace("azure-conv", shared_dir(load_config())).slice(5000, 50)  # later requests: new ids
+    run_replay(TableWorkload(more, name="more"), sink=LakeSink(Lake(settings.lake.root), Sanitizer(KEYRING), "more"))
+    second = data.lake_snapshot(settings.lake.root)
+    assert second.events_version > first.events_version
+
+    at = app(settings, "traffic")
+    _clean(at)
+    assert any(f"Showing lake version v{first.events_version}; v{second.events_version} is being derived" in c.value
+               for c in at.caption)
+    assert _metrics(at)["Requests in the window"] == f"{sample.num_requests:,}"
+    deadline = time.monotonic() + 60
+    while not data.requests_file(second, settings.dashboard.cache_dir).is_file() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    at = app(settings, "traffic")
+    _clean(at)
+    assert not any("is being derived" in c.value for c in at.caption)
+    assert any(f"Lake version v{second.events_version};" in c.value for c in at.caption)
+    assert _metrics(at)["Requests in the window"] == f"{sample.num_requests + 50:,}"

@@ -1,0 +1,76 @@
+"""The dashboard's configuration section, how it reaches the app, and how the app is started."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from dashboard.config import SETTINGS_ENV, DashboardConfig, Settings, settings_from_config, settings_from_env, settings_json
+from dashboard.server import resolved, streamlit_command
+from pipelines.config import LakeConfig
+from privacy.config import PrivacyConfig
+from servelens.config import Config
+from servelens.errors import ConfigError
+
+
+def test_every_field_is_documented_and_the_defaults_are_the_documented_ones():
+    fields = dataclasses.fields(DashboardConfig)
+    assert all(f.metadata.get("doc") for f in fields)
+    d = DashboardConfig()
+    assert (d.runs_dir, d.gate_dir, d.viewer_tenant, d.host, d.port) == ("out/replay", "out/gate", None, "127.0.0.1", 8501)
+    assert d.max_points > 0 and d.refresh_interval_s > 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        d.viewer_tenant = "someone"  # type: ignore[misc]
+
+
+def test_settings_travel_as_json_and_come_back_checked():
+    settings = Settings(DashboardConfig(viewer_tenant="acme", port=9000), LakeConfig(root="/data/lake"),
+                        PrivacyConfig(key_file="/keys/ring.toml", min_group_size=7))
+    text = settings_json(settings)
+    assert settings_from_env({SETTINGS_ENV: text}) == settings
+    data = json.loads(text)
+    data["dashboard"]["viewer_tenant"] = ["a", "list"]
+    with pytest.raises(ConfigError, match="dashboard.viewer_tenant"):
+        settings_from_env({SETTINGS_ENV: json.dumps(data)})
+    data["dashboard"] = {"no_such_key": 1}
+    with pytest.raises(ConfigError, match="unknown config key dashboard.no_such_key"):
+        settings_from_env({SETTINGS_ENV: json.dumps(data)})
+
+
+def test_without_serve_the_app_loads_the_configuration_as_the_cli_does(tmp_path):
+    toml = tmp_path / "servelens.toml"
+    toml.write_text('[lake]\nroot = "/somewhere/lake"\n[privacy]\nmin_group_size = 9\n')
+    settings = settings_from_env({"SERVELENS_CONFIG": str(toml)})
+    assert settings.lake.root == "/somewhere/lake" and settings.privacy.min_group_size == 9
+    assert settings.dashboard == DashboardConfig()
+
+
+def test_settings_from_a_config_tree_use_its_dashboard_section_when_it_has_one():
+    config = Config(lake=LakeConfig(root="x"))
+    assert settings_from_config(config).dashboard == DashboardConfig()
+    assert settings_from_config(config, DashboardConfig(port=1)).dashboard.port == 1
+
+    @dataclasses.dataclass(frozen=True)
+    class Mounted:
+        lake: LakeConfig = LakeConfig()
+        privacy: PrivacyConfig = PrivacyConfig()
+        dashboard: DashboardConfig = DashboardConfig(runs_dir="elsewhere")
+
+    assert settings_from_config(Mounted()).dashboard.runs_dir == "elsewhere"
+
+
+def test_the_server_binds_loopback_headless_and_offline_with_absolute_paths(tmp_path, monkeypatch):
+    command = streamlit_command("127.0.0.1", 8765)
+    pairs = dict(zip(command, command[1:]))
+    assert command[1:4] == ["-m", "streamlit", "run"] and command[4].endswith("dashboard/app.py")
+    assert pairs["--server.address"] == "127.0.0.1" and pairs["--server.port"] == "8765"
+    assert pairs["--server.headless"] == "true" and pairs["--browser.gatherUsageStats"] == "false"
+    assert pairs["--client.showErrorDetails"] == "none"  # no tracebacks in the browser
+    monkeypatch.chdir(tmp_path)
+    settings = resolved(Settings(DashboardConfig(), LakeConfig(root="lake"), PrivacyConfig(key_file="k.toml")))
+    assert settings.lake.root == str(tmp_path / "lake") and settings.privacy.key_file == str(tmp_path / "k.toml")
+    assert all(Path(p).is_absolute() for p in (settings.dashboard.runs_dir, settings.dashboard.gate_dir, settings.dashboard.cache_dir))
+    assert resolved(Settings(DashboardConfig(), LakeConfig(root="s3://bucket/lake"), PrivacyConfig())).lake.root == "s3://bucket/lake"

@@ -1,0 +1,179 @@
+"""The lake queries agree with the one metrics code path (replay.metrics) and stay k-anonymous."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+from dashboard import data
+from dashboard.data import NS, Selection, TimeWindow
+from pipelines.lake import Lake
+from pipelines.tables import derive_requests
+from privacy.views import TenantScope
+from replay.gate import load_config
+from replay.metrics import MetricsConfig, TenantWeight, attribution, load_requests, load_steps, run_metrics, tenant_metrics
+
+from .conftest import KEYRING, VIEWER
+
+
+@pytest.fixture(scope="module")
+def lake_tables(sample):
+    """The sample lake: its snapshot, derived request file, and (small enough here) its events in memory."""
+    snapshot = data.lake_snapshot(sample.settings.lake.root)
+    path = data.lake_requests_path(snapshot, sample.root / "cache-data")
+    events = Lake(sample.settings.lake.root).connect().sql("SELECT * EXCLUDE (dt, hour) FROM events").to_arrow_table()
+    return snapshot, path, events
+
+
+@pytest.fixture(scope="module")
+def config(sample) -> MetricsConfig:
+    base = load_config(sample.root / "gate.yaml").metrics_config()
+    heavy = KEYRING.pseudonym("tn", VIEWER)
+    return MetricsConfig(classes=base.classes, window_s=base.window_s, cost=base.cost,
+                         tenant_weights=(TenantWeight(tenant=heavy, weight=2.0),))
+
+
+def _by(table: pa.Table, key: str) -> dict:
+    return {row[key]: row for row in table.to_pylist()}
+
+
+def test_the_derived_request_file_is_the_request_table_plus_each_requests_charged_busy_time(lake_tables, config):
+    snapshot, path, events = lake_tables
+    cached = pq.read_table(path)
+    expected = derive_requests(events)
+    assert cached.drop_columns([data.BUSY_COLUMN]).cast(expected.schema).equals(expected)
+    assert cached.num_rows == expected.num_rows and snapshot.events_version is not None
+    r = load_requests(expected, config)
+    charge = dict(zip(r.request_id.tolist(), attribution(r, load_steps(events, r.origin_ns))))
+    busy = dict(zip(cached["request_id"].to_pylist(), cached[data.BUSY_COLUMN].to_pylist()))
+    assert busy.keys() == charge.keys()
+    assert np.allclose([busy[k] for k in charge], list(charge.values()), rtol=1e-9, atol=1e-12)
+    assert sum(charge.values()) > 0
+
+
+def test_a_new_lake_version_gets_its_own_file_and_the_old_one_is_reused_until_then(sample, lake_tables, tmp_path):
+    snapshot, path, _ = lake_tables
+    again = data.lake_requests_path(snapshot, sample.root / "cache-data")
+    assert again == path and path.name == f"requests-v{snapshot.events_version}.parquet"
+    empty = data.lake_snapshot(str(tmp_path / "no-lake"))
+    assert empty.is_empty and empty.events_version is None
+    assert pq.read_table(data.lake_requests_path(empty, tmp_path / "cache")).num_rows == 0
+
+
+def test_service_by_class_judges_requests_exactly_as_replay_metrics_does(lake_tables, config):
+    _, path, events = lake_tables
+    objectives = data.objectives_for(config, data.requests_overview(path).classes)
+    table, hidden = data.service_by_class(path, Selection(), objectives, k=1)
+    assert hidden == 0
+    mine = _by(table, "service_class")
+    theirs = {(m.group, m.name): m.value for m in run_metrics(derive_requests(events), None, config) if m.scope == "class"}
+    assert set(mine) == {"batch", "interactive"}
+    for cls, row in mine.items():
+        assert row["num_requests"] == theirs[(cls, "num_requests")]
+        for name in ("attainment", "attainment_ttft", "attainment_itl", "attainment_e2e", "rejected_share", "cancelled_share"):
+            assert row[name] == pytest.approx(theirs[(cls, name)], abs=1e-12), (cls, name)
+    assert 0 < mine["interactive"]["attainment"] < 1  # the sample is loaded enough to miss objectives
+
+
+def test_tenant_views_equal_replay_metrics_tenant_metrics_suppression_included(lake_tables, config):
+    _, path, events = lake_tables
+    requests = derive_requests(events)
+    expected, expected_hidden = tenant_metrics(requests, events, config, k=5)
+    result = data.tenant_service(path, Selection(), config, k=5)
+    assert result.num_suppressed == expected_hidden == 1  # the sample's smallest tenant
+    mine, theirs = _by(result.table, "tenant"), _by(expected, "tenant")
+    assert mine.keys() == theirs.keys()
+    for tenant, row in theirs.items():
+        for name, value in row.items():
+            if isinstance(value, float):
+                assert mine[tenant][name] == pytest.approx(value, rel=1e-9), (tenant, name)
+            else:
+                assert mine[tenant][name] == value, (tenant, name)
+    assert "ttft_p99_s" not in result.table.column_names  # no timing across tenants
+    overall = {m.name: m.value for m in run_metrics(requests, None, config) if m.scope == "overall"}
+    fair = data.fairness(path, Selection(), config, k=5)
+    assert not fair.suppressed and fair.num_tenants == 8
+    assert fair.jain_index == pytest.approx(overall["jain_index"], rel=1e-9)
+    assert data.fairness(path, Selection(), config, k=9).suppressed  # fewer than k tenants: hidden
+
+
+def test_tenant_detail_holds_the_viewers_rows_only(lake_tables, config):
+    _, path, events = lake_tables
+    scope = TenantScope.for_tenant(KEYRING, VIEWER)
+    detail = data.tenant_detail(path, Selection(), config, scope)
+    requests = derive_requests(events)
+    mine = requests.filter(pc.is_in(requests["tenant"], pa.array(sorted(scope.pseudonyms))))
+    summary = detail.summary.to_pylist()[0]
+    assert summary["num_requests"] == mine.num_rows == data.tenant_pseudonyms_present(path, scope)
+    assert summary["ttft_p99_s"] == pytest.approx(float(np.quantile(mine["ttft_s"].to_numpy(), 0.99)))
+    ids = set(mine["request_id"].to_pylist())
+    assert detail.slowest.num_rows == 20 and set(detail.slowest["request_id"].to_pylist()) <= ids
+    assert sum(r["num_requests"] for r in detail.by_class.to_pylist()) == mine.num_rows
+    nobody = TenantScope.for_tenant(KEYRING, "no-such-tenant")
+    assert data.tenant_detail(path, Selection(), config, nobody).slowest.num_rows == 0
+
+
+def test_latency_cdfs_are_the_quantiles_of_each_class_and_small_classes_are_left_out(lake_tables):
+    _, path, events = lake_tables
+    cdfs, hidden = data.latency_cdfs(path, Selection(), k=5)
+    assert hidden == 0 and set(cdfs["metric"].to_pylist()) == set(data.LATENCY_COLUMNS)
+    requests = derive_requests(events)
+    batch = requests.filter(pc.equal(requests["service_class"], "batch"))
+    rows = cdfs.filter(pc.and_(pc.equal(cdfs["service_class"], "batch"), pc.equal(cdfs["metric"], "ttft_s")))
+    values = batch["ttft_s"].drop_null().to_numpy()
+    assert rows["value_s"].to_pylist() == pytest.approx(np.quantile(values, rows["probability"].to_numpy()), rel=1e-9)
+    assert min(rows["probability"].to_pylist()) > 0 and max(rows["probability"].to_pylist()) < 1  # no single request's extreme
+    first = int(pc.min(requests["arrival_ns"]).as_py())
+    one_second = Selection(TimeWindow(first, first + NS))
+    few, hidden_few = data.latency_cdfs(path, one_second, k=5)
+    assert few.num_rows == 0 and hidden_few >= 1
+
+
+def test_arrivals_over_time_add_up_show_the_busiest_second_and_suppress_small_cells(sample, lake_tables):
+    _, path, events = lake_tables
+    ov = data.requests_overview(path)
+    window = TimeWindow(ov.first_arrival_ns, ov.last_arrival_ns + 1)
+    table, hidden = data.arrivals_over_time(path, Selection(window), 60.0, k=1)
+    assert hidden == 0
+    covered = np.minimum(table["bin_start_ns"].to_numpy() + 60 * NS, window.end_ns) - np.maximum(
+        table["bin_start_ns"].to_numpy(), window.start_ns)
+    assert round(float((table["arrivals_per_s"].to_numpy() * covered / NS).sum())) == sample.num_requests
+    assert sum(table["num_requests"].to_pylist()) == sample.num_requests
+    assert (table["peak_arrivals_per_s"].to_numpy() >= table["arrivals_per_s"].to_numpy()).all()
+    assert set(table["service_class"].to_pylist()) == {"batch", "interactive"}
+    fine, hidden_fine = data.arrivals_over_time(path, Selection(window), 1.0, k=5)
+    assert hidden_fine > 0 and all(v is None for v, s in zip(fine["arrivals_per_s"].to_pylist(), fine["suppressed"].to_pylist()) if s)
+    one_class, _ = data.arrivals_over_time(path, Selection(window, "interactive"), 60.0, k=1)
+    assert set(one_class["service_class"].to_pylist()) == {"interactive"}
+    totals = data.selection_totals(path, Selection(window), k=5).table.to_pylist()[0]
+    assert totals["num_requests"] == sample.num_requests and totals["num_tenants"] == 8
+
+
+def test_bins_respect_max_points_and_the_k_anonymity_density_floor():
+    assert data.choose_bin_s(3600, 1500) == 5
+    assert data.choose_bin_s(3600, 60) == 60
+    assert data.choose_bin_s(10, 1500) == 0.01
+    assert data.choose_bin_s(365 * 86400, 100) % 86400 == 0 and 365 * 86400 / data.choose_bin_s(365 * 86400, 100) <= 100
+    # 1,000 requests over an hour in 2 series, 40 requests per bin and series: at least 288 s
+    assert data.choose_bin_s(3600, 1500, num_requests=1000, num_series=2, min_requests_per_bin=40) == 300
+    assert data.choose_bin_s(3600, 1500, num_requests=None, min_requests_per_bin=40) == 5
+
+
+def test_dead_letters_by_reason_and_ingest_health(sample, lake_tables):
+    snapshot, _, _ = lake_tables
+    table = data.dead_letters_by_reason(snapshot)
+    assert dict(zip(table["reason"].to_pylist(), table["num_dead_letters"].to_pylist())) == {
+        "missing_field": 3, "wrong_type": 2, "oversized": 2}
+    (health,) = data.ingest_health(sample.settings.lake.root)
+    assert health.consumer == "ingest-test" and health.dead_letters == 7 and health.broker_reachable
+
+
+def test_getting_started_names_the_exact_commands_with_the_configured_paths(empty):
+    text = data.getting_started(empty)
+    for command in ("servelens broker", "servelens ingest", f"servelens replay --workload azure-conv --policy fcfs --out {empty.dashboard.runs_dir}/fcfs",
+                    f"servelens gate --baseline {empty.dashboard.runs_dir}/fcfs", f"--out {empty.dashboard.gate_dir}", "servelens demo"):
+        assert command in text
+    assert "keygen" not in text  # a key file is configured

@@ -1,0 +1,93 @@
+"""One request's life, an instance's batches, and who may open which request."""
+
+from __future__ import annotations
+
+import duckdb
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+from dashboard import data, explorer
+from dashboard.data import NS, TimeWindow, parquet_relation
+from dashboard.explorer import Visibility
+from privacy.views import TenantScope
+
+from .conftest import KEYRING, VIEWER
+
+
+@pytest.fixture(scope="module")
+def lake(sample):
+    snapshot = data.lake_snapshot(sample.settings.lake.root)
+    path = data.lake_requests_path(snapshot, sample.root / "cache-explorer")
+    return snapshot, path, pq.read_table(path)
+
+
+def test_a_preempted_requests_life_holds_its_queue_chunks_decode_and_preemptions(lake):
+    snapshot, path, requests = lake
+    scope = TenantScope.for_tenant(KEYRING, VIEWER)
+    mine = requests.filter(pc.and_(pc.is_in(requests["tenant"], pa.array(sorted(scope.pseudonyms))),
+                                   pc.greater(requests["num_preemptions"], 0)))
+    assert mine.num_rows, "the sample lake must hold a preempted request of the viewer"
+    row = mine.sort_by([("num_preemptions", "descending")]).slice(0, 1).to_pylist()[0]
+    summary = explorer.find_request(path, row["request_id"], Visibility(scope, lake=True))
+    assert summary is not None and summary.num_preemptions == row["num_preemptions"]
+    life = explorer.request_life(parquet_relation(snapshot.event_files, hive=True), summary, hive=True)
+    kinds = life.events["event_type"].to_pylist()
+    assert kinds[0] == "request_arrived" and kinds[-1] == "request_finished"
+    assert kinds.count("request_preempted") == summary.num_preemptions
+    steps = life.steps.to_pylist()
+    assert steps[0]["start_ns"] == summary.scheduled_ns
+    prefill = [s for s in steps if s["phase"] == "prefill"]
+    decode = [s for s in steps if s["phase"] == "decode"]
+    assert sum(s["own_tokens"] * s["num_steps"] for s in prefill) >= summary.num_prompt_tokens
+    assert decode and all(s["end_ns"] > summary.first_token_ns for s in decode)
+    preempted_at = [e["ts_ns"] for e in life.events.to_pylist() if e["event_type"] == "request_preempted"]
+    assert any(s["start_ns"] > preempted_at[0] and s["phase"] == "prefill" for s in steps)  # the recompute
+    assert all(s["num_members"] >= 1 for s in steps)
+
+
+def test_who_may_open_a_request(lake):
+    _, path, requests = lake
+    scope = TenantScope.for_tenant(KEYRING, VIEWER)
+    other = TenantScope.for_tenant(KEYRING, "tenant-1")
+    mine = requests.filter(pc.is_in(requests["tenant"], pa.array(sorted(scope.pseudonyms))))["request_id"][0].as_py()
+    theirs = requests.filter(pc.is_in(requests["tenant"], pa.array(sorted(other.pseudonyms))))["request_id"][0].as_py()
+    assert explorer.find_request(path, mine, Visibility(None, lake=True)) is None  # no viewer: no lake request at all
+    assert explorer.find_request(path, theirs, Visibility(scope, lake=True)) is None  # someone else's: as if absent
+    assert explorer.find_request(path, "no-such-request", Visibility(scope, lake=True)) is None
+    assert explorer.find_request(path, mine, Visibility(scope, lake=True)).request_id == mine
+    listed = explorer.candidate_requests(path, Visibility(scope, lake=True), window=None, service_class=None)
+    assert listed.num_rows and set(listed["request_id"].to_pylist()) <= set(
+        requests.filter(pc.is_in(requests["tenant"], pa.array(sorted(scope.pseudonyms))))["request_id"].to_pylist())
+    assert explorer.candidate_requests(path, Visibility(None, lake=True), window=None, service_class=None).num_rows == 0
+
+
+def test_in_a_replay_run_only_lake_pseudonyms_need_the_viewers_scope():
+    scope = TenantScope.for_tenant(KEYRING, VIEWER)
+    (own,) = sorted(scope.pseudonyms)
+    tenants = pa.table({"tenant": ["tn_0123456789abcdef0123", own, "tenant-1", None, "other"]})
+    con = duckdb.connect()
+    con.register("t", tenants)
+    for vis, expected in ((Visibility(None, lake=False), [False, False, True, True, True]),
+                          (Visibility(scope, lake=False), [False, True, True, True, True]),
+                          (Visibility(scope, lake=True), [False, True, False, False, False])):
+        predicate, params = vis.predicate()
+        got = [r[0] for r in con.execute(f"SELECT coalesce({predicate}, false) FROM t", params).fetchall()]
+        assert got == expected, vis
+
+
+def test_batch_composition_bins_every_step_of_the_instance_once(lake):
+    snapshot, path, requests = lake
+    relation = parquet_relation(snapshot.event_files, hive=True)
+    (instance,) = data.requests_overview(path).instances
+    first, last = pc.min(requests["arrival_ns"]).as_py(), pc.max(requests["arrival_ns"]).as_py()
+    window = TimeWindow(first, last + 60 * NS)
+    table, bin_s = explorer.batch_composition(relation, instance, window, hive=True, max_points=50)
+    assert 0 < table.num_rows <= 51 and window.span_s / bin_s <= 50
+    (expected,) = duckdb.connect().execute(
+        f"SELECT sum(coalesce(num_steps, 1)) FROM {relation} WHERE event_type = 'step_executed' AND instance_id = ? "
+        f"AND start_ns >= {window.start_ns} AND start_ns < {window.end_ns}", [instance]).fetchone()
+    assert sum(table["num_steps"].to_pylist()) == expected
+    assert all(0 <= b <= 1 for b in table["busy_share"].to_pylist())
+    assert max(table["mean_batch_size"].to_pylist()) > 1
