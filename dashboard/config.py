@@ -29,12 +29,17 @@ SETTINGS_ENV = "SERVELENS_DASHBOARD_SETTINGS"
 class DashboardConfig:
     """The Streamlit dashboard: where it reads runs and reports, who is viewing, where it listens."""
 
-    runs_dir: str = doc(
-        "Folder of replay runs: one sub-folder per run holding events.parquet and manifest.json "
-        "(what `servelens replay --out` writes).",
-        "out/replay",
+    runs_dir: str | None = doc(
+        "Folder of replay runs, searched up to three levels deep for folders holding events.parquet "
+        "(and manifest.json): `servelens replay --out` writes one, the nightly Dagster batch writes "
+        "<day>/<policy>@<load>/. Unset: <paths.out_dir>/replay.",
+        None,
     )
-    gate_dir: str = doc("Folder of the gate's reports (gate.json, gate.md, gate.html from `servelens gate`).", "out/gate")
+    gate_dir: str | None = doc(
+        "Folder of gate reports (gate.json, gate.md, gate.html), searched likewise: `servelens gate` "
+        "writes one, the nightly batch one per <day>/<policy>@<load>/. Unset: <paths.out_dir>/gate.",
+        None,
+    )
     gate_config_file: str | None = doc(
         "Gate configuration (YAML) whose classes, cost and tenant weights define the objectives, prices "
         "and entitlements the dashboard uses; unset: the gate's built-in defaults.",
@@ -57,10 +62,11 @@ class DashboardConfig:
         "DuckDB before plotting.",
         1500,
     )
-    cache_dir: str = doc(
+    cache_dir: str | None = doc(
         "Where the dashboard keeps derived tables (the lake's request table per Delta version, each "
-        "run's request table and metrics); rebuilt when the lake or a run changes, safe to delete.",
-        "out/dashboard-cache",
+        "run's request table and metrics); rebuilt when the lake or a run changes, safe to delete. "
+        "Unset: <paths.out_dir>/dashboard-cache.",
+        None,
     )
     refresh_interval_s: float = doc(
         "How often the dashboard looks for a new lake version or new runs, seconds (derived tables are "
@@ -82,9 +88,23 @@ def _plain(obj: Any) -> Any:
     return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
 
 
+#: Where the folders the dashboard reads and writes go when unset, below ``paths.out_dir``.
+OUT_SUBFOLDERS = {"runs_dir": "replay", "gate_dir": "gate", "cache_dir": "dashboard-cache"}
+
+
+def with_defaults(section: DashboardConfig, out_dir: str = "out") -> DashboardConfig:
+    """The section with every unset folder placed under ``out_dir`` (``paths.out_dir``), where
+    ``servelens replay``, ``servelens gate`` and the nightly batch write."""
+    unset = {name: f"{out_dir.rstrip('/')}/{sub}" for name, sub in OUT_SUBFOLDERS.items() if getattr(section, name) is None}
+    return dataclasses.replace(section, **unset) if unset else section
+
+
 def settings_from_config(config: Any, dashboard: DashboardConfig | None = None) -> Settings:
-    """Settings from a ``servelens.config.Config`` (its ``dashboard`` section unless one is given)."""
+    """Settings from a ``servelens.config.Config`` (its ``dashboard`` section unless one is given),
+    unset folders placed under its ``paths.out_dir``."""
     section = dashboard or getattr(config, "dashboard", None) or DashboardConfig()
+    paths = getattr(config, "paths", None)
+    section = with_defaults(section, getattr(paths, "out_dir", None) or "out")
     return Settings(dashboard=section, lake=config.lake, privacy=config.privacy)
 
 
@@ -105,7 +125,7 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> Settings:
     if text:
         data = json.loads(text)
         return Settings(
-            dashboard=build(DashboardConfig, data.get("dashboard", {}), "dashboard."),
+            dashboard=with_defaults(build(DashboardConfig, data.get("dashboard", {}), "dashboard.")),
             lake=build(LakeConfig, data.get("lake", {}), "lake."),
             privacy=build(PrivacyConfig, data.get("privacy", {}), "privacy."),
         )

@@ -699,6 +699,8 @@ def getting_started(settings) -> str:
         f"servelens replay --workload azure-conv --policy fcfs --out {runs}/fcfs",
         f"servelens replay --workload azure-conv --policy fcfs --engine llama-3-8b@a100-80g --out {runs}/fcfs-a100",
         f"servelens gate --baseline {runs}/fcfs --candidate {runs}/fcfs-a100 --out {gate}",
+        "#    or every night from the lake: `make dagster` replays each policy and load into <paths.out_dir>/replay/<day>/"
+        "<policy>@<load>/ and gates them into <paths.out_dir>/gate/<day>/ (the defaults of these two folders)",
         "# the end-to-end path on the bundled Azure trace (replay, sanitize, request table, summary)",
         "servelens demo",
     ]

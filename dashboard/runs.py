@@ -1,7 +1,9 @@
 """Replay runs and gate reports as the Policies and Gate pages read them.
 
-A run is a folder ``<runs_dir>/<run>/`` holding ``events.parquet`` and ``manifest.json`` (what
-``replay.run.run_replay`` writes). Its request table and metrics are derived once per version of
+A run is a folder holding ``events.parquet`` and ``manifest.json`` (what ``replay.run.run_replay``
+writes) anywhere up to ``MAX_DEPTH`` levels below ``runs_dir``: ``<runs_dir>/<run>/`` from
+``servelens replay --out``, ``<runs_dir>/<day>/<policy>@<load>/`` from the nightly Dagster batch
+(``pipelines.batch.replay_dir``); its name is that path. Its request table and metrics are derived once per version of
 its events file (modification time and size) into the dashboard's cache, with the same code the
 gate uses (``pipelines.tables`` and ``replay.metrics.run_metrics``), so a page only reads a few
 hundred numbers.
@@ -10,7 +12,8 @@ hundred numbers.
 ``workload.load_factor`` when present; else a ``@<k>x`` suffix of ``workload.name``
 (``azure-conv@1.5x`` is 1.5); else 1.0.
 
-A gate report is ``<gate_dir>/gate.json`` (``replay.report.verdict_dict``), read into flat records.
+A gate report is a ``gate.json`` (``replay.report.verdict_dict``) in ``gate_dir`` or below it
+(``<gate_dir>/<day>/<policy>@<load>/`` from the nightly batch), read into flat records.
 """
 
 from __future__ import annotations

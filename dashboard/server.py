@@ -18,8 +18,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from dashboard.config import SETTINGS_ENV, DashboardConfig, Settings, settings_from_config, settings_json
-from servelens.errors import ServelensError
+from dashboard.config import SETTINGS_ENV, DashboardConfig, Settings, settings_from_config, settings_json, with_defaults
+from servelens.errors import ConfigError, ServelensError
 
 APP = Path(__file__).resolve().parent / "app.py"
 
@@ -39,7 +39,7 @@ def _absolute(path: str | None) -> str | None:
 
 def resolved(settings: Settings) -> Settings:
     """The settings with every local path made absolute (the app may run from another folder)."""
-    d = settings.dashboard
+    d = with_defaults(settings.dashboard)
     return Settings(
         dashboard=dataclasses.replace(d, runs_dir=_absolute(d.runs_dir), gate_dir=_absolute(d.gate_dir),
                                       cache_dir=_absolute(d.cache_dir), gate_config_file=_absolute(d.gate_config_file)),
@@ -78,6 +78,46 @@ def serve(config, *, dashboard: DashboardConfig | None = None, port: int | None 
     env.setdefault("PYTHONUNBUFFERED", "1")
     return subprocess.Popen(streamlit_command(host, port, headless=headless), env=env, start_new_session=True,
                             stdout=stdout, stderr=stderr)
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def preflight(settings: Settings) -> list[str]:
+    """Check what would otherwise fail inside the app, before it starts: the gate configuration
+    reads, a configured viewer tenant has a key ring to resolve it, the port is free. Raises
+    ``ConfigError`` naming the key; returns warnings (a host beyond loopback: there is no login)."""
+    d = settings.dashboard
+    if d.gate_config_file:
+        from replay.gate import load_config
+
+        if not Path(d.gate_config_file).is_file():
+            raise ConfigError(f"dashboard.gate_config_file {d.gate_config_file} does not exist",
+                              "write one with `servelens gate --write-default-config FILE`, or unset the key")
+        load_config(d.gate_config_file)
+    if d.viewer_tenant:
+        from privacy.keys import load_keyring
+
+        try:
+            load_keyring(settings.privacy.key_file)
+        except ConfigError as exc:
+            raise ConfigError(f"dashboard.viewer_tenant is set but its tenant cannot be resolved: {exc.message}",
+                              exc.hint) from None
+    if d.port != 0:
+        family = socket.AF_INET6 if ":" in d.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Tornado binds: only a listener blocks
+            try:
+                probe.bind((d.host, d.port))
+            except OSError as exc:
+                raise ConfigError(f"cannot listen on {d.host}:{d.port}: {exc.strerror or exc}",
+                                  "another dashboard may be running there; choose another port with --port "
+                                  "(0 picks a free one) or dashboard.port") from None
+    warnings = []
+    if d.host not in LOOPBACK:
+        warnings.append(f"the dashboard listens on {d.host}, beyond loopback, and has no login of its own: "
+                        "put an authenticating proxy in front of it")
+    return warnings
 
 
 def dashboard_url(process: subprocess.Popen) -> str:

@@ -683,6 +683,63 @@ def demo(ctx: click.Context, trace_name: str, out: Path | None) -> None:
     click.echo(render_summary(result))
 
 
+# ---------------------------------------------------------------------------------------------- dashboard
+
+
+@cli.command("dashboard")
+@click.option("--port", type=int, default=None, help="Port to listen on; 0 picks a free one [default: dashboard.port, 8501].")
+@click.option("--host", default=None,
+              help="Address to bind [default: dashboard.host, 127.0.0.1]. There is no login: keep it on loopback.")
+@click.option("--runs-dir", type=click.Path(file_okay=False), default=None,
+              help="Replay runs, searched three levels deep [default: dashboard.runs_dir, else <out_dir>/replay].")
+@click.option("--gate-dir", type=click.Path(file_okay=False), default=None,
+              help="Gate reports, likewise [default: dashboard.gate_dir, else <out_dir>/gate].")
+@click.pass_context
+def dashboard_command(ctx: click.Context, port: int | None, host: str | None, runs_dir: str | None,
+                      gate_dir: str | None) -> None:
+    """Serve the dashboard (Streamlit + plotly) over the lake, replay runs and gate reports.
+
+    It reads only the lake (lake.root), run folders and gate reports; the viewer's tenant is
+    dashboard.viewer_tenant, never the URL (docs/dashboard.md). It prints its URL and runs until
+    Ctrl-C. With an empty lake every page says which commands fill it.
+
+    \b
+    Example:
+      servelens dashboard                          # http://127.0.0.1:8501
+      servelens dashboard --port 0 --runs-dir out/demo   # a free port; the demo's replay on Policies
+    """
+    import dataclasses
+    import signal
+    import subprocess
+
+    from dashboard.config import settings_from_config
+    from dashboard.server import dashboard_url, preflight, resolved, serve, wait_until_ready
+
+    config = _config(ctx)
+    overrides = {"port": port, "host": host, "runs_dir": runs_dir, "gate_dir": gate_dir}
+    section = dataclasses.replace(config.dashboard, **{k: v for k, v in overrides.items() if v is not None})
+    for warning in preflight(resolved(settings_from_config(config, section))):
+        click.secho(f"warning: {warning}", err=True, fg="yellow")
+    process = serve(config, dashboard=section, stdout=subprocess.DEVNULL)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        url = dashboard_url(process)
+        wait_until_ready(url, 120, process)
+        click.echo(f"servelens dashboard at {url} (Ctrl-C stops it)")
+        status = process.wait()
+        if status != 0:
+            _fail(f"the dashboard exited with status {status}", "its messages are above")
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
 def main() -> None:
     """Console-script entry point (usage errors exit 3, like every error, so that 2 stays the gate's
     "inconclusive")."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dashboard.config import DashboardConfig
 from pipelines.config import IngestConfig, LakeConfig, NightlyConfig
 from pipelines.kafka_config import KafkaConfig
 from privacy.config import PrivacyConfig
@@ -56,6 +57,7 @@ class Config:
     lake: LakeConfig = field(default_factory=LakeConfig, metadata={"doc": "The Parquet/Delta lake."})
     ingest: IngestConfig = field(default_factory=IngestConfig, metadata={"doc": "The ingest consumer."})
     nightly: NightlyConfig = field(default_factory=NightlyConfig, metadata={"doc": "The nightly replay and gate."})
+    dashboard: DashboardConfig = field(default_factory=DashboardConfig, metadata={"doc": "The Streamlit dashboard."})
 
 
 def _coerce(value: Any, annotation: Any, key: str) -> Any:

@@ -3,22 +3,29 @@
 from __future__ import annotations
 
 import datetime as dt
-from pathlib import Path
 
 import streamlit as st
 
 from dashboard import ui
+from dashboard.runs import GateReportError
 
 s = ui.page("servelens", "See what your LLM-serving scheduler did, replay it through candidate policies, and gate the canary.")
 snapshot = ui.lake_snapshot(s)
 runs = ui.run_list(s)
+reports = ui.gate_reports(s)
 report_dir = s.dashboard.gate_dir
 
-left, middle, right = st.columns(3)
+left, middle, right, last = st.columns(4)
 left.metric("Lake version (events)", "empty" if snapshot.is_empty else f"v{snapshot.events_version}")
 middle.metric("Replay runs", f"{len(runs):,}")
-gate_file = Path(report_dir) / "gate.json"
-right.metric("Gate report", "present" if gate_file.is_file() else "none")
+right.metric("Gate reports", f"{len(reports):,}")
+latest = None
+if reports:
+    try:
+        latest = ui.gate_report(reports[0].folder, reports[0].written_ns)
+    except GateReportError:
+        latest = None
+last.metric("Latest verdict", latest.status if latest is not None else "none")
 
 st.subheader("Where the data comes from")
 st.text(f"lake (lake.root): {s.lake.root}")

@@ -49,7 +49,8 @@ def test_the_overview_says_what_the_dashboard_holds(sample, app):
     _clean(at)
     metrics = _metrics(at)
     assert metrics["Lake version (events)"].startswith("v") and metrics["Replay runs"] == "4"
-    assert metrics["Gate report"] == "present"
+    report = json.loads((sample.root / "gate" / "gate.json").read_text())
+    assert metrics["Gate reports"] == "1" and metrics["Latest verdict"] == report["status"]
     assert any(sample.settings.lake.root in t for t in _texts(at))
 
 

@@ -12,7 +12,7 @@ from dashboard.config import SETTINGS_ENV, DashboardConfig, Settings, settings_f
 from dashboard.server import resolved, streamlit_command
 from pipelines.config import LakeConfig
 from privacy.config import PrivacyConfig
-from servelens.config import Config
+from servelens.config import Config, load_config
 from servelens.errors import ConfigError
 
 
@@ -20,7 +20,7 @@ def test_every_field_is_documented_and_the_defaults_are_the_documented_ones():
     fields = dataclasses.fields(DashboardConfig)
     assert all(f.metadata.get("doc") for f in fields)
     d = DashboardConfig()
-    assert (d.runs_dir, d.gate_dir, d.viewer_tenant, d.host, d.port) == ("out/replay", "out/gate", None, "127.0.0.1", 8501)
+    assert (d.runs_dir, d.gate_dir, d.cache_dir, d.viewer_tenant, d.host, d.port) == (None, None, None, None, "127.0.0.1", 8501)
     assert d.max_points > 0 and d.refresh_interval_s > 0
     with pytest.raises(dataclasses.FrozenInstanceError):
         d.viewer_tenant = "someone"  # type: ignore[misc]
@@ -30,7 +30,9 @@ def test_settings_travel_as_json_and_come_back_checked():
     settings = Settings(DashboardConfig(viewer_tenant="acme", port=9000), LakeConfig(root="/data/lake"),
                         PrivacyConfig(key_file="/keys/ring.toml", min_group_size=7))
     text = settings_json(settings)
-    assert settings_from_env({SETTINGS_ENV: text}) == settings
+    assert settings_from_env({SETTINGS_ENV: text}) == dataclasses.replace(
+        settings, dashboard=dataclasses.replace(settings.dashboard, runs_dir="out/replay", gate_dir="out/gate",
+                                                cache_dir="out/dashboard-cache"))
     data = json.loads(text)
     data["dashboard"]["viewer_tenant"] = ["a", "list"]
     with pytest.raises(ConfigError, match="dashboard.viewer_tenant"):
@@ -45,12 +47,28 @@ def test_without_serve_the_app_loads_the_configuration_as_the_cli_does(tmp_path)
     toml.write_text('[lake]\nroot = "/somewhere/lake"\n[privacy]\nmin_group_size = 9\n')
     settings = settings_from_env({"SERVELENS_CONFIG": str(toml)})
     assert settings.lake.root == "/somewhere/lake" and settings.privacy.min_group_size == 9
-    assert settings.dashboard == DashboardConfig()
+    assert settings.dashboard == DashboardConfig(runs_dir="out/replay", gate_dir="out/gate", cache_dir="out/dashboard-cache")
+
+
+def test_the_section_is_mounted_in_the_config_tree_and_its_folders_follow_paths_out_dir(tmp_path):
+    toml = tmp_path / "servelens.toml"
+    toml.write_text('[paths]\nout_dir = "/data/out"\n[dashboard]\nport = 9000\nviewer_tenant = "acme"\n'
+                    'gate_dir = "/reports"\n')
+    config = load_config(toml, env={"SERVELENS_DASHBOARD__MAX_POINTS": "800"})
+    assert config.dashboard == DashboardConfig(port=9000, viewer_tenant="acme", gate_dir="/reports", max_points=800)
+    d = settings_from_config(config).dashboard
+    assert (d.runs_dir, d.gate_dir, d.cache_dir) == ("/data/out/replay", "/reports", "/data/out/dashboard-cache")
+    toml.write_text("[dashboard]\nprot = 1\n")
+    with pytest.raises(ConfigError, match="unknown config key dashboard.prot") as err:
+        load_config(toml, env={})
+    assert "port" in err.value.hint
+    assert load_config(env={}).dashboard == DashboardConfig()
 
 
 def test_settings_from_a_config_tree_use_its_dashboard_section_when_it_has_one():
     config = Config(lake=LakeConfig(root="x"))
-    assert settings_from_config(config).dashboard == DashboardConfig()
+    assert settings_from_config(config).dashboard == DashboardConfig(runs_dir="out/replay", gate_dir="out/gate",
+                                                                     cache_dir="out/dashboard-cache")
     assert settings_from_config(config, DashboardConfig(port=1)).dashboard.port == 1
 
     @dataclasses.dataclass(frozen=True)

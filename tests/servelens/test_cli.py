@@ -128,7 +128,7 @@ def test_every_command_has_an_example_in_its_help():
     for args in (["events", "validate"], ["events", "schema"], ["trace", "list"], ["trace", "convert"],
                  ["trace", "stats"], ["requests", "derive"], ["privacy", "keygen"], ["privacy", "rotate"],
                  ["privacy", "sanitize"], ["broker"], ["ingest"], ["ingest", "status"], ["lake", "compact"],
-                 ["lake", "sql"], ["replay"], ["gate"], ["demo"]):
+                 ["lake", "sql"], ["replay"], ["gate"], ["demo"], ["dashboard"]):
         proc = servelens(*args, "--help")
         assert proc.returncode == 0 and "Example:" in proc.stdout, args
 
@@ -147,3 +147,48 @@ def test_replay_then_gate_from_the_command_line(tmp_path):
     assert gate.returncode == 0 and "gate: PASS" in gate.stdout
     bad = servelens("replay", "--workload", "mooncake", "--engine", "gpt-9@tpu", "--out", str(tmp_path / "x"))
     assert bad.returncode == 3 and "unknown" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_dashboard_serves_until_stopped_and_refuses_what_would_fail_inside(tmp_path):
+    import signal
+    import socket
+    import threading
+    import urllib.request
+
+    env = {"SERVELENS_LAKE__ROOT": str(tmp_path / "lake"), "SERVELENS_PATHS__OUT_DIR": str(tmp_path / "out")}
+    proc = subprocess.Popen([sys.executable, "-m", "servelens", "dashboard", "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(180)
+    try:
+        assert lines and lines[0].startswith("servelens dashboard at http://127.0.0.1:"), (lines, proc.poll())
+        url = lines[0].split()[3]
+        with urllib.request.urlopen(f"{url}/_stcore/health", timeout=10) as response:
+            assert response.status == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "Traceback" not in stderr, stderr
+    try:  # the Streamlit process went with it
+        urllib.request.urlopen(f"{url}/_stcore/health", timeout=5)
+        raise AssertionError("the dashboard still answers after the command stopped")
+    except OSError:
+        pass
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = servelens("dashboard", "--port", str(busy.getsockname()[1]), env=env)
+    assert taken.returncode == 3 and "cannot listen on 127.0.0.1:" in taken.stderr and "hint:" in taken.stderr
+    no_key = servelens("dashboard", "--port", "0", env={**env, "SERVELENS_DASHBOARD__VIEWER_TENANT": "acme",
+                                                       "SERVELENS_PRIVACY__KEY_FILE": str(tmp_path / "missing.toml")})
+    assert no_key.returncode == 3 and "dashboard.viewer_tenant is set" in no_key.stderr
+    assert "servelens privacy keygen" in no_key.stderr
+    missing = servelens("dashboard", "--port", "0", env={**env, "SERVELENS_DASHBOARD__GATE_CONFIG_FILE": str(tmp_path / "gate.yaml")})
+    assert missing.returncode == 3 and "dashboard.gate_config_file" in missing.stderr
+    typo = servelens("dashboard", "--port", "0", env={**env, "SERVELENS_DASHBOARD__PROT": "1"})
+    assert typo.returncode == 3 and "unknown config key dashboard.prot" in typo.stderr
+    for result in (taken, no_key, missing, typo):
+        assert "Traceback" not in result.stderr
