@@ -116,7 +116,7 @@ def preflight(settings: Settings) -> list[str]:
     warnings = []
     if d.host not in LOOPBACK:
         warnings.append(f"the dashboard listens on {d.host}, beyond loopback, and has no login of its own: "
-                        "put an authenticating proxy in front of it")
+                        "put an authenticating proxy in front of it (in a container, publish the port on the host's loopback only)")
     return warnings
 
 

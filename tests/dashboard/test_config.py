@@ -92,3 +92,36 @@ def test_the_server_binds_loopback_headless_and_offline_with_absolute_paths(tmp_
     assert settings.lake.root == str(tmp_path / "lake") and settings.privacy.key_file == str(tmp_path / "k.toml")
     assert all(Path(p).is_absolute() for p in (settings.dashboard.runs_dir, settings.dashboard.gate_dir, settings.dashboard.cache_dir))
     assert resolved(Settings(DashboardConfig(), LakeConfig(root="s3://bucket/lake"), PrivacyConfig())).lake.root == "s3://bucket/lake"
+
+
+def test_an_installed_servelens_ships_every_page():
+    import tomllib
+
+    from setuptools import find_packages
+
+    from dashboard.ui import PAGES
+
+    root = Path(__file__).resolve().parents[2]
+    include = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = set(find_packages(str(root), include=include))
+    for path, _, _ in PAGES:
+        folder = str(Path("dashboard", path).parent).replace("/", ".")
+        assert folder in packages, f"{path} would be left out of the wheel (and of the Docker image)"
+
+
+def test_the_dashboard_reads_the_lake_and_the_batch_outputs_on_loopback():
+    import yaml
+
+    from dashboard.config import OUT_SUBFOLDERS
+
+    compose = yaml.safe_load((Path(__file__).resolve().parents[2] / "docker-compose.yml").read_text())
+    service = compose["services"]["dashboard"]
+    assert service["command"] == ["dashboard"] and service["ports"] == ["127.0.0.1:8501:8501"]
+    env = service["environment"]
+    assert env["SERVELENS_DASHBOARD__PORT"] == "8501"
+    mounts = {volume.split(":")[1]: volume for volume in service["volumes"]}
+    assert mounts[env["SERVELENS_LAKE__ROOT"]].endswith(":ro")  # it only reads the lake
+    assert env["SERVELENS_PATHS__OUT_DIR"] in mounts and not mounts[env["SERVELENS_PATHS__OUT_DIR"]].endswith(":ro")
+    batch = compose["services"]["dagster-daemon"]["environment"]
+    assert env["SERVELENS_PATHS__OUT_DIR"] == batch["SERVELENS_PATHS__OUT_DIR"]  # runs_dir and gate_dir follow it
+    assert set(OUT_SUBFOLDERS) == {"runs_dir", "gate_dir", "cache_dir"}
