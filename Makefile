@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test env dagster
+.PHONY: demo test env dagster dashboard
 
 env: $(STAMP)
 
@@ -28,6 +28,7 @@ $(STAMP): pyproject.toml Makefile
 # The end-to-end path on embedded defaults and the bundled Azure conversation trace.
 demo: $(STAMP)
 	$(BIN)/servelens demo
+	@echo "see the demo's replay in the dashboard (Policies, Request explorer): make dashboard DASHBOARD_ARGS='--runs-dir out/demo/replay-fcfs', then open http://127.0.0.1:8501"
 
 # The whole test suite (pytest exits non-zero when it collects no tests).
 test: $(STAMP)
@@ -36,3 +37,7 @@ test: $(STAMP)
 # The Dagster UI over the batch side (asset graph, partitions, checks, schedules) on 127.0.0.1:3000.
 dagster: $(STAMP)
 	$(BIN)/dagster dev -m pipelines.definitions
+
+# The Streamlit dashboard on http://127.0.0.1:8501 over the lake, replay runs and gate reports (docs/dashboard.md).
+dashboard: $(STAMP)
+	$(BIN)/servelens dashboard $(DASHBOARD_ARGS)

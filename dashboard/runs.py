@@ -154,18 +154,25 @@ def _folders_holding(root: Path, filename: str, *, within_matches: bool) -> list
             if match:
                 found.append(folder)
             if within_matches or not match:
-                below += sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+                try:
+                    below += sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+                except OSError:  # unreadable or vanished while listing: skip it, keep the rest
+                    continue
         level = below
     return found
 
 
 def list_runs(runs_dir: str | Path) -> tuple[RunInfo, ...]:
     """Every run folder under ``runs_dir`` (a folder holding events.parquet, up to ``MAX_DEPTH``
-    deep), named by its path below ``runs_dir`` (``fcfs``, ``2023-11-16/sarathi@2x``), by name."""
+    deep), named by its path below ``runs_dir`` (``fcfs``, ``2023-11-16/sarathi@2x``), by name.
+    When ``runs_dir`` is itself a run folder, that one run (named by its folder)."""
     root = Path(runs_dir)
     if not root.is_dir():
         return ()
-    runs = [read_run(f, f.relative_to(root).as_posix()) for f in _folders_holding(root, EVENTS, within_matches=False) if f != root]
+    if (root / EVENTS).is_file():
+        only = read_run(root, root.name)
+        return (only,) if only is not None else ()
+    runs = [read_run(f, f.relative_to(root).as_posix()) for f in _folders_holding(root, EVENTS, within_matches=False)]
     return tuple(sorted((r for r in runs if r is not None), key=lambda r: r.name))
 
 

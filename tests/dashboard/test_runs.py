@@ -109,6 +109,7 @@ def test_nightly_layouts_are_found_runs_by_day_and_load_reports_newest_first(sam
     listed = runs.list_runs(runs_dir)
     assert [r.name for r in listed] == ["2023-11-16/fcfs", "2023-11-16/fcfs@2x", "adhoc"]
     assert listed[1].load_factor == 2.0 and listed[1].folder == str(runs_dir / "2023-11-16" / "fcfs@2x")
+    assert [r.name for r in runs.list_runs(runs_dir / "adhoc")] == ["adhoc"]  # a run folder given directly
     shutil.copytree(sample.root / "gate", gate_dir)  # `servelens gate --out out/gate`
     shutil.copytree(sample.root / "gate", gate_dir / "2023-11-16" / "fcfs-chunk256@1x")  # the nightly comparison
     os.utime(gate_dir / "gate.json", ns=(1, 1))
