@@ -51,8 +51,8 @@ with right:
     metric = st.selectbox("Load sweep metric", [m for m, _ in POLICY_METRICS[:5]], index=0, key="policies.sweep")
     label = dict(POLICY_METRICS)[metric]
     ui.show_figure(charts.sweep_figure(series, load, table[metric].to_pylist(), label), "sweep")
-    st.caption("Load factor of a run: its manifest's workload.load_factor, else a @<k>x suffix of the workload name "
-               "(azure-conv@1.5x), else 1. Lines join runs that differ only in load.")
+    st.caption("Load factor of a run: its manifest's `workload.load_factor`, else a `@<k>x` suffix of the workload name "
+               "(`azure-conv@1.5x`), else 1. Lines join runs that differ only in load.")
 
 st.subheader("Runs and their manifests")
 ui.show_table(pa.table({
