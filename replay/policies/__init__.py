@@ -1,23 +1,52 @@
-"""Scheduling policies for the replay engine, registered by name (see ``replay.policies.base``)."""
+"""Scheduling policies for the replay engine, registered by name (see ``replay.policies.base``).
+
+Single-instance policies (``make_policy`` by name): ``fcfs``, ``priority``, ``prefill-first``,
+``decode-first``, ``sarathi``, ``vtc``, ``deadline``, ``deadline-vtc`` (``docs/policies.md``).
+Routing across instances and autoscaling belong to the cluster layer.
+"""
 
 from replay.policies.base import (
     ACCEPT,
     POLICIES,
     AdmissionDecision,
+    NoConfig,
     Policy,
     make_policy,
     policy_class,
     register,
 )
+from replay.policies.deadline import DeadlineConfig, DeadlinePolicy, DeadlineVtcPolicy
 from replay.policies.fcfs import FcfsConfig, FcfsPolicy
+from replay.policies.phases import DecodeFirstConfig, DecodeFirstPolicy, PrefillFirstConfig, PrefillFirstPolicy
+from replay.policies.priority import PriorityConfig, PriorityPolicy
+from replay.policies.sarathi import SarathiConfig, SarathiPolicy
+from replay.policies.tenancy import ClassConfig, Tenancy, TenantConfig
+from replay.policies.vtc import VtcConfig, VtcPolicy
 
 __all__ = [
     "ACCEPT",
     "POLICIES",
     "AdmissionDecision",
+    "ClassConfig",
+    "DeadlineConfig",
+    "DeadlinePolicy",
+    "DeadlineVtcPolicy",
+    "DecodeFirstConfig",
+    "DecodeFirstPolicy",
     "FcfsConfig",
     "FcfsPolicy",
+    "NoConfig",
     "Policy",
+    "PrefillFirstConfig",
+    "PrefillFirstPolicy",
+    "PriorityConfig",
+    "PriorityPolicy",
+    "SarathiConfig",
+    "SarathiPolicy",
+    "Tenancy",
+    "TenantConfig",
+    "VtcConfig",
+    "VtcPolicy",
     "make_policy",
     "policy_class",
     "register",

@@ -64,11 +64,16 @@ class AdmissionDecision:
 ACCEPT = AdmissionDecision(decision="accept")
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NoConfig:
+    """Settings of a policy that has none (an empty config, so every manifest serializes alike)."""
+
+
 class Policy:
     """Base class with vLLM v1 FCFS behaviour for every decision; policies override what they change."""
 
     name: ClassVar[str] = ""
-    config_type: ClassVar[type] = object
+    config_type: ClassVar[type] = NoConfig
 
     def __init__(self, config: object | None = None) -> None:
         self.config = config if config is not None else self.config_type()

@@ -147,3 +147,21 @@ def test_step_feedback_and_run_horizon(run):
     steps = out.of_type("step_executed")
     assert max(s["num_steps"] for s in steps) == 3  # the policy's horizon bounds coalescing
     assert sum(s["num_steps"] for s in steps) == 20 and out.row("r0")["num_output_tokens"] == 20
+
+
+@register
+class ConfiglessPolicy(Policy):
+    """A policy that declares no config of its own."""
+
+    name = "test-configless"
+
+
+def test_a_configless_policy_gets_an_empty_config_and_a_serializable_manifest(run):
+    import json
+
+    from replay.policies import NoConfig
+
+    assert isinstance(make_policy("test-configless").config, NoConfig)
+    out = run(make_workload([0], [10], [2]), policy_name="test-configless", **CONSTANT)
+    manifest = json.loads(out.summary.manifest_path.read_text())
+    assert manifest["policy"] == {"name": "test-configless", "config": {}}

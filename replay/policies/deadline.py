@@ -1,0 +1,500 @@
+"""Deadline-aware admission control: admit a request only if it is safe for its whole service horizon.
+
+Mechanism (GUIDE section 4, "the seed's thesis"; in the spirit of SLO-aware admission such as
+Llumnix's and DistServe's capacity planning, and of QLM's waiting-time estimation):
+
+1. **Predict the work as a conservative interval.** Output tokens per branch are the
+   ``output_quantile_low`` .. ``output_quantile_high`` quantiles of the requests of the same class
+   and tenant that already finished in this replay (``OutputLengthPredictor``; class, then all,
+   then a prior while too few have finished), capped by the request's max_tokens. The policy never
+   reads the true length: the views do not expose it.
+2. **Check the whole horizon.** The request's KV at completion (prompt + high output, branches
+   included, less prefix blocks that running requests already hold: prefix sharing) joins a
+   ledger of every admitted request's completion KV. The batch may only hold what the KV pool
+   holds less a recovery reserve (for requests that outrun their prediction) and an overload
+   margin. The step-time slack the request takes from active streams is checked too: the decode
+   step of every admitted stream at completion context must stay within the tightest ITL
+   objective (times ``step_time_share``) among them. Requests whose completion KV does not fit
+   wait in the engine queue, ordered by deadline (EDF), and enter the batch only when it does;
+   so an admitted request is never preempted unless it outruns its interval.
+3. **Answer.** The time to first token is predicted from the KV that must drain first (at the
+   measured drain rate of the ledger), the prefill work queued ahead under the queue's order and
+   the prefill rate the cost model gives for chunks beside the current decodes. ``accept`` when it
+   meets the class's TTFT objective (and its E2E objective with the high output) less the
+   overload margin; ``queue`` (held by admission control) when only a tenant quota stands in the
+   way and its refill leaves the deadline reachable; otherwise ``reject`` with a retry-after: how
+   much later the same request would have met its objective.
+
+Chunks follow Sarathi-Serve's stall-free rule sized to the ITL objective (``chunk_from_itl``).
+Classes, weights and quotas come from tenant configuration. ``deadline-vtc`` orders the queue by
+each tenant's VTC start tag (its counter, lifted if it was idle, plus the service it already has
+queued, over its weight: fair share across every tenant, as VTC serves them regardless of class;
+``replay.policies.vtc``), then deadline, and learns the counters from ``observe_step``. A tenant
+that floods the instance sees its tag run ahead of everyone's, so its requests are predicted to
+wait behind the others' and are the ones rejected (with retry-after), while the well-behaved
+tenants' predictions, and so their admissions, barely move.
+
+What one instance cannot do, and the cluster layer (issue 6) must: *route* elsewhere, *downgrade*
+to a smaller qualified model, and *cap optional work* (max tokens, branches, speculative drafts):
+the seam's admission decision cannot change a request (``docs/policies.md`` lists the hook needed).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+
+from replay.costmodel import StepShape
+from replay.errors import ReplayError
+from replay.policies.base import AdmissionDecision, Policy, register
+from replay.policies.predict import OutputLengthPredictor
+from replay.policies.sarathi import StallFreeChunks
+from replay.policies.tenancy import ClassConfig, Tenancy, TenantBook
+from replay.policies.vtc import FairShare, Quotas
+from replay.views import EngineView, RequestView
+from schemas.types import doc
+
+NS = 1_000_000_000
+NEVER = 1 << 62
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeadlineConfig:
+    """Settings of deadline-aware admission."""
+
+    tenancy: Tenancy = doc("Classes (objectives, priority) and tenants (weights, quotas).", Tenancy())
+    output_quantile_low: float = doc("Low end of the predicted output interval: this quantile of finished lengths.", 0.1)
+    output_quantile_high: float = doc("High end (what KV is reserved for): this quantile of finished lengths.", 0.9)
+    history_requests: int = doc("Finished requests remembered per (class, tenant) for the quantiles.", 512)
+    min_history: int = doc("Finished requests needed before a (class, tenant) window is trusted.", 20)
+    prior_output_tokens_low: int = doc("Predicted low output per branch before anything finished.", 16)
+    prior_output_tokens_high: int = doc("Predicted high output per branch before anything finished.", 512)
+    recovery_reserve_share: float = doc(
+        "Share of the KV pool kept out of reservations for requests that outrun their prediction.", 0.05
+    )
+    overload_margin: float = doc(
+        "Share of capacity and of every objective held back: the controller plans to (1 - margin).", 0.1
+    )
+    drain_window_s: float = doc("Time constant of the measured KV drain rate, seconds.", 30.0)
+    retry_after_min_s: float = doc("Shortest retry-after a rejection sends, seconds.", 1.0)
+    chunk_from_itl: bool = doc("Size prefill chunks to the ITL objective, stall-free (Sarathi-Serve).", True)
+    step_time_share: float = doc("Step-time target as a share of the tightest ITL objective.", 0.9)
+    min_chunk_tokens: int = doc("A step with no prefill yet takes at least this many prompt tokens.", 32)
+    input_token_weight: int = doc("Service per input token (quotas, and VTC in deadline-vtc).", 1)
+    output_token_weight: int = doc("Service per output token (quotas, and VTC in deadline-vtc).", 2)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.output_quantile_low <= self.output_quantile_high <= 1:
+            raise ReplayError("deadline: need 0 <= output_quantile_low <= output_quantile_high <= 1")
+        if not 0 <= self.recovery_reserve_share + self.overload_margin < 1 or min(
+            self.recovery_reserve_share, self.overload_margin
+        ) < 0:
+            raise ReplayError(
+                "deadline: recovery_reserve_share and overload_margin must be non-negative and add up to less than 1"
+            )
+        if self.history_requests < 1 or self.min_history < 1 or self.prior_output_tokens_high < 1:
+            raise ReplayError("deadline: history_requests, min_history and prior_output_tokens_high must be >= 1")
+        if not self.drain_window_s > 0 or self.retry_after_min_s < 0:
+            raise ReplayError("deadline: drain_window_s must be positive and retry_after_min_s non-negative")
+
+
+class _Entry:
+    """An admitted request in the ledger: what it was promised and what it may still take."""
+
+    __slots__ = ("view", "service_class", "tenant", "branches", "prompt", "high", "blocks", "ctx", "service", "key")
+
+    def __init__(self, view: RequestView, cls: ClassConfig, high: int, blocks: int, service: float, key: tuple) -> None:
+        self.view = view
+        self.service_class = cls.name
+        self.tenant = view.tenant
+        self.branches = view.num_branches
+        self.prompt = view.num_prompt_tokens
+        self.high = high  # output tokens per branch reserved for
+        self.blocks = blocks  # KV blocks at completion, less prefix blocks shared with running requests
+        self.ctx = self.branches * (self.prompt + high)  # decode context at completion (all branches)
+        self.service = service  # input x w_in + high output x w_out (quotas, VTC tags)
+        self.key = key  # its place in the queue, fixed at admission
+
+
+class _Drain:
+    """Exponentially weighted rate of a quantity released over time (KV blocks, requests)."""
+
+    __slots__ = ("tau_ns", "amount", "start_ns", "last_ns")
+
+    def __init__(self, tau_s: float) -> None:
+        self.tau_ns = tau_s * NS
+        self.amount = 0.0
+        self.start_ns: int | None = None
+        self.last_ns = 0
+
+    def add(self, amount: float, now_ns: int) -> None:
+        if self.start_ns is None:
+            self.start_ns = self.last_ns = now_ns
+        self.amount = self.amount * math.exp(-(now_ns - self.last_ns) / self.tau_ns) + amount
+        self.last_ns = now_ns
+
+    def rate_per_s(self, now_ns: int) -> float:
+        if self.start_ns is None or now_ns <= self.start_ns:
+            return 0.0
+        decayed = self.amount * math.exp(-(now_ns - self.last_ns) / self.tau_ns)
+        window_s = self.tau_ns * (1 - math.exp(-(now_ns - self.start_ns) / self.tau_ns)) / NS
+        return decayed / window_s if window_s > 0 else 0.0
+
+
+@register
+class DeadlinePolicy(Policy):
+    """Admit only what is safe for its whole horizon (predicted KV to completion, step-time slack,
+    TTFT); EDF queue gated by the reserved KV; reject early with retry-after."""
+
+    name = "deadline"
+    config_type = DeadlineConfig
+    fair_share = False
+
+    def __init__(self, config: DeadlineConfig | None = None) -> None:
+        super().__init__(config)
+        c = self.config
+        self.book = TenantBook(c.tenancy)
+        self.predictor = OutputLengthPredictor(
+            window=c.history_requests, min_samples=c.min_history, q_low=c.output_quantile_low,
+            q_high=c.output_quantile_high, prior_low=c.prior_output_tokens_low, prior_high=c.prior_output_tokens_high,
+        )
+        self.chunks = StallFreeChunks(self.book, c.step_time_share, None, c.min_chunk_tokens)
+        self.fair = FairShare(self.book, c.input_token_weight, c.output_token_weight) if self.fair_share else None
+        self.quotas = Quotas(self.book)
+        self.ledger: dict[str, _Entry] = {}
+        self.reserved_blocks = 0
+        self.reserved_seqs = 0
+        self.reserved_ctx = 0
+        self.kv_drain = _Drain(c.drain_window_s)
+        self.request_drain = _Drain(c.drain_window_s)
+        self._retry_at: dict[str, int] = {}  # held request -> when its re-offer is already scheduled
+        self._gate_open_ns = -1
+        self._step_cache: dict[tuple[int, int, int], int] = {}
+        self._class_counts: dict[str, int] = {}  # admitted requests per class
+        # admitted prompt tokens and KV blocks per second, per (class, tenant)
+        self._inflow: dict[tuple[str, str | None], tuple[_Drain, _Drain]] = {}
+        self._headroom: dict[str, int] = {}  # per class: KV kept for classes that overtake it
+        self._offsets: dict[str, int] = {}
+        self.num_learned = 0
+
+    # ---------------------------------------------------------------------------- ledger upkeep
+
+    def _sync(self, view: EngineView) -> None:
+        """Release what departed (finished or cancelled) and learn its length; widen the reservation
+        of running requests that outran their prediction. Runs only after a departure, so its effect
+        does not depend on how often the policy is asked (fast and reference modes agree)."""
+        ledger = self.ledger
+        if len(view.running) + len(view.waiting) >= len(ledger):
+            return
+        now = view.now_ns
+        freed = departed = 0
+        for rid in [rid for rid, e in ledger.items() if e.view.state == "finished"]:
+            e = ledger.pop(rid)
+            self.reserved_blocks -= e.blocks
+            self.reserved_seqs -= e.branches
+            self.reserved_ctx -= e.ctx
+            self._class_counts[e.service_class] -= 1
+            freed += e.blocks
+            departed += 1
+            self.predictor.observe(e.service_class, e.tenant, e.view.num_output_tokens // e.branches)
+            self.num_learned += 1
+        self.kv_drain.add(freed, now)
+        self.request_drain.add(departed, now)
+        for e in ledger.values():
+            v = e.view
+            if v.state != "running":
+                continue
+            produced = v.num_output_tokens // e.branches
+            if produced >= e.high:
+                high = produced + max(1, self.predictor.remaining_high(e.service_class, e.tenant, produced,
+                                                                       v.max_output_tokens))
+                blocks = view.blocks_for_tokens(v, e.prompt + high)
+                self.reserved_blocks += blocks - e.blocks
+                self.reserved_ctx += e.branches * (high - e.high)
+                e.blocks, e.ctx, e.high = blocks, e.ctx + e.branches * (high - e.high), high
+
+    def _admit_to_ledger(self, request: RequestView, cls: ClassConfig, high: int, blocks: int, service: float,
+                         key: tuple) -> None:
+        e = _Entry(request, cls, high, blocks, service, key)
+        self.ledger[request.request_id] = e
+        self.reserved_blocks += e.blocks
+        self.reserved_seqs += e.branches
+        self.reserved_ctx += e.ctx
+        self._class_counts[e.service_class] = self._class_counts.get(e.service_class, 0) + 1
+        flow = self._inflow.get((cls.name, e.tenant))
+        if flow is None:
+            flow = self._inflow[(cls.name, e.tenant)] = (_Drain(self.config.drain_window_s),
+                                                         _Drain(self.config.drain_window_s))
+        flow[0].add(request.num_prompt_tokens, request.arrival_ns)
+        flow[1].add(e.blocks, request.arrival_ns)
+        self._update_headroom(request.arrival_ns)
+
+    def _update_headroom(self, now_ns: int) -> None:
+        """Per class, the KV that the classes overtaking it need within their own deadline (their KV
+        inflow x their deadline): a class may not fill it, or a tighter request arriving would have
+        to wait for the pool to drain. Updated at admissions only, so the queue gate does not move
+        between events."""
+        classes = self.book.classes.values()
+        rate = {c.name: 0.0 for c in classes}
+        for (name, _), (_, blocks) in self._inflow.items():
+            rate[name] += blocks.rate_per_s(now_ns)
+        for c in classes:
+            self._headroom[c.name] = int(sum(
+                rate[o.name] * self._offset_ns(o) / NS for o in classes if self._overtakes(o, c)
+            ))
+
+    # ---------------------------------------------------------------------------- predictions
+
+    def capacity_blocks(self, view: EngineView) -> int:
+        c = self.config
+        return int(view.num_kv_blocks_total * (1 - c.recovery_reserve_share - c.overload_margin))
+
+    def _step_ns(self, view: EngineView, chunk: int, num_decode_seqs: int, decode_ctx: int) -> int:
+        key = (chunk, num_decode_seqs, -(-decode_ctx // 4096))
+        t = self._step_cache.get(key)
+        if t is None:
+            t = self._step_cache[key] = view.cost_model.step_time_ns(
+                StepShape(((chunk, 0),) if chunk else (), num_decode_seqs, key[2] * 4096)
+            )
+        return t
+
+    def _itl_target_ns(self, cls: ClassConfig | None) -> int | None:
+        """The tightest ITL target among the admitted requests' classes and ``cls`` (x step_time_share)."""
+        tightest = cls.itl_objective_s if cls is not None else None
+        classes = self.book.classes
+        for name, count in self._class_counts.items():
+            itl = classes[name].itl_objective_s
+            if count and itl is not None and (tightest is None or itl < tightest):
+                tightest = itl
+        return None if tightest is None else round(tightest * self.config.step_time_share * NS)
+
+    def _offset_ns(self, cls: ClassConfig) -> int:
+        """A class's deadline after arrival: its TTFT objective, else its residence limit, else none."""
+        offset = self._offsets.get(cls.name)
+        if offset is not None:
+            return offset
+        self._offsets[cls.name] = offset = self._class_offset_ns(cls)
+        return offset
+
+    @staticmethod
+    def _class_offset_ns(cls: ClassConfig) -> int:
+        if cls.ttft_objective_s is not None:
+            return round(cls.ttft_objective_s * NS)
+        if cls.max_queue_s is not None:
+            return round(cls.max_queue_s * NS)
+        return NEVER
+
+    def _overtakes(self, other: ClassConfig, cls: ClassConfig) -> bool:
+        """Whether later arrivals of ``other`` go ahead of a waiting request of ``cls`` under EDF: when
+        their deadline is shorter (deadline-vtc decides by tenant counters instead: ``_overtaking_load``)."""
+        return self._offset_ns(other) < self._offset_ns(cls)
+
+    def _overtaking_load(self, request: RequestView, cls: ClassConfig, key: tuple, now_ns: int) -> tuple[float, float]:
+        """(prompt tokens, KV blocks) per second of the admitted flows whose later arrivals go ahead of
+        this request: with EDF, the classes with shorter deadlines; in deadline-vtc, the other tenants
+        whose counters are below this request's start tag."""
+        classes = self.book.classes
+        tokens_per_s = blocks_per_s = 0.0
+        for (name, tenant), (tokens, blocks) in self._inflow.items():
+            if (self.fair is None and self._overtakes(classes[name], cls)) or (
+                self.fair is not None and tenant != request.tenant and self.fair.lifted(tenant) < key[0]
+            ):
+                tokens_per_s += tokens.rate_per_s(now_ns)
+                blocks_per_s += blocks.rate_per_s(now_ns)
+        return tokens_per_s, blocks_per_s
+
+    def work(self, view: EngineView, request: RequestView) -> tuple[ClassConfig, int, int, int]:
+        """(class, low and high output tokens per branch, KV blocks at completion less shared prefix)."""
+        cls = self.book.class_of(request)
+        lo, hi = self.predictor.interval(cls.name, request.tenant, request.max_output_tokens)
+        _, shared = view.cached_prefix_blocks(request)
+        blocks = view.blocks_for_tokens(request, request.num_prompt_tokens + hi) - shared
+        return cls, lo, hi, blocks
+
+    def queue_key(self, view: EngineView, request: RequestView, cls: ClassConfig, deadline_ns: int) -> tuple:
+        """Where the request would wait: by deadline (EDF); deadline-vtc: by the tenant's VTC start tag
+        (its counter plus the service it already has queued, over its weight: start-time fair
+        queuing), then deadline. Fixed at admission, so predictions stay valid."""
+        if self.fair is None:
+            return (deadline_ns, request.arrival_ns, request.request_id)
+        tenant = request.tenant
+        queued = 0
+        for w in view.waiting:
+            e = self.ledger.get(w.request_id)
+            if e is not None and e.tenant == tenant and w.num_computed_tokens == 0:
+                queued += e.service
+        tag = self.fair.lifted(tenant) + Fraction(queued) / self.fair.weight(tenant)
+        return (tag, deadline_ns, request.arrival_ns, request.request_id)
+
+    def predicted_ttft_s(self, view: EngineView, request: RequestView, cls: ClassConfig, high: int, blocks: int,
+                         key: tuple) -> float:
+        """Seconds to the first token if admitted now: the KV that must drain before it fits and the
+        prefill work ahead of it in the queue, stretched by the load of later arrivals that will
+        overtake it (a priority queue's waiting time, W / (1 - rho)), plus its own prefill, at the
+        rate the cost model gives for chunks beside the current decodes."""
+        ledger = self.ledger
+        waiting_blocks = ahead_blocks = ahead_tokens = waiting_seqs = waiting_ctx = 0
+        for w in view.waiting:
+            e = ledger.get(w.request_id)
+            if e is None:
+                continue
+            waiting_blocks += e.blocks
+            waiting_seqs += e.branches
+            waiting_ctx += e.ctx
+            if e.key <= key:
+                ahead_blocks += e.blocks
+                ahead_tokens += w.num_tokens - w.num_computed_tokens
+        now = view.now_ns
+        tokens_per_s, blocks_per_s = self._overtaking_load(request, cls, key, now)
+        kv_wait_s = 0.0
+        deficit = (self.reserved_blocks - waiting_blocks + ahead_blocks + blocks
+                   - self.capacity_blocks(view) + self._headroom.get(cls.name, 0))
+        if deficit > 0:
+            # the pool drains at the measured rate, but overtaking arrivals take their share of it
+            rate = self.kv_drain.rate_per_s(now) - blocks_per_s
+            kv_wait_s = deficit / rate if rate > 0 else math.inf
+        target = self._itl_target_ns(cls)
+        if target is not None and kv_wait_s < math.inf:
+            seqs = self.reserved_seqs - waiting_seqs + request.num_branches
+            ctx = self.reserved_ctx - waiting_ctx + request.num_branches * (request.num_prompt_tokens + high)
+            if self._step_ns(view, 0, seqs, ctx) > target:  # the active streams' step-time slack is used up
+                rate = self.request_drain.rate_per_s(now)
+                kv_wait_s = max(kv_wait_s, 1 / rate if rate > 0 else math.inf)
+        if kv_wait_s == math.inf:
+            return math.inf
+        batch = self.chunks.batch.refresh(view)
+        d, ctx = batch.num_decode_seqs, batch.decode_context_tokens
+        chunk = max(1, view.instance.engine.max_num_batched_tokens - d)
+        if self.config.chunk_from_itl and target is not None:
+            chunk = max(self.config.min_chunk_tokens, min(chunk, self.chunks.sizer.max_chunk_tokens(view, d, ctx, 0, target)))
+        step_s = self._step_ns(view, chunk, d, ctx) / NS
+        backlog_s = math.ceil((ahead_tokens + batch.prefill_tokens_left) / chunk) * step_s
+        rho = tokens_per_s * step_s / chunk  # the prefill time overtaking arrivals take
+        if rho >= 1:
+            return math.inf
+        cached, _ = view.cached_prefix_blocks(request)
+        own = max(1, request.num_prompt_tokens - cached * view.kv_block_size_tokens)
+        return max(kv_wait_s, backlog_s / (1 - rho)) + math.ceil(own / chunk) * step_s
+
+    # ---------------------------------------------------------------------------- decisions
+
+    def admit(self, view: EngineView, request: RequestView) -> AdmissionDecision:
+        self._sync(view)
+        c = self.config
+        now = view.now_ns
+        due = self._retry_at.get(request.request_id)
+        if due is not None and now < due:
+            return AdmissionDecision(decision="queue")  # held for a quota: unchanged until its re-offer is due
+        cls, lo, hi, blocks = self.work(view, request)
+        offset = self._offset_ns(cls)
+        deadline_ns = NEVER if offset == NEVER else request.arrival_ns + offset
+        key = self.queue_key(view, request, cls, deadline_ns)
+        interval = {"predicted_output_tokens_low": lo, "predicted_output_tokens_high": hi}
+        waited_s = (now - request.arrival_ns) / NS
+        budget_s = math.inf if offset == NEVER else offset / NS * (1 - c.overload_margin) - waited_s
+        ttft_s = self.predicted_ttft_s(view, request, cls, hi, blocks, key)
+        late_s = ttft_s - budget_s
+        if cls.e2e_objective_s is not None and ttft_s < math.inf:
+            decode_s = hi * self._step_ns(view, 0, self.reserved_seqs + request.num_branches, self.reserved_ctx) / NS
+            late_s = max(late_s, ttft_s + decode_s - (cls.e2e_objective_s * (1 - c.overload_margin) - waited_s))
+        if late_s > 0:
+            self._retry_at.pop(request.request_id, None)
+            retry = late_s if late_s < math.inf else c.drain_window_s
+            return AdmissionDecision(decision="reject", reason="would miss its deadline",
+                                     retry_after_s=max(c.retry_after_min_s, retry), **interval)
+        service = request.num_prompt_tokens * c.input_token_weight + hi * request.num_branches * c.output_token_weight
+        over = self.quotas.wait_s(request.tenant, service, now, self._num_admitted)
+        if over is not None:
+            wait_s, why = over
+            if wait_s <= -late_s:  # the quota frees in time: hold it until then
+                if wait_s == 0:  # a concurrency slot: it frees when one of the tenant's requests leaves
+                    retry = None
+                elif self._retry_at.get(request.request_id, -1) >= now:
+                    retry = None  # its re-offer is already due
+                else:
+                    retry = wait_s
+                    self._retry_at[request.request_id] = now + max(1, round(wait_s * NS))
+                return AdmissionDecision(decision="queue", reason=why, retry_after_s=retry, **interval)
+            self._retry_at.pop(request.request_id, None)
+            return AdmissionDecision(decision="reject", reason=why,
+                                     retry_after_s=max(c.retry_after_min_s, wait_s), **interval)
+        self._retry_at.pop(request.request_id, None)
+        self.quotas.take(request.tenant, service, now)
+        if self.fair is not None:
+            self.fair.arrive(request)
+        self._admit_to_ledger(request, cls, hi, blocks, service, key)
+        return AdmissionDecision(decision="accept", **interval)
+
+    def _num_admitted(self, tenant: str | None) -> int:
+        return sum(1 for e in self.ledger.values() if e.tenant == tenant)
+
+    def order(self, view: EngineView, waiting: Sequence[RequestView]) -> Iterable[RequestView]:
+        """Waiting requests by their queue key, entering the batch only while the batch's completion
+        KV and its decode step time stay within capacity."""
+        self._sync(view)
+        ledger = self.ledger
+        keyed = []
+        waiting_blocks = waiting_seqs = waiting_ctx = 0
+        for w in waiting:
+            e = ledger.get(w.request_id)
+            if e is None:  # not admitted through this policy (not expected): ahead of all, as it came
+                keyed.append(((), w, None))
+                continue
+            waiting_blocks += e.blocks
+            waiting_seqs += e.branches
+            waiting_ctx += e.ctx
+            keyed.append((e.key, w, e))
+        keyed.sort(key=lambda k: k[0])
+        used = self.reserved_blocks - waiting_blocks
+        capacity = self.capacity_blocks(view)
+        headroom = self._headroom
+        seqs = self.reserved_seqs - waiting_seqs
+        ctx = self.reserved_ctx - waiting_ctx
+        target = self._itl_target_ns(None)
+        out: list[RequestView] = []
+        for _, w, e in keyed:
+            if e is not None:
+                if used + e.blocks > capacity - headroom.get(e.service_class, 0) and (seqs or out):
+                    break  # its whole horizon does not fit yet (alone in an empty batch, it runs anyway)
+                if target is not None and seqs and self._step_ns(view, 0, seqs + e.branches, ctx + e.ctx) > target:
+                    break  # it would take more step time than the active streams' ITL objectives leave
+                used += e.blocks
+                seqs += e.branches
+                ctx += e.ctx
+            out.append(w)
+        if out:
+            self._gate_open_ns = view.now_ns
+        return out
+
+    def victim(self, view: EngineView, candidates: Sequence[RequestView]) -> RequestView:
+        """The candidate with the most slack: the latest queue key."""
+        ledger = self.ledger
+        return max(candidates, key=lambda r: (1, ledger[r.request_id].key) if r.request_id in ledger else (0, ()))
+
+    def chunk_tokens(self, view: EngineView, request: RequestView, num_tokens_left: int, budget_tokens: int) -> int:
+        if self.config.chunk_from_itl:
+            return self.chunks.chunk(view, request, num_tokens_left, budget_tokens)
+        return min(num_tokens_left, budget_tokens)
+
+    def run_horizon_steps(self, view: EngineView) -> int | None:
+        # a request passed the KV gate but the engine could not place it: its ITL-sized chunk (hence
+        # its first allocation) changes with the decodes' context, so decide again every step
+        if self.config.chunk_from_itl and self._gate_open_ns == view.now_ns:
+            return 1
+        return None
+
+
+@register
+class DeadlineVtcPolicy(DeadlinePolicy):
+    """Deadline-aware admission with VTC fair share among tenants: queue by VTC start tag, then
+    deadline (counters from observe_step)."""
+
+    name = "deadline-vtc"
+    config_type = DeadlineConfig
+    fair_share = True
+
+    def observe_step(self, view: EngineView, requests: Sequence[RequestView], num_tokens: Sequence[int],
+                     num_steps: int) -> None:
+        self.fair.observe(requests, num_tokens, num_steps)
