@@ -61,7 +61,8 @@ class OutputLengthPredictor:
     def observe(self, service_class: str, tenant: str | None, num_output_tokens_per_branch: int) -> None:
         """A request finished having produced this many tokens per branch."""
         self.num_observed += 1
-        for key in ((service_class, tenant), (service_class, None), (None, None)):
+        keys = ((service_class, tenant), (service_class, None), (None, None))
+        for key in keys[1:] if tenant is None else keys:  # without a tenant, the first is the class's window
             w = self._windows.get(key)
             if w is None:
                 w = self._windows[key] = _Window(self.window)

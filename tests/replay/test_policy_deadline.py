@@ -1,0 +1,155 @@
+"""Deadline-aware admission: the online length predictor, the whole-horizon KV check, early rejection with
+retry-after, quotas that hold instead of reject, and proof that the true output length is out of reach."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from replay.config import EngineConfig, instance_config
+from replay.costmodel import ConstantCostConfig
+from replay.errors import ReplayError
+from replay.policies import DeadlineConfig
+from replay.policies.predict import OutputLengthPredictor
+from replay.policies.tenancy import ClassConfig, Tenancy, TenantConfig
+from tests.replay.conftest import make_workload
+
+MS = 1_000_000
+S = 1_000_000_000
+CONSTANT = {"cost_model": "constant", "cost_model_config": ConstantCostConfig(step_time_ns=10 * MS)}
+SMALL_POOL = dict(instance=instance_config(engine=EngineConfig(num_kv_blocks_override=40)), **CONSTANT)
+
+
+def predictor(**kwargs) -> OutputLengthPredictor:
+    args = dict(window=512, min_samples=20, q_low=0.1, q_high=0.9, prior_low=16, prior_high=512) | kwargs
+    return OutputLengthPredictor(**args)
+
+
+def decisions(out) -> dict[str, list[dict]]:
+    by: dict[str, list[dict]] = {}
+    for e in sorted(out.of_type("admission_decided"), key=lambda e: (e["ts_ns"], e["request_id"])):
+        by.setdefault(e["request_id"], []).append(e)
+    return by
+
+
+# ---------------------------------------------------------------------------------------------- predictor
+
+
+def test_predictor_quantiles_prior_and_cap():
+    p = predictor()
+    assert p.interval("chat", "t", None) == (16, 512)  # nothing finished yet: the prior
+    for n in range(1, 101):
+        p.observe("chat", "t", n)
+    # nearest rank over 1..100: the 10th and the 90th values
+    assert p.interval("chat", "t", None) == (10, 90)
+    assert p.interval("chat", "t", 50) == (10, 50)  # max_tokens caps the high end
+    assert p.interval("chat", "t", 5) == (5, 5)
+    # an unseen tenant of the class falls back to the class's window; an unseen class to everything
+    assert p.interval("chat", "other", None) == (10, 90)
+    assert p.interval("batch", None, None) == (10, 90)
+    # of the lengths above 95 (96..100), the 90% nearest rank is 100: 5 more tokens
+    assert p.remaining_high("chat", "t", 95, None) == 5
+
+
+def test_predictor_window_slides():
+    p = predictor(window=10, min_samples=5)
+    for n in range(1, 21):
+        p.observe("chat", None, n)
+    assert p.interval("chat", None, None) == (11, 19)  # the last 10 are 11..20
+
+
+# ---------------------------------------------------------------------------------------------- learning, blindness
+
+
+def test_learns_output_lengths_from_finished_requests_only(run):
+    # r0 and r1 finish with 10 and 30 tokens long before r2 arrives at 2 s; with two samples
+    # trusted, r2 is predicted the 10% and 90% nearest ranks of [10, 30]: (10, 30)
+    w = make_workload([0, 0, 2 * S], [10, 10, 10], [10, 30, 5])
+    out = run(w, policy_name="deadline", policy_config=DeadlineConfig(min_history=2), **CONSTANT)
+    d = decisions(out)
+    for rid in ("r0", "r1"):
+        assert (d[rid][0]["predicted_output_tokens_low"], d[rid][0]["predicted_output_tokens_high"]) == (16, 512)
+    assert (d["r2"][0]["predicted_output_tokens_low"], d["r2"][0]["predicted_output_tokens_high"]) == (10, 30)
+
+
+def test_admission_cannot_see_the_true_output_length(run):
+    # two workloads with the same arrivals and prompts and different true output lengths: every
+    # admission decided before the first request finishes (in either run) must be identical, so no
+    # decision can depend on a length the policy has not seen
+    rng = np.random.default_rng(3)
+    n = 60
+    arrivals = sorted(int(x) for x in rng.integers(0, 400 * MS, n))
+    prompts = [int(x) for x in rng.integers(50, 2000, n)]
+    tenancy = Tenancy(classes=(ClassConfig(name="chat", ttft_objective_s=0.3, itl_objective_s=0.05),), default_class="chat")
+    config = DeadlineConfig(tenancy=tenancy)
+    kwargs = dict(policy_name="deadline", policy_config=config,
+                  instance=instance_config(engine=EngineConfig(num_kv_blocks_override=600)))
+    a = run(make_workload(arrivals, prompts, [int(x) for x in rng.integers(1, 800, n)]), **kwargs)
+    b = run(make_workload(arrivals, prompts, [int(x) for x in rng.integers(1, 800, n)]), **kwargs)
+    first_finish = min(min(r["finish_ns"] for r in x.requests.to_pylist() if r["outcome"] != "rejected") for x in (a, b))
+    fields = ("request_id", "ts_ns", "decision", "reason", "retry_after_s", "predicted_output_tokens_low",
+              "predicted_output_tokens_high")
+
+    def early(x):
+        return [tuple(e[f] for f in fields) for e in x.of_type("admission_decided") if e["ts_ns"] < first_finish]
+
+    assert len(early(a)) >= 20  # the comparison covers many decisions, accepts and rejects alike
+    assert {e[2] for e in early(a)} == {"accept", "reject"}
+    assert early(a) == early(b)
+
+
+# ---------------------------------------------------------------------------------------------- the horizon
+
+
+def test_whole_horizon_kv_check_queues_instead_of_preempting(run):
+    # 40 blocks of 16 tokens; capacity for reservations: int(40 x (1 - 0.05 - 0.1)) = 34 blocks. Each
+    # request (100 prompt + 250 predicted output) needs ceil(350 / 16) = 22 blocks at completion: both
+    # fit now (7 + 7) but not at completion (44 > 40), so FCFS admits both and preempts one; deadline
+    # lets r1 in only once r0 has left, and nobody is preempted
+    w = make_workload([0, 1 * MS], [100, 100], [250, 250])
+    config = DeadlineConfig(prior_output_tokens_high=250, min_history=1000, chunk_from_itl=False)
+    fcfs = run(w, **SMALL_POOL)
+    assert fcfs.summary.num_preemptions > 0
+    dl = run(w, policy_name="deadline", policy_config=config, check_invariants=True, **SMALL_POOL)
+    assert dl.summary.num_preemptions == 0
+    assert dl.row("r1")["scheduled_ns"] >= dl.row("r0")["finish_ns"]
+    assert [d["decision"] for d in decisions(dl)["r1"]] == ["accept"]  # no objective: it waits, never rejected
+
+
+def test_rejects_early_with_retry_after_when_the_horizon_cannot_be_met(run):
+    # as above, with a 1 s TTFT objective: when r1 arrives, the 22 + 22 blocks exceed the 34 that may
+    # be reserved, and nothing has left yet, so no drain rate says when r0's blocks come back: r1
+    # cannot be promised its first token in time and is rejected at once, with a retry-after of the
+    # drain window (30 s). r2, arriving after r0 finished (250 steps of 10 ms), is accepted.
+    tenancy = Tenancy(classes=(ClassConfig(name="chat", ttft_objective_s=1.0),), default_class="chat")
+    config = DeadlineConfig(tenancy=tenancy, prior_output_tokens_high=250, min_history=1000, chunk_from_itl=False)
+    w = make_workload([0, 1 * MS, 3 * S], [100, 100, 100], [250, 250, 250])
+    out = run(w, policy_name="deadline", policy_config=config, **SMALL_POOL)
+    d = decisions(out)
+    assert (d["r1"][0]["decision"], d["r1"][0]["reason"], d["r1"][0]["retry_after_s"]) == (
+        "reject", "would miss its deadline", 30.0)
+    assert out.row("r1")["outcome"] == "rejected" and out.row("r1")["scheduled_ns"] is None
+    assert [x["decision"] for x in d["r0"]] == ["accept"] and [x["decision"] for x in d["r2"]] == ["accept"]
+    assert out.row("r2")["outcome"] == "completed" and out.summary.num_preemptions == 0
+
+
+def test_a_quota_that_frees_in_time_holds_the_request(run):
+    # one request at a time for tenant q; r1 arrives while r0 runs: it is held ("queue"), not
+    # rejected, since its deadline (10 s) leaves time; it is accepted when r0 leaves
+    tenancy = Tenancy(classes=(ClassConfig(name="chat", ttft_objective_s=10.0),),
+                      tenants=(TenantConfig(name="q", service_class="chat", max_concurrent_requests=1),),
+                      default_class="chat")
+    w = make_workload([0, 1 * MS], [10, 10], [5, 5], tenant=["q", "q"])
+    out = run(w, policy_name="deadline", policy_config=DeadlineConfig(tenancy=tenancy), **CONSTANT)
+    d = decisions(out)
+    assert [x["decision"] for x in d["r1"]] == ["queue", "accept"]
+    assert d["r1"][0]["reason"].startswith("tenant over its concurrency quota")
+    assert d["r1"][1]["ts_ns"] == out.row("r0")["finish_ns"]
+    assert out.row("r1")["outcome"] == "completed"
+
+
+def test_config_is_validated():
+    with pytest.raises(ReplayError, match="output_quantile_low"):
+        DeadlineConfig(output_quantile_low=0.9, output_quantile_high=0.5)
+    with pytest.raises(ReplayError, match="less than 1"):
+        DeadlineConfig(recovery_reserve_share=0.5, overload_margin=0.5)
