@@ -274,6 +274,9 @@ class Engine:
         lock.ticks += k
         lock.ahead -= k
         f.num_applied = k
+        if self._report_steps and f.snapshot is not None:  # the policy sees those steps now, as the reference's would
+            members = [r for r in f.snapshot.requests if r.view is not None]
+            self.policy.observe_step(self.view, [r.view for r in members], [r.num_branches for r in members], k)
 
     # ------------------------------------------------------------------ lockstep set
 
@@ -793,7 +796,7 @@ class Engine:
             members = [r for r in f.snapshot.requests if r.view is not None] if f.snapshot is not None else []
             views = [r.view for r in members] + [r.view for r, _ in f.scheduled if r.view is not None]
             counts = [r.num_branches for r in members] + [c for (r, _), c in zip(f.scheduled, per) if r.view is not None]
-            self.policy.observe_step(self.view, views, counts, f.num_steps)
+            self.policy.observe_step(self.view, views, counts, f.num_steps - f.num_applied)
         for r, outcome in finished:
             self._finish(r, now, outcome, "failed in the recorded trace" if outcome == "error" else None)
         pool = self.pool
