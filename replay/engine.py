@@ -220,7 +220,9 @@ class Engine:
             return  # unchanged: no new event
         r.num_admission_decisions += 1
         self.writer.admission.append((r, now, d, r.num_admission_decisions, self.instance_id))
-        if kind == "accept":
+        if kind == "accept" or kind == "degrade":
+            if kind == "degrade":  # optional work capped: the request ends at the cap at the latest
+                self._targets[r] = min(self._targets[r], d.max_output_tokens)
             if was_held:
                 self.held.remove(r)
             r.state = WAITING

@@ -5,9 +5,10 @@ read-only views (``replay.views``):
 
 ``admit(view, request)``           accept into the waiting queue, queue (hold it: it is offered
                                    again at every scheduling point, and ``retry_after_s`` after this
-                                   decision at the latest, even if the engine is idle), or reject
-                                   (with retry-after); the decision may carry the predicted output
-                                   interval it used.
+                                   decision at the latest, even if the engine is idle), degrade
+                                   (accept with its output capped at ``max_output_tokens``: optional
+                                   work reduced), or reject (with retry-after); the decision may
+                                   carry the predicted output interval it used.
 ``order(view, waiting)``           which waiting requests to try this step, in order (an iterable:
                                    the engine stops at the first that does not fit, as vLLM does).
 ``victim(view, candidates)``       which request to preempt when KV blocks run out; ``candidates``
@@ -38,27 +39,37 @@ from replay.errors import ReplayError, unknown_name
 from replay.views import EngineView, RequestView
 from schemas.types import doc
 
-AdmissionKind = Literal["accept", "queue", "reject"]
+AdmissionKind = Literal["accept", "queue", "degrade", "reject"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AdmissionDecision:
     """An admission decision, as the ``admission_decided`` event records it."""
 
-    decision: AdmissionKind = doc("accept (into the waiting queue), queue (hold, offer again later) or reject.")
+    decision: AdmissionKind = doc(
+        "accept (into the waiting queue), queue (hold, offer again later), degrade (accept with optional work "
+        "capped: ``max_output_tokens``) or reject."
+    )
     reason: str | None = doc("Why, in a few words.", None)
     retry_after_s: float | None = doc(
         "reject: the retry-after sent to the client; queue: offer the request again this long after, seconds.", None
     )
     predicted_output_tokens_low: int | None = doc("Low end of the predicted output interval used.", None)
     predicted_output_tokens_high: int | None = doc("High end of the predicted output interval used.", None)
+    max_output_tokens: int | None = doc(
+        "degrade: the output cap imposed (tokens per branch); the request finishes there at the latest.", None
+    )
 
     def __post_init__(self) -> None:
-        if self.decision not in ("accept", "queue", "reject"):
+        if self.decision not in ("accept", "queue", "degrade", "reject"):
             raise ReplayError(
                 f"admission decision {self.decision!r} is not supported by a single instance",
-                "accept, queue or reject (route/downgrade/degrade belong to the cluster layer)",
+                "accept, queue, degrade or reject (route and downgrade belong to the cluster layer)",
             )
+        if (self.decision == "degrade") != (self.max_output_tokens is not None):
+            raise ReplayError("a degrade decision carries max_output_tokens, and only a degrade decision does")
+        if self.max_output_tokens is not None and self.max_output_tokens < 1:
+            raise ReplayError(f"max_output_tokens must be at least 1, not {self.max_output_tokens}")
 
 
 ACCEPT = AdmissionDecision(decision="accept")

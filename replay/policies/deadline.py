@@ -21,9 +21,12 @@ Llumnix's and DistServe's capacity planning, and of QLM's waiting-time estimatio
    measured drain rate of the ledger), the prefill work queued ahead under the queue's order and
    the prefill rate the cost model gives for chunks beside the current decodes. ``accept`` when it
    meets the class's TTFT objective (and its E2E objective with the high output) less the
-   overload margin; ``queue`` (held by admission control) when only a tenant quota stands in the
-   way and its refill leaves the deadline reachable; otherwise ``reject`` with a retry-after: how
-   much later the same request would have met its objective.
+   overload margin; ``degrade`` when the first token is in time but the last would not be: the
+   output is capped at the tokens that fit before the E2E deadline (at least
+   ``min_degraded_output_tokens``; optional work reduced rather than the request refused);
+   ``queue`` (held by admission control) when only a tenant quota stands in the way and its refill
+   leaves the deadline reachable; otherwise ``reject`` with a retry-after: how much later the same
+   request would have met its objective.
 
 Chunks follow Sarathi-Serve's stall-free rule sized to the ITL objective (``chunk_from_itl``).
 Classes, weights and quotas come from tenant configuration. ``deadline-vtc`` orders the queue by
@@ -34,9 +37,10 @@ that floods the instance sees its tag run ahead of everyone's, so its requests a
 wait behind the others' and are the ones rejected (with retry-after), while the well-behaved
 tenants' predictions, and so their admissions, barely move.
 
-What one instance cannot do, and the cluster layer (issue 6) must: *route* elsewhere, *downgrade*
-to a smaller qualified model, and *cap optional work* (max tokens, branches, speculative drafts):
-the seam's admission decision cannot change a request (``docs/policies.md`` lists the hook needed).
+What one instance cannot do, and the cluster layer (issue 6) must: *route* elsewhere and
+*downgrade* to a smaller qualified model. Of the optional work, only max tokens can be capped
+here; fewer branches or speculative drafts need the engine to change a request's shape
+(``docs/policies.md``).
 """
 
 from __future__ import annotations
@@ -79,6 +83,11 @@ class DeadlineConfig:
     )
     drain_window_s: float = doc("Time constant of the measured KV drain rate, seconds.", 30.0)
     retry_after_min_s: float = doc("Shortest retry-after a rejection sends, seconds.", 1.0)
+    degrade_to_meet_e2e: bool = doc(
+        "When only the E2E objective would be missed, accept with the output capped where it is still met "
+        "(a 'degrade' decision: optional work reduced) instead of rejecting.", True
+    )
+    min_degraded_output_tokens: int = doc("Never cap a request's output below this many tokens per branch.", 64)
     chunk_from_itl: bool = doc("Size prefill chunks to the ITL objective, stall-free (Sarathi-Serve).", True)
     step_time_share: float = doc("Step-time target as a share of the tightest ITL objective.", 0.9)
     min_chunk_tokens: int = doc("A step with no prefill yet takes at least this many prompt tokens.", 32)
@@ -98,15 +107,20 @@ class DeadlineConfig:
             raise ReplayError("deadline: history_requests, min_history and prior_output_tokens_high must be >= 1")
         if not self.drain_window_s > 0 or self.retry_after_min_s < 0:
             raise ReplayError("deadline: drain_window_s must be positive and retry_after_min_s non-negative")
+        if self.min_degraded_output_tokens < 1:
+            raise ReplayError("deadline: min_degraded_output_tokens must be at least 1")
 
 
 class _Entry:
     """An admitted request in the ledger: what it was promised and what it may still take."""
 
-    __slots__ = ("view", "service_class", "tenant", "branches", "prompt", "high", "blocks", "ctx", "service", "key")
+    __slots__ = ("view", "service_class", "tenant", "branches", "prompt", "high", "blocks", "ctx", "service", "key",
+                 "cap")
 
-    def __init__(self, view: RequestView, cls: ClassConfig, high: int, blocks: int, service: float, key: tuple) -> None:
+    def __init__(self, view: RequestView, cls: ClassConfig, high: int, blocks: int, service: float, key: tuple,
+                 cap: int | None = None) -> None:
         self.view = view
+        self.cap = cap  # the output cap a degrade decision imposed (its length is then censored)
         self.service_class = cls.name
         self.tenant = view.tenant
         self.branches = view.num_branches
@@ -198,8 +212,9 @@ class DeadlinePolicy(Policy):
             self._class_counts[e.service_class] -= 1
             freed += e.blocks
             departed += 1
-            self.predictor.observe(e.service_class, e.tenant, e.view.num_output_tokens // e.branches)
-            self.num_learned += 1
+            if e.cap is None:  # a capped request's length says nothing about what it would have produced
+                self.predictor.observe(e.service_class, e.tenant, e.view.num_output_tokens // e.branches)
+                self.num_learned += 1
         self.kv_drain.add(freed, now)
         self.request_drain.add(departed, now)
         for e in ledger.values():
@@ -207,7 +222,7 @@ class DeadlinePolicy(Policy):
             if v.state != "running":
                 continue
             produced = v.num_output_tokens // e.branches
-            if produced >= e.high:
+            if produced >= e.high and e.cap is None:
                 high = produced + max(1, self.predictor.remaining_high(e.service_class, e.tenant, produced,
                                                                        v.max_output_tokens))
                 blocks = view.blocks_for_tokens(v, e.prompt + high)
@@ -216,8 +231,8 @@ class DeadlinePolicy(Policy):
                 e.blocks, e.ctx, e.high = blocks, e.ctx + e.branches * (high - e.high), high
 
     def _admit_to_ledger(self, request: RequestView, cls: ClassConfig, high: int, blocks: int, service: float,
-                         key: tuple) -> None:
-        e = _Entry(request, cls, high, blocks, service, key)
+                         key: tuple, cap: int | None = None) -> None:
+        e = _Entry(request, cls, high, blocks, service, key, cap)
         self.ledger[request.request_id] = e
         self.reserved_blocks += e.blocks
         self.reserved_seqs += e.branches
@@ -396,9 +411,18 @@ class DeadlinePolicy(Policy):
         budget_s = math.inf if offset == NEVER else offset / NS * (1 - c.overload_margin) - waited_s
         ttft_s = self.predicted_ttft_s(view, request, cls, hi, blocks, key)
         late_s = ttft_s - budget_s
+        cap = None
         if cls.e2e_objective_s is not None and ttft_s < math.inf:
-            decode_s = hi * self._step_ns(view, 0, self.reserved_seqs + request.num_branches, self.reserved_ctx) / NS
-            late_s = max(late_s, ttft_s + decode_s - (cls.e2e_objective_s * (1 - c.overload_margin) - waited_s))
+            step_ns = self._step_ns(view, 0, self.reserved_seqs + request.num_branches, self.reserved_ctx)
+            e2e_left_s = cls.e2e_objective_s * (1 - c.overload_margin) - waited_s
+            e2e_late_s = ttft_s + hi * step_ns / NS - e2e_left_s
+            if e2e_late_s > 0 and late_s <= 0 and c.degrade_to_meet_e2e:
+                # the first token is in time, the last is not: how many tokens fit before the E2E deadline
+                fit = (round(e2e_left_s * NS) - round(ttft_s * NS)) // step_ns
+                if c.min_degraded_output_tokens <= fit < hi:
+                    cap = int(fit)
+            if cap is None:
+                late_s = max(late_s, e2e_late_s)
         if late_s > 0:
             self._retry_at.pop(request.request_id, None)
             retry = late_s if late_s < math.inf else c.drain_window_s
@@ -424,6 +448,12 @@ class DeadlinePolicy(Policy):
         self.quotas.take(request.tenant, service, now)
         if self.fair is not None:
             self.fair.arrive(request)
+        if cap is not None:
+            _, shared = view.cached_prefix_blocks(request)
+            blocks = view.blocks_for_tokens(request, request.num_prompt_tokens + cap) - shared
+            self._admit_to_ledger(request, cls, cap, blocks, service, key, cap)
+            return AdmissionDecision(decision="degrade", reason=f"output capped at {cap} tokens to meet its E2E objective",
+                                     max_output_tokens=cap, **interval)
         self._admit_to_ledger(request, cls, hi, blocks, service, key)
         return AdmissionDecision(decision="accept", **interval)
 

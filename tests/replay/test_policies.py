@@ -165,3 +165,11 @@ def test_a_configless_policy_gets_an_empty_config_and_a_serializable_manifest(ru
     out = run(make_workload([0], [10], [2]), policy_name="test-configless", **CONSTANT)
     manifest = json.loads(out.summary.manifest_path.read_text())
     assert manifest["policy"] == {"name": "test-configless", "config": {}}
+
+
+def test_a_degrade_decision_carries_its_cap():
+    assert AdmissionDecision(decision="degrade", max_output_tokens=64).max_output_tokens == 64
+    with pytest.raises(ReplayError, match="carries max_output_tokens"):
+        AdmissionDecision(decision="degrade")
+    with pytest.raises(ReplayError, match="carries max_output_tokens"):
+        AdmissionDecision(decision="accept", max_output_tokens=64)

@@ -153,3 +153,23 @@ def test_config_is_validated():
         DeadlineConfig(output_quantile_low=0.9, output_quantile_high=0.5)
     with pytest.raises(ReplayError, match="less than 1"):
         DeadlineConfig(recovery_reserve_share=0.5, overload_margin=0.5)
+
+
+def test_degrade_caps_the_output_where_the_e2e_objective_is_still_met(run):
+    # E2E objective 1 s, planned to (1 - 0.1) = 0.9 s; the prior predicts up to 200 tokens at 10 ms a
+    # step: 2.01 s, too late, but the first token is due after one 10 ms step, well in time. So
+    # the request is accepted with its output capped at (900 - 10) ms / 10 ms = 89 tokens: it
+    # completes with 89 of its 150 tokens, its last at 10 + 88 x 10 = 890 ms
+    tenancy = Tenancy(classes=(ClassConfig(name="doc", e2e_objective_s=1.0),), default_class="doc")
+    config = DeadlineConfig(tenancy=tenancy, prior_output_tokens_high=200, min_history=1000)
+    w = make_workload([0], [10], [150])
+    out = run(w, policy_name="deadline", policy_config=config, **CONSTANT)
+    (d,) = decisions(out)["r0"]
+    assert (d["decision"], d["reason"]) == ("degrade", "output capped at 89 tokens to meet its E2E objective")
+    row = out.row("r0")
+    assert (row["outcome"], row["num_output_tokens"], row["admission_decision"]) == ("completed", 89, "degrade")
+    assert row["last_token_ns"] - row["arrival_ns"] == 890 * MS
+    # with degrading off, or a floor above what fits, the same request is rejected instead
+    for off in (DeadlineConfig(tenancy=tenancy, prior_output_tokens_high=200, min_history=1000, degrade_to_meet_e2e=False),
+                DeadlineConfig(tenancy=tenancy, prior_output_tokens_high=200, min_history=1000, min_degraded_output_tokens=90)):
+        assert run(w, policy_name="deadline", policy_config=off, **CONSTANT).row("r0")["outcome"] == "rejected"

@@ -1,0 +1,275 @@
+"""Benchmark: the candidate policies compared on a real trace, the abuse scenarios, and replay speed.
+
+1. The comparison table. The Azure conversation trace, labelled with the documented two-class
+   scenario (``replay.abuse.TWO_CLASS_TENANCY``: three chat tenants entitled to ``interactive``,
+   two document tenants to ``batch``; docs/policies.md), is time-scaled to 1x, 1.5x and 2x its
+   recorded rate and replayed through every registered single-instance policy on one modelled
+   llama-2-7b / A100-80GB (the roofline cost model; MHA, so KV is the scarce resource and FCFS
+   preempts under load). Per policy and load: SLO goodput, attainment per class, p99 TTFT and
+   ITL (the p99 over requests of each request's p99 gap), preemptions per request, rejections,
+   the longest queue residence, the fairness gap (largest service/weight gap between backlogged
+   tenants, VTC units), accelerator-seconds per 1k goodput tokens and the replay's wall time.
+2. Abuse. At 1x, one extra tenant ("flood", entitled to ``interactive``) adds long prompts
+   (8,000 tokens) at 1 request/s for the middle ten minutes (``long_prompt_flood``); in the full
+   run also maximum-output requests, branch expansion (n=8) and cancel/resubmit churn. Reported:
+   the well-behaved tenants' attainment over the requests that arrived during the abuse window,
+   with and without the abuse, per policy.
+3. Speed. The deadline policy's replay wall time over FCFS's at each load (target: at most 2x).
+
+    python benchmarks/policies.py            # the README figures (several minutes), rewrites the README table
+    python benchmarks/policies.py --quick    # 1,200 requests, fewer runs: under a minute
+
+The last line of output is one JSON object with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import pyarrow as pa  # noqa: E402
+import pyarrow.compute as pc  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE = "llama-2-7b@a100-80g"
+POLICIES = ("fcfs", "priority", "decode-first", "prefill-first", "sarathi", "vtc", "deadline", "deadline-vtc")
+LOADS = (1.0, 1.5, 2.0)
+ABUSE_POLICIES = ("fcfs", "vtc", "deadline", "deadline-vtc")
+BEGIN, END = "<!-- policies:begin -->", "<!-- policies:end -->"
+NS = 1_000_000_000
+
+
+def policy_config(name: str):
+    """Every class-aware policy gets the scenario's tenancy; the rest their defaults."""
+    from replay.abuse import TWO_CLASS_TENANCY
+    from replay.policies import policy_class
+
+    cls = policy_class(name)
+    fields = getattr(cls.config_type, "__dataclass_fields__", {})
+    return cls.config_type(tenancy=TWO_CLASS_TENANCY) if "tenancy" in fields else None
+
+
+def replay_one(workload: pa.Table, policy: str, out_dir: Path) -> tuple[pa.Table, pa.Table, float, object]:
+    """Replay; returns (request table, events, wall seconds of the replay, summary)."""
+    from pipelines.tables import derive_requests
+    from replay.abuse import TWO_CLASS_TENANCY, scenario_for
+    from replay.config import parse_instance
+    from replay.run import run_replay
+
+    summary = run_replay(workload, policy_name=policy, policy_config=policy_config(policy),
+                         instance=parse_instance(ENGINE), scenario=scenario_for(TWO_CLASS_TENANCY), out_dir=out_dir)
+    return derive_requests(summary.events_path), pq.read_table(summary.events_path), summary.wall_s, summary
+
+
+def figures(requests: pa.Table, events: pa.Table | None) -> dict:
+    """The comparison's figures of one run."""
+    from replay.abuse import TWO_CLASS_TENANCY, metric_classes
+    from replay.metrics import MetricsConfig, run_metrics
+
+    config = MetricsConfig(classes=metric_classes(TWO_CLASS_TENANCY))
+    m = {(v.scope, v.group, v.name): v.value for v in run_metrics(requests, events, config)}
+
+    def get(name: str, group: str = "", scope: str = "overall"):
+        return m.get((scope, group, name))
+
+    cost = get("cost_per_1k_goodput_tokens_usd")
+    rejected = get("rejected_share") or 0.0
+    n = get("num_requests") or 0
+    return {
+        "requests": int(n),
+        "goodput_rps": get("goodput_rps"),
+        "attainment": get("attainment"),
+        "attainment_interactive": get("attainment", "interactive", "class"),
+        "attainment_batch": get("attainment", "batch", "class"),
+        "ttft_p99_s": get("ttft_p99_s"),
+        "itl_p99_s": get("itl_p99_p99_s"),
+        "preemptions_per_request": get("preemptions_per_request"),
+        "rejected": round(rejected * n),
+        "rejected_share": rejected,
+        "degraded": int(pc.sum(pc.equal(requests["admission_decision"], "degrade")).as_py() or 0),
+        "max_queue_s": get("max_queue_s"),
+        "fairness_gap": get("max_backlogged_service_gap"),
+        "accelerator_s_per_1k_goodput_tokens": None if cost is None else cost / (config.cost.accelerator_hour_price / 3600),
+    }
+
+
+def attainment_of(requests: pa.Table, *, exclude_tenant: str, start_ns: int, end_ns: int) -> float | None:
+    """Attainment of the requests of every tenant but one that arrived in [start, end)."""
+    arrival = requests["arrival_ns"]
+    mask = pc.and_(pc.and_(pc.greater_equal(arrival, start_ns), pc.less(arrival, end_ns)),
+                   pc.not_equal(requests["tenant"], exclude_tenant))
+    subset = requests.filter(mask)
+    return figures(subset, None)["attainment"] if subset.num_rows else None
+
+
+def abuse_tables(kind: str, start_ns: int, duration_s: float) -> list[pa.Table]:
+    from replay import abuse
+
+    common = dict(tenant="flood", start_ns=start_ns, duration_s=duration_s, seed=7)
+    if kind == "long_prompt_flood":
+        return [abuse.long_prompt_flood(rate_per_s=1.0, num_prompt_tokens=8000, num_output_tokens=64, **common)]
+    if kind == "max_output":
+        return [abuse.max_output_requests(rate_per_s=0.5, num_prompt_tokens=256, num_output_tokens=4096, **common)]
+    if kind == "branch_expansion":
+        return [abuse.branch_expansion(rate_per_s=0.5, num_branches=8, num_prompt_tokens=512, num_output_tokens=256,
+                                       **common)]
+    if kind == "cancel_churn":
+        return [abuse.cancel_churn(num_clients=8, cancel_after_s=0.5, resubmit_gap_s=0.01, num_prompt_tokens=2000,
+                                   num_output_tokens=512, **common)]
+    raise ValueError(kind)
+
+
+def fmt(value, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return f"{value:.{digits}f}"
+
+
+def table_markdown(rows: list[dict], abuse: list[dict], speed: dict, num_requests: int) -> str:
+    lines = [
+        f"Azure conversation trace ({num_requests:,} requests), two-class scenario (docs/policies.md), one modelled "
+        f"{ENGINE.replace('@', ' / ')} (roofline); `python benchmarks/policies.py` regenerates this table.",
+        "",
+        "| load | policy | SLO goodput (req/s) | attainment interactive / batch | p99 TTFT (s) | p99 ITL (s) | "
+        "preemptions / request | rejected | degraded | max queue (s) | fairness gap | accel-s / 1k goodput tokens | replay wall (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        f = r["figures"]
+        lines.append(
+            f"| {r['load']:g}x | `{r['policy']}` | {fmt(f['goodput_rps'])} | "
+            f"{fmt(100 * f['attainment_interactive'], 1)}% / {fmt(100 * f['attainment_batch'], 1)}% | "
+            f"{fmt(f['ttft_p99_s'])} | {fmt(f['itl_p99_s'], 3)} | {fmt(f['preemptions_per_request'], 3)} | "
+            f"{f['rejected']:,} ({fmt(100 * f['rejected_share'], 1)}%) | {f['degraded']:,} | {fmt(f['max_queue_s'], 1)} | "
+            f"{fmt(f['fairness_gap'], 0)} | {fmt(f['accelerator_s_per_1k_goodput_tokens'], 3)} | {fmt(r['wall_s'])} |"
+        )
+    lines += ["", "Abuse at 1x (tenant `flood`, entitled to `interactive`): the other tenants' attainment over the "
+              "requests that arrived during the abuse window.", "",
+              "| scenario | policy | without abuse | with abuse | change (points) | abuser's requests rejected |",
+              "|---|---|---|---|---|---|"]
+    for a in abuse:
+        change = None if a["with"] is None or a["without"] is None else 100 * (a["with"] - a["without"])
+        lines.append(f"| {a['scenario']} | `{a['policy']}` | {fmt(100 * a['without'], 1)}% | {fmt(100 * a['with'], 1)}% | "
+                     f"{fmt(change, 1)} | {a['abuser_rejected']:,} of {a['abuser_requests']:,} |")
+    lines += ["", "Replay speed, `deadline` wall time over `fcfs`: "
+              + ", ".join(f"{k} {v:.2f}x" for k, v in speed.items()) + " (target: at most 2x)."]
+    return "\n".join(lines)
+
+
+def write_readme(markdown: str) -> None:
+    path = ROOT / "README.md"
+    text = path.read_text()
+    block = f"{BEGIN}\n{markdown}\n{END}"
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        _, tail = rest.split(END, 1)
+        text = head + block + tail
+    else:
+        marker = "\n## Emitting events from an engine"
+        text = text.replace(marker, f"\n### Policy comparison\n\n{block}\n{marker}", 1)
+    path.write_text(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="1,200 requests and fewer runs (under a minute)")
+    parser.add_argument("--no-readme", action="store_true", help="do not rewrite the README table")
+    args = parser.parse_args()
+
+    from replay.abuse import inject, time_scaled, two_class_workload
+    from replay.traces import read_trace
+    from servelens.config import load_config, shared_dir
+
+    base = read_trace("azure-conv", shared_dir(load_config()))
+    if args.quick:
+        base = base.slice(0, 1200)
+    labelled = two_class_workload(base)
+    policies = ("fcfs", "priority", "sarathi", "vtc", "deadline", "deadline-vtc") if args.quick else POLICIES
+    rows: list[dict] = []
+    speed: dict[str, float] = {}
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_path = Path(tmp)
+        for load in LOADS:
+            workload = time_scaled(labelled, load)
+            walls = {}
+            for policy in policies:
+                requests, events, wall_s, summary = replay_one(workload, policy, tmp_path / f"{policy}-{load:g}")
+                f = figures(requests, events)
+                walls[policy] = wall_s
+                rows.append({"load": load, "policy": policy, "wall_s": round(wall_s, 2), "figures": f})
+                print(f"{load:g}x {policy:14s} goodput {fmt(f['goodput_rps'])} req/s, attainment "
+                      f"{fmt(100 * f['attainment_interactive'], 1)}% / {fmt(100 * f['attainment_batch'], 1)}%, "
+                      f"preemptions/request {fmt(f['preemptions_per_request'], 3)}, rejected {f['rejected']:,}, "
+                      f"wall {wall_s:.2f} s", flush=True)
+            speed[f"{load:g}x"] = walls["deadline"] / walls["fcfs"]
+
+        arrivals = labelled["arrival_ns"].to_numpy()
+        span_s = (int(arrivals[-1]) - int(arrivals[0])) / NS
+        start_ns = int(arrivals[0]) + int(span_s / 3 * NS)
+        duration_s = min(600.0, span_s / 3)
+        end_ns = start_ns + int(duration_s * NS)
+        kinds = ("long_prompt_flood",) if args.quick else ("long_prompt_flood", "max_output", "branch_expansion", "cancel_churn")
+        abuse: list[dict] = []
+        clean: dict[str, float | None] = {}
+        for policy in ABUSE_POLICIES:
+            requests, _, _, _ = replay_one(labelled, policy, tmp_path / f"clean-{policy}")
+            clean[policy] = attainment_of(requests, exclude_tenant="flood", start_ns=start_ns, end_ns=end_ns)
+        for kind in kinds:
+            extra = abuse_tables(kind, start_ns, duration_s)
+            workload = inject(labelled, *extra)
+            for policy in ABUSE_POLICIES:
+                requests, _, _, _ = replay_one(workload, policy, tmp_path / f"{kind}-{policy}")
+                with_abuse = attainment_of(requests, exclude_tenant="flood", start_ns=start_ns, end_ns=end_ns)
+                flood = requests.filter(pc.equal(requests["tenant"], "flood"))
+                rejected = int(pc.sum(pc.equal(flood["outcome"], "rejected")).as_py() or 0)
+                abuse.append({"scenario": kind, "policy": policy, "without": clean[policy], "with": with_abuse,
+                              "abuser_requests": flood.num_rows, "abuser_rejected": rejected})
+                print(f"{kind} {policy:14s} well-behaved attainment {fmt(100 * clean[policy], 1)}% -> "
+                      f"{fmt(100 * with_abuse, 1)}%, abuser rejected {rejected}/{flood.num_rows}", flush=True)
+
+    markdown = table_markdown(rows, abuse, speed, labelled.num_rows)
+    print(markdown)
+    if not args.quick and not args.no_readme:
+        write_readme(markdown)
+
+    def pick(load: float, policy: str) -> dict:
+        return next(r["figures"] for r in rows if r["load"] == load and r["policy"] == policy)
+
+    top = max(LOADS)
+    fcfs2, dl2, dl1 = pick(top, "fcfs"), pick(top, "deadline"), pick(1.0, "deadline")
+    flood = {a["policy"]: a for a in abuse if a["scenario"] == "long_prompt_flood"}
+    result = {
+        "benchmark": "policies",
+        "quick": args.quick,
+        "engine": ENGINE,
+        "requests": labelled.num_rows,
+        f"goodput_ratio_deadline_over_fcfs_{top:g}x": dl2["goodput_rps"] / fcfs2["goodput_rps"] if fcfs2["goodput_rps"] else None,
+        f"preemptions_per_request_{top:g}x": {"fcfs": fcfs2["preemptions_per_request"], "deadline": dl2["preemptions_per_request"]},
+        f"rejected_share_deadline_{top:g}x": dl2["rejected_share"],
+        "rejected_share_deadline_1x": dl1["rejected_share"],
+        "flood_attainment_change_points": {
+            p: None if a["with"] is None or a["without"] is None else round(100 * (a["with"] - a["without"]), 1)
+            for p, a in flood.items()
+        },
+        "speed_ratio_deadline_over_fcfs": {k: round(v, 2) for k, v in speed.items()},
+        "rows": [{"load": r["load"], "policy": r["policy"], "wall_s": r["wall_s"],
+                  **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r["figures"].items()}} for r in rows],
+        "abuse": abuse,
+        "total_wall_s": round(time.perf_counter() - t0, 1),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
