@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from dashboard.data import materialize_requests, metrics_config_token
+from dashboard.data import DERIVED_FORMAT, materialize_requests, metrics_config_token
 from replay.metrics import MetricsConfig, metrics_table, run_metrics
 
 MANIFEST = "manifest.json"
@@ -177,7 +177,7 @@ def list_runs(runs_dir: str | Path) -> tuple[RunInfo, ...]:
 
 
 def _run_cache(run: RunInfo, cache_dir: str | Path) -> Path:
-    key = hashlib.sha256(f"{Path(run.folder).resolve()}|{run.version}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{Path(run.folder).resolve()}|{run.version}|{DERIVED_FORMAT}".encode()).hexdigest()[:16]
     return Path(cache_dir) / "runs" / f"{re.sub(r'[^A-Za-z0-9._-]', '_', run.name)[:60]}-{key}"
 
 

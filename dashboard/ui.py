@@ -196,6 +196,11 @@ def arrivals(path: str, selection: Selection, bin_s: float, k: int) -> tuple[pa.
 
 
 @st.cache_data(show_spinner=False, max_entries=64)
+def count_requests(path: str, selection: Selection) -> int:
+    return data.count_requests(path, selection)
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
 def totals(path: str, selection: Selection, k: int) -> pa.Table:
     return data.selection_totals(path, selection, k).table
 
@@ -260,11 +265,10 @@ def series_bin_s(s: Settings, view: LakeView, selection: Selection) -> float:
     """The time bin of a page's series: at most ``max_points`` bins, and wide enough that a class's
     bin holds 8 k requests on average (so few cells fall under the k-anonymity threshold)."""
     k = s.privacy.min_group_size
-    cell = totals(view.requests_path, selection, k).to_pylist()[0]
     span_s = selection.window.span_s if selection.window is not None else 0.0
     num_series = 1 if selection.service_class is not None else max(1, len(view.overview.classes))
-    return data.choose_bin_s(span_s, s.dashboard.max_points, num_requests=cell["num_requests"], num_series=num_series,
-                             min_requests_per_bin=8 * k)
+    return data.choose_bin_s(span_s, s.dashboard.max_points, num_requests=count_requests(view.requests_path, selection),
+                             num_series=num_series, min_requests_per_bin=8 * k)
 
 
 def run_list(s: Settings) -> tuple[runs.RunInfo, ...]:

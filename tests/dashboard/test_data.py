@@ -44,7 +44,10 @@ def test_the_derived_request_file_is_the_request_table_plus_each_requests_charge
     snapshot, path, events = lake_tables
     cached = pq.read_table(path)
     expected = derive_requests(events)
-    assert cached.drop_columns([data.BUSY_COLUMN]).cast(expected.schema).equals(expected)
+    assert cached.drop_columns([data.BUSY_COLUMN, data.REQUEST_SEQ, data.CROWD_ID]).cast(expected.schema).equals(expected)
+    assert cached[data.REQUEST_SEQ].to_pylist() == list(range(1, cached.num_rows + 1))  # in arrival order
+    crowd = dict(zip(cached[data.CROWD_ID].to_pylist(), cached["tenant"].to_pylist()))
+    assert len(crowd) == len(set(crowd.values()))  # one integer per tenant, and back
     assert cached.num_rows == expected.num_rows and snapshot.events_version is not None
     r = load_requests(expected, config)
     charge = dict(zip(r.request_id.tolist(), attribution(r, load_steps(events, r.origin_ns))))
@@ -57,7 +60,7 @@ def test_the_derived_request_file_is_the_request_table_plus_each_requests_charge
 def test_a_new_lake_version_gets_its_own_file_and_the_old_one_is_reused_until_then(sample, lake_tables, tmp_path):
     snapshot, path, _ = lake_tables
     again = data.lake_requests_path(snapshot, sample.root / "cache-data")
-    assert again == path and path.name == f"requests-v{snapshot.events_version}.parquet"
+    assert again == path and path.name == f"requests-f{data.DERIVED_FORMAT}-v{snapshot.events_version}.parquet"
     empty = data.lake_snapshot(str(tmp_path / "no-lake"))
     assert empty.is_empty and empty.events_version is None
     assert pq.read_table(data.lake_requests_path(empty, tmp_path / "cache")).num_rows == 0
@@ -177,3 +180,19 @@ def test_getting_started_names_the_exact_commands_with_the_configured_paths(empt
                     f"servelens gate --baseline {empty.dashboard.runs_dir}/fcfs", f"--out {empty.dashboard.gate_dir}", "servelens demo"):
         assert command in text
     assert "keygen" not in text  # a key file is configured
+
+
+def test_requests_without_a_tenant_are_each_a_crowd_of_their_own(shared, tmp_path):
+    from replay.run import run_replay
+    from replay.traces import read_trace
+    from replay.workload import TableWorkload
+
+    run_replay(TableWorkload(read_trace("azure-conv", shared).slice(0, 40), name="azure-conv"), out_dir=tmp_path / "run")
+    path = tmp_path / "requests.parquet"
+    assert data.materialize_requests([tmp_path / "run" / "events.parquet"], path) == 40
+    requests = pq.read_table(path)
+    assert requests["tenant"].null_count == 40
+    assert requests[data.CROWD_ID].to_pylist() == [-i for i in requests[data.REQUEST_SEQ].to_pylist()]
+    totals = data.selection_totals(path, Selection(), k=40).table.to_pylist()[0]
+    assert not totals["suppressed"] and totals["num_tenants"] == totals["num_requests"] == 40
+    assert data.selection_totals(path, Selection(), k=41).table.to_pylist()[0]["suppressed"]
