@@ -1,0 +1,292 @@
+"""The step executor: one engine step as one real forward pass of a Llama-architecture decoder.
+
+``StepExecutor.execute(work)`` runs exactly what one engine step composed: every sequence in
+``work`` brings ``num_new_tokens`` tokens (a prefill chunk, or 1 for a decode) on top of
+``num_context_tokens`` already in its KV cache. All the step's tokens go through the linear layers
+together (one matrix product per weight, as a serving engine batches them); attention is per
+sequence over its own context, causal inside a chunk:
+
+- decode tokens (one new token each) in one batched call over keys gathered to the longest context
+  (shorter contexts masked);
+- each prefill chunk in its own call over its context plus the chunk.
+
+The model: token embedding, per layer RMSNorm -> fused QKV projection -> rotary embedding (the
+rotate-half form of Hugging Face Llama) -> attention with grouped KV heads -> output projection and
+residual -> RMSNorm -> gated SiLU MLP and residual; a final RMSNorm and an untied LM head over the
+rows that sample (the last new token of each sequence that asks for it). Weights are random
+(seeded normal, std 0.02; norms ones): timing needs the shapes, never the values, and nothing is
+downloaded. bf16 on CUDA, float32 on CPU.
+
+The KV cache is paged (vLLM-style): per layer one pool of ``num_kv_blocks`` blocks of
+``block_size`` tokens, and a block table per sequence, grown as its context grows and returned with
+``free``. Writing a step's keys and values is one scatter per layer; reading them one gather.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+from replay.errors import ReplayError
+from replay.measured.shapes import LlamaShape
+from servelens.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+DEVICES = ("cpu", "cuda")
+
+
+def require_torch():
+    """The ``torch`` module, or a clean error saying how to install the optional extra."""
+    try:
+        import torch
+    except ImportError as exc:
+        raise ConfigError(
+            "PyTorch is not installed: the step executor, the profiler and the measured replay need it",
+            "pip install 'servelens[gpu]' (pins torch==2.13.0; `make env` installs it with the dev extra)",
+        ) from exc
+    return torch
+
+
+def resolve_device(device: str):
+    """The torch device for ``cpu`` or ``cuda`` (a clean error when CUDA is not there)."""
+    torch = require_torch()
+    if device not in DEVICES:
+        raise ReplayError(f"unknown device {device!r}", f"valid devices: {', '.join(DEVICES)}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ReplayError(
+            "--device cuda: no CUDA device is visible to PyTorch",
+            f"torch {torch.__version__} (a CPU build has no CUDA); use --device cpu, or install a CUDA build of torch",
+        )
+    return torch.device(device)
+
+
+class SeqWork(NamedTuple):
+    """One sequence's part of a step."""
+
+    seq_id: Hashable  # names the sequence's KV cache across steps
+    num_new_tokens: int  # the chunk's tokens (1 for a decode)
+    num_context_tokens: int  # tokens already in the sequence's KV cache before this step
+    sample: bool = True  # compute logits for the last new token
+
+
+class StepExecutor:
+    """A random-weight Llama decoder with a paged KV cache; ``execute`` runs one step."""
+
+    def __init__(
+        self,
+        shape: LlamaShape,
+        *,
+        device: str = "cpu",
+        num_kv_blocks: int = 1024,
+        block_size: int = 16,
+        seed: int = 0,
+        dtype: str | None = None,
+    ) -> None:
+        torch = require_torch()
+        self.torch = torch
+        self.shape = shape
+        self.device = resolve_device(device)
+        self.dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[
+            dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
+        ]
+        if num_kv_blocks < 1 or block_size < 1:
+            raise ReplayError("the KV cache needs at least one block of at least one token")
+        self.block_size = block_size
+        self.num_kv_blocks = num_kv_blocks
+        s = shape
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        dev, dt = self.device, self.dtype
+
+        def normal(*size: int) -> torch.Tensor:
+            return (torch.randn(*size, generator=gen, device=dev, dtype=torch.float32) * 0.02).to(dt)
+
+        q_dim, kv_dim = s.num_attention_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        self.embedding = normal(s.vocab_size, s.hidden_size)
+        self.layers = []
+        for _ in range(s.num_layers):
+            self.layers.append(
+                {
+                    "input_norm": torch.ones(s.hidden_size, device=dev, dtype=dt),
+                    "qkv": normal(s.hidden_size, q_dim + 2 * kv_dim),
+                    "o": normal(q_dim, s.hidden_size),
+                    "post_norm": torch.ones(s.hidden_size, device=dev, dtype=dt),
+                    "gate_up": normal(s.hidden_size, 2 * s.intermediate_size),
+                    "down": normal(s.intermediate_size, s.hidden_size),
+                }
+            )
+        self.final_norm = torch.ones(s.hidden_size, device=dev, dtype=dt)
+        self.lm_head = normal(s.hidden_size, s.vocab_size)
+        self.inv_freq = 1.0 / (
+            s.rope_theta ** (torch.arange(0, s.head_dim, 2, device=dev, dtype=torch.float32) / s.head_dim)
+        )
+        cache_shape = (num_kv_blocks * block_size, s.num_kv_heads, s.head_dim)
+        self.k_cache = [torch.zeros(cache_shape, device=dev, dtype=dt) for _ in range(s.num_layers)]
+        self.v_cache = [torch.zeros(cache_shape, device=dev, dtype=dt) for _ in range(s.num_layers)]
+        self._free_blocks = list(range(num_kv_blocks - 1, -1, -1))
+        self._tables: dict[Hashable, list[int]] = {}
+        self._token_gen = torch.Generator(device=self.device).manual_seed(seed + 1)
+
+    # ------------------------------------------------------------------ the KV block tables
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_blocks)
+
+    def _ensure(self, seq_id: Hashable, num_tokens: int) -> list[int]:
+        table = self._tables.setdefault(seq_id, [])
+        need = -(-num_tokens // self.block_size) - len(table)
+        if need > len(self._free_blocks):
+            raise ReplayError(
+                f"the executor's KV cache is full: {self.num_kv_blocks} blocks of {self.block_size} tokens",
+                "give the executor more KV blocks (num_kv_blocks), or replay fewer or shorter requests",
+            )
+        for _ in range(need):
+            table.append(self._free_blocks.pop())
+        return table
+
+    def free(self, seq_id: Hashable) -> None:
+        """Return a sequence's KV blocks to the pool (a no-op for an unknown sequence)."""
+        table = self._tables.pop(seq_id, None)
+        if table:
+            self._free_blocks.extend(reversed(table))
+
+    def free_all(self) -> None:
+        for seq_id in list(self._tables):
+            self.free(seq_id)
+
+    def _slots(self, table: list[int], start: int, stop: int) -> list[int]:
+        bs = self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, stop)]
+
+    # ------------------------------------------------------------------ the step
+
+    def random_tokens(self, num_tokens: int):
+        return self.torch.randint(
+            0, self.shape.vocab_size, (num_tokens,), generator=self._token_gen, device=self.device
+        )
+
+    def execute(self, work: Sequence[SeqWork], token_ids=None):
+        """Run one step; return the logits of the sampling rows (float32, one row per sampling sequence).
+
+        ``token_ids`` (one per new token, in ``work`` order) default to random tokens. The call returns
+        when the work is queued on the device: ``synchronize`` before reading a clock.
+        """
+        torch = self.torch
+        if not work:
+            raise ReplayError("a step has at least one sequence")
+        s = self.shape
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_rows: list[int] = []  # token rows of one-token sequences
+        decode_keys: list[list[int]] = []  # their key slots (context + the new token)
+        chunks: list[tuple[int, int, int, list[int]]] = []  # (first row, tokens, context, key slots)
+        sample_rows: list[int] = []
+        row = 0
+        for w in work:
+            n, ctx = w.num_new_tokens, w.num_context_tokens
+            if n < 1 or ctx < 0:
+                raise ReplayError(f"sequence {w.seq_id!r}: {n} new tokens over {ctx} context tokens is not a step")
+            table = self._ensure(w.seq_id, ctx + n)
+            keys = self._slots(table, 0, ctx + n)
+            slots.extend(keys[ctx:])
+            positions.extend(range(ctx, ctx + n))
+            if n == 1:
+                decode_rows.append(row)
+                decode_keys.append(keys)
+            else:
+                chunks.append((row, n, ctx, keys))
+            row += n
+            if w.sample:
+                sample_rows.append(row - 1)
+        num_tokens = row
+        if token_ids is None:
+            token_ids = self.random_tokens(num_tokens)
+        elif len(token_ids) != num_tokens:
+            raise ReplayError(f"{len(token_ids)} token ids for a step of {num_tokens} tokens")
+        dev = self.device
+        as_long = lambda values: torch.tensor(values, dtype=torch.long, device=dev)  # noqa: E731
+        pos_t = as_long(positions)
+        slot_t = as_long(slots)
+        freqs = pos_t.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        cos = torch.cos(freqs).repeat(1, 2)[:, None, :].to(self.dtype)  # [T, 1, D]
+        sin = torch.sin(freqs).repeat(1, 2)[:, None, :].to(self.dtype)
+        if decode_rows:
+            longest = max(len(k) for k in decode_keys)
+            dec_rows_t = as_long(decode_rows)
+            dec_keys_t = as_long([k + [0] * (longest - len(k)) for k in decode_keys])  # [B, L]
+            lengths = as_long([len(k) for k in decode_keys])
+            dec_mask = (torch.arange(longest, device=dev)[None, :] < lengths[:, None])[:, None, None, :]
+        chunk_views = []
+        for first, n, ctx, keys in chunks:
+            key_pos = torch.arange(ctx + n, device=dev)
+            mask = key_pos[None, :] <= (ctx + torch.arange(n, device=dev))[:, None]  # [n, ctx + n]
+            chunk_views.append((first, n, as_long(keys), mask[None, None]))
+
+        x = self.embedding[token_ids]
+        q_dim, kv_dim = s.num_attention_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        scale = 1.0 / math.sqrt(s.head_dim)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        for i, layer in enumerate(self.layers):
+            h = self._rms_norm(x, layer["input_norm"])
+            qkv = h @ layer["qkv"]
+            q = qkv[:, :q_dim].view(num_tokens, s.num_attention_heads, s.head_dim)
+            k = qkv[:, q_dim:q_dim + kv_dim].view(num_tokens, s.num_kv_heads, s.head_dim)
+            v = qkv[:, q_dim + kv_dim:].view(num_tokens, s.num_kv_heads, s.head_dim)
+            q = q * cos + self._rotate_half(q) * sin
+            k = k * cos + self._rotate_half(k) * sin
+            kc, vc = self.k_cache[i], self.v_cache[i]
+            kc[slot_t] = k
+            vc[slot_t] = v
+            attn = torch.empty_like(q)
+            if decode_rows:
+                qd = q[dec_rows_t][:, :, None, :]  # [B, Hq, 1, D]
+                kd = kc[dec_keys_t].transpose(1, 2)  # [B, Hkv, L, D]
+                vd = vc[dec_keys_t].transpose(1, 2)
+                attn[dec_rows_t] = sdpa(qd, kd, vd, attn_mask=dec_mask, scale=scale, enable_gqa=True)[:, :, 0, :]
+            for first, n, keys_t, mask in chunk_views:
+                qc = q[first:first + n].transpose(0, 1)[None]  # [1, Hq, n, D]
+                kk = kc[keys_t].transpose(0, 1)[None]  # [1, Hkv, ctx + n, D]
+                vv = vc[keys_t].transpose(0, 1)[None]
+                attn[first:first + n] = sdpa(qc, kk, vv, attn_mask=mask, scale=scale, enable_gqa=True)[0].transpose(0, 1)
+            x = x + attn.reshape(num_tokens, q_dim) @ layer["o"]
+            h = self._rms_norm(x, layer["post_norm"])
+            gate, up = (h @ layer["gate_up"]).chunk(2, dim=-1)
+            x = x + (torch.nn.functional.silu(gate) * up) @ layer["down"]
+        if not sample_rows:
+            return torch.empty((0, s.vocab_size), device=dev, dtype=torch.float32)
+        last = self._rms_norm(x[as_long(sample_rows)], self.final_norm)
+        return (last @ self.lm_head).float()
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize(self.device)
+
+    def _rms_norm(self, x, weight):
+        torch = self.torch
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.shape.rms_norm_eps)
+        return xf.to(x.dtype) * weight
+
+    def _rotate_half(self, x):
+        half = x.shape[-1] // 2
+        return self.torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    # ------------------------------------------------------------------ what it occupies
+
+    @property
+    def weight_bytes(self) -> int:
+        tensors = [self.embedding, self.final_norm, self.lm_head]
+        for layer in self.layers:
+            tensors.extend(layer.values())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def bytes_per_element(self) -> int:
+        return self.torch.empty((), dtype=self.dtype).element_size()

@@ -1,0 +1,119 @@
+"""The step executor against a straightforward reference: whole sequences, no cache, explicit softmax."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+
+# PyTorch comes with the dev extra (`make env`); in CI (CI set) its absence is a failure, not a skip.
+torch = __import__("torch") if os.environ.get("CI") else pytest.importorskip(
+    "torch", reason="PyTorch missing: `make env` (or pip install -e '.[dev]') installs the pinned CPU build"
+)
+
+from replay.errors import ReplayError  # noqa: E402
+from replay.measured.executor import SeqWork, StepExecutor  # noqa: E402
+from replay.measured.shapes import llama_shape  # noqa: E402
+
+
+def reference_logits(ex: StepExecutor, tokens: list[int]) -> torch.Tensor:
+    """Logits of every position of one sequence, computed from scratch in float64 with a plain loop."""
+    s = ex.shape
+    d = lambda t: t.double()  # noqa: E731
+    x = d(ex.embedding[torch.tensor(tokens)])
+    n = len(tokens)
+    pos = torch.arange(n, dtype=torch.float64)
+    inv = 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.float64) / s.head_dim))
+    ang = pos[:, None] * inv[None, :]  # [n, D/2]
+    cos, sin = torch.cos(ang), torch.sin(ang)
+
+    def rope(v: torch.Tensor) -> torch.Tensor:  # v: [n, heads, D], rotate pairs (i, i + D/2)
+        half = s.head_dim // 2
+        a, b = v[..., :half], v[..., half:]
+        c, si = cos[:, None, :], sin[:, None, :]
+        return torch.cat((a * c - b * si, b * c + a * si), dim=-1)
+
+    def norm(v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return v / torch.sqrt((v * v).mean(-1, keepdim=True) + s.rms_norm_eps) * d(w)
+
+    qd, kvd = s.num_attention_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    group = s.num_attention_heads // s.num_kv_heads
+    for layer in ex.layers:
+        h = norm(x, layer["input_norm"])
+        qkv = h @ d(layer["qkv"])
+        q = rope(qkv[:, :qd].reshape(n, s.num_attention_heads, s.head_dim))
+        k = rope(qkv[:, qd:qd + kvd].reshape(n, s.num_kv_heads, s.head_dim))
+        v = qkv[:, qd + kvd:].reshape(n, s.num_kv_heads, s.head_dim)
+        out = torch.zeros(n, s.num_attention_heads, s.head_dim, dtype=torch.float64)
+        for head in range(s.num_attention_heads):
+            kv_head = head // group  # grouped-query attention: query head -> its KV head
+            for i in range(n):
+                scores = [float(q[i, head] @ k[j, kv_head]) / math.sqrt(s.head_dim) for j in range(i + 1)]
+                top = max(scores)
+                weights = [math.exp(sc - top) for sc in scores]
+                total = sum(weights)
+                for j, wgt in enumerate(weights):
+                    out[i, head] += wgt / total * v[j, kv_head]
+        x = x + out.reshape(n, qd) @ d(layer["o"])
+        h = norm(x, layer["post_norm"])
+        g, u = (h @ d(layer["gate_up"])).chunk(2, dim=-1)
+        x = x + (g * torch.sigmoid(g) * u) @ d(layer["down"])
+    return norm(x, ex.final_norm) @ d(ex.lm_head)
+
+
+@pytest.fixture(scope="module")
+def executor() -> StepExecutor:
+    torch.manual_seed(0)
+    return StepExecutor(llama_shape("tiny"), device="cpu", num_kv_blocks=64, block_size=4, seed=3)
+
+
+def test_chunked_prefill_and_decodes_in_mixed_steps_match_the_reference(executor: StepExecutor) -> None:
+    ex = executor
+    ex.free_all()
+    a = [5, 17, 200, 3, 9, 41, 77, 128, 255, 0, 12]  # 11 tokens: chunks of 6 and 3, then two decodes
+    b = [7, 7, 100, 31, 64]  # 5 tokens: one chunk of 4, then a decode
+    ref_a, ref_b = reference_logits(ex, a), reference_logits(ex, b)
+    tol = dict(rtol=1e-4, atol=1e-5)
+    # step 1: a's first chunk alone (no sampled row needed mid-prompt, but ask for it to check the rows)
+    out = ex.execute([SeqWork("a", 6, 0)], torch.tensor(a[:6]))
+    torch.testing.assert_close(out[0].double(), ref_a[5], **tol)
+    # step 2: a's second chunk beside b's whole prompt
+    out = ex.execute([SeqWork("a", 3, 6), SeqWork("b", 4, 0)], torch.tensor(a[6:9] + b[:4]))
+    torch.testing.assert_close(out[0].double(), ref_a[8], **tol)
+    torch.testing.assert_close(out[1].double(), ref_b[3], **tol)
+    # step 3: both decode (contexts of different lengths, batched and masked)
+    out = ex.execute([SeqWork("a", 1, 9), SeqWork("b", 1, 4)], torch.tensor([a[9], b[4]]))
+    torch.testing.assert_close(out[0].double(), ref_a[9], **tol)
+    torch.testing.assert_close(out[1].double(), ref_b[4], **tol)
+    # step 4: a decodes alone; rows that do not sample give no logits
+    out = ex.execute([SeqWork("a", 1, 10), SeqWork("c", 2, 0, sample=False)], torch.tensor([a[10], 1, 2]))
+    assert out.shape == (1, ex.shape.vocab_size)
+    torch.testing.assert_close(out[0].double(), ref_a[10], **tol)
+    ex.free_all()
+    assert ex.num_free_blocks == ex.num_kv_blocks
+
+
+def test_grouped_query_heads_and_layers_come_from_the_shape(executor: StepExecutor) -> None:
+    s = executor.shape
+    assert s.num_attention_heads // s.num_kv_heads == 2
+    assert len(executor.layers) == s.num_layers
+    assert executor.k_cache[0].shape == (64 * 4, s.num_kv_heads, s.head_dim)
+    assert executor.dtype == torch.float32  # float32 on CPU (bf16 on CUDA)
+
+
+def test_a_full_kv_cache_is_a_clean_error() -> None:
+    ex = StepExecutor(llama_shape("tiny"), device="cpu", num_kv_blocks=2, block_size=4)
+    with pytest.raises(ReplayError, match="KV cache is full"):
+        ex.execute([SeqWork("a", 9, 0)])
+    with pytest.raises(ReplayError, match="not a step"):
+        ex.execute([SeqWork("b", 0, 0)])
+
+
+def test_layer_scaling_and_unknown_shapes() -> None:
+    scaled = llama_shape("llama-70b", 8)
+    assert scaled.layer_scale == 10 and scaled.model_config(2).num_layers == 8
+    with pytest.raises(ReplayError, match="valid names"):
+        llama_shape("llama-7b")
+    with pytest.raises(ReplayError, match="between 1 and 16"):
+        llama_shape("llama-1b", 17)
