@@ -534,7 +534,11 @@ def lake_sql(ctx: click.Context, query: str, limit: int) -> None:
 @cli.command("replay")
 @click.option("--workload", "workload_name", required=True,
               help="Bundled trace name, trace file, or workload Parquet file (from `servelens trace convert`).")
-@click.option("--policy", "policy_name", default="fcfs", show_default=True, help="Registered scheduling policy.")
+@click.option("--policy", "policy_name", default="fcfs", show_default=True,
+              help="Registered scheduling policy: fcfs, priority, decode-first, prefill-first, sarathi, vtc, deadline, "
+                   "deadline-vtc (docs/policies.md).")
+@click.option("--policy-config", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="YAML file of the policy's settings (its config's fields; classes and tenants under `tenancy`).")
 @click.option("--engine", "engine_spec", default="llama-3-8b@h100-sxm", show_default=True,
               help="MODEL@ACCELERATOR[xTP], e.g. llama-2-70b@a100-80gx2.")
 @click.option("--cost-model", type=click.Choice(["roofline", "profile", "constant"]), default="roofline",
@@ -545,8 +549,8 @@ def lake_sql(ctx: click.Context, query: str, limit: int) -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of every random choice (scenario draws).")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True, help="Output folder.")
 @click.pass_context
-def replay_command(ctx: click.Context, workload_name: str, policy_name: str, engine_spec: str, cost_model: str,
-                   mode: str, num_requests: int | None, seed: int, out: Path) -> None:
+def replay_command(ctx: click.Context, workload_name: str, policy_name: str, policy_config: Path | None,
+                   engine_spec: str, cost_model: str, mode: str, num_requests: int | None, seed: int, out: Path) -> None:
     """Replay a workload through a modelled serving instance; write events.parquet and manifest.json.
 
     The events follow the lifecycle contract, so `servelens requests derive OUT/events.parquet`
@@ -557,7 +561,9 @@ def replay_command(ctx: click.Context, workload_name: str, policy_name: str, eng
     Example:
       servelens replay --workload azure-conv --policy fcfs --engine llama-3-8b@h100-sxm --out out/replay/fcfs
       servelens replay --workload azure-conv --engine llama-2-70b@a100-80gx2 --cost-model profile --out out/70b
+      servelens replay --workload azure-conv --policy deadline --policy-config deadline.yaml --out out/deadline
     """
+    from replay.policies import load_policy_config
     from replay.run import run_replay
     from replay.workload import load_workload
 
@@ -571,7 +577,8 @@ def replay_command(ctx: click.Context, workload_name: str, policy_name: str, eng
             bar.update(p.num_arrived - done[0], p)
             done[0] = p.num_arrived
 
-        summary = run_replay(workload, policy_name=policy_name, instance=_instance(engine_spec),
+        config = load_policy_config(policy_name, policy_config) if policy_config is not None else None
+        summary = run_replay(workload, policy_name=policy_name, policy_config=config, instance=_instance(engine_spec),
                              cost_model=cost_model, shared=shared, seed=seed, out_dir=out, mode=mode,
                              progress=progress, progress_every=max(1, (workload.num_requests or 100_000) // 200))
     click.echo(

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar, Literal
 
 from replay.errors import ReplayError, unknown_name
@@ -145,3 +146,22 @@ def make_policy(name: str, config: object | None = None) -> Policy:
             f"policy {name!r} takes a {cls.config_type.__name__}, not a {type(config).__name__}"
         )
     return cls(config)
+
+
+def load_policy_config(name: str, path: str | Path) -> object:
+    """The named policy's config from a YAML (or JSON) mapping of its fields, types checked and unknown
+    keys refused (nested sections, e.g. ``tenancy: {classes: [...], tenants: [...]}``, as lists of tables)."""
+    import yaml
+
+    from servelens.config import build
+
+    cls = policy_class(name)
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except FileNotFoundError:
+        raise ReplayError(f"policy configuration {path} does not exist") from None
+    except yaml.YAMLError as exc:
+        raise ReplayError(f"policy configuration {path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ReplayError(f"policy configuration {path} must be a mapping of {cls.config_type.__name__} settings")
+    return build(cls.config_type, data)

@@ -47,7 +47,7 @@ class SarathiConfig:
 class StallFreeChunks:
     """The stall-free, ITL-targeted chunk rule (shared by ``sarathi`` and ``deadline``)."""
 
-    __slots__ = ("book", "share", "default_itl_s", "min_chunk", "batch", "sizer")
+    __slots__ = ("book", "share", "default_itl_s", "min_chunk", "batch", "sizer", "_itl_of_tenant")
 
     def __init__(self, book: TenantBook, step_time_share: float, default_itl_s: float | None, min_chunk: int) -> None:
         self.book = book
@@ -56,10 +56,16 @@ class StallFreeChunks:
         self.min_chunk = min_chunk
         self.batch = BatchSnapshot(self._itl_s)
         self.sizer = ChunkSizer()
+        self._itl_of_tenant: dict[str | None, float | None] = {}
 
     def _itl_s(self, request: RequestView) -> float | None:
-        itl = self.book.class_of(request).itl_objective_s
-        return itl if itl is not None else self.default_itl_s
+        tenant = request.tenant
+        try:
+            return self._itl_of_tenant[tenant]
+        except KeyError:
+            itl = self.book.class_of_tenant(tenant).itl_objective_s
+            itl = self._itl_of_tenant[tenant] = itl if itl is not None else self.default_itl_s
+            return itl
 
     def target_ns(self, view: EngineView, request: RequestView) -> int | None:
         """The step-time target: ``share`` x the tightest ITL objective among running requests and ``request``."""
