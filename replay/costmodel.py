@@ -23,7 +23,8 @@ Models (``make_cost_model`` by name; an unknown name lists the valid ones):
 ``profile``   measured Vidur operator timings (``replay.profiles``): per-layer non-attention
               operators by token count, attention where a profile exists, all-reduce by message
               size, interpolated; where no measurement covers a shape, the roofline attention term
-              fills in (see docs/replay.md).
+              fills in (see docs/replay.md). With a ``FittedProfileConfig``: the step-time table
+              fitted to a profile of our own profiler (``replay.measured.fit``, docs/calibration.md).
 
 Units: the roofline terms are kept as integer *ticks* of 1/1024 ns per unit of work (rounded once,
 at most 0.0005 ns per token off), so a decode run's time is a sum of ceilings of affine functions of
@@ -438,8 +439,11 @@ def make_cost_model(
     if name == "constant":
         return ConstantCostModel(config if isinstance(config, ConstantCostConfig) else ConstantCostConfig())
     if name == "profile":
+        from replay.measured.fit import FittedProfileConfig, load_fitted_model
         from replay.profiles import ProfileCostConfig, ProfileCostModel, load_profile_tables
 
+        if isinstance(config, FittedProfileConfig):  # a profile of our own (servelens profile)
+            return load_fitted_model(instance, config)
         cfg = config if isinstance(config, ProfileCostConfig) else ProfileCostConfig()
         if cfg.profile_dir is not None:
             folder = Path(cfg.profile_dir)

@@ -42,7 +42,7 @@ blocks requests hold add up to the pool's used count; every request ends with ex
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Literal
 
 from replay.config import InstanceConfig
@@ -104,9 +104,12 @@ class Engine:
         instance_id: str,
         mode: Mode = "fast",
         check_invariants: bool = False,
+        step_timer: Callable[[StepShape, list], int] | None = None,
     ) -> None:
         if mode not in MODES:
             raise ReplayError(f"unknown replay mode {mode!r}", "valid modes: fast, reference")
+        if step_timer is not None and mode != "reference":
+            raise ReplayError("a measured clock (step_timer) runs every step: use mode='reference'")
         e = instance.engine
         self.kernel = kernel
         self.instance = instance
@@ -115,6 +118,9 @@ class Engine:
         self.writer = writer
         self.instance_id = instance_id
         self.fast = mode == "fast"
+        # the measured replay's clock: each step's time is measured running (shape, [(request, tokens)])
+        # on a device (replay.measured); policies still ask the cost model for their predictions
+        self.step_timer = step_timer
         self.check = check_invariants
         self.block_size = e.block_size_tokens
         self.max_batched = e.max_num_batched_tokens
@@ -551,7 +557,11 @@ class Engine:
                 decode_ctx += r.num_branches * (r.num_computed + 1)
             else:
                 chunks.append((m, r.num_computed))
-        duration = self.cost_model.step_time_ns(StepShape(tuple(chunks), num_decode, decode_ctx)) + self._swap_ns
+        shape = StepShape(tuple(chunks), num_decode, decode_ctx)
+        if self.step_timer is None:
+            duration = self.cost_model.step_time_ns(shape) + self._swap_ns
+        else:
+            duration = self.step_timer(shape, scheduled) + self._swap_ns
         self._launch(now, duration, duration, 1, False, None, scheduled)
 
     def _launch(self, now: int, duration: int, last: int, k: int, lockstep: bool, snapshot: Snapshot | None,

@@ -96,12 +96,15 @@ def run_replay(
     chunk_rows: int = 200_000,
     check_invariants: bool = False,
     progress_every: int = PROGRESS_EVERY,
+    step_timer: Callable | None = None,
 ) -> ReplaySummary:
     """Replay ``workload`` through one modelled instance; write events and a manifest.
 
     Outputs go to ``out_dir`` (``events.parquet`` + ``manifest.json``) and/or ``sink`` (called with
     each chunk of events as an ``EVENTS_SCHEMA`` table). ``cost_model`` is a name (``roofline``,
     ``profile``, ``constant``; the profile model reads its tables under ``shared``) or a model.
+    ``step_timer`` (``replay.measured``) makes the run a measured replay: every step is executed and
+    its measured time is the clock (reference mode; the manifest's ``clock`` says what measured it).
     """
     if mode not in MODES:
         raise ReplayError(f"unknown replay mode {mode!r}", "valid modes: fast, reference")
@@ -115,6 +118,8 @@ def run_replay(
         else cost_model
     )
     manifest = _manifest(source, scenario, policy_name, policy.config, instance, model, seed, mode)
+    if step_timer is not None:
+        manifest["clock"] = step_timer.info() if hasattr(step_timer, "info") else {"measured": True}
     run_id = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:12]
     engine_id = f"replay-{run_id}"
     instance_id = f"{engine_id}-i0"
@@ -135,7 +140,8 @@ def run_replay(
     writer = EventWriter(emit, run_id=run_id, engine_id=engine_id, chunk_rows=chunk_rows, hash_tables=parquet is None)
     kernel = Kernel()
     engine = Engine(
-        kernel, instance, model, policy, writer, instance_id=instance_id, mode=mode, check_invariants=check_invariants
+        kernel, instance, model, policy, writer, instance_id=instance_id, mode=mode,
+        check_invariants=check_invariants, step_timer=step_timer,
     )
     feeder = _Feeder(kernel, engine, source, scenario, seed, instance, progress, progress_every)
     wall0 = time.perf_counter()

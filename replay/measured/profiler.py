@@ -1,0 +1,511 @@
+"""The profiler: time real engine steps over a sweep of shapes and write them as a Parquet profile.
+
+A *shape* is one step's composition: prefill chunks (tokens, context before the chunk) and decode
+sequences (each one's context). The sweep covers what moves a step's time: prefill chunk size and
+the context it extends, the number of decode sequences and their contexts, and mixes of a chunk with
+decodes (Sarathi-style hybrid steps). Each shape runs ``warmup`` times untimed, then ``repeats``
+times timed: with CUDA events on a GPU (recorded around the call, read after the end event
+completes: the step's host-side preparation is inside, as in a serving engine), with
+``time.perf_counter_ns`` around the call on a CPU. The profile keeps every repeat, their median
+(the figure the fit uses) and spread (min, max, p10, p90, std).
+
+Shapes are swept in a seeded shuffled order, so a sweep stopped by its time box (``max_seconds``)
+still covers every kind of shape; the metadata says whether it was cut short.
+
+Parquet layout: one row per shape (``PROFILE_SCHEMA``), the metadata as JSON under the schema
+metadata key ``servelens.profile`` (``ProfileMeta``): device kind and name, driver, CUDA and torch
+versions, dtype, the model shape, the timer, the peak FLOP/s and bandwidth the roofline fraction is
+taken against (and where they came from), the sweep, UTC date and code version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from replay.config import ACCELERATORS
+from replay.errors import ReplayError
+from replay.measured.shapes import LlamaShape, shape_from_dict
+from schemas.types import doc
+from servelens.errors import DataNotFoundError
+
+PROFILE_VERSION = 1
+META_KEY = b"servelens.profile"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SweepConfig:
+    """Which step shapes the profiler times, and how often."""
+
+    prefill_tokens: tuple[int, ...] = doc("Prefill chunk sizes, tokens.")
+    prefill_contexts: tuple[int, ...] = doc("Context before a prefill chunk, tokens (0: a prompt's first chunk).")
+    decode_seqs: tuple[int, ...] = doc("Decode batch sizes, sequences.")
+    decode_contexts: tuple[int, ...] = doc("Mean context of the decode sequences, tokens.")
+    mixed_prefill_tokens: tuple[int, ...] = doc("Chunk sizes of hybrid steps (one chunk beside decodes).")
+    mixed_decode_seqs: tuple[int, ...] = doc("Decode batch sizes of hybrid steps.")
+    max_kv_tokens: int = doc("Skip shapes whose contexts hold more KV tokens than this (device memory).")
+    max_step_tokens: int = doc("Skip shapes with more new tokens than this (the engine's step budget).", 8192)
+    warmup: int = doc("Untimed runs of each shape before the timed ones.", 2)
+    repeats: int = doc("Timed runs of each shape.", 5)
+    max_seconds: float | None = doc("Stop sweeping after this long (the profile says it was cut short).", None)
+    seed: int = doc("Seed of the weights, the token ids, the shape order and the context spreads.", 0)
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1 or self.warmup < 0:
+            raise ReplayError("a sweep needs at least one timed repeat and no negative warm-up")
+
+
+def default_sweep(device: str, shape: LlamaShape, **overrides: Any) -> SweepConfig:
+    """The sweep for a device and model: the engine's real range on a GPU, a small grid on a CPU."""
+    if device == "cuda":
+        big = shape.hidden_size >= 8192
+        base = SweepConfig(
+            prefill_tokens=(16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096),
+            prefill_contexts=(0, 512, 2048, 8192),
+            decode_seqs=(1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256),
+            decode_contexts=(128, 512, 1024, 2048, 4096, 8192),
+            mixed_prefill_tokens=(64, 256, 512, 1024, 2048),
+            mixed_decode_seqs=(8, 32, 64, 128),
+            max_kv_tokens=131_072 if big else 262_144,
+            repeats=7,
+            warmup=3,
+        )
+    elif shape.hidden_size <= 256:  # the test-sized shapes
+        base = SweepConfig(
+            prefill_tokens=(2, 8, 24, 48),
+            prefill_contexts=(0, 32),
+            decode_seqs=(1, 3, 8),
+            decode_contexts=(8, 48),
+            mixed_prefill_tokens=(8, 32),
+            mixed_decode_seqs=(2, 6),
+            max_kv_tokens=4096,
+            repeats=3,
+            warmup=1,
+        )
+    else:
+        base = SweepConfig(
+            prefill_tokens=(16, 64, 256, 512),
+            prefill_contexts=(0, 512),
+            decode_seqs=(1, 4, 16),
+            decode_contexts=(128, 1024),
+            mixed_prefill_tokens=(64, 256),
+            mixed_decode_seqs=(4, 16),
+            max_kv_tokens=32_768,
+            repeats=3,
+            warmup=1,
+        )
+    return dataclasses.replace(base, **overrides)
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileShape:
+    """One step's composition, as the profiler runs it."""
+
+    prefill_chunks: tuple[tuple[int, int], ...]  # (tokens, context before the chunk)
+    decode_contexts: tuple[int, ...]  # each decode sequence's context before its new token
+
+    @property
+    def kind(self) -> str:
+        if self.prefill_chunks and self.decode_contexts:
+            return "mixed"
+        return "prefill" if self.prefill_chunks else "decode"
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c for c, _ in self.prefill_chunks) + len(self.decode_contexts)
+
+    @property
+    def kv_tokens(self) -> int:
+        return sum(c + o for c, o in self.prefill_chunks) + sum(x + 1 for x in self.decode_contexts)
+
+
+def sweep_shapes(sweep: SweepConfig) -> list[ProfileShape]:
+    """The sweep's shapes, deduplicated, within its limits, in a seeded shuffled order."""
+    rng = random.Random(sweep.seed)
+
+    def spread(n: int, mean: int) -> tuple[int, ...]:  # contexts around the mean (real batches vary)
+        if n == 1:
+            return (mean,)
+        return tuple(max(1, round(mean * (0.5 + i / (n - 1)))) for i in range(n))
+
+    shapes: list[ProfileShape] = []
+    for c in sweep.prefill_tokens:
+        for o in sweep.prefill_contexts:
+            shapes.append(ProfileShape(((c, o),), ()))
+    for d in sweep.decode_seqs:
+        for ctx in sweep.decode_contexts:
+            shapes.append(ProfileShape((), (ctx,) * d))
+            if d >= 4:
+                shapes.append(ProfileShape((), spread(d, ctx)))
+    for c in sweep.mixed_prefill_tokens:
+        for d in sweep.mixed_decode_seqs:
+            for ctx in sweep.decode_contexts:
+                shapes.append(ProfileShape(((c, 0),), spread(d, ctx)))
+    seen: set[ProfileShape] = set()
+    kept = []
+    for s in shapes:
+        if s in seen or s.kv_tokens > sweep.max_kv_tokens or s.num_tokens > sweep.max_step_tokens:
+            continue
+        seen.add(s)
+        kept.append(s)
+    rng.shuffle(kept)
+    return kept
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProfileMeta:
+    """What a profile was measured on (the Parquet file's metadata)."""
+
+    profile_version: int = doc("Layout version of the profile file.", PROFILE_VERSION)
+    measured: bool = doc("True: every time in the file was measured on the device named here.", True)
+    device: str = doc("Device kind: cpu or cuda.")
+    device_name: str = doc("GPU name (torch.cuda.get_device_name) or the CPU's model name.")
+    driver: str | None = doc("NVIDIA driver version (nvidia-smi), when on CUDA.", None)
+    cuda: str | None = doc("CUDA version torch was built with, when on CUDA.", None)
+    torch: str = doc("PyTorch version.")
+    num_threads: int = doc("torch intra-op threads (CPU).")
+    dtype: str = doc("Weights, activations and KV cache dtype.")
+    model: dict = doc("The model shape (LlamaShape fields): what was built and what it stands for.")
+    block_size: int = doc("KV cache block size, tokens.")
+    timer: str = doc("cuda-events or perf_counter.")
+    peak_flops: float = doc("Peak FLOP/s the roofline fraction is taken against.")
+    peak_bytes_per_s: float = doc("Peak memory bandwidth the roofline fraction is taken against, bytes/s.")
+    peak_source: str = doc("Where the peaks come from: a published preset or a measurement here.")
+    memory_bytes: int = doc("Device memory (GPU) or host memory (CPU), bytes.")
+    sweep: dict = doc("The sweep configuration.")
+    num_shapes_planned: int = doc("Shapes in the sweep.")
+    truncated: bool = doc("The time box stopped the sweep before every shape was timed.")
+    wall_s: float = doc("How long the sweep took, seconds.")
+    date_utc: str = doc("When the sweep ran (ISO 8601, UTC).")
+    host: str = doc("Host name.")
+    code_version: dict = doc("servelens version and git commit.")
+
+    @property
+    def shape(self) -> LlamaShape:
+        return shape_from_dict(self.model)
+
+
+PROFILE_SCHEMA = pa.schema(
+    [
+        pa.field("shape_id", pa.int64(), nullable=False),
+        pa.field("kind", pa.string(), nullable=False),
+        pa.field("prefill_chunk_tokens", pa.list_(pa.int64()), nullable=False),
+        pa.field("prefill_chunk_context", pa.list_(pa.int64()), nullable=False),
+        pa.field("decode_context", pa.list_(pa.int64()), nullable=False),
+        pa.field("num_tokens", pa.int64(), nullable=False),
+        pa.field("num_decode_seqs", pa.int64(), nullable=False),
+        pa.field("decode_context_tokens", pa.int64(), nullable=False),  # sum of (context + 1), as StepShape
+        pa.field("median_ns", pa.int64(), nullable=False),
+        pa.field("mean_ns", pa.float64(), nullable=False),
+        pa.field("min_ns", pa.int64(), nullable=False),
+        pa.field("max_ns", pa.int64(), nullable=False),
+        pa.field("p10_ns", pa.float64(), nullable=False),
+        pa.field("p90_ns", pa.float64(), nullable=False),
+        pa.field("std_ns", pa.float64(), nullable=False),
+        pa.field("times_ns", pa.list_(pa.int64()), nullable=False),
+    ]
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """A profile read back: its rows (``PROFILE_SCHEMA``) and metadata."""
+
+    table: pa.Table
+    meta: ProfileMeta
+
+    def shapes(self) -> list[ProfileShape]:
+        t = self.table
+        return [
+            ProfileShape(tuple(zip(ct, cc)), tuple(dc))
+            for ct, cc, dc in zip(
+                t["prefill_chunk_tokens"].to_pylist(), t["prefill_chunk_context"].to_pylist(), t["decode_context"].to_pylist()
+            )
+        ]
+
+
+def _quantile(sorted_values: list[int], q: float) -> float:
+    if len(sorted_values) == 1:
+        return float(sorted_values[0])
+    pos = q * (len(sorted_values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def step_timer(executor) -> Callable[[list], int]:
+    """A function that runs one step's work on the executor and returns its time, ns."""
+    torch = executor.torch
+    if executor.device.type == "cuda":
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+
+        def timed(work: list) -> int:
+            start.record()
+            executor.execute(work)
+            end.record()
+            end.synchronize()
+            return round(start.elapsed_time(end) * 1e6)
+    else:
+
+        def timed(work: list) -> int:
+            t0 = time.perf_counter_ns()
+            executor.execute(work)
+            return time.perf_counter_ns() - t0
+
+    return timed
+
+
+def shape_work(shape: ProfileShape) -> list:
+    from replay.measured.executor import SeqWork
+
+    work = [SeqWork(("p", i), c, o) for i, (c, o) in enumerate(shape.prefill_chunks)]
+    work.extend(SeqWork(("d", i), 1, ctx) for i, ctx in enumerate(shape.decode_contexts))
+    return work
+
+
+def run_profile(
+    shape: LlamaShape,
+    *,
+    device: str = "cpu",
+    sweep: SweepConfig | None = None,
+    out: str | Path | None = None,
+    progress: Callable[[int, int, ProfileShape, int], None] | None = None,
+    block_size: int = 16,
+    num_threads: int | None = None,
+) -> Profile:
+    """Build the executor, time every shape of the sweep, and write the profile to ``out`` (Parquet).
+
+    ``num_threads`` sets torch's intra-op threads for the sweep (CPU; restored after): on a shared
+    machine one thread gives steadier times than contending for every core.
+    """
+    from replay.measured.executor import require_torch
+
+    torch = require_torch()
+    before = torch.get_num_threads()
+    if num_threads is not None:
+        if num_threads < 1:
+            raise ReplayError(f"--threads must be at least 1, not {num_threads}")
+        torch.set_num_threads(num_threads)
+    try:
+        return _run_profile(torch, shape, device, sweep, out, progress, block_size)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run_profile(torch, shape: LlamaShape, device: str, sweep: SweepConfig | None, out: str | Path | None,
+                 progress: Callable[[int, int, ProfileShape, int], None] | None, block_size: int) -> Profile:
+    from replay.measured.executor import StepExecutor
+
+    sweep = sweep or default_sweep(device, shape)
+    shapes = sweep_shapes(sweep)
+    if not shapes:
+        raise ReplayError("the sweep has no shape within its limits", "raise max_kv_tokens or max_step_tokens")
+    # blocks for the largest shape: its tokens, plus at most one partly filled block per sequence
+    blocks = max(-(-s.kv_tokens // block_size) + len(s.prefill_chunks) + len(s.decode_contexts) for s in shapes)
+    executor = StepExecutor(shape, device=device, num_kv_blocks=blocks, block_size=block_size, seed=sweep.seed)
+    timed = step_timer(executor)
+    rows: dict[str, list] = {f.name: [] for f in PROFILE_SCHEMA}
+    wall0 = time.perf_counter()
+    truncated = False
+    with torch.inference_mode():
+        for i, s in enumerate(shapes):
+            if sweep.max_seconds is not None and time.perf_counter() - wall0 > sweep.max_seconds:
+                truncated = True
+                break
+            work = shape_work(s)
+            for _ in range(sweep.warmup):
+                executor.execute(work)
+            executor.synchronize()
+            times = [timed(work) for _ in range(sweep.repeats)]
+            executor.free_all()
+            ordered = sorted(times)
+            median = round(statistics.median(ordered))
+            rows["shape_id"].append(i)
+            rows["kind"].append(s.kind)
+            rows["prefill_chunk_tokens"].append([c for c, _ in s.prefill_chunks])
+            rows["prefill_chunk_context"].append([o for _, o in s.prefill_chunks])
+            rows["decode_context"].append(list(s.decode_contexts))
+            rows["num_tokens"].append(s.num_tokens)
+            rows["num_decode_seqs"].append(len(s.decode_contexts))
+            rows["decode_context_tokens"].append(sum(x + 1 for x in s.decode_contexts))
+            rows["median_ns"].append(median)
+            rows["mean_ns"].append(statistics.fmean(ordered))
+            rows["min_ns"].append(ordered[0])
+            rows["max_ns"].append(ordered[-1])
+            rows["p10_ns"].append(_quantile(ordered, 0.1))
+            rows["p90_ns"].append(_quantile(ordered, 0.9))
+            rows["std_ns"].append(statistics.pstdev(ordered))
+            rows["times_ns"].append(times)
+            if progress is not None:
+                progress(i + 1, len(shapes), s, median)
+    wall_s = time.perf_counter() - wall0
+    peak_flops, peak_bw, source = device_peaks(executor)
+    meta = ProfileMeta(
+        device=executor.device.type,
+        device_name=device_name(executor),
+        driver=nvidia_driver() if executor.device.type == "cuda" else None,
+        cuda=torch.version.cuda if executor.device.type == "cuda" else None,
+        torch=torch.__version__,
+        num_threads=torch.get_num_threads(),
+        dtype=executor.dtype_name,
+        model=shape.as_dict(),
+        block_size=block_size,
+        timer="cuda-events" if executor.device.type == "cuda" else "perf_counter",
+        peak_flops=peak_flops,
+        peak_bytes_per_s=peak_bw,
+        peak_source=source,
+        memory_bytes=device_memory_bytes(executor),
+        sweep=_plain(sweep),
+        num_shapes_planned=len(shapes),
+        truncated=truncated,
+        wall_s=round(wall_s, 3),
+        date_utc=datetime.now(UTC).isoformat(timespec="seconds"),
+        host=platform.node(),
+        code_version=_code_version(),
+    )
+    profile = Profile(pa.Table.from_pydict(rows, schema=PROFILE_SCHEMA), meta)
+    if out is not None:
+        write_profile(profile, out)
+    return profile
+
+
+def _plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, tuple):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+def _code_version() -> dict:
+    from replay.run import code_version
+
+    return code_version()
+
+
+def write_profile(profile: Profile, out: str | Path) -> Path:
+    """Write a profile as Parquet (zstd) with its metadata; return the path."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = json.dumps(_plain(profile.meta), sort_keys=True).encode()
+    table = profile.table.replace_schema_metadata({META_KEY: meta})
+    pq.write_table(table, out, compression="zstd")
+    return out
+
+
+def read_profile(path: str | Path) -> Profile:
+    """Read a profile written by ``write_profile`` (a clean error for anything else)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataNotFoundError(f"no profile at {path}", "write one with `servelens profile --model tiny --device cpu --out FILE`")
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise DataNotFoundError(f"{path} is not a Parquet profile: {exc}") from exc
+    raw = (table.schema.metadata or {}).get(META_KEY)
+    if raw is None:
+        raise DataNotFoundError(
+            f"{path} has no servelens profile metadata",
+            "profiles come from `servelens profile`; Vidur's CSV tables are read by --cost-model profile without --profile",
+        )
+    values = json.loads(raw)
+    version = values.get("profile_version")
+    if version != PROFILE_VERSION:
+        raise DataNotFoundError(f"{path} is profile version {version}, this servelens reads version {PROFILE_VERSION}")
+    missing = [f.name for f in PROFILE_SCHEMA if f.name not in table.column_names]
+    if missing:
+        raise DataNotFoundError(f"{path} lacks profile columns {missing}")
+    names = {f.name for f in dataclasses.fields(ProfileMeta)}
+    meta = ProfileMeta(**{k: v for k, v in values.items() if k in names})
+    return Profile(table.select([f.name for f in PROFILE_SCHEMA]).replace_schema_metadata(None), meta)
+
+
+# ------------------------------------------------------------------------------ the device
+
+
+def device_name(executor) -> str:
+    if executor.device.type == "cuda":
+        return executor.torch.cuda.get_device_name(executor.device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def nvidia_driver() -> str | None:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+
+
+def device_memory_bytes(executor) -> int:
+    if executor.device.type == "cuda":
+        return int(executor.torch.cuda.get_device_properties(executor.device).total_memory)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 16 * 2**30
+
+
+#: Published dense bf16 peaks by GPU name fragment (the accelerator presets of replay.config).
+_GPU_PRESETS = (("H200", "h200"), ("H100", "h100-sxm"), ("A100", "a100-80g"))
+
+
+def device_peaks(executor) -> tuple[float, float, str]:
+    """(peak FLOP/s, peak bytes/s, source): a published preset for a known GPU, else measured here."""
+    if executor.device.type == "cuda":
+        name = device_name(executor)
+        for fragment, preset in _GPU_PRESETS:
+            if fragment in name:
+                a = ACCELERATORS[preset]
+                return a.peak_bf16_flops, a.memory_bandwidth_bytes_per_s, f"published ({preset} preset)"
+    return (*measure_peaks(executor), "measured here (best of a matmul and a copy loop)")
+
+
+def measure_peaks(executor, seconds: float = 0.5) -> tuple[float, float]:
+    """Best achieved FLOP/s of a square matmul and bytes/s of a large copy on the executor's device."""
+    torch = executor.torch
+    dev, dt = executor.device, executor.dtype
+    n = 2048 if dev.type == "cuda" else 512
+    a = torch.randn(n, n, device=dev, dtype=dt)
+    b = torch.randn(n, n, device=dev, dtype=dt)
+    src = torch.empty(64 * 2**20 // executor.bytes_per_element, device=dev, dtype=dt)
+    dst = torch.empty_like(src)
+    best_flops = best_bw = 0.0
+    deadline = time.perf_counter() + seconds
+    while True:
+        executor.synchronize()
+        t0 = time.perf_counter()
+        a @ b
+        executor.synchronize()
+        t1 = time.perf_counter()
+        dst.copy_(src)
+        executor.synchronize()
+        t2 = time.perf_counter()
+        best_flops = max(best_flops, 2 * n**3 / max(t1 - t0, 1e-9))
+        best_bw = max(best_bw, 2 * src.numel() * executor.bytes_per_element / max(t2 - t1, 1e-9))
+        if time.perf_counter() > deadline:
+            return best_flops, best_bw
