@@ -15,25 +15,57 @@ not exist, so the explorer cannot be used to probe other tenants' request ids.
 
 from __future__ import annotations
 
+import datetime as dt
 import math
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import duckdb
 import pyarrow as pa
 
-from dashboard.data import NS, BIN_LADDER_S, TimeWindow, sql_string
+from dashboard.data import NS, BIN_LADDER_S, TimeWindow, parquet_relation, sql_string
 from pipelines.tables import connect
 from privacy.sanitize import FIELD_POLICIES
 from privacy.views import TenantScope
 from schemas.events import LIFECYCLE_RANK
 
 #: How long after a window's end a step that started in it may end (a coalesced run of decode steps).
-_STEP_MARGIN_NS = 600 * NS
+STEP_MARGIN_NS = 600 * NS
 #: Events of one timestamp in lifecycle order (arrival before admission, last delivery before finish).
 _LIFECYCLE_ORDER = "CASE event_type " + " ".join(f"WHEN '{name}' THEN {rank}" for name, rank in LIFECYCLE_RANK.items()) + " END"
 #: A tenant value that is a lake pseudonym (``tn_`` and hex digits; see privacy.sanitize).
 PSEUDONYM_PATTERN = f"{FIELD_POLICIES['tenant'].kind}_[0-9a-f]+"
+
+
+#: A lake file's partition in its path (``.../dt=2023-11-16/hour=18/part-....parquet``).
+_PARTITION = re.compile(r"dt=(\d{4})-(\d{2})-(\d{2})/hour=(\d{1,2})/")
+_HOUR_NS = 3600 * NS
+
+
+def files_between(files: Sequence[str], lo_ns: int, hi_ns: int) -> tuple[str, ...]:
+    """The lake files whose dt/hour partition (of the event's ``ts_ns``, UTC) can hold events from
+    ``lo_ns`` to ``hi_ns``; a file whose path names no partition is always kept. Choosing files
+    here, before DuckDB opens any, keeps one request's view from touching the rest of the lake."""
+    lo_hour, hi_hour = lo_ns // _HOUR_NS, hi_ns // _HOUR_NS
+    kept = []
+    for name in files:
+        match = _PARTITION.search(name)
+        if match is None:
+            kept.append(name)
+            continue
+        year, month, day, hour = (int(g) for g in match.groups())
+        index = (dt.date(year, month, day) - dt.date(1970, 1, 1)).days * 24 + hour
+        if lo_hour <= index <= hi_hour:
+            kept.append(name)
+    return tuple(kept)
+
+
+def lake_events(files: Sequence[str], lo_ns: int, hi_ns: int) -> str:
+    """A ``read_parquet`` relation over the lake files that can hold events from ``lo_ns`` to
+    ``hi_ns`` (all files when none can: the queries then find nothing, as they should)."""
+    return parquet_relation(files_between(files, lo_ns, hi_ns) or files, hive=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,7 +230,7 @@ def batch_composition(events_relation: str, instance_id: str, window: TimeWindow
                    max(num_kv_blocks_used) AS kv_blocks_used,
                    sum(end_ns - start_ns) / 1e6 / sum(coalesce(num_steps, 1)) AS mean_step_ms
             FROM {events_relation}
-            WHERE {_time_filter(window.start_ns, window.end_ns + _STEP_MARGIN_NS, hive)} AND event_type = 'step_executed'
+            WHERE {_time_filter(window.start_ns, window.end_ns + STEP_MARGIN_NS, hive)} AND event_type = 'step_executed'
               AND instance_id = ? AND start_ns >= {int(window.start_ns)} AND start_ns < {int(window.end_ns)}
             GROUP BY ALL ORDER BY bin_start_ns""",
         params=[instance_id],

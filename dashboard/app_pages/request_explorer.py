@@ -7,7 +7,7 @@ import streamlit as st
 
 from dashboard import charts, ui
 from dashboard.data import NS, TimeWindow, parquet_relation
-from dashboard.explorer import Visibility
+from dashboard.explorer import STEP_MARGIN_NS, Visibility, lake_events
 
 s = ui.page("Request explorer", "One request's life: queue, admission, prefill chunks, decode, preemptions and the batches "
             "it shared; and the batch composition of an instance over time.")
@@ -32,7 +32,10 @@ except ui.ScopeUnavailable as exc:
 if source == LAKE:
     view = ui.lake_view(s)
     path, ov = view.requests_path, view.overview
-    relation, hive = parquet_relation(view.snapshot.event_files, hive=True), True
+    hive = True
+
+    def relation(lo_ns: int, hi_ns: int) -> str:
+        return lake_events(view.snapshot.event_files, lo_ns, hi_ns)
     visibility = Visibility(scope, lake=True)
     if scope is None:
         st.info("Requests in the lake are shown only to their own tenant: this dashboard has no viewer tenant "
@@ -41,7 +44,10 @@ else:
     run = runs[source]
     path = ui.run_requests(run, s.dashboard.cache_dir, s.lake.duckdb_memory_limit)
     ov = ui.overview(path)
-    relation, hive = parquet_relation([run.events_path]), False
+    hive = False
+
+    def relation(lo_ns: int, hi_ns: int) -> str:
+        return parquet_relation([run.events_path])
     visibility = Visibility(scope, lake=False)
 
 left, right = st.columns([3, 1])
@@ -75,7 +81,7 @@ else:
     st.caption("No request you may see in this window and class.")
 
 if summary is not None:
-    life = ui.request_life(relation, summary, hive, s.lake.duckdb_memory_limit)
+    life = ui.request_life(relation(summary.arrival_ns, summary.end_ns + 1), summary, hive, s.lake.duckdb_memory_limit)
     c1, c2, c3, c4, c5 = st.columns(5)
     c1.metric("Queue, s (arrival -> scheduled)", ui.fmt(summary.queue_s, ",.3f"))
     c2.metric("TTFT, s (arrival -> first token)", ui.fmt(summary.ttft_s, ",.3f"))
@@ -142,7 +148,8 @@ elif spans[span] == -1:
 else:
     end = min(window.end_ns, window.start_ns + spans[span] * NS)
     composition_window = TimeWindow(window.start_ns, end)
-composition, bin_s = ui.batch_composition(relation, instance, composition_window, hive, min(s.dashboard.max_points, 400),
+composition, bin_s = ui.batch_composition(relation(composition_window.start_ns, composition_window.end_ns + STEP_MARGIN_NS),
+                                          instance, composition_window, hive, min(s.dashboard.max_points, 400),
                                           s.lake.duckdb_memory_limit)
 if composition.num_rows:
     ui.show_figure(charts.composition_figure(composition, bin_s), "composition")

@@ -45,6 +45,25 @@ def test_a_preempted_requests_life_holds_its_queue_chunks_decode_and_preemptions
     preempted_at = [e["ts_ns"] for e in life.events.to_pylist() if e["event_type"] == "request_preempted"]
     assert any(s["start_ns"] > preempted_at[0] and s["phase"] == "prefill" for s in steps)  # the recompute
     assert all(s["num_members"] >= 1 for s in steps)
+    pruned = explorer.lake_events(snapshot.event_files, summary.arrival_ns, summary.end_ns + 1)
+    again = explorer.request_life(pruned, summary, hive=True)
+    assert again.events.equals(life.events) and again.steps.equals(life.steps)
+
+
+def test_only_the_lake_files_of_the_hours_in_question_are_read():
+    import datetime as dt
+
+    def ns(text: str) -> int:
+        return int(dt.datetime.fromisoformat(text).replace(tzinfo=dt.timezone.utc).timestamp()) * NS
+
+    files = ["s3://b/events/dt=2023-11-16/hour=23/part-0.parquet", "/l/events/dt=2023-11-17/hour=0/p.parquet",
+             "/l/events/dt=2023-11-17/hour=1/p.parquet", "/l/events/dt=2023-11-17/hour=10/p.parquet", "/l/events/odd.parquet"]
+    assert explorer.files_between(files, ns("2023-11-16T23:59:00"), ns("2023-11-17T00:30:00")) == (
+        files[0], files[1], files[4])
+    assert explorer.files_between(files, ns("2023-11-17T01:00:00"), ns("2023-11-17T10:00:00")) == (
+        files[2], files[3], files[4])
+    assert explorer.files_between(files[:4], ns("2023-11-18T00:00:00"), ns("2023-11-18T01:00:00")) == ()
+    assert explorer.lake_events(files[:1], 0, 1).startswith("read_parquet(['s3://b/events/dt=2023-11-16")  # never empty
 
 
 def test_who_may_open_a_request(lake):
