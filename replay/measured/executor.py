@@ -6,8 +6,10 @@
 together (one matrix product per weight, as a serving engine batches them); attention is per
 sequence over its own context, causal inside a chunk:
 
-- decode tokens (one new token each) in one batched call over keys gathered to the longest context
-  (shorter contexts masked);
+- decode tokens (one new token each) batched by context length: sequences whose contexts are
+  within a factor of two share one call over keys gathered to the group's longest (shorter ones
+  masked), so the work stays within 2x of the keys actually read (paged attention reads exactly
+  those) in a handful of calls;
 - each prefill chunk in its own call over its context plus the chunk.
 
 The model: token embedding, per layer RMSNorm -> fused QKV projection -> rotary embedding (the
@@ -157,10 +159,6 @@ class StepExecutor:
         for seq_id in list(self._tables):
             self.free(seq_id)
 
-    def _slots(self, table: list[int], start: int, stop: int) -> list[int]:
-        bs = self.block_size
-        return [table[p // bs] * bs + p % bs for p in range(start, stop)]
-
     # ------------------------------------------------------------------ the step
 
     def random_tokens(self, num_tokens: int):
@@ -178,11 +176,13 @@ class StepExecutor:
         if not work:
             raise ReplayError("a step has at least one sequence")
         s = self.shape
+        bs = self.block_size
         positions: list[int] = []
-        slots: list[int] = []
+        slots: list[int] = []  # cache slots of the new tokens
         decode_rows: list[int] = []  # token rows of one-token sequences
-        decode_keys: list[list[int]] = []  # their key slots (context + the new token)
-        chunks: list[tuple[int, int, int, list[int]]] = []  # (first row, tokens, context, key slots)
+        decode_tables: list[list[int]] = []  # their block tables
+        decode_lengths: list[int] = []  # their keys: context + the new token
+        chunks: list[tuple[int, int, int, list[int]]] = []  # (first row, tokens, context, block table)
         sample_rows: list[int] = []
         row = 0
         for w in work:
@@ -190,14 +190,14 @@ class StepExecutor:
             if n < 1 or ctx < 0:
                 raise ReplayError(f"sequence {w.seq_id!r}: {n} new tokens over {ctx} context tokens is not a step")
             table = self._ensure(w.seq_id, ctx + n)
-            keys = self._slots(table, 0, ctx + n)
-            slots.extend(keys[ctx:])
+            slots.extend(table[p // bs] * bs + p % bs for p in range(ctx, ctx + n))
             positions.extend(range(ctx, ctx + n))
             if n == 1:
                 decode_rows.append(row)
-                decode_keys.append(keys)
+                decode_tables.append(table)
+                decode_lengths.append(ctx + 1)
             else:
-                chunks.append((row, n, ctx, keys))
+                chunks.append((row, n, ctx, table))
             row += n
             if w.sample:
                 sample_rows.append(row - 1)
@@ -213,17 +213,32 @@ class StepExecutor:
         freqs = pos_t.to(torch.float32)[:, None] * self.inv_freq[None, :]
         cos = torch.cos(freqs).repeat(1, 2)[:, None, :].to(self.dtype)  # [T, 1, D]
         sin = torch.sin(freqs).repeat(1, 2)[:, None, :].to(self.dtype)
+        decode_buckets = []
         if decode_rows:
-            longest = max(len(k) for k in decode_keys)
-            dec_rows_t = as_long(decode_rows)
-            dec_keys_t = as_long([k + [0] * (longest - len(k)) for k in decode_keys])  # [B, L]
-            lengths = as_long([len(k) for k in decode_keys])
-            dec_mask = (torch.arange(longest, device=dev)[None, :] < lengths[:, None])[:, None, None, :]
+            # sequences of similar context (the longest at most twice the shortest) share one padded
+            # call: work stays within 2x of the keys read (as in paged attention), in a few calls
+            order = sorted(range(len(decode_rows)), key=lambda i: -decode_lengths[i])
+            groups: list[list[int]] = []
+            for i in order:
+                if not groups or decode_lengths[i] * 2 <= decode_lengths[groups[-1][0]]:
+                    groups.append([])
+                groups[-1].append(i)
+            for members in groups:
+                longest = decode_lengths[members[0]]
+                widest = -(-longest // bs)
+                tables = as_long([decode_tables[i][:widest] + [0] * (widest - min(widest, len(decode_tables[i])))
+                                  for i in members])  # [b, blocks]
+                pos = torch.arange(longest, device=dev)
+                keys_t = tables[:, pos // bs] * bs + pos % bs  # [b, longest]
+                lengths = as_long([decode_lengths[i] for i in members])
+                mask = (pos[None, :] < lengths[:, None])[:, None, None, :]
+                decode_buckets.append((as_long([decode_rows[i] for i in members]), keys_t, mask))
         chunk_views = []
-        for first, n, ctx, keys in chunks:
-            key_pos = torch.arange(ctx + n, device=dev)
-            mask = key_pos[None, :] <= (ctx + torch.arange(n, device=dev))[:, None]  # [n, ctx + n]
-            chunk_views.append((first, n, as_long(keys), mask[None, None]))
+        for first, n, ctx, table in chunks:
+            pos = torch.arange(ctx + n, device=dev)
+            keys_t = as_long(table)[pos // bs] * bs + pos % bs
+            mask = pos[None, :] <= (ctx + torch.arange(n, device=dev))[:, None]  # [n, ctx + n], causal
+            chunk_views.append((first, n, keys_t, mask[None, None]))
 
         x = self.embedding[token_ids]
         q_dim, kv_dim = s.num_attention_heads * s.head_dim, s.num_kv_heads * s.head_dim
@@ -241,11 +256,11 @@ class StepExecutor:
             kc[slot_t] = k
             vc[slot_t] = v
             attn = torch.empty_like(q)
-            if decode_rows:
-                qd = q[dec_rows_t][:, :, None, :]  # [B, Hq, 1, D]
-                kd = kc[dec_keys_t].transpose(1, 2)  # [B, Hkv, L, D]
-                vd = vc[dec_keys_t].transpose(1, 2)
-                attn[dec_rows_t] = sdpa(qd, kd, vd, attn_mask=dec_mask, scale=scale, enable_gqa=True)[:, :, 0, :]
+            for rows_t, keys_t, mask in decode_buckets:
+                qd = q[rows_t][:, :, None, :]  # [b, Hq, 1, D]
+                kd = kc[keys_t].transpose(1, 2)  # [b, Hkv, L, D]
+                vd = vc[keys_t].transpose(1, 2)
+                attn[rows_t] = sdpa(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=True)[:, :, 0, :]
             for first, n, keys_t, mask in chunk_views:
                 qc = q[first:first + n].transpose(0, 1)[None]  # [1, Hq, n, D]
                 kk = kc[keys_t].transpose(0, 1)[None]  # [1, Hkv, ctx + n, D]

@@ -36,7 +36,9 @@ stepping ``step_time_ns`` (the contract of ``replay.costmodel``).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import hashlib
+import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -238,6 +240,36 @@ def roofline_fractions(profile: Profile) -> tuple[tuple[str, float], ...]:
     ]
     out.append(("all", float(np.median(fractions))))
     return tuple(out)
+
+
+def fit_report_lines(report: FitReport) -> list[str]:
+    """The report as plain text (the CLI prints it)."""
+    h, t = report.held_out, report.train
+    lines = [
+        f"fit: held-out relative error median {h.median:.1%}, p95 {h.p95:.1%}, max {h.max:.1%} on {h.num_shapes} shapes "
+        f"(training shapes: median {t.median:.1%}, p95 {t.p95:.1%})",
+    ]
+    if report.held_out_by_kind:
+        lines.append("     held out by kind: " + ", ".join(
+            f"{kind} {s.median:.1%} median / {s.p95:.1%} p95 ({s.num_shapes})" for kind, s in report.held_out_by_kind
+        ))
+    lines.append("roofline fraction (median): " + ", ".join(f"{k} {v:.1%}" for k, v in report.roofline_fraction))
+    return lines
+
+
+def write_fit_report(report: FitReport, profile: Profile, profile_path: str | Path) -> Path:
+    """Write the report as JSON beside the profile (``<profile>.fit.json``); return its path."""
+    path = Path(str(profile_path) + ".fit.json")
+    data = {
+        "profile": Path(profile_path).name,
+        "device": profile.meta.device,
+        "device_name": profile.meta.device_name,
+        "model": profile.meta.model,
+        "held_out_share": HELD_OUT_SHARE,
+        **dataclasses.asdict(report),
+    }
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
 
 
 # ------------------------------------------------------------------------------------------ the instance

@@ -84,16 +84,16 @@ def default_sweep(device: str, shape: LlamaShape, **overrides: Any) -> SweepConf
             repeats=7,
             warmup=3,
         )
-    elif shape.hidden_size <= 256:  # the test-sized shapes
+    elif shape.hidden_size <= 256:  # the test-sized shapes: cheap steps, so the engine's whole range
         base = SweepConfig(
-            prefill_tokens=(2, 8, 24, 48),
-            prefill_contexts=(0, 32),
-            decode_seqs=(1, 3, 8),
-            decode_contexts=(8, 48),
-            mixed_prefill_tokens=(8, 32),
-            mixed_decode_seqs=(2, 6),
-            max_kv_tokens=4096,
-            repeats=3,
+            prefill_tokens=(1, 8, 32, 128, 512, 1024, 2048),
+            prefill_contexts=(0, 512, 2048),
+            decode_seqs=(1, 4, 16, 64, 128),
+            decode_contexts=(32, 256, 1024, 4096),
+            mixed_prefill_tokens=(32, 256, 1024),
+            mixed_decode_seqs=(4, 32, 96),
+            max_kv_tokens=131_072,
+            repeats=5,
             warmup=1,
         )
     else:

@@ -45,11 +45,18 @@ from servelens.errors import DataNotFoundError  # noqa: E402
 from tests.replay.conftest import make_workload  # noqa: E402
 
 
+#: A sweep small enough for the test suite (the default tiny sweep covers the engine's whole range)
+QUICK = dict(
+    prefill_tokens=(2, 8, 24, 48), prefill_contexts=(0, 32), decode_seqs=(1, 3, 8), decode_contexts=(8, 48),
+    mixed_prefill_tokens=(8, 32), mixed_decode_seqs=(2, 6), max_kv_tokens=4096, repeats=3, warmup=1,
+)
+
+
 @pytest.fixture(scope="module")
 def profile_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("profile") / "tiny-cpu.parquet"
     shape = llama_shape("tiny")
-    run_profile(shape, device="cpu", sweep=default_sweep("cpu", shape, repeats=3), out=out, num_threads=1)
+    run_profile(shape, device="cpu", sweep=default_sweep("cpu", shape, **QUICK), out=out, num_threads=1)
     return out
 
 
@@ -61,7 +68,7 @@ def small_workload(n: int = 10) -> pa.Table:
 
 def test_a_profile_is_written_with_its_metadata_and_read_back(profile_path: Path) -> None:
     profile = read_profile(profile_path)
-    sweep = default_sweep("cpu", llama_shape("tiny"))
+    sweep = default_sweep("cpu", llama_shape("tiny"), **QUICK)
     assert profile.table.schema.equals(PROFILE_SCHEMA)
     assert profile.table.num_rows == len(sweep_shapes(sweep)) == profile.meta.num_shapes_planned
     assert sorted(set(profile.table["kind"].to_pylist())) == ["decode", "mixed", "prefill"]
@@ -219,3 +226,63 @@ def test_measured_and_modelled_replays_compare_on_cpu(profile_path: Path, tmp_pa
 def test_a_measured_replay_refuses_a_large_workload(profile_path: Path) -> None:
     with pytest.raises(ReplayError, match="at most 5 requests"):
         compare_measured(small_workload(), profile_path, max_requests=5)
+
+
+def test_the_default_sweeps_stay_within_their_limits() -> None:
+    for device, name in (("cpu", "tiny"), ("cpu", "llama-1b"), ("cuda", "llama-8b"), ("cuda", "llama-70b")):
+        sweep = default_sweep(device, llama_shape(name))
+        shapes = sweep_shapes(sweep)
+        assert {s.kind for s in shapes} == {"prefill", "decode", "mixed"}
+        assert all(s.kv_tokens <= sweep.max_kv_tokens and s.num_tokens <= sweep.max_step_tokens for s in shapes)
+        assert len(set(shapes)) == len(shapes)
+    assert sweep_shapes(default_sweep("cpu", llama_shape("tiny"), seed=1)) != sweep_shapes(default_sweep("cpu", llama_shape("tiny")))
+
+
+# ------------------------------------------------------------------------------------------ the CLI
+
+
+def cli_run(*args: str):
+    from click.testing import CliRunner
+
+    from servelens.cli import cli
+
+    return CliRunner().invoke(cli, list(args))
+
+
+def test_cli_profile_and_compare_measured(tmp_path: Path, profile_path: Path) -> None:
+    workload = tmp_path / "w.parquet"
+    pq.write_table(small_workload(8), workload)
+    out = cli_run("compare-measured", "--workload", str(workload), "--profile", str(profile_path), "--requests", "6",
+                  "--threads", "1", "--out", str(tmp_path / "cmp"))
+    assert out.exit_code == 0, out.output
+    assert "ttft_s" in out.output and "held-out" in out.output and "6 requests" in out.output
+    assert (tmp_path / "cmp" / "comparison.json").is_file()
+    out = cli_run("replay", "--workload", str(workload), "--profile", str(profile_path), "--out", str(tmp_path / "rp"))
+    assert out.exit_code == 0, out.output
+    manifest = json.loads((tmp_path / "rp" / "manifest.json").read_text())
+    assert manifest["cost_model"]["name"] == "profile" and "held_out_p95_rel_error" in manifest["cost_model"]["parameters"]
+
+
+def test_cli_errors_are_clean(tmp_path: Path, profile_path: Path) -> None:
+    cases = [
+        (("profile", "--model", "llama-7b", "--out", str(tmp_path / "p.parquet")), "valid names: llama-1b"),
+        (("profile", "--model", "llama-1b", "--layers", "40", "--out", str(tmp_path / "p.parquet")), "between 1 and 16"),
+        (("replay", "--workload", "x", "--profile", str(tmp_path / "none.parquet"), "--out", str(tmp_path / "r")), None),
+        (("replay", "--workload", str(profile_path), "--profile", str(profile_path), "--engine", "llama-3-8b@h100-sxm",
+          "--out", str(tmp_path / "r")), "--engine and --profile both given"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append((("profile", "--model", "tiny", "--device", "cuda", "--out", str(tmp_path / "p.parquet")),
+                      "no CUDA device"))
+    for args, message in cases:
+        out = cli_run(*args)
+        assert out.exit_code != 0 and "Traceback" not in out.output, out.output
+        assert out.exception is None or isinstance(out.exception, SystemExit)
+        if message:
+            assert message in out.output, out.output
+
+
+def test_cli_help_has_examples() -> None:
+    for command in ("profile", "compare-measured"):
+        out = cli_run(command, "--help")
+        assert out.exit_code == 0 and "Example:" in out.output and "servelens " + command in out.output

@@ -94,6 +94,19 @@ def test_chunked_prefill_and_decodes_in_mixed_steps_match_the_reference(executor
     assert ex.num_free_blocks == ex.num_kv_blocks
 
 
+def test_decodes_of_similar_contexts_share_a_masked_call(executor: StepExecutor) -> None:
+    ex = executor
+    ex.free_all()
+    c, d, e = [3, 1, 4, 1, 5, 9, 2], [2, 7, 1, 8, 2, 8, 1, 8, 2], [6, 6]
+    refs = [reference_logits(ex, t) for t in (c, d, e)]
+    ex.execute([SeqWork("c", 6, 0), SeqWork("d", 8, 0), SeqWork("e", 1, 0)], torch.tensor(c[:6] + d[:8] + e[:1]))
+    # 7, 9 and 2 keys: c and d share one padded call (within 2x), e gets its own
+    out = ex.execute([SeqWork("c", 1, 6), SeqWork("d", 1, 8), SeqWork("e", 1, 1)], torch.tensor([c[6], d[8], e[1]]))
+    for i, (ref, tokens) in enumerate(zip(refs, (c, d, e))):
+        torch.testing.assert_close(out[i].double(), ref[len(tokens) - 1], rtol=1e-4, atol=1e-5)
+    ex.free_all()
+
+
 def test_grouped_query_heads_and_layers_come_from_the_shape(executor: StepExecutor) -> None:
     s = executor.shape
     assert s.num_attention_heads // s.num_kv_heads == 2
