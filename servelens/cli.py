@@ -543,6 +543,9 @@ def lake_sql(ctx: click.Context, query: str, limit: int) -> None:
               help="MODEL@ACCELERATOR[xTP], e.g. llama-2-70b@a100-80gx2.")
 @click.option("--cost-model", type=click.Choice(["roofline", "profile", "constant"]), default="roofline",
               show_default=True, help="Step cost model (profile: measured Vidur operator timings from the shared data folder).")
+@click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="A profile from `servelens profile`: its fitted step-time table is the cost model, its model "
+                   "(all real layers) on its device the instance (implies --cost-model profile; no --engine).")
 @click.option("--mode", type=click.Choice(["fast", "reference"]), default="fast", show_default=True,
               help="fast coalesces runs of identical decode steps (same timestamps); reference simulates every step.")
 @click.option("--requests", "num_requests", type=int, default=None, help="Tile the workload to this many requests.")
@@ -550,7 +553,8 @@ def lake_sql(ctx: click.Context, query: str, limit: int) -> None:
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True, help="Output folder.")
 @click.pass_context
 def replay_command(ctx: click.Context, workload_name: str, policy_name: str, policy_config: Path | None,
-                   engine_spec: str, cost_model: str, mode: str, num_requests: int | None, seed: int, out: Path) -> None:
+                   engine_spec: str, cost_model: str, profile_path: Path | None, mode: str, num_requests: int | None,
+                   seed: int, out: Path) -> None:
     """Replay a workload through a modelled serving instance; write events.parquet and manifest.json.
 
     The events follow the lifecycle contract, so `servelens requests derive OUT/events.parquet`
@@ -562,13 +566,17 @@ def replay_command(ctx: click.Context, workload_name: str, policy_name: str, pol
       servelens replay --workload azure-conv --policy fcfs --engine llama-3-8b@h100-sxm --out out/replay/fcfs
       servelens replay --workload azure-conv --engine llama-2-70b@a100-80gx2 --cost-model profile --out out/70b
       servelens replay --workload azure-conv --policy deadline --policy-config deadline.yaml --out out/deadline
+      servelens replay --workload azure-conv --profile profiles/llama-8b-h200.parquet --out out/8b-fitted
     """
     from replay.policies import load_policy_config
     from replay.run import run_replay
     from replay.workload import load_workload
 
+    instance, model_arg = (
+        _fitted_profile(ctx, profile_path) if profile_path is not None else (_instance(engine_spec), cost_model)
+    )
     workload = load_workload(workload_name, _shared_or_none(ctx, workload_name), num_requests)
-    shared = shared_dir(_config(ctx)) if cost_model == "profile" else None
+    shared = shared_dir(_config(ctx)) if cost_model == "profile" and profile_path is None else None
     with click.progressbar(length=workload.num_requests or 0, label="replaying", file=sys.stderr,
                            item_show_func=lambda p: f"{p.simulated_ns / 1e9:,.0f} s simulated in {p.wall_s:,.1f} s" if p else None) as bar:
         done = [0]
@@ -578,8 +586,8 @@ def replay_command(ctx: click.Context, workload_name: str, policy_name: str, pol
             done[0] = p.num_arrived
 
         config = load_policy_config(policy_name, policy_config) if policy_config is not None else None
-        summary = run_replay(workload, policy_name=policy_name, policy_config=config, instance=_instance(engine_spec),
-                             cost_model=cost_model, shared=shared, seed=seed, out_dir=out, mode=mode,
+        summary = run_replay(workload, policy_name=policy_name, policy_config=config, instance=instance,
+                             cost_model=model_arg, shared=shared, seed=seed, out_dir=out, mode=mode,
                              progress=progress, progress_every=max(1, (workload.num_requests or 100_000) // 200))
     click.echo(
         f"replayed {summary.num_requests:,} requests ({summary.simulated_s:,.1f} s simulated) in {summary.wall_s:,.1f} s "
@@ -593,6 +601,130 @@ def _instance(engine_spec: str):
     from replay.config import parse_instance
 
     return parse_instance(engine_spec)
+
+
+def _fitted_profile(ctx: click.Context, profile_path: Path):
+    """(instance, fitted cost model) of a profile from `servelens profile` (replay --profile)."""
+    from click.core import ParameterSource
+
+    from replay.costmodel import make_cost_model
+    from replay.measured.fit import FittedProfileConfig, profile_instance
+    from replay.measured.profiler import read_profile
+
+    for name, flag in (("engine_spec", "--engine"), ("cost_model", "--cost-model")):
+        if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None):
+            raise ServelensError(
+                f"{flag} and --profile both given: a profile fixes the cost model, the model and the device",
+                "drop one of them (docs/calibration.md)",
+            )
+    instance = profile_instance(read_profile(profile_path).meta)
+    return instance, make_cost_model("profile", instance, config=FittedProfileConfig(path=str(profile_path)))
+
+
+# ---------------------------------------------------------------------------------------------- calibration
+
+
+@cli.command("profile")
+@click.option("--model", "model_name", required=True,
+              help="Model shape: tiny, llama-1b, llama-8b, llama-70b (Llama architecture, random weights).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where the forward passes run (cuda: bf16, timed with CUDA events; cpu: float32, perf_counter).")
+@click.option("--layers", "num_layers", type=int, default=None,
+              help="Build only this many layers (scaled by layer count: the fitted model multiplies per-layer "
+                   "terms back to the real model) [default: all].")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="Profile to write (Parquet); the fit report goes beside it as <out>.fit.json.")
+@click.option("--repeats", type=int, default=None, help="Timed runs per shape [default: 7 on cuda, 3 on cpu].")
+@click.option("--warmup", type=int, default=None, help="Untimed runs per shape first [default: 3 on cuda, 1 on cpu].")
+@click.option("--max-seconds", type=float, default=None, help="Time box: stop sweeping after this long (the profile says so).")
+@click.option("--threads", "num_threads", type=int, default=None, help="torch CPU threads [default: torch's].")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of weights, tokens, shape order and the held-out split.")
+def profile_command(model_name: str, device: str, num_layers: int | None, out: Path, repeats: int | None,
+                    warmup: int | None, max_seconds: float | None, num_threads: int | None, seed: int) -> None:
+    """Time real forward passes over a sweep of step shapes; write a profile and fit the cost model.
+
+    Each shape (prefill chunk sizes and contexts, decode batch sizes and contexts, and their mixes)
+    runs warm-up times untimed, then repeats timed; the profile keeps every repeat, the median and the
+    spread, with metadata (device and driver, torch, dtype, model shape, date). The step-time table
+    fitted to it is reported on held-out shapes (median and p95 relative error) with the roofline
+    fraction reached. Needs the optional PyTorch extra (pip install 'servelens[gpu]').
+
+    \b
+    Example:
+      servelens profile --model tiny --device cpu --out out/profiles/tiny-cpu.parquet
+      servelens profile --model llama-8b --device cuda --out profiles/llama-8b-h200.parquet --max-seconds 240
+      servelens profile --model llama-70b --layers 8 --device cuda --out profiles/llama-70b-8l-h200.parquet
+    """
+    from replay.measured.fit import evaluate_profile, fit_report_lines, write_fit_report
+    from replay.measured.profiler import default_sweep, run_profile
+    from replay.measured.shapes import llama_shape
+
+    from replay.measured.executor import resolve_device
+
+    shape = llama_shape(model_name, num_layers)
+    resolve_device(device)  # a missing torch or CUDA is said before anything runs
+    overrides = {k: v for k, v in (("repeats", repeats), ("warmup", warmup), ("max_seconds", max_seconds)) if v is not None}
+    sweep = default_sweep(device, shape, seed=seed, **overrides)
+    with click.progressbar(length=1, label=f"profiling {shape.name} on {device}", file=sys.stderr,
+                           item_show_func=lambda text: text) as bar:
+        def progress(done: int, total: int, s, median_ns: int) -> None:
+            bar.length = total
+            bar.update(1, f"{s.kind} {s.num_tokens} tokens: {median_ns / 1e6:,.2f} ms")
+
+        profile = run_profile(shape, device=device, sweep=sweep, out=out, progress=progress, num_threads=num_threads)
+    _, report = evaluate_profile(profile, seed)
+    report_path = write_fit_report(report, profile, out)
+    m = profile.meta
+    click.echo(
+        f"profiled {profile.table.num_rows} of {m.num_shapes_planned} shapes of {shape.name} "
+        f"({shape.num_layers}/{shape.full_num_layers} layers, {m.dtype}) on {m.device_name} in {m.wall_s:,.1f} s"
+        + (" (time box reached)" if m.truncated else "")
+    )
+    for line in fit_report_lines(report):
+        click.echo(line)
+    click.echo(f"profile: {out}\nfit:     {report_path}")
+
+
+@cli.command("compare-measured")
+@click.option("--workload", "workload_name", required=True,
+              help="Bundled trace name, trace file, or workload Parquet file; sliced by --requests.")
+@click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="A profile from `servelens profile`: its model runs measured, its fitted table runs modelled.")
+@click.option("--policy", "policy_name", default="fcfs", show_default=True, help="Registered scheduling policy.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Where to measure [default: the profile's device].")
+@click.option("--requests", "num_requests", type=int, default=50, show_default=True,
+              help="Replay the workload's first this many requests (every step is a real forward pass).")
+@click.option("--threads", "num_threads", type=int, default=None, help="torch CPU threads [default: torch's].")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of every random choice.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Output folder: modelled/ and measured/ replays (events + manifest) and comparison.json.")
+@click.pass_context
+def compare_measured_command(ctx: click.Context, workload_name: str, profile_path: Path, policy_name: str,
+                             device: str | None, num_requests: int, num_threads: int | None, seed: int, out: Path) -> None:
+    """Replay a small workload modelled and measured; compare TTFT, ITL and E2E percentiles.
+
+    The measured replay executes every step the engine composes on the device (the profile's model,
+    random weights) and uses the measured step times as the clock; the modelled replay uses the
+    profile's fitted step-time table. Same workload, policy, instance and seed. Prints each metric's
+    p50/p90/p99 with the relative error (modelled - measured) / measured, and the fitted model's error
+    on the measured run's own steps.
+
+    \b
+    Example:
+      servelens profile --model tiny --device cpu --out out/profiles/tiny-cpu.parquet
+      servelens compare-measured --workload azure-conv --profile out/profiles/tiny-cpu.parquet --requests 30 --out out/measured
+    """
+    from replay.measured.measured import compare_measured, comparison_lines
+    from replay.workload import load_workload
+
+    if num_requests < 1:
+        raise ServelensError(f"--requests must be at least 1, not {num_requests}")
+    workload = load_workload(workload_name, _shared_or_none(ctx, workload_name), num_requests)
+    result = compare_measured(workload, profile_path, device=device, policy_name=policy_name, seed=seed, out_dir=out,
+                              num_threads=num_threads)
+    for line in comparison_lines(result):
+        click.echo(line)
+    click.echo(f"outputs: {out}/modelled, {out}/measured, {out}/comparison.json")
 
 
 # ---------------------------------------------------------------------------------------------- gate
