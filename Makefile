@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# PyTorch (the `gpu` extra, part of `dev`) is pinned to 2.13.0. In CI (CI set) PyTorch's CPU wheel index
+# is added so pip takes the CPU build (~200 MB), not PyPI's CUDA one (GBs); set TORCH_INDEX= to skip that.
+TORCH_INDEX ?= $(if $(CI),https://download.pytorch.org/whl/cpu,)
 
 .PHONY: demo test env dagster dashboard
 
@@ -13,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "servelens needs Python >= 3.11: run make PYTHON=python3.11 ...")'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e '.[dev]' $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	@# Debian packages the tests use: kcat (a C Kafka client) and chromium (the browser tests)
 	@missing=""; \
 	  command -v kcat >/dev/null 2>&1 || missing="$$missing kcat"; \
