@@ -25,6 +25,7 @@ Measured (the target: under 2 s per page):
     python benchmarks/dashboard.py --quick         # 50,000 requests, under a minute on a built lake
     python benchmarks/dashboard.py --keep DIR      # build the lake in DIR once, reuse it afterwards
     python benchmarks/dashboard.py --keep DIR --build-only   # build now, measure when the machine is quiet
+    python benchmarks/dashboard.py --keep DIR --keep-derived # pages only: reuse the derived tables of a last run
 
 The last line of output is one JSON object with the figures.
 """
@@ -228,6 +229,8 @@ def main() -> None:
     parser.add_argument("--keep", type=Path, default=None, help="build the lake here once and reuse it")
     parser.add_argument("--no-browser", action="store_true", help="AppTest timings only")
     parser.add_argument("--build-only", action="store_true", help="with --keep: build the lake and stop (measure later)")
+    parser.add_argument("--keep-derived", action="store_true",
+                        help="with --keep: reuse the derived request table and run metrics in its cache (pages only)")
     args = parser.parse_args()
     num_requests = args.requests or (50_000 if args.quick else 1_000_000)
     with tempfile.TemporaryDirectory(prefix="servelens-dashboard-bench-") as tmp:
@@ -239,9 +242,12 @@ def main() -> None:
             print(json.dumps(figures))
             return
         settings = settings_for(root)
-        shutil.rmtree(root / "cache", ignore_errors=True)  # the derivation is measured every time
+        if not args.keep_derived:
+            shutil.rmtree(root / "cache", ignore_errors=True)  # the derivation is measured unless told otherwise
         log("deriving the request table and run metrics (once per lake version) ...")
-        figures |= derive(settings)
+        derived = derive(settings)
+        figures |= derived if not args.keep_derived else {"derived_tables": "reused", **{
+            k: v for k, v in derived.items() if k == "lake_request_rows"}}
         log("AppTest page runs ...")
         figures["apptest"] = apptest_times(settings)
         if not args.no_browser:

@@ -26,6 +26,9 @@ BOUNDARIES = {
     "itl_p99_s": "ITL, s: each request's p99 gap between consecutive tokens (a chunk of k tokens: k gaps of g/k)",
     "e2e_s": "E2E, s: arrival -> last token",
 }
+#: Longest series drawn with a marker per point (beyond it, lines only: thousands of SVG markers
+#: take the browser longer to draw than the page's queries take to run).
+MAX_MARKERS = 150
 _OBJECTIVE_OF = {"ttft_s": "ttft_s", "itl_p99_s": "itl_s", "e2e_s": "e2e_s"}
 
 
@@ -119,7 +122,9 @@ def service_figure(table: pa.Table, column: str, title: str, yaxis: str, bin_s: 
     colors = _color(classes)
     for name in sorted(set(classes)):
         rows = t.filter(pc.equal(t["service_class"], name))
-        fig.add_trace(go.Scatter(x=_times(rows["bin_start_ns"]), y=rows[column].to_pylist(), mode="lines+markers",
+        # markers only where a series is short enough to read them: each is an SVG node to draw
+        mode = "lines+markers" if rows.num_rows <= MAX_MARKERS else "lines"
+        fig.add_trace(go.Scatter(x=_times(rows["bin_start_ns"]), y=rows[column].to_pylist(), mode=mode,
                                  marker={"size": 3}, name=plot_text(name), line={"color": colors[name]}))
     values = [v for v in t[column].to_pylist() if v is not None] if t.num_rows else []
     if column.startswith("attainment"):  # down to 90% at least, so that small dips stay readable

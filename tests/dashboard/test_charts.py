@@ -34,3 +34,13 @@ def test_every_figure_accepts_an_empty_or_fully_suppressed_aggregate():
                         "suppressed": [True]})
     assert not charts.tenant_figure(tenants).data
     assert not charts.timeline_figure(0, [], []).data
+
+
+def test_long_series_are_drawn_as_lines_short_ones_with_a_marker_per_point():
+    def series(n: int) -> pa.Table:
+        return pa.table({"bin_start_ns": [i * 10**9 for i in range(n)], "service_class": ["batch"] * n,
+                         "attainment": [1.0] * n, "suppressed": [False] * n})
+
+    short = charts.service_figure(series(charts.MAX_MARKERS), "attainment", "A", "attainment", 1)
+    long = charts.service_figure(series(charts.MAX_MARKERS + 1), "attainment", "A", "attainment", 1)
+    assert short.data[0].mode == "lines+markers" and long.data[0].mode == "lines"
