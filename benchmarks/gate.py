@@ -10,6 +10,7 @@ of every default metric, rank tests) and the three reports. That process's peak 
 
     python benchmarks/gate.py            # 2 x 1,000,000 requests (the README figure)
     python benchmarks/gate.py --quick    # 2 x 50,000 requests, under a minute
+    python benchmarks/gate.py --duckdb-memory-limit none   # DuckDB's default cap (80% of RAM)
 
 The last line of output is one JSON object with the figures.
 """
@@ -47,7 +48,7 @@ def make_replays(num_requests: int, root: Path) -> None:
         print(f"replayed {name}: {summary.num_requests:,} requests in {time.perf_counter() - started:.0f} s", file=sys.stderr)
 
 
-def time_gate(root: Path) -> dict:
+def time_gate(root: Path, memory_limit: str | None) -> dict:
     from replay.gate import compare_runs, default_config, load_run
     from replay.metrics import run_metrics
     from replay.report import write_reports
@@ -55,7 +56,8 @@ def time_gate(root: Path) -> dict:
     config = default_config()
     phases = {}
     started = time.perf_counter()
-    base, cand = load_run(root / "baseline", "baseline"), load_run(root / "candidate", "candidate")
+    base = load_run(root / "baseline", "baseline", memory_limit=memory_limit)
+    cand = load_run(root / "candidate", "candidate", memory_limit=memory_limit)
     phases["load_s"] = time.perf_counter() - started
     started = time.perf_counter()
     for run in (base, cand):
@@ -73,6 +75,7 @@ def time_gate(root: Path) -> dict:
         **{k: round(v, 2) for k, v in phases.items()},
         "total_s": round(sum(phases.values()), 2),
         "verdict": verdict.status,
+        "duckdb_memory_limit": memory_limit,
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }
 
@@ -81,15 +84,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="2 x 50,000 requests instead of 2 x 1,000,000")
     parser.add_argument("--requests", type=int, default=None)
+    parser.add_argument("--duckdb-memory-limit", default="2GB",
+                        help="DuckDB's cap while deriving the request tables, as lake.duckdb_memory_limit "
+                             "(default 2GB; 'none': DuckDB's default, 80%% of RAM)")
     parser.add_argument("--time-gate", metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    limit = None if args.duckdb_memory_limit.lower() == "none" else args.duckdb_memory_limit
     if args.time_gate:
-        print(json.dumps(time_gate(Path(args.time_gate))))
+        print(json.dumps(time_gate(Path(args.time_gate), limit)))
         return
     num_requests = args.requests or (50_000 if args.quick else 1_000_000)
     with tempfile.TemporaryDirectory() as tmp:
         make_replays(num_requests, Path(tmp))
-        proc = subprocess.run([sys.executable, __file__, "--time-gate", tmp], capture_output=True, text=True, check=True)
+        proc = subprocess.run([sys.executable, __file__, "--time-gate", tmp, "--duckdb-memory-limit", str(limit).lower()],
+                              capture_output=True, text=True, check=True)
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     print(json.dumps(figures))
 

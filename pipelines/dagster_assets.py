@@ -10,6 +10,7 @@ policy at one load is one partition.
 import datetime as dt
 import json
 import tempfile
+from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
 
@@ -309,6 +310,38 @@ def verdicts_when_replays_done(context: dg.RunStatusSensorContext, lake: LakeRes
 def day_config(day: str, *assets: str) -> dict:
     """Run config that gives ``assets`` the day to work on."""
     return {"ops": {name: {"config": {"day": day}} for name in assets}}
+
+
+def materialize_day(day: str, resources: dict, instance: dg.DagsterInstance,
+                    progress: Callable[[str], None] = lambda _: None,
+                    log_level: str = "INFO") -> list[dg.ExecuteInProcessResult]:
+    """Every asset of the graph for ``day``, in process, in the order the sensor, the nightly
+    schedule and the run-status sensor launch them in a deployment: the ingested events, the day's
+    tables and workload, the load scenarios, one run per (policy, load) replay, then comparisons
+    and verdicts. Asset checks run with their assets (a failed check is in the results, not raised).
+    ``log_level`` is the console logger's (Dagster logs each step at DEBUG).
+    """
+    plan: ReplayPlanResource = resources["plan"]
+    cases = plan.cases()
+    instance.add_dynamic_partitions(POLICIES.name, list(dict.fromkeys(c.policy for c in cases)))
+    definitions = [*ASSETS, *CHECKS]
+
+    def run(selection, partition_key=None, ops=()) -> dg.ExecuteInProcessResult:
+        run_config = {**day_config(day, *ops), "loggers": {"console": {"config": {"log_level": log_level}}}}
+        return dg.materialize(definitions, selection=selection, partition_key=partition_key, instance=instance,
+                              resources=resources, run_config=run_config)
+
+    progress(f"deriving the request table, steps and workload of {day}")
+    results = [run([ingested_events]), run([request_table, step_table, workload], day)]
+    for load in plan.loads:
+        results.append(run([scaled_workload], load, ["scaled_workload"]))
+    for n, case in enumerate(cases, 1):
+        progress(f"replay {n}/{len(cases)}: {case.policy} at {case.load} load")
+        key = dg.MultiPartitionKey({"policy": case.policy, "load": case.load})
+        results.append(run([replay_runs], key, ["replay_runs"]))
+    progress("comparing each candidate with production and writing the verdicts")
+    results.append(run([comparisons, gate_verdicts], ops=["comparisons", "gate_verdicts"]))
+    return results
 
 
 class CandidateConfig(dg.Config):

@@ -215,11 +215,15 @@ class Run:
     manifest_sha256: str | None
 
 
-def load_run(path: str | Path, label: str) -> Run:
-    """A replay output folder (events.parquet + manifest.json), an events file, or a request table."""
+def load_run(path: str | Path, label: str, *, memory_limit: str | None = None) -> Run:
+    """A replay output folder (events.parquet + manifest.json), an events file, or a request table.
+
+    ``memory_limit`` (e.g. "2GB", ``lake.duckdb_memory_limit``) caps DuckDB while it derives the
+    request table from events: it spills to disk beyond it (unset: DuckDB's default, 80% of RAM).
+    """
     import hashlib
 
-    from pipelines.tables import derive_requests
+    from pipelines.tables import connect, derive_requests
     from schemas.validate import detect_format, iter_event_tables
 
     path = Path(path)
@@ -241,8 +245,11 @@ def load_run(path: str | Path, label: str) -> Run:
         if "ttft_s" in names:
             requests = pq.read_table(path)
         elif "event_type" in names:
-            requests = derive_requests(path)  # DuckDB streams the file: events never all in memory
-            steps = pq.read_table(path, columns=STEP_COLUMNS, filters=[("event_type", "==", "step_executed")])
+            # DuckDB streams the file: events never all in memory
+            requests = derive_requests(path, con=connect(memory_limit))
+            # member ids as dictionary codes: a request sits in hundreds of steps
+            steps = pq.read_table(path, columns=STEP_COLUMNS, filters=[("event_type", "==", "step_executed")],
+                                  read_dictionary=["request_ids.list.element"])
         else:
             raise ServelensError(f"{path} is neither an events file nor a request table")
     else:

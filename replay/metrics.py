@@ -229,7 +229,8 @@ class Steps:
     start_s: np.ndarray
     duration_s: np.ndarray  # the whole event (all its num_steps)
     instance: np.ndarray
-    member_request: np.ndarray  # flattened batch membership: request id ...
+    member_ids: pa.Array  # the distinct request ids of the batch members (strings, each once)
+    member_request: np.ndarray  # flattened batch membership: index into member_ids ...
     member_step: np.ndarray  # ... the step it belongs to ...
     member_tokens: np.ndarray  # ... and the tokens it processed there
 
@@ -246,11 +247,16 @@ def load_steps(events: pa.Table, origin_ns: int) -> Steps:
     end = pc.fill_null(steps["end_ns"], 0).to_numpy()
     members = steps["request_ids"].combine_chunks() if steps.num_rows else pa.array([], pa.list_(pa.string()))
     tokens = steps["request_num_tokens"].combine_chunks() if steps.num_rows else pa.array([], pa.list_(pa.int64()))
+    # a request is a member of many steps: keep each id once and the members as integer codes
+    # (``gate.load_run`` reads the ids dictionary-encoded already)
+    flat = pc.list_flatten(members) if len(members) else None
+    codes = flat if flat is None or pa.types.is_dictionary(flat.type) else pc.dictionary_encode(flat)
     return Steps(
         start_s=(start - origin_ns) / NS,
         duration_s=(end - start) / NS,
         instance=np.array([i or "" for i in steps["instance_id"].to_pylist()], dtype=object),
-        member_request=np.array(pc.list_flatten(members).to_pylist(), dtype=object),
+        member_ids=codes.dictionary if codes is not None else pa.array([], pa.string()),
+        member_request=codes.indices.to_numpy().astype(np.int64) if codes is not None else np.zeros(0, np.int64),
         member_step=pc.list_parent_indices(members).to_numpy() if len(members) else np.zeros(0, dtype=np.int64),
         member_tokens=pc.list_flatten(tokens).to_numpy().astype(np.float64) if len(tokens) else np.zeros(0),
     )
@@ -323,11 +329,12 @@ def attribution(r: Requests, steps: Steps | None) -> np.ndarray:
     charge = np.zeros(r.size)
     if steps is None or not len(steps.member_request):
         return charge
-    index = {rid: i for i, rid in enumerate(r.request_id.tolist())}
     tokens_per_step = np.bincount(steps.member_step, weights=steps.member_tokens, minlength=len(steps.start_s))
     share = steps.member_tokens / np.where(tokens_per_step[steps.member_step] > 0, tokens_per_step[steps.member_step], 1)
     seconds = share * steps.duration_s[steps.member_step]
-    rows = np.array([index.get(rid, -1) for rid in steps.member_request.tolist()], dtype=np.int64)
+    # each distinct member id's row in the request table (-1: a request the table does not hold)
+    id_rows = pc.fill_null(pc.index_in(steps.member_ids, value_set=pa.array(r.request_id.tolist(), pa.string())), -1)
+    rows = id_rows.to_numpy().astype(np.int64)[steps.member_request]
     known = rows >= 0
     np.add.at(charge, rows[known], seconds[known])
     return charge

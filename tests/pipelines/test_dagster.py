@@ -121,9 +121,9 @@ class Deployment:
 
 
 def resources(**plan) -> dict:
+    plan = {"production": "fcfs", "candidates": ["test-spf"], "loads": ["1x", "2x"], **plan}
     return {"lake": assets.LakeResource(), "kafka": assets.KafkaResource(timeout_s=3.0),
-            "privacy_key": assets.PrivacyKeyResource(),
-            "plan": assets.ReplayPlanResource(production="fcfs", candidates=["test-spf"], loads=["1x", "2x"], **plan)}
+            "privacy_key": assets.PrivacyKeyResource(), "plan": assets.ReplayPlanResource(**plan)}
 
 
 @pytest.fixture(scope="module")
@@ -160,22 +160,6 @@ def check_results(result: dg.ExecuteInProcessResult) -> dict[str, dg.AssetCheckE
     return {e.check_name: e for e in result.get_asset_check_evaluations()}
 
 
-def materialize_everything(deployment: Deployment, instance: dg.DagsterInstance,
-                           policies=("fcfs", "test-spf")) -> list[dg.ExecuteInProcessResult]:
-    """Every asset of the graph for the trace's day, as the sensor, schedule and sensor would run them."""
-    instance.add_dynamic_partitions("policy", list(policies))
-    results = [materialize([assets.ingested_events], instance=instance),
-               materialize([assets.request_table, assets.step_table, assets.workload], instance=instance, partition_key=DAY),
-               materialize([assets.scaled_workload], instance=instance, partition_key="2x", day_ops=["scaled_workload"])]
-    for policy in policies:
-        for load in ("1x", "2x"):
-            results.append(materialize([assets.replay_runs], instance=instance, partition_key=run_key(policy, load),
-                                       day_ops=["replay_runs"]))
-    results.append(materialize([assets.comparisons, assets.gate_verdicts], instance=instance,
-                               day_ops=["comparisons", "gate_verdicts"]))
-    return results
-
-
 @pytest.fixture
 def instance() -> Iterator[dg.DagsterInstance]:
     """A throwaway Dagster instance (``instance_for_test``: ephemeral ones can lose their storage's
@@ -189,7 +173,7 @@ def materialized(ingested, tmp_path_factory) -> Iterator[tuple[Deployment, dg.Da
     deployment = ingested.copy(tmp_path_factory.mktemp("full") / "deployment")
     with dg.instance_for_test() as test_instance:
         with deployment.environment(), registered(ShortestPromptFirst):
-            results = materialize_everything(deployment, test_instance)
+            results = assets.materialize_day(DAY, resources(), test_instance)
         yield deployment, test_instance, results
 
 
