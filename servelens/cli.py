@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -376,7 +377,6 @@ def broker(ctx: click.Context, port: int | None) -> None:
       servelens broker                 # 127.0.0.1:9092, topic servelens.events.v1
       servelens broker --port 19092
     """
-    import signal
 
     from pipelines.broker import LocalBroker
 
@@ -779,7 +779,9 @@ def gate(ctx: click.Context, baseline: Path | None, candidate: Path | None, gate
     else:
         if baseline is None or candidate is None:
             raise ServelensError("--baseline and --candidate are both needed", "or use --live to judge two pools of the lake")
-        base_run, cand_run = load_run(baseline, "baseline"), load_run(candidate, "candidate")
+        limit = _config(ctx).lake.duckdb_memory_limit
+        base_run = load_run(baseline, "baseline", memory_limit=limit)
+        cand_run = load_run(candidate, "candidate", memory_limit=limit)
     verdict = compare_runs(base_run, cand_run, config)
     decision = decide(verdict, previous_config) if live else None
     paths = write_reports(verdict, base_run, cand_run, out or Path(_config(ctx).paths.out_dir) / "gate", decision)
@@ -799,27 +801,83 @@ def gate(ctx: click.Context, baseline: Path | None, candidate: Path | None, gate
 @cli.command()
 @click.option("--trace", "trace_name", default="azure-conv", show_default=True, help="Bundled trace name or trace file.")
 @click.option(
-    "--out", type=click.Path(file_okay=False, path_type=Path), default=None, help="Output folder [default: <out_dir>/demo]."
+    "--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+    help="Demo folder, emptied first (the demo key is kept) [default: <out_dir>/demo].",
 )
+@click.option("--candidates", default=None,
+              help="Comma-separated candidate policies judged against nightly.production [default: sarathi,vtc,deadline].")
+@click.option("--loads", default=None, help="Comma-separated load scenarios [default: 1x,2x].")
+@click.option("--speedup", type=float, default=100.0, show_default=True,
+              help="Emit the engine fleet's events this many times faster than recorded (bursts kept).")
+@click.option("--requests", "num_requests", type=click.IntRange(min=100), default=None,
+              help="Only the trace's first N requests (a quicker look) [default: all].")
+@click.option("--serve/--no-serve", default=True, show_default=True,
+              help="Serve the dashboard after the summary until Ctrl-C (--no-serve: print the summary and exit).")
+@click.option("--port", type=int, default=None,
+              help="Dashboard port [default: dashboard.port if free, else any free one].")
 @click.pass_context
-def demo(ctx: click.Context, trace_name: str, out: Path | None) -> None:
-    """Run the end-to-end path on a bundled real trace and print a summary.
+def demo(ctx: click.Context, trace_name: str, out: Path | None, candidates: str | None, loads: str | None, speedup: float,
+         num_requests: int | None, serve: bool, port: int | None) -> None:
+    """The whole path on this machine, offline: engine events to a canary verdict and the dashboard.
+
+    A local broker; a replay of the trace under the production policy plays the engine fleet and
+    emits its events through the emitter SDK (time-accelerated, bursts kept); the ingest consumer
+    sanitizes and stores them; the Dagster asset graph derives the tables and replays each candidate
+    at each load; the gate judges each against production; the dashboard serves the results. Ctrl-C
+    stops everything; running it again starts from an empty demo folder.
 
     \b
     Example:
-      servelens demo --trace mooncake
+      servelens demo                                  # then open the printed URL
+      servelens demo --requests 2000 --candidates sarathi,vtc --loads 1x --no-serve
     """
-    from servelens.demo import render_summary, run_demo
+    from servelens.demo import DEMO_CANDIDATES, DEMO_LOADS, render_summary, run_demo, serve_demo
 
+    if speedup <= 0:
+        raise ServelensError(f"--speedup must be positive, got {speedup:g}", "for example --speedup 100")
     config = _config(ctx)
+    out = out or Path(config.paths.out_dir) / "demo"
     result = run_demo(
         trace_name,
         _shared_or_none(ctx, trace_name),
-        out or Path(config.paths.out_dir) / "demo",
-        config.privacy,
+        out,
+        config,
+        candidates=_names(candidates) if candidates else DEMO_CANDIDATES,
+        loads=_names(loads) if loads else DEMO_LOADS,
+        speedup=speedup,
+        num_requests=num_requests,
         progress=lambda line: click.echo(line, err=True),
     )
-    click.echo(render_summary(result))
+    if not serve:
+        click.echo(render_summary(result))
+        return
+    click.echo("starting the dashboard", err=True)
+    process, url = serve_demo(config, out, port)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        click.echo(render_summary(result, url))
+        click.echo(f"the dashboard serves at {url} until Ctrl-C")
+        process.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        _stop(process)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def _stop(process) -> None:
+    """Terminate a child server and wait for it (kill it if it does not go within 20 s)."""
+    import subprocess
+
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
 
 
 # ---------------------------------------------------------------------------------------------- dashboard
@@ -848,7 +906,6 @@ def dashboard_command(ctx: click.Context, port: int | None, host: str | None, ru
       servelens dashboard --port 0 --runs-dir out/demo   # a free port; the demo's replay on Policies
     """
     import dataclasses
-    import signal
     import subprocess
 
     from dashboard.config import settings_from_config
@@ -871,12 +928,7 @@ def dashboard_command(ctx: click.Context, port: int | None, host: str | None, ru
     except KeyboardInterrupt:
         pass
     finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        _stop(process)
 
 
 def main() -> None:

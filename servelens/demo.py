@@ -1,34 +1,69 @@
-"""The end-to-end path that exists so far, on a bundled real trace (README's first command).
+"""The whole path on one machine, offline (README's first command): engine events to a canary verdict.
 
-Stages: read the trace into a workload table, replay it through the production policy (FCFS with
-vLLM v1 semantics) on a modelled Llama-3-8B/H100 instance, validate and sanitize every event the
-replay emitted (as the ingest path does for a real engine's), derive the request table, and
-summarize the workload and its service levels. Each stage is a library call; this module only
-strings them together and reports progress. The demo pseudonymizes with a local key it generates
-on first use (and says so); real deployments configure their own key.
+Stages, each a library call that this module only strings together and reports:
+
+1. read a bundled real trace (default: Azure 2023 conversations);
+2. start a local Kafka-compatible broker on a free loopback port;
+3. replay the trace through the production policy on a modelled instance: this plays the engine
+   fleet, with a scenario that gives the requests tenants and service classes;
+4. emit those events through the emitter SDK, time-accelerated with their burst timing kept
+   (events due in the same 10 ms of wall time go together, in recorded order), while an ingest
+   consumer decodes, validates, sanitizes and commits them to the Delta/Parquet lake;
+5. run the Dagster asset graph in process for each day of data: request and step tables, the
+   workload, its load scenarios, one replay per (policy, load), the gate's comparisons and verdicts;
+6. summarize: the workload, privacy, production's service levels and a verdict per candidate;
+7. serve the dashboard over the demo's lake, runs and reports (the CLI prints its URL and keeps it
+   up until Ctrl-C).
+
+Every run starts from an empty demo folder (the demo's pseudonym key is kept), so running it twice
+gives the same figures. Nothing leaves the loopback interface.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
+import dataclasses
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipelines.lake import events_to_parquet
-from pipelines.tables import write_requests
-from privacy.config import PrivacyConfig
-from privacy.keys import demo_keyring
-from privacy.sanitize import PrivacyReport, Sanitizer
-from replay.config import parse_instance
 from replay.metrics import MetricsConfig, MetricValue, run_metrics
-from replay.run import run_replay
-from replay.traces import BUNDLED_TRACES, read_trace
-from replay.workload import TableWorkload, WorkloadStats, workload_stats
+from replay.scenario import Scenario, ServiceClassSpec, TenantSpec
+from replay.traces import BUNDLED_TRACES
+from replay.workload import WorkloadStats
+from servelens.config import Config
+from servelens.errors import ServelensError
 
 DEMO_ENGINE = "llama-3-8b@h100-sxm"
+DEMO_CANDIDATES = ("sarathi", "vtc", "deadline")
+DEMO_LOADS = ("1x", "2x")
+#: The engine fleet's traffic: three tenants of unequal volume, interactive and batch requests.
+DEMO_SCENARIO = Scenario(
+    name="demo-three-tenants",
+    tenants=(TenantSpec(name="acme", share=3), TenantSpec(name="globex", share=1), TenantSpec(name="initech", share=1)),
+    service_classes=(ServiceClassSpec(name="interactive", share=2, ttft_objective_s=2.0),
+                     ServiceClassSpec(name="batch", share=1)),
+)
+PACE_S = 0.01  # wall-clock granularity of the time-accelerated emission
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """One candidate at one load, judged against production."""
+
+    candidate: str
+    load: str
+    status: str
+    reasons: str
+    report: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,56 +72,243 @@ class DemoResult:
 
     trace: str
     stats: WorkloadStats
-    replay_dir: Path
+    out_dir: Path
     num_events: int
-    replay_wall_s: float
-    privacy: PrivacyReport
+    num_stored: int
+    num_dead_letters: int
+    emit_wall_s: float
+    speedup: float
     key_path: Path
-    key_created: bool
-    requests_path: Path
-    num_request_rows: int
-    metrics: tuple[MetricValue, ...]
+    days: tuple[str, ...]
+    metrics: tuple[MetricValue, ...]  # production's, at the recorded load
+    verdicts: tuple[Verdict, ...]
+    failed_checks: tuple[str, ...]
+    wall_s: float
+
+
+def demo_config(config: Config, out_dir: Path) -> Config:
+    """``config`` with the demo's own lake and output folder (never a deployment's)."""
+    return dataclasses.replace(
+        config,
+        lake=dataclasses.replace(config.lake, root=str(out_dir / "lake")),
+        paths=dataclasses.replace(config.paths, out_dir=str(out_dir / "out")),
+    )
 
 
 def run_demo(
     trace: str,
     shared: Path | None,
     out_dir: Path,
-    privacy: PrivacyConfig,
+    config: Config,
+    *,
+    candidates: tuple[str, ...] = DEMO_CANDIDATES,
+    loads: tuple[str, ...] = DEMO_LOADS,
+    speedup: float = 100.0,
+    num_requests: int | None = None,
     progress: Callable[[str], None] = print,
 ) -> DemoResult:
-    """Run the demo path on ``trace`` and write its outputs under ``out_dir``."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    key_path = Path(privacy.demo_key_file)
+    """Run stages 1 to 6 on ``trace`` (its first ``num_requests``, if given) under ``out_dir``
+    (emptied first); the dashboard is ``serve_demo``."""
+    from pipelines.broker import LocalBroker
+    from privacy.keys import demo_keyring
+    from replay.config import parse_instance
+    from replay.policies import policy_class
+    from replay.run import run_replay
+    from replay.traces import read_trace
+    from replay.workload import TableWorkload, workload_stats
+
+    started = time.monotonic()
+    production = config.nightly.production
+    for name in (production, *candidates):
+        policy_class(name)  # an unknown policy fails now, naming the valid ones
+    if len(candidates) < 1:
+        raise ServelensError("the demo needs at least one candidate policy", "pass --candidates a,b,c")
+    key_path = Path(config.privacy.demo_key_file)
     keyring, key_created = demo_keyring(key_path)
     if key_created:
         progress(f"generated a local pseudonym key for the demo at {key_path} (demo only: configure your own key)")
-    progress(f"[1/4] reading trace {trace}")
+    for stale in ("lake", "out", "engine", "dagster"):
+        shutil.rmtree(out_dir / stale, ignore_errors=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = demo_config(config, out_dir)
+
+    progress(f"[1/6] reading trace {trace}")
     workload = read_trace(trace, shared)
+    if num_requests is not None:
+        workload = workload.slice(0, num_requests)
     stats = workload_stats(workload)
 
-    replay_dir = out_dir / "replay-fcfs"
-    progress(f"[2/4] replaying {workload.num_rows:,} requests through fcfs on {DEMO_ENGINE} into {replay_dir}")
-    summary = run_replay(TableWorkload(workload, name=trace), instance=parse_instance(DEMO_ENGINE), out_dir=replay_dir)
+    topic = config.kafka.topic
+    with LocalBroker(topics={topic: config.kafka.num_partitions}) as broker:
+        progress(f"[2/6] local Kafka-compatible broker on {broker.bootstrap}")
+        progress(f"[3/6] the engine fleet: replaying {workload.num_rows:,} requests through {production} on {DEMO_ENGINE}")
+        fleet = run_replay(TableWorkload(workload, name=trace), scenario=DEMO_SCENARIO, policy_name=production,
+                           instance=parse_instance(DEMO_ENGINE), out_dir=out_dir / "engine")
+        kafka = dataclasses.replace(config.kafka, bootstrap_servers=broker.bootstrap)
+        progress(f"[4/6] emitting {fleet.num_events:,} events to Kafka at {speedup:g}x real time; ingesting into {config.lake.root}")
+        emit_wall_s, ingest = stream_through_kafka(fleet.events_path, kafka, config, keyring, speedup, progress)
+        config = dataclasses.replace(config, kafka=kafka)
+        days = tuple(_days(config))
+        progress(f"[5/6] Dagster, in process: tables, {len(loads)} loads x {1 + len(candidates)} policies, gate "
+                 f"({', '.join(days)})")
+        verdicts, failed_checks = run_dagster(config, out_dir, days, candidates, loads, progress)
 
-    staged_path = out_dir / "events.parquet"
-    progress(f"[3/4] validating and sanitizing {summary.num_events:,} events into {staged_path}")
-    sanitizer = Sanitizer(keyring, privacy)
-    num_valid = events_to_parquet(summary.events_path, staged_path, sanitizer)  # raises at the first invalid event
-    report = sanitizer.report()
-    (out_dir / "privacy-report.json").write_text(json.dumps(report.as_dict(), indent=2) + "\n")
-
-    requests_path = out_dir / "requests.parquet"
-    progress(f"[4/4] deriving the request table into {requests_path} and its service levels")
-    num_rows = write_requests(staged_path, requests_path)
-    steps = pq.read_table(staged_path, columns=["event_type", "instance_id", "start_ns", "end_ns", "request_ids",
-                                               "request_num_tokens"], filters=[("event_type", "==", "step_executed")])
-    metrics = run_metrics(pq.read_table(requests_path), steps, MetricsConfig())
-    return DemoResult(trace, stats, replay_dir, num_valid, summary.wall_s, report, key_path, key_created,
-                      requests_path, num_rows, tuple(m for m in metrics if m.scope == "overall"))
+    progress("[6/6] production's service levels")
+    metrics = production_metrics(Path(config.paths.out_dir), days, production)
+    return DemoResult(trace, stats, out_dir, fleet.num_events, ingest.events_written, ingest.dead_letters, emit_wall_s,
+                      speedup, key_path, days, metrics, verdicts, failed_checks, time.monotonic() - started)
 
 
-def render_summary(result: DemoResult) -> str:
+def stream_through_kafka(events_path: Path, kafka, config: Config, keyring, speedup: float,
+                         progress: Callable[[str], None]):
+    """Emit the events paced at ``speedup`` x their recorded timing while an ingest consumer
+    commits them; returns (emission wall seconds, the consumer's stats)."""
+    from pipelines.emitter import Emitter
+    from pipelines.ingest import IngestConsumer
+
+    events = pq.read_table(events_path)
+    events = events.take(pa.array(np.argsort(events["ts_ns"].to_numpy(), kind="stable")))  # recorded order
+    consumer = IngestConsumer(kafka, config.ingest, config.lake, config.privacy, keyring, consumer_name="demo")
+    consumer.start()
+    outcome: list = []
+    ingesting = threading.Thread(target=lambda: outcome.append(consumer.run(max_records=events.num_rows)),
+                                 name="demo-ingest", daemon=True)
+    ingesting.start()
+    emitter = Emitter.from_config(kafka).start()
+    try:
+        wall_s = emit_paced(emitter, events, speedup, progress)
+        if not emitter.flush(120):
+            raise ServelensError("the emitter could not deliver the demo's events within 120 s",
+                                 "is the machine very busy? run the demo again")
+        while ingesting.is_alive():
+            ingesting.join(5)
+            if ingesting.is_alive():
+                progress(f"      ingest: {consumer.stats().events_written:,} of {events.num_rows:,} events stored")
+    except BaseException:
+        consumer.stop()
+        raise
+    finally:
+        emitter.close()
+    if not outcome:
+        raise ServelensError("the demo's ingest consumer stopped early", "its log lines above say why")
+    return wall_s, outcome[0]
+
+
+def emit_paced(emitter, events: pa.Table, speedup: float, progress: Callable[[str], None]) -> float:
+    """Emit ``events`` (in recorded order) so that each leaves ``(ts - first ts) / speedup`` seconds
+    after the first: the trace's bursts arrive as bursts, only faster. Returns the wall seconds."""
+    ts = events["ts_ns"].to_numpy()
+    due_s = (ts - ts[0]) / 1e9 / speedup
+    edges = np.searchsorted(due_s, np.arange(PACE_S, due_s[-1] + 2 * PACE_S, PACE_S), side="left")
+    started, start, last_report = time.monotonic(), 0, time.monotonic()
+    for n, end in enumerate(edges.tolist()):
+        if end > start:
+            time.sleep(max(0.0, started + n * PACE_S - time.monotonic()))
+            emitter.emit_table(events.slice(start, end - start), timeout_s=60)
+            start = end
+        if time.monotonic() - last_report >= 5:
+            last_report = time.monotonic()
+            progress(f"      emitted {start:,} of {events.num_rows:,} events ({start / events.num_rows:.0%})")
+    return time.monotonic() - started
+
+
+def _days(config: Config) -> list[str]:
+    from pipelines.batch import days_committed_since
+    from pipelines.lake import EVENTS, Lake
+
+    table = Lake(config.lake.root, config.lake).table(EVENTS)
+    days = days_committed_since(table, -1) if table is not None else []
+    if not days:
+        raise ServelensError("the demo's lake holds no events", "the ingest log lines above say why")
+    return days
+
+
+@contextmanager
+def _environment(config: Config) -> Iterator[None]:
+    """The demo's settings for the Dagster resources, which read the environment as a deployment's do."""
+    values = {"SERVELENS_ENV": "local", "SERVELENS_LAKE__ROOT": config.lake.root,
+              "SERVELENS_PATHS__OUT_DIR": config.paths.out_dir, "SERVELENS_PRIVACY__DEMO_KEY_FILE": config.privacy.demo_key_file,
+              "SERVELENS_KAFKA__BOOTSTRAP_SERVERS": config.kafka.bootstrap_servers, "SERVELENS_KAFKA__TOPIC": config.kafka.topic}
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def run_dagster(config: Config, out_dir: Path, days: tuple[str, ...], candidates: tuple[str, ...],
+                loads: tuple[str, ...], progress: Callable[[str], None]) -> tuple[tuple[Verdict, ...], tuple[str, ...]]:
+    """Materialize the asset graph for each day (a persistent instance under ``out_dir/dagster``,
+    so ``make dagster`` with that DAGSTER_HOME shows the runs); returns the verdicts and failed checks."""
+    import dagster as dg
+
+    from pipelines import batch
+    from pipelines.dagster_assets import materialize_day
+    from pipelines.dagster_resources import KafkaResource, LakeResource, PrivacyKeyResource, ReplayPlanResource
+
+    home = out_dir / "dagster"
+    home.mkdir(parents=True, exist_ok=True)
+    plan = ReplayPlanResource(production=config.nightly.production, candidates=list(candidates), loads=list(loads),
+                              engine=DEMO_ENGINE, seed=config.nightly.seed)
+    resources = {"lake": LakeResource(), "kafka": KafkaResource(timeout_s=5.0), "privacy_key": PrivacyKeyResource(),
+                 "plan": plan}
+    verdicts: list[Verdict] = []
+    failed: list[str] = []
+    with _environment(config), dg.DagsterInstance.local_temp(str(home)) as instance:
+        for day in days:
+            for result in materialize_day(day, resources, instance, progress=lambda line: progress("      " + line),
+                                          log_level="WARNING"):
+                failed += [f"{e.check_name} ({day})" for e in result.get_asset_check_evaluations() if not e.passed]
+            table = pq.read_table(batch.verdicts_for_day(Path(config.paths.out_dir), day).path)
+            verdicts += [Verdict(v["candidate"], v["load"], v["status"], v["reasons"], v["report"])
+                         for v in table.to_pylist()]
+    return tuple(verdicts), tuple(dict.fromkeys(failed))
+
+
+def production_metrics(out: Path, days: tuple[str, ...], production: str) -> tuple[MetricValue, ...]:
+    """Production's overall run metrics at the recorded load (the first day's replay)."""
+    from pipelines.batch import ReplayCase, replay_dir
+    from replay.gate import load_run
+
+    run = load_run(replay_dir(out, days[0], ReplayCase(production, "1x")), production)
+    return tuple(m for m in run_metrics(run.requests, run.steps, MetricsConfig()) if m.scope == "overall")
+
+
+def serve_demo(config: Config, out_dir: Path, port: int | None = None):
+    """Start the dashboard over the demo's lake, runs and reports; returns (process, URL).
+    The configured port when it is free, else any free one."""
+    from dashboard.server import dashboard_url, serve, wait_until_ready
+
+    config = demo_config(config, out_dir)
+    if port is None:
+        port = config.dashboard.port if _port_free(config.dashboard.host, config.dashboard.port) else 0
+    process = serve(config, port=port)
+    url = dashboard_url(process)
+    try:
+        wait_until_ready(url, 120, process)
+    except BaseException:
+        process.terminate()
+        raise
+    return process, url
+
+
+def _port_free(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def render_summary(result: DemoResult, url: str | None = None) -> str:
     """The one-screen summary the demo prints."""
     s, b = result.stats, result.stats.burst
     m = {v.name: v.value for v in result.metrics}
@@ -103,18 +325,19 @@ def render_summary(result: DemoResult) -> str:
         f"output p50 {s.output_tokens_p50:,.0f} / p99 {s.output_tokens_p99:,.0f}",
         f"  burstiness   inter-arrival CV {b.interarrival_cv:.2f}; peak/mean {b.peak_to_mean_1s:.2f} per 1 s, "
         f"{b.peak_to_mean_10s:.2f} per 10 s",
-        f"  replay       fcfs on {DEMO_ENGINE}: {result.num_events:,} events in {result.replay_wall_s:.1f} s, "
-        f"every one valid ({result.replay_dir})",
-        f"  privacy      pseudonymized with key {result.key_path}; "
-        f"{sum(result.privacy.folded_into_other.values()):,} values folded into 'other', "
-        f"{sum(result.privacy.redactions.values()):,} redacted, "
-        f"{sum(result.privacy.fields_dropped.values()):,} unknown fields dropped",
-        f"  requests     {result.num_request_rows:,} rows in {result.requests_path}",
-        f"  service      goodput {m.get('goodput_rps', 0):.2f} req/s, attainment {m.get('attainment', 0):.1%} "
-        f"(default objectives: TTFT 2 s, ITL p99 0.2 s, E2E 60 s); rejected {m.get('rejected_share', 0):.1%}",
-        f"  latency      TTFT p50 {ms('ttft_p50_s')} / p99 {ms('ttft_p99_s')}; TPOT p50 {ms('tpot_p50_s')}; "
-        f"E2E p99 {ms('e2e_p99_s')}",
-        f"  cost         {m.get('idle_share', 0):.1%} of the accelerator idle; "
-        f"{m.get('preemptions_per_request', 0):.3f} preemptions per request",
+        f"  kafka        {result.num_events:,} events emitted at {result.speedup:g}x in {result.emit_wall_s:.0f} s; "
+        f"{result.num_stored:,} stored once each, {result.num_dead_letters:,} dead letters",
+        f"  privacy      tenants and ids pseudonymized with the demo key {result.key_path}",
+        f"  production   goodput {m.get('goodput_rps', 0):.2f} req/s, attainment {m.get('attainment', 0):.1%}; "
+        f"TTFT p50 {ms('ttft_p50_s')} / p99 {ms('ttft_p99_s')}; E2E p99 {ms('e2e_p99_s')}",
+        f"  checks       {'all asset checks passed' if not result.failed_checks else 'FAILED: ' + ', '.join(result.failed_checks)}",
+        "  verdicts     (candidate at load, against production at the same load)",
     ]
+    for v in result.verdicts:
+        reason = v.reasons.split(" | ")[0] if v.reasons else ""
+        lines.append(f"    {v.candidate + '@' + v.load:<18} {v.status.upper():<13} {reason[:90]}")
+    lines.append(f"  reports      {result.out_dir / 'out' / 'gate'} (gate.html per candidate and load)")
+    if url:
+        lines.append(f"  dashboard    {url}")
+    lines.append(f"  took         {result.wall_s:.0f} s")
     return "\n".join(lines)

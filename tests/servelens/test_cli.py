@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import base64
 import os
+import signal
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 
 import pyarrow.parquet as pq
+import pytest
 
 from schemas.records import WorkloadRequest
 from schemas.arrow import arrow_schema
@@ -26,25 +30,49 @@ def servelens(*args: str, env: dict[str, str] | None = None, cwd=None) -> subpro
     )
 
 
-def test_demo_prints_the_summary_of_the_azure_conversation_trace(tmp_path):
-    key = tmp_path / "demo-key.toml"
-    proc = servelens("demo", "--out", str(tmp_path / "demo"), env={"SERVELENS_PRIVACY__DEMO_KEY_FILE": str(key)})
-    assert proc.returncode == 0, proc.stderr
-    assert f"generated a local pseudonym key for the demo at {key}" in proc.stderr
-    assert key.read_text() not in proc.stdout + proc.stderr
-    assert "azure-conv: Azure LLM inference 2023" in proc.stdout
-    assert "19,366 requests over 3,501.7 s (5.53 req/s), 0 failed" in proc.stdout
-    assert "prompt p50 1,020 / p99 4,142; output p50 129 / p99 601" in proc.stdout
-    assert "19,366 rows in" in proc.stdout and "every one valid" in proc.stdout
-    assert "replay       fcfs on llama-3-8b@h100-sxm" in proc.stdout
-    assert "goodput 5.53 req/s, attainment 100.0%" in proc.stdout  # the 8B on an H100 keeps up at 1x
-    assert "[4/4]" in proc.stderr  # progress goes to stderr, the summary to stdout
-    requests = pq.read_table(tmp_path / "demo" / "requests.parquet")
-    assert requests.num_rows == 19_366
-    assert requests["request_id"][0].as_py().startswith("rq_")
-    assert (tmp_path / "demo" / "privacy-report.json").is_file()
-    second = servelens("demo", "--out", str(tmp_path / "demo"), env={"SERVELENS_PRIVACY__DEMO_KEY_FILE": str(key)})
-    assert second.returncode == 0 and "generated a local pseudonym key" not in second.stderr  # reused
+def test_the_demo_runs_the_whole_path_serves_the_dashboard_and_stops_on_ctrl_c(tmp_path):
+    """The README's first command, short: broker, engine fleet, Kafka, ingest, Dagster, gate, dashboard."""
+    key, out = tmp_path / "demo-key.toml", tmp_path / "demo"
+    env = {**os.environ, "SERVELENS_PRIVACY__DEMO_KEY_FILE": str(key)}
+    args = [sys.executable, "-m", "servelens", "demo", "--out", str(out), "--requests", "1500", "--speedup", "2000"]
+    proc = subprocess.Popen([*args, "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines = []
+    try:
+        for line in proc.stdout:  # the summary, then the URL line once the dashboard answers
+            lines.append(line)
+            if line.startswith("the dashboard serves at "):
+                break
+        summary = "".join(lines)
+        url = summary.split("the dashboard serves at ")[-1].split()[0] if lines else ""
+        assert url.startswith("http://127.0.0.1:"), summary + proc.stderr.read()
+        with urllib.request.urlopen(url, timeout=30) as page:
+            assert page.status == 200
+        proc.send_signal(signal.SIGINT)  # Ctrl-C stops the dashboard too
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stderr = proc.stderr.read()
+    assert f"generated a local pseudonym key for the demo at {key}" in stderr and "[6/6]" in stderr
+    assert key.read_text() not in summary + stderr
+    assert "azure-conv: Azure LLM inference 2023" in summary and "1,500 requests over" in summary
+    assert "stored once each, 0 dead letters" in summary and "all asset checks passed" in summary
+    verdicts = [line.split() for line in summary.splitlines() if line.startswith("    ") and "@" in line]
+    assert sorted(v[0] for v in verdicts) == [f"{p}@{load}" for p in ("deadline", "sarathi", "vtc") for load in ("1x", "2x")]
+    assert all(v[1] in ("PASS", "FAIL", "INCONCLUSIVE") for v in verdicts)
+    for v in verdicts:
+        day = next((out / "out" / "gate").iterdir()).name
+        assert (out / "out" / "gate" / day / v[0] / "gate.html").is_file()
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(url, timeout=5)  # nothing is left listening
+
+    # running it again works, from an empty demo folder, with the key kept
+    again = subprocess.run([*args, "--candidates", "sarathi", "--loads", "1x", "--no-serve"], capture_output=True,
+                           text=True, env=env, timeout=900)
+    assert again.returncode == 0, again.stderr
+    assert "generated a local pseudonym key" not in again.stderr
+    assert [line.split()[:2] for line in again.stdout.splitlines() if line.startswith("    sarathi@1x")] == \
+        [v[:2] for v in verdicts if v[0] == "sarathi@1x"]  # the same verdict: every stage is deterministic
 
 
 def test_trace_convert_and_requests_derive_chain(tmp_path):
