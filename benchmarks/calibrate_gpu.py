@@ -7,7 +7,10 @@ Run on the GPU machine, from the repository root, with a CUDA build of torch 2.1
 What it does, in order, each step inside what is left of ``--budget-s`` (it never starts a step it
 cannot finish in time, and every profile it writes is complete and self-describing):
 
-1. checks that CUDA is visible and prints the device, driver, torch and CUDA versions;
+1. checks that CUDA is visible and prints the device, driver, torch and CUDA versions; then a
+   preflight (about 10 s): the executor's tests on this device (``tests/replay/test_executor.py``:
+   its cuda cases compare the CUDA executor with a float64 reference) and one bf16 step checked for
+   finite logits; a failed preflight stops the run before any profiling time is spent;
 2. profiles the 1B-class shape (all 16 layers, bf16, CUDA events) with the GPU sweep of
    ``replay.measured.profiler.default_sweep`` (prefill chunks 16-4096 tokens over contexts 0-8192,
    decode batches 1-256 over contexts 128-8192, hybrid steps), time-boxed;
@@ -54,11 +57,36 @@ def _gpu_slug(name: str) -> str:
     return "".join(c for c in name.lower() if c.isalnum())[:16] or "gpu"
 
 
+def preflight(device: str) -> str | None:
+    """None when the executor is right on this device, else what went wrong."""
+    import subprocess
+
+    import torch
+
+    from replay.measured.executor import SeqWork, StepExecutor
+    from replay.measured.shapes import llama_shape
+
+    tests = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/replay/test_executor.py"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    print(tests.stdout.strip().splitlines()[-1] if tests.stdout.strip() else tests.stderr[-2000:])
+    if tests.returncode != 0:
+        return "tests/replay/test_executor.py failed:\n" + tests.stdout[-4000:]
+    ex = StepExecutor(llama_shape("tiny"), device=device, num_kv_blocks=64)  # the device's default dtype
+    with torch.inference_mode():
+        logits = ex.execute([SeqWork("a", 40, 0), SeqWork("b", 1, 30), SeqWork("c", 1, 3)])
+    if not bool(torch.isfinite(logits).all()):
+        return f"non-finite logits from a {ex.dtype_name} step"
+    return None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-s", type=float, default=480.0, help="Wall-clock budget for everything, seconds.")
     parser.add_argument("--out", type=Path, default=ROOT / "profiles", help="Folder for the profiles and the summary.")
     parser.add_argument("--skip-compare", action="store_true", help="Profiles only.")
+    parser.add_argument("--skip-preflight", action="store_true", help="Do not run the executor's tests first.")
     parser.add_argument("--cpu-rehearsal", action="store_true",
                         help="Run the whole flow on the CPU with the tiny shape (checks the script, measures nothing shippable).")
     args = parser.parse_args()
@@ -82,6 +110,16 @@ def main() -> int:
     print(f"device: {gpu}, driver {summary['device']['driver']}, torch {torch.__version__}, CUDA {torch.version.cuda}")
     if args.cpu_rehearsal:
         torch.set_num_threads(1)
+    if not args.skip_preflight:
+        t0 = time.monotonic()
+        problem = preflight(device)
+        summary["steps"].append({"step": "preflight", "seconds": round(time.monotonic() - t0, 1), "error": problem})
+        if problem:
+            print(f"preflight failed: {problem}", file=sys.stderr)
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "calibration-summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+            return 3
+        print(f"preflight passed in {time.monotonic() - t0:.0f} s")
     args.out.mkdir(parents=True, exist_ok=True)
     slug = _gpu_slug(gpu)
     first_profile = None

@@ -12,6 +12,10 @@ sequence over its own context, causal inside a chunk:
   those) in a handful of calls;
 - each prefill chunk in its own call over its context plus the chunk.
 
+Grouped KV heads are handled without any backend's GQA support: the query heads that share a KV
+head are laid out as that head's query rows (a decode's group of heads as a group of queries), and
+every call takes an explicit boolean mask, so CPU and CUDA run the same formulation.
+
 The model: token embedding, per layer RMSNorm -> fused QKV projection -> rotary embedding (the
 rotate-half form of Hugging Face Llama) -> attention with grouped KV heads -> output projection and
 residual -> RMSNorm -> gated SiLU MLP and residual; a final RMSNorm and an untied LM head over the
@@ -213,6 +217,7 @@ class StepExecutor:
         freqs = pos_t.to(torch.float32)[:, None] * self.inv_freq[None, :]
         cos = torch.cos(freqs).repeat(1, 2)[:, None, :].to(self.dtype)  # [T, 1, D]
         sin = torch.sin(freqs).repeat(1, 2)[:, None, :].to(self.dtype)
+        group = s.num_attention_heads // s.num_kv_heads
         decode_buckets = []
         if decode_rows:
             # sequences of similar context (the longest at most twice the shortest) share one padded
@@ -238,7 +243,8 @@ class StepExecutor:
             pos = torch.arange(ctx + n, device=dev)
             keys_t = as_long(table)[pos // bs] * bs + pos % bs
             mask = pos[None, :] <= (ctx + torch.arange(n, device=dev))[:, None]  # [n, ctx + n], causal
-            chunk_views.append((first, n, keys_t, mask[None, None]))
+            # rows are (token, query head of the group): each token's row repeated once per group member
+            chunk_views.append((first, n, keys_t, mask.repeat_interleave(group, dim=0)[None, None]))
 
         x = self.embedding[token_ids]
         q_dim, kv_dim = s.num_attention_heads * s.head_dim, s.num_kv_heads * s.head_dim
@@ -256,16 +262,21 @@ class StepExecutor:
             kc[slot_t] = k
             vc[slot_t] = v
             attn = torch.empty_like(q)
+            # grouped-query attention as plain attention per KV head: the query heads sharing a KV head
+            # (h = kv_head * group + g) are that head's query rows, so no backend needs GQA support
             for rows_t, keys_t, mask in decode_buckets:
-                qd = q[rows_t][:, :, None, :]  # [b, Hq, 1, D]
+                b = rows_t.numel()
+                qd = q[rows_t].view(b, s.num_kv_heads, group, s.head_dim)  # [b, Hkv, G, D]
                 kd = kc[keys_t].transpose(1, 2)  # [b, Hkv, L, D]
                 vd = vc[keys_t].transpose(1, 2)
-                attn[rows_t] = sdpa(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=True)[:, :, 0, :]
+                attn[rows_t] = sdpa(qd, kd, vd, attn_mask=mask, scale=scale).reshape(b, s.num_attention_heads, s.head_dim)
             for first, n, keys_t, mask in chunk_views:
-                qc = q[first:first + n].transpose(0, 1)[None]  # [1, Hq, n, D]
+                qc = q[first:first + n].view(n, s.num_kv_heads, group, s.head_dim).transpose(0, 1)
+                qc = qc.reshape(1, s.num_kv_heads, n * group, s.head_dim)  # rows (token, g)
                 kk = kc[keys_t].transpose(0, 1)[None]  # [1, Hkv, ctx + n, D]
                 vv = vc[keys_t].transpose(0, 1)[None]
-                attn[first:first + n] = sdpa(qc, kk, vv, attn_mask=mask, scale=scale, enable_gqa=True)[0].transpose(0, 1)
+                out = sdpa(qc, kk, vv, attn_mask=mask, scale=scale).view(s.num_kv_heads, n, group, s.head_dim)
+                attn[first:first + n] = out.transpose(0, 1).reshape(n, s.num_attention_heads, s.head_dim)
             x = x + attn.reshape(num_tokens, q_dim) @ layer["o"]
             h = self._rms_norm(x, layer["post_norm"])
             gate, up = (h @ layer["gate_up"]).chunk(2, dim=-1)

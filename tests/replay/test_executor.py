@@ -19,8 +19,8 @@ from replay.measured.shapes import llama_shape  # noqa: E402
 def reference_logits(ex: StepExecutor, tokens: list[int]) -> torch.Tensor:
     """Logits of every position of one sequence, computed from scratch in float64 with a plain loop."""
     s = ex.shape
-    d = lambda t: t.double()  # noqa: E731
-    x = d(ex.embedding[torch.tensor(tokens)])
+    d = lambda t: t.double().cpu()  # noqa: E731
+    x = d(ex.embedding)[torch.tensor(tokens)]
     n = len(tokens)
     pos = torch.arange(n, dtype=torch.float64)
     inv = 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.float64) / s.head_dim))
@@ -61,10 +61,16 @@ def reference_logits(ex: StepExecutor, tokens: list[int]) -> torch.Tensor:
     return norm(x, ex.final_norm) @ d(ex.lm_head)
 
 
-@pytest.fixture(scope="module")
-def executor() -> StepExecutor:
-    torch.manual_seed(0)
-    return StepExecutor(llama_shape("tiny"), device="cpu", num_kv_blocks=64, block_size=4, seed=3)
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (the CPU case runs)")),
+]
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def executor(request: pytest.FixtureRequest) -> StepExecutor:
+    # float32 on both devices, so the same tolerance holds (CUDA's default is bf16)
+    return StepExecutor(llama_shape("tiny"), device=request.param, num_kv_blocks=64, block_size=4, seed=3, dtype="float32")
 
 
 def test_chunked_prefill_and_decodes_in_mixed_steps_match_the_reference(executor: StepExecutor) -> None:
@@ -75,18 +81,19 @@ def test_chunked_prefill_and_decodes_in_mixed_steps_match_the_reference(executor
     ref_a, ref_b = reference_logits(ex, a), reference_logits(ex, b)
     tol = dict(rtol=1e-4, atol=1e-5)
     # step 1: a's first chunk alone (no sampled row needed mid-prompt, but ask for it to check the rows)
-    out = ex.execute([SeqWork("a", 6, 0)], torch.tensor(a[:6]))
+    tokens = lambda values: torch.tensor(values, device=ex.device)  # noqa: E731
+    out = ex.execute([SeqWork("a", 6, 0)], tokens(a[:6])).cpu()
     torch.testing.assert_close(out[0].double(), ref_a[5], **tol)
     # step 2: a's second chunk beside b's whole prompt
-    out = ex.execute([SeqWork("a", 3, 6), SeqWork("b", 4, 0)], torch.tensor(a[6:9] + b[:4]))
+    out = ex.execute([SeqWork("a", 3, 6), SeqWork("b", 4, 0)], tokens(a[6:9] + b[:4])).cpu()
     torch.testing.assert_close(out[0].double(), ref_a[8], **tol)
     torch.testing.assert_close(out[1].double(), ref_b[3], **tol)
     # step 3: both decode (contexts of different lengths, batched and masked)
-    out = ex.execute([SeqWork("a", 1, 9), SeqWork("b", 1, 4)], torch.tensor([a[9], b[4]]))
+    out = ex.execute([SeqWork("a", 1, 9), SeqWork("b", 1, 4)], tokens([a[9], b[4]])).cpu()
     torch.testing.assert_close(out[0].double(), ref_a[9], **tol)
     torch.testing.assert_close(out[1].double(), ref_b[4], **tol)
     # step 4: a decodes alone; rows that do not sample give no logits
-    out = ex.execute([SeqWork("a", 1, 10), SeqWork("c", 2, 0, sample=False)], torch.tensor([a[10], 1, 2]))
+    out = ex.execute([SeqWork("a", 1, 10), SeqWork("c", 2, 0, sample=False)], tokens([a[10], 1, 2])).cpu()
     assert out.shape == (1, ex.shape.vocab_size)
     torch.testing.assert_close(out[0].double(), ref_a[10], **tol)
     ex.free_all()
@@ -98,9 +105,10 @@ def test_decodes_of_similar_contexts_share_a_masked_call(executor: StepExecutor)
     ex.free_all()
     c, d, e = [3, 1, 4, 1, 5, 9, 2], [2, 7, 1, 8, 2, 8, 1, 8, 2], [6, 6]
     refs = [reference_logits(ex, t) for t in (c, d, e)]
-    ex.execute([SeqWork("c", 6, 0), SeqWork("d", 8, 0), SeqWork("e", 1, 0)], torch.tensor(c[:6] + d[:8] + e[:1]))
+    tokens = lambda values: torch.tensor(values, device=ex.device)  # noqa: E731
+    ex.execute([SeqWork("c", 6, 0), SeqWork("d", 8, 0), SeqWork("e", 1, 0)], tokens(c[:6] + d[:8] + e[:1]))
     # 7, 9 and 2 keys: c and d share one padded call (within 2x), e gets its own
-    out = ex.execute([SeqWork("c", 1, 6), SeqWork("d", 1, 8), SeqWork("e", 1, 1)], torch.tensor([c[6], d[8], e[1]]))
+    out = ex.execute([SeqWork("c", 1, 6), SeqWork("d", 1, 8), SeqWork("e", 1, 1)], tokens([c[6], d[8], e[1]])).cpu()
     for i, (ref, tokens) in enumerate(zip(refs, (c, d, e))):
         torch.testing.assert_close(out[i].double(), ref[len(tokens) - 1], rtol=1e-4, atol=1e-5)
     ex.free_all()
@@ -111,7 +119,9 @@ def test_grouped_query_heads_and_layers_come_from_the_shape(executor: StepExecut
     assert s.num_attention_heads // s.num_kv_heads == 2
     assert len(executor.layers) == s.num_layers
     assert executor.k_cache[0].shape == (64 * 4, s.num_kv_heads, s.head_dim)
-    assert executor.dtype == torch.float32  # float32 on CPU (bf16 on CUDA)
+    assert executor.dtype == torch.float32
+    default = StepExecutor(llama_shape("tiny"), device="cpu", num_kv_blocks=4)
+    assert default.dtype == torch.float32  # the default: float32 on CPU (bf16 on CUDA)
 
 
 def test_a_full_kv_cache_is_a_clean_error() -> None:
