@@ -154,6 +154,8 @@ def run_measured_replay(
         raise ReplayError(f"the instance's model {instance.model.name} is not the executor's {shape.name}")
     before = torch.get_num_threads()
     if num_threads is not None:
+        if num_threads < 1:
+            raise ReplayError(f"--threads must be at least 1, not {num_threads}")
         torch.set_num_threads(num_threads)
     try:
         executor = StepExecutor(
@@ -247,7 +249,7 @@ def compare_measured(
     num_threads: int | None = None,
 ) -> MeasuredComparison:
     """Replay the workload modelled (the profile's fitted table) and measured (the profile's model on
-    ``device``, default the profile's); compare their latency percentiles and step times.
+    its device; ``device``, when given, must be that one); compare latency percentiles and step times.
 
     Both replays use the instance the profile describes with the layers it built (no layer scaling:
     the measured executor builds those layers). Outputs, when ``out_dir`` is given: ``modelled/`` and
@@ -257,6 +259,12 @@ def compare_measured(
     _check_size(source, max_requests)
     profile = read_profile(profile_path)
     meta = profile.meta
+    if device is not None and device != meta.device:
+        raise ReplayError(
+            f"the profile was measured on {meta.device}: measuring on {device} would compare a {meta.device} model "
+            f"with {device} times",
+            f"profile on {device} first (servelens profile --device {device})",
+        )
     table, report = evaluate_profile(profile, seed)
     model = FittedProfileCostModel(table, source=Path(profile_path).name, report=report)
     instance = profile_instance(meta, engine or EngineConfig(block_size_tokens=meta.block_size), full_layers=False)

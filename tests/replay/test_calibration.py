@@ -225,6 +225,8 @@ def test_measured_and_modelled_replays_compare_on_cpu(profile_path: Path, tmp_pa
 def test_a_measured_replay_refuses_a_large_workload(profile_path: Path) -> None:
     with pytest.raises(ReplayError, match="at most 5 requests"):
         compare_measured(small_workload(), profile_path, max_requests=5)
+    with pytest.raises(ReplayError, match="the profile was measured on cpu"):
+        compare_measured(small_workload(), profile_path, device="cuda")
 
 
 def test_the_default_sweeps_stay_within_their_limits() -> None:
