@@ -634,7 +634,7 @@ def _fitted_profile(ctx: click.Context, profile_path: Path):
                    "terms back to the real model) [default: all].")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="Profile to write (Parquet); the fit report goes beside it as <out>.fit.json.")
-@click.option("--repeats", type=int, default=None, help="Timed runs per shape [default: 7 on cuda, 3 on cpu].")
+@click.option("--repeats", type=int, default=None, help="Timed runs per shape [default: 7 on cuda, 5 (tiny) or 3 on cpu].")
 @click.option("--warmup", type=int, default=None, help="Untimed runs per shape first [default: 3 on cuda, 1 on cpu].")
 @click.option("--max-seconds", type=float, default=None, help="Time box: stop sweeping after this long (the profile says so).")
 @click.option("--threads", "num_threads", type=int, default=None, help="torch CPU threads [default: torch's].")
@@ -691,7 +691,8 @@ def profile_command(model_name: str, device: str, num_layers: int | None, out: P
 @click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="A profile from `servelens profile`: its model runs measured, its fitted table runs modelled.")
 @click.option("--policy", "policy_name", default="fcfs", show_default=True, help="Registered scheduling policy.")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Where to measure [default: the profile's device].")
+@click.option("--policy-config", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="YAML file of the policy's settings (as for `servelens replay`).")
 @click.option("--requests", "num_requests", type=int, default=50, show_default=True,
               help="Replay the workload's first this many requests (every step is a real forward pass).")
 @click.option("--threads", "num_threads", type=int, default=None, help="torch CPU threads [default: torch's].")
@@ -700,10 +701,11 @@ def profile_command(model_name: str, device: str, num_layers: int | None, out: P
               help="Output folder: modelled/ and measured/ replays (events + manifest) and comparison.json.")
 @click.pass_context
 def compare_measured_command(ctx: click.Context, workload_name: str, profile_path: Path, policy_name: str,
-                             device: str | None, num_requests: int, num_threads: int | None, seed: int, out: Path) -> None:
+                             policy_config: Path | None, num_requests: int, num_threads: int | None, seed: int,
+                             out: Path) -> None:
     """Replay a small workload modelled and measured; compare TTFT, ITL and E2E percentiles.
 
-    The measured replay executes every step the engine composes on the device (the profile's model,
+    The measured replay executes every step the engine composes on the profile's device (its model,
     random weights) and uses the measured step times as the clock; the modelled replay uses the
     profile's fitted step-time table. Same workload, policy, instance and seed. Prints each metric's
     p50/p90/p99 with the relative error (modelled - measured) / measured, and the fitted model's error
@@ -715,13 +717,15 @@ def compare_measured_command(ctx: click.Context, workload_name: str, profile_pat
       servelens compare-measured --workload azure-conv --profile out/profiles/tiny-cpu.parquet --requests 30 --out out/measured
     """
     from replay.measured.measured import compare_measured, comparison_lines
+    from replay.policies import load_policy_config
     from replay.workload import load_workload
 
     if num_requests < 1:
         raise ServelensError(f"--requests must be at least 1, not {num_requests}")
+    config = load_policy_config(policy_name, policy_config) if policy_config is not None else None
     workload = load_workload(workload_name, _shared_or_none(ctx, workload_name), num_requests)
-    result = compare_measured(workload, profile_path, device=device, policy_name=policy_name, seed=seed, out_dir=out,
-                              num_threads=num_threads)
+    result = compare_measured(workload, profile_path, policy_name=policy_name, policy_config=config, seed=seed,
+                              out_dir=out, num_threads=num_threads)
     for line in comparison_lines(result):
         click.echo(line)
     click.echo(f"outputs: {out}/modelled, {out}/measured, {out}/comparison.json")
