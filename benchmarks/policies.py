@@ -4,17 +4,20 @@
    scenario (``replay.abuse.TWO_CLASS_TENANCY``: three chat tenants entitled to ``interactive``,
    two document tenants to ``batch``; docs/policies.md), is time-scaled to 1x, 1.5x and 2x its
    recorded rate and replayed through every registered single-instance policy on one modelled
-   llama-2-7b / A100-80GB (the roofline cost model; MHA, so KV is the scarce resource and FCFS
-   preempts under load). Per policy and load: SLO goodput, attainment per class, p99 TTFT and
+   llama-2-7b instance on two A100-80GB (tensor parallel; the roofline cost model) whose engine
+   gets half of the GPUs' memory (``gpu_memory_utilization`` 0.5, as on a node shared with
+   another model): the recorded rate is served comfortably, and at 2x the KV pool, not compute
+   alone, is what runs out (llama-2-7b has no grouped-query attention), so FCFS preempts. Per policy and load: SLO goodput, attainment per class, p99 TTFT and
    ITL (the p99 over requests of each request's p99 gap), preemptions per request, rejections,
    the longest queue residence, the fairness gap (largest service/weight gap between backlogged
    tenants, VTC units), accelerator-seconds per 1k goodput tokens and the replay's wall time.
 2. Abuse. At 1x, one extra tenant ("flood", entitled to ``interactive``) adds long prompts
-   (8,000 tokens) at 1 request/s for the middle ten minutes (``long_prompt_flood``); in the full
+   (8,000 tokens) at 2 requests/s for ten minutes from a third into the trace (``long_prompt_flood``); in the full
    run also maximum-output requests, branch expansion (n=8) and cancel/resubmit churn. Reported:
    the well-behaved tenants' attainment over the requests that arrived during the abuse window,
    with and without the abuse, per policy.
-3. Speed. The deadline policy's replay wall time over FCFS's at each load (target: at most 2x).
+3. Speed. The deadline policy's replay wall time over FCFS's at each load, the better of two runs
+   of each (target: at most 2x).
 
     python benchmarks/policies.py            # the README figures (several minutes), rewrites the README table
     python benchmarks/policies.py --quick    # 1,200 requests, fewer runs: under a minute
@@ -39,7 +42,8 @@ import pyarrow.compute as pc  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-ENGINE = "llama-2-7b@a100-80g"
+ENGINE = "llama-2-7b@a100-80gx2"
+GPU_MEMORY_UTILIZATION = 0.5  # the engine gets half of the two GPUs' memory: KV is scarce, as on a shared node
 POLICIES = ("fcfs", "priority", "decode-first", "prefill-first", "sarathi", "vtc", "deadline", "deadline-vtc")
 LOADS = (1.0, 1.5, 2.0)
 ABUSE_POLICIES = ("fcfs", "vtc", "deadline", "deadline-vtc")
@@ -64,8 +68,11 @@ def replay_one(workload: pa.Table, policy: str, out_dir: Path) -> tuple[pa.Table
     from replay.config import parse_instance
     from replay.run import run_replay
 
+    from replay.config import EngineConfig
+
+    instance = parse_instance(ENGINE, EngineConfig(gpu_memory_utilization=GPU_MEMORY_UTILIZATION))
     summary = run_replay(workload, policy_name=policy, policy_config=policy_config(policy),
-                         instance=parse_instance(ENGINE), scenario=scenario_for(TWO_CLASS_TENANCY), out_dir=out_dir)
+                         instance=instance, scenario=scenario_for(TWO_CLASS_TENANCY), out_dir=out_dir)
     return derive_requests(summary.events_path), pq.read_table(summary.events_path), summary.wall_s, summary
 
 
@@ -115,7 +122,7 @@ def abuse_tables(kind: str, start_ns: int, duration_s: float) -> list[pa.Table]:
 
     common = dict(tenant="flood", start_ns=start_ns, duration_s=duration_s, seed=7)
     if kind == "long_prompt_flood":
-        return [abuse.long_prompt_flood(rate_per_s=1.0, num_prompt_tokens=8000, num_output_tokens=64, **common)]
+        return [abuse.long_prompt_flood(rate_per_s=2.0, num_prompt_tokens=8000, num_output_tokens=64, **common)]
     if kind == "max_output":
         return [abuse.max_output_requests(rate_per_s=0.5, num_prompt_tokens=256, num_output_tokens=4096, **common)]
     if kind == "branch_expansion":
@@ -138,7 +145,7 @@ def fmt(value, digits: int = 2) -> str:
 def table_markdown(rows: list[dict], abuse: list[dict], speed: dict, num_requests: int) -> str:
     lines = [
         f"Azure conversation trace ({num_requests:,} requests), two-class scenario (docs/policies.md), one modelled "
-        f"{ENGINE.replace('@', ' / ')} (roofline); `python benchmarks/policies.py` regenerates this table.",
+        f"{ENGINE.replace('@', ' on ')} with gpu_memory_utilization {GPU_MEMORY_UTILIZATION} (roofline cost model); `python benchmarks/policies.py` regenerates this table.",
         "",
         "| load | policy | SLO goodput (req/s) | attainment interactive / batch | p99 TTFT (s) | p99 ITL (s) | "
         "preemptions / request | rejected | degraded | max queue (s) | fairness gap | accel-s / 1k goodput tokens | replay wall (s) |",
@@ -212,6 +219,8 @@ def main() -> None:
                       f"{fmt(100 * f['attainment_interactive'], 1)}% / {fmt(100 * f['attainment_batch'], 1)}%, "
                       f"preemptions/request {fmt(f['preemptions_per_request'], 3)}, rejected {f['rejected']:,}, "
                       f"wall {wall_s:.2f} s", flush=True)
+            for policy in ("fcfs", "deadline"):  # once more each: the better of two runs, on a shared machine
+                walls[policy] = min(walls[policy], replay_one(workload, policy, tmp_path / f"again-{policy}-{load:g}")[2])
             speed[f"{load:g}x"] = walls["deadline"] / walls["fcfs"]
 
         arrivals = labelled["arrival_ns"].to_numpy()

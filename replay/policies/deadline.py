@@ -150,7 +150,7 @@ class _Drain:
         self.last_ns = now_ns
 
     def rate_per_s(self, now_ns: int) -> float:
-        if self.start_ns is None or now_ns <= self.start_ns:
+        if self.start_ns is None or now_ns <= self.start_ns or self.amount <= 0:
             return 0.0
         decayed = self.amount * math.exp(-(now_ns - self.last_ns) / self.tau_ns)
         window_s = self.tau_ns * (1 - math.exp(-(now_ns - self.start_ns) / self.tau_ns)) / NS
@@ -215,6 +215,15 @@ class DeadlinePolicy(Policy):
             if e.cap is None:  # a capped request's length says nothing about what it would have produced
                 self.predictor.observe(e.service_class, e.tenant, e.view.num_output_tokens // e.branches)
                 self.num_learned += 1
+            # what it never used (cancelled early) was not load after all: take it back from its flow's
+            # inflow, so a tenant that submits and cancels does not look like one that is served
+            computed = e.view.num_computed_tokens
+            unserved = e.prompt - computed
+            unused = e.blocks - view.blocks_for_tokens(e.view, computed)
+            if unserved > 0 or unused > 0:
+                tokens, blocks = self._inflow[(e.service_class, e.tenant)]
+                tokens.add(-max(0, unserved), now)
+                blocks.add(-max(0, unused), now)
         self.kv_drain.add(freed, now)
         self.request_drain.add(departed, now)
         for e in ledger.values():
