@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from replay.errors import ReplayError
@@ -78,6 +79,21 @@ class SeqWork(NamedTuple):
     sample: bool = True  # compute logits for the last new token
 
 
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    """One decoder layer's weights (matrices as [in, out])."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # fused query, key and value projections
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # fused gate and up projections of the MLP
+    down: torch.Tensor
+
+    def tensors(self) -> tuple:
+        return (self.input_norm, self.qkv, self.o, self.post_norm, self.gate_up, self.down)
+
+
 class StepExecutor:
     """A random-weight Llama decoder with a paged KV cache; ``execute`` runs one step."""
 
@@ -111,18 +127,17 @@ class StepExecutor:
 
         q_dim, kv_dim = s.num_attention_heads * s.head_dim, s.num_kv_heads * s.head_dim
         self.embedding = normal(s.vocab_size, s.hidden_size)
-        self.layers = []
-        for _ in range(s.num_layers):
-            self.layers.append(
-                {
-                    "input_norm": torch.ones(s.hidden_size, device=dev, dtype=dt),
-                    "qkv": normal(s.hidden_size, q_dim + 2 * kv_dim),
-                    "o": normal(q_dim, s.hidden_size),
-                    "post_norm": torch.ones(s.hidden_size, device=dev, dtype=dt),
-                    "gate_up": normal(s.hidden_size, 2 * s.intermediate_size),
-                    "down": normal(s.intermediate_size, s.hidden_size),
-                }
+        self.layers = [
+            LayerWeights(
+                input_norm=torch.ones(s.hidden_size, device=dev, dtype=dt),
+                qkv=normal(s.hidden_size, q_dim + 2 * kv_dim),
+                o=normal(q_dim, s.hidden_size),
+                post_norm=torch.ones(s.hidden_size, device=dev, dtype=dt),
+                gate_up=normal(s.hidden_size, 2 * s.intermediate_size),
+                down=normal(s.intermediate_size, s.hidden_size),
             )
+            for _ in range(s.num_layers)
+        ]
         self.final_norm = torch.ones(s.hidden_size, device=dev, dtype=dt)
         self.lm_head = normal(s.hidden_size, s.vocab_size)
         self.inv_freq = 1.0 / (
@@ -251,8 +266,8 @@ class StepExecutor:
         scale = 1.0 / math.sqrt(s.head_dim)
         sdpa = torch.nn.functional.scaled_dot_product_attention
         for i, layer in enumerate(self.layers):
-            h = self._rms_norm(x, layer["input_norm"])
-            qkv = h @ layer["qkv"]
+            h = self._rms_norm(x, layer.input_norm)
+            qkv = h @ layer.qkv
             q = qkv[:, :q_dim].view(num_tokens, s.num_attention_heads, s.head_dim)
             k = qkv[:, q_dim:q_dim + kv_dim].view(num_tokens, s.num_kv_heads, s.head_dim)
             v = qkv[:, q_dim + kv_dim:].view(num_tokens, s.num_kv_heads, s.head_dim)
@@ -277,10 +292,10 @@ class StepExecutor:
                 vv = vc[keys_t].transpose(0, 1)[None]
                 out = sdpa(qc, kk, vv, attn_mask=mask, scale=scale).view(s.num_kv_heads, n, group, s.head_dim)
                 attn[first:first + n] = out.transpose(0, 1).reshape(n, s.num_attention_heads, s.head_dim)
-            x = x + attn.reshape(num_tokens, q_dim) @ layer["o"]
-            h = self._rms_norm(x, layer["post_norm"])
-            gate, up = (h @ layer["gate_up"]).chunk(2, dim=-1)
-            x = x + (torch.nn.functional.silu(gate) * up) @ layer["down"]
+            x = x + attn.reshape(num_tokens, q_dim) @ layer.o
+            h = self._rms_norm(x, layer.post_norm)
+            gate, up = (h @ layer.gate_up).chunk(2, dim=-1)
+            x = x + (torch.nn.functional.silu(gate) * up) @ layer.down
         if not sample_rows:
             return torch.empty((0, s.vocab_size), device=dev, dtype=torch.float32)
         last = self._rms_norm(x[as_long(sample_rows)], self.final_norm)
@@ -306,7 +321,7 @@ class StepExecutor:
     def weight_bytes(self) -> int:
         tensors = [self.embedding, self.final_norm, self.lm_head]
         for layer in self.layers:
-            tensors.extend(layer.values())
+            tensors.extend(layer.tensors())
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @property

@@ -264,7 +264,7 @@ def write_fit_report(report: FitReport, profile: Profile, profile_path: str | Pa
         "profile": Path(profile_path).name,
         "device": profile.meta.device,
         "device_name": profile.meta.device_name,
-        "model": profile.meta.model,
+        "model": profile.meta.model.as_dict(),
         "held_out_share": HELD_OUT_SHARE,
         **dataclasses.asdict(report),
     }

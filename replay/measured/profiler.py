@@ -179,24 +179,25 @@ class ProfileMeta:
     torch: str = doc("PyTorch version.")
     num_threads: int = doc("torch intra-op threads (CPU).")
     dtype: str = doc("Weights, activations and KV cache dtype.")
-    model: dict = doc("The model shape (LlamaShape fields): what was built and what it stands for.")
+    model: LlamaShape = doc("The model shape: the layers built and the real model's.")
     block_size: int = doc("KV cache block size, tokens.")
     timer: str = doc("cuda-events or perf_counter.")
     peak_flops: float = doc("Peak FLOP/s the roofline fraction is taken against.")
     peak_bytes_per_s: float = doc("Peak memory bandwidth the roofline fraction is taken against, bytes/s.")
     peak_source: str = doc("Where the peaks come from: a published preset or a measurement here.")
     memory_bytes: int = doc("Device memory (GPU) or host memory (CPU), bytes.")
-    sweep: dict = doc("The sweep configuration.")
+    sweep: SweepConfig = doc("The sweep configuration.")
     num_shapes_planned: int = doc("Shapes in the sweep.")
     truncated: bool = doc("The time box stopped the sweep before every shape was timed.")
     wall_s: float = doc("How long the sweep took, seconds.")
     date_utc: str = doc("When the sweep ran (ISO 8601, UTC).")
     host: str = doc("Host name.")
-    code_version: dict = doc("servelens version and git commit.")
+    servelens_version: str = doc("servelens version that measured it.")
+    git_commit: str | None = doc("Git commit it ran from, when known.")
 
     @property
     def shape(self) -> LlamaShape:
-        return shape_from_dict(self.model)
+        return self.model
 
 
 PROFILE_SCHEMA = pa.schema(
@@ -363,20 +364,20 @@ def _run_profile(torch, shape: LlamaShape, device: str, sweep: SweepConfig | Non
         torch=torch.__version__,
         num_threads=torch.get_num_threads(),
         dtype=executor.dtype_name,
-        model=shape.as_dict(),
+        model=shape,
         block_size=block_size,
         timer="cuda-events" if executor.device.type == "cuda" else "perf_counter",
         peak_flops=peak_flops,
         peak_bytes_per_s=peak_bw,
         peak_source=source,
         memory_bytes=device_memory_bytes(executor),
-        sweep=_plain(sweep),
+        sweep=sweep,
         num_shapes_planned=len(shapes),
         truncated=truncated,
         wall_s=round(wall_s, 3),
         date_utc=datetime.now(UTC).isoformat(timespec="seconds"),
         host=platform.node(),
-        code_version=_code_version(),
+        **_code_version(),
     )
     profile = Profile(pa.Table.from_pydict(rows, schema=PROFILE_SCHEMA), meta)
     if out is not None:
@@ -392,10 +393,11 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
-def _code_version() -> dict:
+def _code_version() -> dict[str, str | None]:
     from replay.run import code_version
 
-    return code_version()
+    v = code_version()
+    return {"servelens_version": v["servelens"], "git_commit": v["git_commit"]}
 
 
 def write_profile(profile: Profile, out: str | Path) -> Path:
@@ -431,8 +433,18 @@ def read_profile(path: str | Path) -> Profile:
     if missing:
         raise DataNotFoundError(f"{path} lacks profile columns {missing}")
     names = {f.name for f in dataclasses.fields(ProfileMeta)}
-    meta = ProfileMeta(**{k: v for k, v in values.items() if k in names})
+    try:
+        values["model"] = shape_from_dict(values["model"])
+        values["sweep"] = _sweep_from_dict(values["sweep"])
+        meta = ProfileMeta(**{k: v for k, v in values.items() if k in names})
+    except (KeyError, TypeError, ValueError, ReplayError) as exc:
+        raise DataNotFoundError(f"{path} has unreadable profile metadata: {exc}") from exc
     return Profile(table.select([f.name for f in PROFILE_SCHEMA]).replace_schema_metadata(None), meta)
+
+
+def _sweep_from_dict(values: dict) -> SweepConfig:
+    names = {f.name for f in dataclasses.fields(SweepConfig)}
+    return SweepConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if k in names})
 
 
 # ------------------------------------------------------------------------------ the device

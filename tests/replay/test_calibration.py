@@ -73,10 +73,11 @@ def test_a_profile_is_written_with_its_metadata_and_read_back(profile_path: Path
     assert sorted(set(profile.table["kind"].to_pylist())) == ["decode", "mixed", "prefill"]
     m = profile.meta
     assert (m.device, m.dtype, m.timer, m.torch, m.measured) == ("cpu", "float32", "perf_counter", torch.__version__, True)
-    assert m.model == llama_shape("tiny").as_dict() and m.shape == llama_shape("tiny")
+    assert m.model == m.shape == llama_shape("tiny") and m.sweep == default_sweep("cpu", llama_shape("tiny"), **QUICK)
+    assert m.servelens_version and m.num_threads == 1
     assert m.date_utc.endswith("+00:00") and m.peak_flops > 0 and m.peak_bytes_per_s > 0 and not m.truncated
     raw = json.loads(pq.read_schema(profile_path).metadata[b"servelens.profile"])
-    assert raw["sweep"]["repeats"] == 3 and raw["num_threads"] == 1
+    assert raw["sweep"]["repeats"] == 3 and raw["model"]["hidden_size"] == 64  # plain JSON in the file
     for row in profile.table.to_pylist():  # every repeat kept; median and spread consistent with them
         times = sorted(row["times_ns"])
         assert len(times) == 3 and row["median_ns"] == times[1]

@@ -39,8 +39,8 @@ def reference_logits(ex: StepExecutor, tokens: list[int]) -> torch.Tensor:
     qd, kvd = s.num_attention_heads * s.head_dim, s.num_kv_heads * s.head_dim
     group = s.num_attention_heads // s.num_kv_heads
     for layer in ex.layers:
-        h = norm(x, layer["input_norm"])
-        qkv = h @ d(layer["qkv"])
+        h = norm(x, layer.input_norm)
+        qkv = h @ d(layer.qkv)
         q = rope(qkv[:, :qd].reshape(n, s.num_attention_heads, s.head_dim))
         k = rope(qkv[:, qd:qd + kvd].reshape(n, s.num_kv_heads, s.head_dim))
         v = qkv[:, qd + kvd:].reshape(n, s.num_kv_heads, s.head_dim)
@@ -54,10 +54,10 @@ def reference_logits(ex: StepExecutor, tokens: list[int]) -> torch.Tensor:
                 total = sum(weights)
                 for j, wgt in enumerate(weights):
                     out[i, head] += wgt / total * v[j, kv_head]
-        x = x + out.reshape(n, qd) @ d(layer["o"])
-        h = norm(x, layer["post_norm"])
-        g, u = (h @ d(layer["gate_up"])).chunk(2, dim=-1)
-        x = x + (g * torch.sigmoid(g) * u) @ d(layer["down"])
+        x = x + out.reshape(n, qd) @ d(layer.o)
+        h = norm(x, layer.post_norm)
+        g, u = (h @ d(layer.gate_up)).chunk(2, dim=-1)
+        x = x + (g * torch.sigmoid(g) * u) @ d(layer.down)
     return norm(x, ex.final_norm) @ d(ex.lm_head)
 
 
