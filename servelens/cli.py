@@ -286,6 +286,63 @@ def _sanitizer(ctx: click.Context):
     return Sanitizer(load_keyring(privacy.key_file), privacy)
 
 
+# ---------------------------------------------------------------------------------------------- metrics
+
+
+@cli.group()
+def metrics() -> None:
+    """Export a request table's metrics in standard formats (Prometheus, OpenTelemetry)."""
+
+
+@metrics.command("export")
+@click.argument("requests_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--events", "events_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The table's events (Parquet): adds vllm:inter_token_latency_seconds (per-token gaps).")
+@click.option("--format", "fmt", type=click.Choice(["prometheus", "otlp-json"]), default="prometheus", show_default=True,
+              help="Prometheus text exposition, or an OTLP ExportMetricsServiceRequest in JSON.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Output file; default: standard output.")
+@click.option("--labels", default="model", show_default=True,
+              help="Comma-separated label dimensions among model, service_class, pool ('' for none); never ids.")
+@click.option("--max-label-values", type=int, default=10, show_default=True,
+              help="Values kept per label dimension; the rest fold into 'other'.")
+@click.option("--min-group-size", type=int, help="Label combinations with fewer requests fold into 'other' "
+              "(default: privacy.min_group_size).")
+@click.option("--max-model-len", type=int, help="Upper end of the 1-2-5 token buckets (default: the largest count).")
+@click.option("--provider", help="gen_ai.provider.name of the OTel GenAI series (e.g. vllm); default: omitted.")
+@click.pass_context
+def metrics_export(ctx: click.Context, requests_file: Path, events_file: Path | None, fmt: str, out: Path | None,
+                   labels: str, max_label_values: int, min_group_size: int | None, max_model_len: int | None,
+                   provider: str | None) -> None:
+    """Export REQUESTS_FILE (a request table, real or replayed) as histograms with vLLM's and
+    the OTel GenAI conventions' names and buckets (docs/interop.md).
+
+    \b
+    Example:
+      servelens metrics export out/demo/requests.parquet --events out/demo/events.parquet --out demo.prom
+      servelens metrics export requests.parquet --format otlp-json --labels model,service_class --out m.json
+    """
+    import pyarrow.parquet as pq
+
+    from pipelines.exposition import request_metrics, to_otlp_json, to_prometheus
+
+    events = pq.read_table(events_file) if events_file else None
+    result = request_metrics(
+        pq.read_table(requests_file), events, labels=_names(labels), max_label_values=max_label_values,
+        min_group_size=min_group_size or _config(ctx).privacy.min_group_size, max_model_len=max_model_len,
+        provider_name=provider,
+    )
+    text = to_prometheus(result) if fmt == "prometheus" else json.dumps(to_otlp_json(result, scope_version=__version__), indent=1)
+    for why in result.omitted:
+        click.echo(f"left out {why}", err=True)
+    if out is None:
+        click.echo(text, nl=False)
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    click.echo(f"wrote {len(result.histograms)} histograms of {result.num_requests:,} requests to {out}"
+               f" ({result.num_folded_requests:,} in small label groups folded into 'other')")
+
+
 # ---------------------------------------------------------------------------------------------- privacy
 
 

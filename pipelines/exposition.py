@@ -1,0 +1,454 @@
+"""Metrics out: any request table (real or replayed) as Prometheus text and OpenTelemetry histograms.
+
+The histograms carry vLLM's metric names and bucket boundaries (``vllm:time_to_first_token_seconds``
+...) and those of the OpenTelemetry GenAI semantic conventions (``gen_ai.server.time_to_first_token``
+...), so a Grafana dashboard built for a vLLM fleet reads a replay next to production. What each
+observation measures is servelens's definition (``docs/metrics.md``), not necessarily vLLM's; the
+differences are listed in ``docs/interop.md``.
+
+Every histogram is computed from the request table alone, except ``vllm:inter_token_latency_seconds``,
+which needs the per-token gaps and therefore the events (the table keeps only their summary); given
+no events it is left out and ``MetricSet.omitted`` says why.
+
+Labels are bounded (``../shared/GUIDE.md`` section 6): only model, service class and pool may be
+labels (a tenant, request, session or instance id never is); each dimension keeps its
+``max_label_values`` largest values and folds the rest into ``other``; and a label combination with
+fewer than ``min_group_size`` requests folds whole into the all-``other`` series. Folding moves
+observations between series and never drops one, so every histogram's counts and sums over all
+series equal the request table's exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from servelens.errors import ServelensError
+
+OTHER = "other"
+UNKNOWN = "unknown"
+
+# vLLM v1's bucket boundaries (vllm/v1/metrics/loggers.py), seconds.
+VLLM_TTFT_BUCKETS_S = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)
+VLLM_TOKEN_LATENCY_BUCKETS_S = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)
+VLLM_REQUEST_LATENCY_BUCKETS_S = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+    960.0, 1920.0, 7680.0,
+)
+# OpenTelemetry GenAI semantic conventions: the ExplicitBucketBoundaries advised per metric, seconds.
+OTEL_TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+OTEL_TPOT_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+OTEL_DURATION_BUCKETS_S = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
+
+
+def token_buckets(max_tokens: int) -> tuple[float, ...]:
+    """vLLM's 1-2-5 token buckets (1, 2, 5, 10, 20, 50, ...) up to ``max_tokens`` (its max_model_len)."""
+    out, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_tokens:
+                return tuple(float(v) for v in out)
+            out.append(value)
+        exponent += 1
+
+
+#: label dimension -> (request-table column, Prometheus label of the vLLM names, OTel attribute)
+LABEL_DIMENSIONS: dict[str, tuple[str, str, str]] = {
+    "model": ("model", "model_name", "gen_ai.request.model"),
+    "service_class": ("service_class", "service_class", "servelens.service_class"),
+    "pool": ("pool", "pool", "servelens.pool"),
+}
+#: Columns that can never become labels (identifiers, and the tenant above all).
+FORBIDDEN_LABELS = frozenset({"tenant", "request_id", "session_id", "engine_id", "instance_id", "adapter"})
+
+
+@dataclass(frozen=True, slots=True)
+class HistogramSeries:
+    """One label combination of a histogram: per-bucket counts (not cumulative; the last is +Inf)."""
+
+    labels: tuple[tuple[str, str], ...]
+    bucket_counts: tuple[int, ...]
+    count: int
+    sum: float
+
+
+@dataclass(frozen=True, slots=True)
+class Histogram:
+    """A histogram family. ``name`` is the exposition name; ``otel_name`` the OTel instrument, if any."""
+
+    name: str
+    help: str
+    unit: str
+    bounds: tuple[float, ...]
+    series: tuple[HistogramSeries, ...]
+    otel_name: str | None = None
+
+    @property
+    def count(self) -> int:
+        return sum(s.count for s in self.series)
+
+
+@dataclass(frozen=True, slots=True)
+class CounterSeries:
+    labels: tuple[tuple[str, str], ...]
+    value: int
+
+
+@dataclass(frozen=True, slots=True)
+class Counter:
+    name: str  # without the _total suffix, which the exposition adds
+    help: str
+    series: tuple[CounterSeries, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSet:
+    """Every exported family, what was folded, and what was left out (and why)."""
+
+    histograms: tuple[Histogram, ...]
+    counters: tuple[Counter, ...]
+    num_requests: int
+    num_folded_requests: int  # requests whose label combination folded into the all-"other" series
+    omitted: tuple[str, ...]
+    start_ns: int | None  # earliest arrival: the start of the cumulative OTel histograms
+    end_ns: int | None  # latest finish or token: their observation time
+
+
+@dataclass(frozen=True, slots=True)
+class _Spec:
+    name: str
+    help: str
+    values: str  # a column of the derived value table
+    bounds: tuple[float, ...]
+    unit: str = "s"
+    family: str = "vllm"  # vllm: model_name/service_class/pool; otel: gen_ai.* attributes + error.type
+    otel_name: str | None = None
+
+
+def _specs(max_tokens: int) -> tuple[_Spec, ...]:
+    tokens = token_buckets(max_tokens)
+    return (
+        _Spec("vllm:time_to_first_token_seconds", "Time to first token, s: first_token - arrival (servelens's user-facing definition).", "ttft_s", VLLM_TTFT_BUCKETS_S),
+        _Spec("vllm:e2e_request_latency_seconds", "End-to-end request latency, s: last_token - arrival.", "e2e_s", VLLM_REQUEST_LATENCY_BUCKETS_S),
+        _Spec("vllm:request_queue_time_seconds", "Queue time, s: first batch membership - arrival.", "queue_s", VLLM_REQUEST_LATENCY_BUCKETS_S),
+        _Spec("vllm:request_prefill_time_seconds", "Prefill time, s: first_token - scheduled.", "prefill_s", VLLM_REQUEST_LATENCY_BUCKETS_S),
+        _Spec("vllm:request_decode_time_seconds", "Decode time, s: last_token - first_token.", "decode_s", VLLM_REQUEST_LATENCY_BUCKETS_S),
+        _Spec("vllm:request_inference_time_seconds", "Inference time, s: last_token - scheduled.", "inference_s", VLLM_REQUEST_LATENCY_BUCKETS_S),
+        _Spec("vllm:request_time_per_output_token_seconds", "Time per output token of each request, s: (last_token - first_token) / (output tokens - 1).", "tpot_s", VLLM_TOKEN_LATENCY_BUCKETS_S),
+        _Spec("vllm:inter_token_latency_seconds", "Inter-token latency, s: each gap between tokens (a chunk of k tokens after a gap g counts k gaps of g/k).", "itl", VLLM_TOKEN_LATENCY_BUCKETS_S),
+        _Spec("vllm:request_prompt_tokens", "Prompt tokens per request.", "num_prompt_tokens", tokens, unit="{token}"),
+        _Spec("vllm:request_generation_tokens", "Output tokens per request.", "num_output_tokens", tokens, unit="{token}"),
+        _Spec("gen_ai_server_time_to_first_token_seconds", "GenAI server time to first token of successful requests, s (first_token - arrival).", "otel_ttft_s", OTEL_TTFT_BUCKETS_S, family="otel", otel_name="gen_ai.server.time_to_first_token"),
+        _Spec("gen_ai_server_time_per_output_token_seconds", "GenAI server time per output token after the first, of successful requests, s.", "otel_tpot_s", OTEL_TPOT_BUCKETS_S, family="otel", otel_name="gen_ai.server.time_per_output_token"),
+        _Spec("gen_ai_server_request_duration_seconds", "GenAI server request duration, s: last_token - arrival, or finish - arrival for a request that ended without a token.", "duration_s", OTEL_DURATION_BUCKETS_S, family="otel", otel_name="gen_ai.server.request.duration"),
+    )
+
+
+def _column(table: pa.Table, name: str) -> np.ndarray:
+    return table[name].to_numpy(zero_copy_only=False)
+
+
+def _float(values: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    return np.array(pc.cast(values, pa.float64()).to_numpy(zero_copy_only=False), dtype=np.float64)
+
+
+def _ns_seconds(table: pa.Table, end: str, start: str) -> np.ndarray:
+    """(end - start) / 1e9 from integer nanoseconds, NaN where either is null (as the table derives durations)."""
+    return _float(pc.divide(pc.cast(pc.subtract(table[end], table[start]), pa.float64()), 1e9))
+
+
+def _labels(table: pa.Table, dims: Sequence[str], max_values: int, min_group: int) -> tuple[np.ndarray, list[tuple[str, ...]], int]:
+    """Each row's cell (an index into the returned label tuples) after bounding, and the folded row count."""
+    n = table.num_rows
+    columns = []
+    for dim in dims:
+        raw = table[LABEL_DIMENSIONS[dim][0]].to_pylist()
+        values = [UNKNOWN if v is None else str(v) for v in raw]
+        counts: dict[str, int] = {}
+        for v in values:
+            counts[v] = counts.get(v, 0) + 1
+        kept = {v for v, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:max_values]}
+        columns.append([v if v in kept else OTHER for v in values])
+    keys = [tuple(col[i] for col in columns) for i in range(n)]
+    sizes: dict[tuple[str, ...], int] = {}
+    for k in keys:
+        sizes[k] = sizes.get(k, 0) + 1
+    folded_key = tuple(OTHER for _ in dims)
+    folded = 0
+    for i, k in enumerate(keys):
+        if sizes[k] < min_group and k != folded_key:
+            keys[i] = folded_key
+            folded += 1
+    cells = sorted(set(keys))
+    index = {k: j for j, k in enumerate(cells)}
+    return np.array([index[k] for k in keys], dtype=np.int64), cells, folded
+
+
+def _histogram_series(values: np.ndarray, cell: np.ndarray, bounds: tuple[float, ...], num_cells: int,
+                      weights: np.ndarray | None = None, sums_ns: np.ndarray | None = None) -> list[tuple[list[int], int, float]]:
+    """Per cell: bucket counts, count and sum of the non-NaN values (weights: repeat counts)."""
+    present = ~np.isnan(values)
+    out = []
+    edges = np.asarray(bounds, dtype=np.float64)
+    for j in range(num_cells):
+        mask = present & (cell == j)
+        v = values[mask]
+        w = np.ones(len(v), dtype=np.int64) if weights is None else weights[mask]
+        slots = np.searchsorted(edges, v, side="left")  # value <= bound: Prometheus "le" and OTel upper bounds
+        counts = np.bincount(slots, weights=w, minlength=len(edges) + 1).astype(np.int64).tolist()
+        if sums_ns is not None:  # exact: an integer nanosecond sum, divided once
+            total = int(sums_ns[mask].sum()) / 1e9
+        else:
+            total = math.fsum(v.tolist())
+        out.append((counts, int(w.sum()), total))
+    return out
+
+
+def token_gaps(events: pa.Table) -> pa.Table:
+    """Per token delivery after a request's first: (request_id, gap_ns, num_tokens), read like the
+    request table reads them (de-duplicated by event_id, ordered by ts_ns, event_type, event_id)."""
+    from pipelines.tables import connect
+
+    con = connect()
+    con.register("events_input", events.select(
+        [c for c in ("event_id", "request_id", "event_type", "ts_ns", "num_tokens") if c in events.column_names]))
+    return con.sql(
+        """
+        SELECT request_id, gap_ns, coalesce(num_tokens, 1) AS num_tokens FROM (
+            SELECT request_id, num_tokens,
+                   ts_ns - lag(ts_ns) OVER (PARTITION BY request_id ORDER BY ts_ns, event_type, event_id) AS gap_ns
+            FROM (SELECT DISTINCT ON (event_id) * FROM events_input
+                  WHERE event_type IN ('first_token', 'tokens_delivered')))
+        WHERE gap_ns IS NOT NULL ORDER BY request_id
+        """
+    ).to_arrow_table()
+
+
+def request_metrics(
+    requests: pa.Table,
+    events: pa.Table | None = None,
+    *,
+    labels: Sequence[str] = ("model",),
+    max_label_values: int = 10,
+    min_group_size: int = 5,
+    max_model_len: int | None = None,
+    operation_name: str = "chat",
+    provider_name: str | None = None,
+) -> MetricSet:
+    """The histograms and counters of a request table (``schemas.records.RequestRow`` columns).
+
+    ``events`` (the table's events) adds ``vllm:inter_token_latency_seconds``. ``labels`` picks
+    label dimensions among ``LABEL_DIMENSIONS``; ``max_model_len`` bounds the token buckets
+    (default: the largest token count in the table). ``operation_name`` and ``provider_name`` fill
+    the GenAI conventions' ``gen_ai.operation.name`` and ``gen_ai.provider.name`` attributes.
+    """
+    for dim in labels:
+        if dim in FORBIDDEN_LABELS:
+            raise ServelensError(f"{dim!r} can never be a metric label (an identifier; the guide's section 6)",
+                                 f"choose among {', '.join(LABEL_DIMENSIONS)}")
+        if dim not in LABEL_DIMENSIONS:
+            raise ServelensError(f"unknown label {dim!r}", f"choose among {', '.join(LABEL_DIMENSIONS)}")
+    if len(set(labels)) != len(labels):
+        raise ServelensError("a label is named twice")
+    if max_label_values < 1 or min_group_size < 1:
+        raise ServelensError("max_label_values and min_group_size must be at least 1")
+    missing = [c for c in ("request_id", "outcome", "ttft_s", "e2e_s", "queue_s", "tpot_s", "arrival_ns",
+                           "scheduled_ns", "first_token_ns", "last_token_ns", "finish_ns", "num_prompt_tokens",
+                           "num_output_tokens") if c not in requests.column_names]
+    missing += [LABEL_DIMENSIONS[d][0] for d in labels if LABEL_DIMENSIONS[d][0] not in requests.column_names]
+    if missing:
+        raise ServelensError(f"not a request table: columns {', '.join(missing)} are missing",
+                             "derive one with `servelens requests derive EVENTS --out requests.parquet`")
+    cell, cells, folded = _labels(requests, labels, max_label_values, min_group_size)
+    outcome = np.array([o or "" for o in requests["outcome"].to_pylist()], dtype=object)
+    success = outcome == "completed"
+    duration = _float(requests["e2e_s"])
+    no_token = np.isnan(duration)
+    duration[no_token] = _ns_seconds(requests, "finish_ns", "arrival_ns")[no_token]
+    values = {
+        "ttft_s": _float(requests["ttft_s"]),
+        "e2e_s": _float(requests["e2e_s"]),
+        "queue_s": _float(requests["queue_s"]),
+        "prefill_s": _ns_seconds(requests, "first_token_ns", "scheduled_ns"),
+        "decode_s": _ns_seconds(requests, "last_token_ns", "first_token_ns"),
+        "inference_s": _ns_seconds(requests, "last_token_ns", "scheduled_ns"),
+        "tpot_s": _float(requests["tpot_s"]),
+        "num_prompt_tokens": _float(requests["num_prompt_tokens"]),
+        "num_output_tokens": _float(requests["num_output_tokens"]),
+        "otel_ttft_s": np.where(success, _float(requests["ttft_s"]), np.nan),
+        "otel_tpot_s": np.where(success, _float(requests["tpot_s"]), np.nan),
+        "duration_s": duration,
+    }
+    if max_model_len is None:
+        largest = np.nanmax(np.concatenate([values["num_prompt_tokens"], values["num_output_tokens"], [1.0]]))
+        max_model_len = int(largest)
+    omitted = []
+    gaps = None
+    if events is not None:
+        gaps = token_gaps(events)
+        row = {rid: i for i, rid in enumerate(requests["request_id"].to_pylist())}
+        gap_rows = np.array([row.get(r, -1) for r in gaps["request_id"].to_pylist()], dtype=np.int64)
+        known = gap_rows >= 0
+        gap_ns = _column(gaps, "gap_ns").astype(np.int64)[known]
+        weight = _column(gaps, "num_tokens").astype(np.int64)[known]
+        gap_cell = cell[gap_rows[known]]
+    else:
+        omitted.append("vllm:inter_token_latency_seconds: needs the events (per-token gaps); the request table keeps only their summary")
+
+    histograms = []
+    for spec in _specs(max_model_len):
+        if spec.values == "duration_s":  # error.type splits the duration by outcome
+            out = _duration_by_outcome(values["duration_s"], outcome, cell, cells, spec, labels, operation_name, provider_name)
+        elif spec.values == "itl" and gaps is None:
+            continue
+        else:
+            if spec.values == "itl":
+                series = _histogram_series(gap_ns / weight / 1e9, gap_cell, spec.bounds, len(cells),
+                                           weights=weight, sums_ns=gap_ns)
+            else:
+                series = _histogram_series(values[spec.values], cell, spec.bounds, len(cells))
+            out = [HistogramSeries(_label_pairs(spec.family, labels, key, operation_name, provider_name), tuple(counts), count, total)
+                   for key, (counts, count, total) in zip(cells, series)]
+        histograms.append(Histogram(spec.name, spec.help, spec.unit, spec.bounds, tuple(out), spec.otel_name))
+
+    prompt = np.nan_to_num(values["num_prompt_tokens"]).astype(np.int64)
+    generated = np.nan_to_num(values["num_output_tokens"]).astype(np.int64)
+    counters = [
+        Counter("vllm:prompt_tokens", "Prompt tokens of the requests.",
+                tuple(CounterSeries(_label_pairs("vllm", labels, k, operation_name, provider_name), int(prompt[cell == j].sum()))
+                      for j, k in enumerate(cells))),
+        Counter("vllm:generation_tokens", "Output tokens of the requests.",
+                tuple(CounterSeries(_label_pairs("vllm", labels, k, operation_name, provider_name), int(generated[cell == j].sum()))
+                      for j, k in enumerate(cells))),
+    ]
+    by_outcome = []
+    for j, k in enumerate(cells):
+        for name in sorted(set(outcome[cell == j].tolist())):
+            pairs = _label_pairs("vllm", labels, k, operation_name, provider_name) + (("outcome", name or "in_flight"),)
+            by_outcome.append(CounterSeries(pairs, int(((cell == j) & (outcome == name)).sum())))
+    counters.append(Counter("servelens:requests", "Requests by outcome (rejections and cancellations are outcomes, not missing data).",
+                            tuple(by_outcome)))
+    times = [requests[c] for c in ("finish_ns", "last_token_ns") if c in requests.column_names]
+    end = max((pc.max(t).as_py() for t in times if pc.max(t).as_py() is not None), default=None)
+    return MetricSet(tuple(histograms), tuple(counters), requests.num_rows, folded, tuple(omitted),
+                     pc.min(requests["arrival_ns"]).as_py(), end)
+
+
+def _label_pairs(family: str, dims: Sequence[str], key: tuple[str, ...], operation: str, provider: str | None) -> tuple[tuple[str, str], ...]:
+    if family == "vllm":
+        return tuple((LABEL_DIMENSIONS[d][1], v) for d, v in zip(dims, key))
+    pairs = [("gen_ai.operation.name", operation)]
+    if provider:
+        pairs.append(("gen_ai.provider.name", provider))
+    pairs += [(LABEL_DIMENSIONS[d][2], v) for d, v in zip(dims, key)]
+    return tuple(pairs)
+
+
+def _duration_by_outcome(values, outcome, cell, cells, spec: _Spec, dims, operation, provider) -> list[HistogramSeries]:
+    out = []
+    for name in sorted(set(outcome.tolist())):
+        mask = outcome == name
+        series = _histogram_series(np.where(mask, values, np.nan), cell, spec.bounds, len(cells))
+        for key, (counts, count, total) in zip(cells, series):
+            if count == 0:
+                continue
+            pairs = _label_pairs("otel", dims, key, operation, provider)
+            if name != "completed":
+                pairs += (("error.type", name or "in_flight"),)
+            out.append(HistogramSeries(pairs, tuple(counts), count, total))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ formats
+
+
+def _prometheus_label(name: str) -> str:
+    return name.replace(".", "_")
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _number(value: float) -> str:
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value))
+
+
+def _label_text(pairs: Sequence[tuple[str, str]]) -> str:
+    if not pairs:
+        return ""
+    return "{" + ",".join(f'{_prometheus_label(k)}="{_escape(v)}"' for k, v in pairs) + "}"
+
+
+def to_prometheus(metrics: MetricSet) -> str:
+    """The Prometheus text exposition format (version 0.0.4): cumulative ``le`` buckets, _sum, _count."""
+    lines: list[str] = []
+    for h in metrics.histograms:
+        lines += [f"# HELP {h.name} {h.help}", f"# TYPE {h.name} histogram"]
+        for s in h.series:
+            running = 0
+            for bound, n in zip((*h.bounds, math.inf), s.bucket_counts):
+                running += n
+                lines.append(f"{h.name}_bucket{_label_text((*s.labels, ('le', _number(bound))))} {running}")
+            lines.append(f"{h.name}_sum{_label_text(s.labels)} {_number(s.sum)}")
+            lines.append(f"{h.name}_count{_label_text(s.labels)} {s.count}")
+    for c in metrics.counters:
+        lines += [f"# HELP {c.name}_total {c.help}", f"# TYPE {c.name}_total counter"]
+        lines += [f"{c.name}_total{_label_text(s.labels)} {s.value}" for s in c.series]
+    return "\n".join(lines) + "\n"
+
+
+def _attributes(pairs: Sequence[tuple[str, str]]) -> list[dict]:
+    return [{"key": k, "value": {"stringValue": v}} for k, v in pairs]
+
+
+def to_otlp_json(metrics: MetricSet, *, service_name: str = "servelens", scope_version: str = "") -> dict:
+    """An OTLP ``ExportMetricsServiceRequest`` in its JSON encoding (cumulative explicit-bucket
+    histograms; 64-bit integers as strings, as OTLP/JSON writes them). OTel-named families keep
+    their dotted instrument names; the vLLM-named ones keep vLLM's names."""
+    start = str(metrics.start_ns or 0)
+    end = str(metrics.end_ns or metrics.start_ns or 0)
+    out_metrics = []
+    for h in metrics.histograms:
+        points = [
+            {
+                "attributes": _attributes(s.labels),
+                "startTimeUnixNano": start,
+                "timeUnixNano": end,
+                "count": str(s.count),
+                "sum": s.sum,
+                "bucketCounts": [str(n) for n in s.bucket_counts],
+                "explicitBounds": list(h.bounds),
+            }
+            for s in h.series
+        ]
+        out_metrics.append({
+            "name": h.otel_name or h.name,
+            "description": h.help,
+            "unit": h.unit,
+            "histogram": {"dataPoints": points, "aggregationTemporality": 2},  # 2: CUMULATIVE
+        })
+    for c in metrics.counters:
+        points = [{"attributes": _attributes(s.labels), "startTimeUnixNano": start, "timeUnixNano": end,
+                   "asInt": str(s.value)} for s in c.series]
+        out_metrics.append({"name": c.name, "description": c.help, "unit": "1",
+                            "sum": {"dataPoints": points, "aggregationTemporality": 2, "isMonotonic": True}})
+    return {
+        "resourceMetrics": [{
+            "resource": {"attributes": _attributes([("service.name", service_name)])},
+            "scopeMetrics": [{"scope": {"name": "servelens.exposition", "version": scope_version}, "metrics": out_metrics}],
+        }]
+    }
