@@ -226,6 +226,8 @@ class EventWriter:
         self._member_branches = False  # some member decodes several sequences
         #: set by the engine once a request carries a tenant, class, model or adapter label
         self.labelled = False
+        #: set by a cluster: admission decisions may carry a ``target`` (the instance a request is routed to)
+        self.routed = False
 
     def snapshot(self, members: tuple[Request, ...], num_seqs: int) -> Snapshot:
         """The lockstep members now, their rows appended to the member log (valid until the next flush)."""
@@ -236,8 +238,9 @@ class EventWriter:
             self._member_branches = True
         return taken
 
-    def on_state(self, ts_ns: int, instance_id: str, state: str, num_blocks: int, block_size: int, models: list[str]) -> None:
-        self.states.append((ts_ns, instance_id, state, num_blocks, block_size, models))
+    def on_state(self, ts_ns: int, instance_id: str, state: str, num_blocks: int, block_size: int, models: list[str],
+                 scale_action: str | None = None) -> None:
+        self.states.append((ts_ns, instance_id, state, num_blocks, block_size, models, scale_action))
 
     def pending_rows(self) -> int:
         """Events buffered (a run counts as its members), checked by the engine after each step."""
@@ -343,7 +346,7 @@ class EventWriter:
         buf, self.admission = self.admission, []
         if not buf:
             return None
-        # (request, ts_ns, AdmissionDecision, decision number, instance_id)
+        # (request, ts_ns, AdmissionDecision or a cluster's route record, decision number, instance_id)
         reqs, ts, decisions, number, instance = zip(*buf)
         decision, reason, retry_after, low, high = zip(*map(_DECISION_FIELDS, decisions))
         cols = self._request_columns(reqs)
@@ -354,6 +357,8 @@ class EventWriter:
         cols["retry_after_s"] = pa.array(retry_after, pa.float64())
         cols["predicted_output_tokens_low"] = pa.array(low, pa.int64())
         cols["predicted_output_tokens_high"] = pa.array(high, pa.int64())
+        if self.routed:  # a cluster's route decisions name their instance (the column stays null otherwise)
+            cols["target"] = pa.array([getattr(d, "target", None) for d in decisions], pa.string())
         return self._request_part("admission_decided", cols, (":admission", np.array(number, np.int64)))
 
     def _steps_part(self, members: _Members, log_number: int) -> _Part | None:
@@ -503,8 +508,8 @@ class EventWriter:
         buf, self.states = self.states, []
         if not buf:
             return None
-        # (ts_ns, instance_id, state, num_kv_blocks_total, kv_block_size_tokens, resident_models)
-        ts, inst, state, blocks, size, models = zip(*buf)
+        # (ts_ns, instance_id, state, num_kv_blocks_total, kv_block_size_tokens, resident_models, scale_action)
+        ts, inst, state, blocks, size, models, scale = zip(*buf)
         cols = {
             "ts_ns": pa.array(ts, pa.int64()),
             "instance_id": pa.array(inst, pa.string()),
@@ -514,6 +519,8 @@ class EventWriter:
             "resident_models": pa.array(models, _STRING_LIST),
             "resident_adapters": pa.array([[] for _ in buf], _STRING_LIST),
         }
+        if any(a is not None for a in scale):  # scaling transitions (a cluster's); null for a lone instance
+            cols["scale_action"] = pa.array(scale, pa.string())
 
         def build() -> pa.Table:
             suffix = pc.binary_join_element_wise(":state:", cols["state"], "")

@@ -156,6 +156,11 @@ class Engine:
         )
         self.stats = EngineStats()
         self.num_active = 0  # submitted, not finished
+        # when the next event that can reach this instance is due (a run stops at the step during which
+        # it happens): any kernel action for a lone instance; a cluster narrows it (replay.cluster)
+        self.next_event_ns: Callable[[], int | None] = kernel.next_time_ns
+        # called with each request as it finishes (a cluster's router counts and draining)
+        self.on_finish: Callable[[Request], None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -455,7 +460,7 @@ class Engine:
             h = self._horizon(self.view)
             if h is not None:
                 k_max = min(k_max, max(1, h))
-        nxt = self.kernel.next_time_ns()
+        nxt = self.next_event_ns()
         horizon_ns = None if nxt is None else nxt - now
         k, duration, last = self.cost_model.decode_run(num_decode, decode_ctx, k_max, horizon_ns)
         if k > 1:
@@ -734,6 +739,8 @@ class Engine:
         self.num_active -= 1
         self.stats.num_finished += 1
         self.writer.finished.append((r, now, outcome, r.num_output * r.num_branches, error, self.instance_id))
+        if self.on_finish is not None:
+            self.on_finish(r)
 
     def _deliver(self, r: Request, ts: int, num_tokens: int, coalesced: bool) -> None:
         self.writer.tokens.append((r, ts, num_tokens, r.num_output * r.num_branches, coalesced, self.instance_id))

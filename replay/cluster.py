@@ -1,0 +1,573 @@
+"""A cluster of serving instances behind a router, with scaling on a fixed schedule (the library entry point).
+
+Each instance is an ordinary ``replay.engine.Engine`` with its own ``InstanceConfig``, cost model and
+policy object; all of them run on one ``Kernel`` and write to one ``EventWriter``. A request's path:
+
+1. it arrives at the cluster (the workload feed of ``replay.run``);
+2. the router (``replay.policies.routing``) picks one of the instances that take traffic now (ready,
+   not draining), from the request's view and their load views; the decision is an
+   ``admission_decided`` event with decision ``route`` and ``target`` = the instance (or ``reject``
+   when a sheddable request is shed, which then finishes ``rejected`` without reaching an instance);
+3. the chosen instance's own admission policy decides as for a lone instance (a second
+   ``admission_decided``), and the request lives and ends there. It never moves (migration is later
+   work), so every request is served by exactly one instance.
+
+**Scaling** follows a fixed schedule (``ScaleStep``: at a time after the first arrival, add or remove
+instances). An added instance reports ``instance_state`` ``starting`` (``scale_action`` scale_up)
+when the step is decided and ``ready`` (scale_up) only after its start-up, weight-load and
+cache-warm delays (``ScalingDelays``), and takes traffic from then on. A removal takes the newest
+instance: one still starting is stopped at once (``stopped``, scale_down); a ready one reports
+``draining`` (scale_down), receives no new requests, finishes those it holds, and reports
+``stopped`` (scale_down) when the last one ends. The three start-up phases are not separate events
+(the event contract's lifecycle has no states for them: adding some is a minor schema version); the
+manifest records each instance's phase durations.
+
+**Time.** Kernel ties at one instant keep the lone engine's order (step ends, then cancellations and
+scaling transitions, then arrivals, then scheduling passes), so an instance that becomes ready at
+the instant of an arrival takes it. In the fast mode an instance's decode run stops at the step
+during which the next *arrival* (any instance's) or one of its own cancellations happens, never at
+another instance's step ends, so runs stay as long as on a lone instance at the same per-instance
+load; routing therefore sees every instance in the state the reference mode would show.
+
+Identical inputs and seed give byte-identical events and manifest, as for a lone instance.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import heapq
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import pyarrow as pa
+
+from replay.config import InstanceConfig, instance_config
+from replay.costmodel import StepCostModel, make_cost_model
+from replay.emit import EventChunk, EventWriter, ParquetSink, Sink
+from replay.engine import MODES, Engine, Mode
+from replay.errors import ReplayError
+from replay.kernel import CANCEL, Kernel
+from replay.policies import make_policy
+from replay.policies.base import AdmissionDecision
+from replay.policies.routing import ROUTERS, Router, make_router
+from replay.request import Request
+from replay.run import PROGRESS_EVERY, ReplayProgress, _Feeder, _manifest, _plain
+from replay.scenario import Scenario
+from replay.views import RequestView
+from replay.workload import Workload, as_workload
+from schemas.types import doc
+
+#: Scaling transitions run at the cancellations' priority: after step ends, before arrivals.
+CONTROL = CANCEL
+
+InstanceState = Literal["starting", "ready", "draining", "stopped"]
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScalingDelays:
+    """What an added instance waits before it takes traffic: start-up, then weight load, then cache warm-up."""
+
+    startup_s: float = doc("Process and container start until the engine can load weights, seconds.", 30.0)
+    weight_load_s: float | None = doc(
+        "Weight loading, seconds (None: the model's weight bytes / weight_load_bandwidth_bytes_per_s).", None
+    )
+    weight_load_bandwidth_bytes_per_s: float = doc(
+        "Bandwidth weights load at when weight_load_s is None (storage to device, all shards together), bytes/s.",
+        2e9,
+    )
+    cache_warm_s: float = doc("Warm-up after loading (CUDA graphs, compilation, cache priming), seconds.", 10.0)
+
+    def __post_init__(self) -> None:
+        if self.startup_s < 0 or self.cache_warm_s < 0 or (self.weight_load_s is not None and self.weight_load_s < 0):
+            raise ReplayError("scaling delays must be non-negative")
+        if not self.weight_load_bandwidth_bytes_per_s > 0:
+            raise ReplayError("weight_load_bandwidth_bytes_per_s must be positive")
+
+    def phases_ns(self, instance: InstanceConfig) -> tuple[int, int, int]:
+        """(start-up, weight load, cache warm) of ``instance``, integer ns."""
+        load_s = (
+            self.weight_load_s
+            if self.weight_load_s is not None
+            else instance.model.weight_bytes / self.weight_load_bandwidth_bytes_per_s
+        )
+        return round(self.startup_s * 1e9), round(load_s * 1e9), round(self.cache_warm_s * 1e9)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScaleStep:
+    """One step of a fixed scaling schedule."""
+
+    at_s: float = doc("When the step is decided, seconds after the first arrival.")
+    delta: int = doc("Instances to add (positive) or remove (negative; the newest go first).")
+    instance: InstanceConfig | None = doc("Configuration of added instances (None: the cluster's first).", None)
+
+    def __post_init__(self) -> None:
+        if self.at_s < 0 or self.delta == 0:
+            raise ReplayError(f"scale step at {self.at_s} s by {self.delta}: the time must be >= 0 and the delta non-zero")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClusterConfig:
+    """Instances (ready when the replay starts), their router, and the scaling schedule."""
+
+    instances: tuple[InstanceConfig, ...] = doc("The instances up from the start (at least one).")
+    router: str = doc("Registered router: " + ", ".join(sorted(ROUTERS)) + ".", "round-robin")
+    router_config: object | None = doc("The router's typed config (None: its defaults).", None)
+    scaling: tuple[ScaleStep, ...] = doc("Fixed scaling schedule, in time order.", ())
+    delays: ScalingDelays = field(default_factory=ScalingDelays, metadata={"doc": "Delays of an added instance."})
+
+    def __post_init__(self) -> None:
+        if not self.instances:
+            raise ReplayError("a cluster needs at least one instance")
+        if self.router not in ROUTERS:
+            make_router(self.router)  # raises the error listing the valid names
+        live = len(self.instances)
+        last = 0.0
+        for step in self.scaling:
+            if step.at_s < last:
+                raise ReplayError("the scaling schedule must be in time order", f"step at {step.at_s} s comes after {last} s")
+            last = step.at_s
+            live += step.delta
+            if live < 1:
+                raise ReplayError(
+                    f"the scaling step at {step.at_s} s leaves {live} instances", "a cluster keeps at least one instance"
+                )
+        configs = list(self.instances) + [s.instance for s in self.scaling if s.instance is not None]
+        sizes = {(c.engine.block_size_tokens, c.engine.enable_prefix_caching) for c in configs}
+        if len(sizes) > 1:
+            raise ReplayError(
+                "the instances of a cluster differ in KV block size or prefix caching",
+                "the workload's prefix blocks are cut once for the whole cluster: use one block size and setting",
+            )
+
+
+def cluster_config(num_instances: int, instance: InstanceConfig | None = None, router: str = "round-robin", *,
+                   router_config: object | None = None, scaling: Sequence[ScaleStep] = (),
+                   delays: ScalingDelays | None = None) -> ClusterConfig:
+    """``num_instances`` alike instances (``instance``, default ``instance_config()``) behind ``router``."""
+    if num_instances < 1:
+        raise ReplayError(f"a cluster needs at least one instance, not {num_instances}")
+    instance = instance or instance_config()
+    return ClusterConfig(instances=(instance,) * num_instances, router=router, router_config=router_config,
+                         scaling=tuple(scaling), delays=delays or ScalingDelays())
+
+
+def parse_scale_step(spec: str) -> ScaleStep:
+    """A scale step from ``AT_S:+N`` or ``AT_S:-N`` (the CLI's ``--scale``), e.g. ``120:+2``."""
+    at, sep, delta = spec.partition(":")
+    try:
+        if not sep or not delta or delta[0] not in "+-":
+            raise ValueError
+        return ScaleStep(at_s=float(at), delta=int(delta))
+    except ValueError:
+        raise ReplayError(f"scale step {spec!r} is not AT_S:+N or AT_S:-N", "e.g. 120:+2 (add two at 120 s), 600:-1") from None
+
+
+# ---------------------------------------------------------------------------------------------- instances
+
+
+class _Route:
+    """A route decision as the ``admission_decided`` event records it (one per instance, reused)."""
+
+    __slots__ = ("decision", "reason", "retry_after_s", "predicted_output_tokens_low", "predicted_output_tokens_high",
+                 "target")
+
+    def __init__(self, reason: str, target: str) -> None:
+        self.decision = "route"
+        self.reason = reason
+        self.retry_after_s = None
+        self.predicted_output_tokens_low = None
+        self.predicted_output_tokens_high = None
+        self.target = target
+
+
+class ClusterInstance:
+    """One instance of the cluster: its engine, lifecycle state and router counts (its router load view)."""
+
+    __slots__ = ("index", "instance_id", "config", "engine", "state", "num_outstanding", "num_outstanding_tokens",
+                 "num_routed", "phases_ns", "ready_ns", "_cancels", "_feeder", "_route")
+
+    def __init__(self, index: int, instance_id: str, config: InstanceConfig, engine: Engine, feeder: _Feeder,
+                 router_name: str) -> None:
+        self.index = index
+        self.instance_id = instance_id
+        self.config = config
+        self.engine = engine
+        self.state: InstanceState = "starting"
+        self.num_outstanding = 0  # routed, not finished
+        self.num_outstanding_tokens = 0  # their prompt tokens
+        self.num_routed = 0
+        self.phases_ns = (0, 0, 0)
+        self.ready_ns: int | None = None
+        self._cancels: list[int] = []  # this instance's pending cancellation times (a heap)
+        self._feeder = feeder
+        self._route = _Route(router_name, instance_id)
+        engine.next_event_ns = self.next_event_ns
+
+    # the router's load view (replay.policies.routing.InstanceLoad)
+    @property
+    def num_waiting(self) -> int:
+        return len(self.engine.waiting) + len(self.engine.held)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.engine.running)
+
+    @property
+    def kv_utilization(self) -> float:
+        pool = self.engine.pool
+        return pool.num_used / pool.num_total
+
+    @property
+    def kv_block_size_tokens(self) -> int:
+        return self.engine.block_size
+
+    def prefix_hit_blocks(self, request: RequestView) -> int:
+        return self.engine.view.cached_prefix_blocks(request)[0]
+
+    def next_event_ns(self) -> int | None:
+        """The next event that can reach this instance: the next arrival, or one of its own cancellations."""
+        nxt = self._feeder.next_arrival_ns
+        cancels = self._cancels
+        if cancels:
+            now = self.engine.kernel.now_ns
+            while cancels and cancels[0] <= now:
+                heapq.heappop(cancels)
+            if cancels and (nxt is None or cancels[0] < nxt):
+                return cancels[0]
+        return nxt
+
+    def __repr__(self) -> str:
+        return f"ClusterInstance({self.instance_id!r}, {self.state}, outstanding={self.num_outstanding})"
+
+
+class _ClusterStats:
+    __slots__ = ("num_finished",)
+
+    def __init__(self) -> None:
+        self.num_finished = 0
+
+
+class Cluster:
+    """The instances on one kernel behind a router; what the workload feed submits arrivals to."""
+
+    def __init__(self, kernel: Kernel, config: ClusterConfig, writer: EventWriter, *, engine_id: str,
+                 make_engine: Callable[[InstanceConfig, str], Engine]) -> None:
+        self.kernel = kernel
+        self.config = config
+        self.writer = writer
+        self.engine_id = engine_id
+        self.router: Router = make_router(config.router, config.router_config)
+        self._make_engine = make_engine
+        self.instances: list[ClusterInstance] = []
+        self.routable: list[ClusterInstance] = []  # ready, not draining, in creation order
+        self.stats = _ClusterStats()
+        self.num_shed = 0
+        self.feeder: _Feeder | None = None  # set by the runner before anything arrives
+        writer.routed = True
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _add(self, config: InstanceConfig) -> ClusterInstance:
+        index = len(self.instances)
+        instance_id = f"{self.engine_id}-i{index}"
+        engine = self._make_engine(config, instance_id)
+        inst = ClusterInstance(index, instance_id, config, engine, self.feeder, self.config.router)
+        engine.on_finish = lambda r, inst=inst: self._finished(inst, r)
+        self.instances.append(inst)
+        return inst
+
+    def start(self) -> None:
+        """The initial instances come up ready when the replay starts; the schedule is set."""
+        now = self.kernel.now_ns
+        for config in self.config.instances:
+            inst = self._add(config)
+            inst.state = "ready"
+            inst.ready_ns = now
+            inst.engine.start()
+            self.routable.append(inst)
+        for step in self.config.scaling:
+            self.kernel.schedule(now + round(step.at_s * 1e9), CONTROL, lambda step=step: self._scale(step))
+
+    def _state(self, inst: ClusterInstance, state: InstanceState, action: str | None) -> None:
+        inst.state = state
+        e = inst.engine
+        self.writer.on_state(self.kernel.now_ns, inst.instance_id, state, e.pool.num_total, e.block_size,
+                             [inst.config.model.name], action)
+
+    def _scale(self, step: ScaleStep) -> None:
+        now = self.kernel.now_ns
+        if step.delta > 0:
+            for _ in range(step.delta):
+                inst = self._add(step.instance or self.config.instances[0])
+                inst.phases_ns = self.config.delays.phases_ns(inst.config)
+                self._state(inst, "starting", "scale_up")
+                self.kernel.schedule(now + sum(inst.phases_ns), CONTROL, lambda inst=inst: self._ready(inst))
+            return
+        for _ in range(-step.delta):
+            live = [x for x in self.instances if x.state in ("starting", "ready")]
+            if len(live) <= 1:
+                raise ReplayError("a scale-down would leave no instance (a cluster bug: the schedule is checked)")
+            inst = live[-1]  # the newest goes first
+            if inst.state == "starting":
+                self._state(inst, "stopped", "scale_down")  # never served: its pending ready is ignored
+                continue
+            self.routable.remove(inst)
+            self._state(inst, "draining", "scale_down")
+            if inst.engine.num_active == 0:
+                self._state(inst, "stopped", "scale_down")
+
+    def _ready(self, inst: ClusterInstance) -> None:
+        if inst.state != "starting":
+            return  # removed while starting
+        inst.ready_ns = self.kernel.now_ns
+        self._state(inst, "ready", "scale_up")
+        self.routable.append(inst)
+        self.routable.sort(key=lambda x: x.index)
+
+    def stop(self) -> None:
+        """End of the replay: every instance not yet stopped stops (what never ran ends as an error)."""
+        for inst in self.instances:
+            if inst.state == "starting":
+                self._state(inst, "stopped", None)
+            elif inst.state != "stopped":
+                inst.engine.stop()
+                inst.state = "stopped"
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, r: Request, num_output_tokens: int) -> None:
+        """A request arrives: route it (an admission_decided 'route' event), then its instance admits it."""
+        now = self.kernel.now_ns
+        view = RequestView(r)
+        routable = self.routable
+        d = self.router.route(view, routable)
+        r.num_admission_decisions += 1
+        writer = self.writer
+        if d.shed:
+            self.num_shed += 1
+            reject = AdmissionDecision(decision="reject", reason=d.reason, retry_after_s=d.retry_after_s)
+            writer.arrived.append((r, None, None))
+            writer.admission.append((r, now, reject, r.num_admission_decisions, None))
+            writer.finished.append((r, now, "rejected", 0, d.reason, None))
+            self.stats.num_finished += 1
+            if not writer.labelled and (r.tenant or r.service_class or r.model or r.adapter):
+                writer.labelled = True
+            return
+        inst = routable[d.index]
+        writer.admission.append((r, now, inst._route, r.num_admission_decisions, inst.instance_id))
+        inst.num_outstanding += 1
+        inst.num_outstanding_tokens += r.num_prompt_tokens
+        inst.num_routed += 1
+        if r.cancel_after_ns is not None:
+            heapq.heappush(inst._cancels, now + r.cancel_after_ns)
+        inst.engine.submit(r, num_output_tokens)
+
+    def _finished(self, inst: ClusterInstance, r: Request) -> None:
+        inst.num_outstanding -= 1
+        inst.num_outstanding_tokens -= r.num_prompt_tokens
+        self.stats.num_finished += 1
+        if inst.state == "draining" and inst.engine.num_active == 0:
+            # after the step that finished it has been written
+            self.kernel.schedule(self.kernel.now_ns, CONTROL, lambda: self._drained(inst))
+
+    def _drained(self, inst: ClusterInstance) -> None:
+        if inst.state == "draining" and inst.engine.num_active == 0:
+            self._state(inst, "stopped", "scale_down")
+
+    @property
+    def num_active(self) -> int:
+        return sum(x.engine.num_active for x in self.instances)
+
+
+# ---------------------------------------------------------------------------------------------- the run
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceSummary:
+    """What one instance of a cluster replay did."""
+
+    instance_id: str
+    model: str
+    accelerator: str
+    num_routed: int
+    num_steps: int
+    num_preemptions: int
+    ready_s: float | None  # seconds after the first arrival when it took traffic (None: never)
+    startup_ns: int
+    weight_load_ns: int
+    cache_warm_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSummary:
+    """What a finished cluster replay did and where its outputs are."""
+
+    run_id: str
+    engine_id: str
+    mode: str
+    router: str
+    num_requests: int
+    num_shed: int
+    num_events: int
+    num_steps: int
+    num_preemptions: int
+    simulated_s: float
+    wall_s: float
+    requests_per_wall_s: float
+    output_sha256: str
+    workload_sha256: str
+    events_path: Path | None
+    manifest_path: Path | None
+    instances: tuple[InstanceSummary, ...]
+
+
+def run_cluster_replay(
+    workload: pa.Table | Workload,
+    cluster: ClusterConfig,
+    *,
+    scenario: Scenario | None = None,
+    policy_name: str = "fcfs",
+    policy_config: object | None = None,
+    cost_model: str | StepCostModel = "roofline",
+    cost_model_config: object | None = None,
+    seed: int = 0,
+    out_dir: str | Path | None = None,
+    sink: Sink | None = None,
+    mode: Mode = "fast",
+    progress: Callable[[ReplayProgress], None] | None = None,
+    shared: Path | None = None,
+    chunk_rows: int = 200_000,
+    check_invariants: bool = False,
+    progress_every: int = PROGRESS_EVERY,
+) -> ClusterSummary:
+    """Replay ``workload`` through a cluster; write events and a manifest (as ``run_replay`` does).
+
+    Every instance runs ``policy_name`` (its own policy object); ``cost_model`` is a name, built
+    once per distinct instance configuration, or one model used by every instance (then they must
+    be alike).
+    """
+    if mode not in MODES:
+        raise ReplayError(f"unknown replay mode {mode!r}", "valid modes: fast, reference")
+    source = as_workload(workload)
+    scenario = scenario or Scenario()
+    configs = list(dict.fromkeys(list(cluster.instances) + [s.instance for s in cluster.scaling if s.instance is not None]))
+    if not isinstance(cost_model, str) and len(configs) > 1:
+        raise ReplayError("one cost model object was given for instances that differ", "pass the cost model's name")
+    models = {
+        c: make_cost_model(cost_model, c, config=cost_model_config, shared=shared) if isinstance(cost_model, str) else cost_model
+        for c in configs
+    }
+    first = cluster.instances[0]
+    policy_cfg = make_policy(policy_name, policy_config).config
+    router = make_router(cluster.router, cluster.router_config)
+    manifest = _manifest(source, scenario, policy_name, policy_cfg, first, models[first], seed, mode)
+    manifest["cluster"] = {
+        "instances": [_plain(c) for c in cluster.instances],
+        "router": {"name": cluster.router, "config": _plain(router.config)},
+        "scaling": [_plain(s) for s in cluster.scaling],
+        "delays": _plain(cluster.delays),
+        "cost_models": [models[c].info().name for c in configs],
+    }
+    run_id = hashlib.sha256(json.dumps(manifest, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    engine_id = f"replay-{run_id}"
+
+    out = Path(out_dir) if out_dir is not None else None
+    parquet = ParquetSink(out / "events.parquet") if out is not None else None
+
+    def emit(chunk: EventChunk) -> None:
+        if sink is None:
+            if parquet is not None:
+                parquet(chunk)
+            return
+        table = chunk.table()
+        if parquet is not None:
+            parquet(table)
+        sink(table)
+
+    writer = EventWriter(emit, run_id=run_id, engine_id=engine_id, chunk_rows=chunk_rows, hash_tables=parquet is None)
+    kernel = Kernel()
+
+    def make_engine(config: InstanceConfig, instance_id: str) -> Engine:
+        return Engine(kernel, config, models[config], make_policy(policy_name, policy_config), writer,
+                      instance_id=instance_id, mode=mode, check_invariants=check_invariants)
+
+    cl = Cluster(kernel, cluster, writer, engine_id=engine_id, make_engine=make_engine)
+    feeder = _Feeder(kernel, cl, source, scenario, seed, first, progress, progress_every)
+    cl.feeder = feeder
+    wall0 = time.perf_counter()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        feeder.start()
+        first_ns = kernel.next_time_ns()
+        if first_ns is not None:
+            kernel.now_ns = first_ns
+        cl.start()
+        kernel.run()
+        cl.stop()
+        writer.flush()
+    except BaseException:
+        if parquet is not None:
+            parquet.abort()
+        raise
+    finally:
+        if collecting:
+            gc.enable()
+    output_sha256 = parquet.close() if parquet is not None else writer.output_sha256()
+    wall_s = time.perf_counter() - wall0
+    if cl.num_active:
+        raise ReplayError(f"{cl.num_active} requests did not finish (an engine bug)")
+    if progress is not None:
+        progress(feeder.report(wall0))
+
+    start_ns = feeder.first_arrival_ns if feeder.first_arrival_ns is not None else 0
+    manifest["run_id"] = run_id
+    manifest["engine_id"] = engine_id
+    manifest["instance_ids"] = [x.instance_id for x in cl.instances]
+    manifest["output"] = {
+        "events_sha256": output_sha256,
+        "hash_of": "the events Parquet file" if parquet is not None else "the Arrow IPC stream of the event chunks",
+        "num_events": writer.num_events,
+        "events_file": "events.parquet" if parquet is not None else None,
+    }
+    manifest_path = None
+    if out is not None:
+        manifest_path = out / "manifest.json"
+        manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str) + "\n")
+    instances = tuple(
+        InstanceSummary(
+            instance_id=x.instance_id, model=x.config.model.name, accelerator=x.config.accelerator.name,
+            num_routed=x.num_routed, num_steps=x.engine.stats.num_steps, num_preemptions=x.engine.stats.num_preemptions,
+            ready_s=None if x.ready_ns is None else (x.ready_ns - start_ns) / 1e9,
+            startup_ns=x.phases_ns[0], weight_load_ns=x.phases_ns[1], cache_warm_ns=x.phases_ns[2],
+        )
+        for x in cl.instances
+    )
+    return ClusterSummary(
+        run_id=run_id,
+        engine_id=engine_id,
+        mode=mode,
+        router=cluster.router,
+        num_requests=feeder.num_arrived,
+        num_shed=cl.num_shed,
+        num_events=writer.num_events,
+        num_steps=sum(x.num_steps for x in instances),
+        num_preemptions=sum(x.num_preemptions for x in instances),
+        simulated_s=(kernel.now_ns - start_ns) / 1e9 if feeder.first_arrival_ns is not None else 0.0,
+        wall_s=wall_s,
+        requests_per_wall_s=feeder.num_arrived / wall_s if wall_s > 0 else float("inf"),
+        output_sha256=output_sha256,
+        workload_sha256=manifest["workload"]["sha256"],
+        events_path=parquet.path if parquet is not None else None,
+        manifest_path=manifest_path,
+        instances=instances,
+    )
