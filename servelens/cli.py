@@ -603,6 +603,9 @@ def lake_sql(ctx: click.Context, query: str, limit: int) -> None:
 @click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="A profile from `servelens profile`: its fitted step-time table is the cost model, its model "
                    "(all real layers) on its device the instance (implies --cost-model profile; no --engine).")
+@click.option("--measured", is_flag=True,
+              help="With --profile: execute every step on the profile's device (the layers it built) and use the "
+                   "measured step times as the clock; small workloads, reference mode (docs/calibration.md).")
 @click.option("--mode", type=click.Choice(["fast", "reference"]), default="fast", show_default=True,
               help="fast coalesces runs of identical decode steps (same timestamps); reference simulates every step.")
 @click.option("--requests", "num_requests", type=int, default=None, help="Tile the workload to this many requests.")
@@ -610,8 +613,8 @@ def lake_sql(ctx: click.Context, query: str, limit: int) -> None:
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True, help="Output folder.")
 @click.pass_context
 def replay_command(ctx: click.Context, workload_name: str, policy_name: str, policy_config: Path | None,
-                   engine_spec: str, cost_model: str, profile_path: Path | None, mode: str, num_requests: int | None,
-                   seed: int, out: Path) -> None:
+                   engine_spec: str, cost_model: str, profile_path: Path | None, measured: bool, mode: str,
+                   num_requests: int | None, seed: int, out: Path) -> None:
     """Replay a workload through a modelled serving instance; write events.parquet and manifest.json.
 
     The events follow the lifecycle contract, so `servelens requests derive OUT/events.parquet`
@@ -624,16 +627,39 @@ def replay_command(ctx: click.Context, workload_name: str, policy_name: str, pol
       servelens replay --workload azure-conv --engine llama-2-70b@a100-80gx2 --cost-model profile --out out/70b
       servelens replay --workload azure-conv --policy deadline --policy-config deadline.yaml --out out/deadline
       servelens replay --workload azure-conv --profile profiles/llama-8b-h200.parquet --out out/8b-fitted
+      servelens replay --workload azure-conv --requests 40 --profile out/profiles/tiny-cpu.parquet --measured --out out/measured
     """
     from replay.policies import load_policy_config
     from replay.run import run_replay
     from replay.workload import load_workload
 
+    if measured and profile_path is None:
+        raise ServelensError("--measured needs --profile", "profile the model first: servelens profile --model tiny --out FILE")
+    if measured and mode == "fast" and ctx.get_parameter_source("mode") == click.core.ParameterSource.COMMANDLINE:
+        raise ServelensError("--measured runs every step (reference mode): drop --mode fast")
     instance, model_arg = (
-        _fitted_profile(ctx, profile_path) if profile_path is not None else (_instance(engine_spec), cost_model)
+        _fitted_profile(ctx, profile_path, full_layers=not measured)
+        if profile_path is not None
+        else (_instance(engine_spec), cost_model)
     )
     workload = load_workload(workload_name, _shared_or_none(ctx, workload_name), num_requests)
     shared = shared_dir(_config(ctx)) if cost_model == "profile" and profile_path is None else None
+    if measured:
+        from replay.measured.measured import run_measured_replay
+        from replay.measured.profiler import read_profile
+
+        config = load_policy_config(policy_name, policy_config) if policy_config is not None else None
+        meta = read_profile(profile_path).meta
+        click.echo(f"executing every step of {meta.shape.name} on {meta.device} ({meta.device_name})", err=True)
+        summary, timer = run_measured_replay(workload, meta.shape, device=meta.device, instance=instance,
+                                             cost_model=model_arg, policy_name=policy_name, policy_config=config,
+                                             seed=seed, out_dir=out)
+        click.echo(
+            f"replayed {summary.num_requests:,} requests ({summary.simulated_s:,.1f} s of trace time on the measured clock) in "
+            f"{summary.wall_s:,.1f} s: {len(timer.steps):,} steps executed, {summary.num_events:,} events\n"
+            f"events:   {summary.events_path}\nmanifest: {summary.manifest_path} (run {summary.run_id})"
+        )
+        return
     with click.progressbar(length=workload.num_requests or 0, label="replaying", file=sys.stderr,
                            item_show_func=lambda p: f"{p.simulated_ns / 1e9:,.0f} s simulated in {p.wall_s:,.1f} s" if p else None) as bar:
         done = [0]
@@ -660,8 +686,9 @@ def _instance(engine_spec: str):
     return parse_instance(engine_spec)
 
 
-def _fitted_profile(ctx: click.Context, profile_path: Path):
-    """(instance, fitted cost model) of a profile from `servelens profile` (replay --profile)."""
+def _fitted_profile(ctx: click.Context, profile_path: Path, *, full_layers: bool = True):
+    """(instance, fitted cost model) of a profile from `servelens profile` (replay --profile): the real
+    model's layers, or (measured replay) the layers the profile built."""
     from click.core import ParameterSource
 
     from replay.costmodel import make_cost_model
@@ -674,7 +701,7 @@ def _fitted_profile(ctx: click.Context, profile_path: Path):
                 f"{flag} and --profile both given: a profile fixes the cost model, the model and the device",
                 "drop one of them (docs/calibration.md)",
             )
-    instance = profile_instance(read_profile(profile_path).meta)
+    instance = profile_instance(read_profile(profile_path).meta, full_layers=full_layers)
     return instance, make_cost_model("profile", instance, config=FittedProfileConfig(path=str(profile_path)))
 
 

@@ -263,6 +263,11 @@ def test_cli_profile_and_compare_measured(tmp_path: Path, profile_path: Path) ->
     assert out.exit_code == 0, out.output
     manifest = json.loads((tmp_path / "rp" / "manifest.json").read_text())
     assert manifest["cost_model"]["name"] == "profile" and "held_out_p95_rel_error" in manifest["cost_model"]["parameters"]
+    out = cli_run("replay", "--workload", str(workload), "--profile", str(profile_path), "--measured", "--requests", "4",
+                  "--out", str(tmp_path / "measured"))
+    assert out.exit_code == 0, out.output
+    assert "steps executed" in out.output
+    assert json.loads((tmp_path / "measured" / "manifest.json").read_text())["clock"]["device"] == "cpu"
 
 
 def test_cli_errors_are_clean(tmp_path: Path, profile_path: Path) -> None:
@@ -270,6 +275,7 @@ def test_cli_errors_are_clean(tmp_path: Path, profile_path: Path) -> None:
         (("profile", "--model", "llama-7b", "--out", str(tmp_path / "p.parquet")), "valid names: llama-1b"),
         (("profile", "--model", "llama-1b", "--layers", "40", "--out", str(tmp_path / "p.parquet")), "between 1 and 16"),
         (("replay", "--workload", "x", "--profile", str(tmp_path / "none.parquet"), "--out", str(tmp_path / "r")), None),
+        (("replay", "--workload", "x", "--measured", "--out", str(tmp_path / "r")), "--measured needs --profile"),
         (("replay", "--workload", str(profile_path), "--profile", str(profile_path), "--engine", "llama-3-8b@h100-sxm",
           "--out", str(tmp_path / "r")), "--engine and --profile both given"),
     ]
