@@ -11,6 +11,8 @@ add explicitly. Supported formats:
 - BurstGPT (``Timestamp`` s, ``Model``, ``Request tokens``, ``Response tokens``, ..., v2 adds
   ``Session ID`` and ``Elapsed time``): offsets from the trace start; rows with 0 response tokens
   are failed requests. ``Elapsed time`` (a recorded E2E latency) and ``Log Type`` are not carried.
+- BLIS (inference-sim) trace v2 (a CSV beginning ``request_id,client_id,tenant_id`` with its YAML
+  header beside it): ``replay.blis``, which also imports observed timings and exports traces.
 """
 
 from __future__ import annotations
@@ -179,7 +181,14 @@ def _require(path: Path, table: pa.Table, names: list[str]) -> None:
         )
 
 
-READERS = {"azure": read_azure, "mooncake": read_mooncake, "burstgpt": read_burstgpt}
+def read_blis(path: Path, prefix: str = "blis") -> pa.Table:
+    """BLIS (inference-sim) trace v2: this CSV and its YAML header beside it (``replay.blis``)."""
+    from replay.blis import read_blis_workload
+
+    return read_blis_workload(path, prefix)
+
+
+READERS = {"azure": read_azure, "mooncake": read_mooncake, "burstgpt": read_burstgpt, "blis": read_blis}
 
 
 def detect_format(path: Path) -> str:
@@ -192,6 +201,8 @@ def detect_format(path: Path) -> str:
         return "azure"
     if head.startswith("Timestamp"):
         return "burstgpt"
+    if head.startswith("request_id,client_id,tenant_id"):
+        return "blis"
     raise ServelensError(
         f"{path}: unknown trace format (first line {head.strip()[:80]!r})",
         f"supported formats: {', '.join(READERS)}; or name a bundled trace: {', '.join(BUNDLED_TRACES)}",

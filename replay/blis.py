@@ -1,0 +1,429 @@
+"""BLIS (inference-sim) trace v2: import as a workload or as observed events, export from events.
+
+A trace v2 is two files: a YAML header (``trace_version``, ``time_unit``, ``mode``, ``server``,
+``goodput_slo_targets``, ...) and a CSV with one row per request (``request_id, client_id,
+tenant_id, slo_class, session_id, ..., arrival_time_us, send_time_us, first_chunk_time_us,
+last_chunk_time_us, num_chunks, status, error_message, finish_reason`` plus the optional
+``vllm_priority``, ``slo_target_us``, ``x_request_id`` and ``adapter`` columns). Timestamps are
+integer microseconds on one time origin.
+
+- ``blis_workload``: the requests as a workload table (``schemas.records.WorkloadRequest``), to
+  replay a BLIS trace through servelens's policies;
+- ``blis_events``: an observed trace (modes ``real`` and ``replayed``) as lifecycle events
+  (arrival, first token, the remaining tokens as one chunk, finish), so its request table can be
+  judged next to a servelens replay;
+- ``to_blis``: any events table (real or replayed) as a trace v2, so BLIS can replay a workload
+  that servelens recorded.
+
+What maps to what, and the fields servelens does not model, are listed in ``docs/interop.md``.
+``BlisTrace.carry`` keeps the unmodelled columns as written; passing it back to ``to_blis``
+restores them, so import then export reproduces the trace file exactly.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
+import yaml
+
+from replay.traces import WORKLOAD_SCHEMA
+from schemas.arrow import EVENTS_SCHEMA, events_to_table
+from schemas.events import FirstToken, RequestArrived, RequestFinished, TokensDelivered
+from servelens.errors import ServelensError
+
+#: The base columns, in the order BLIS writes them.
+BASE_COLUMNS = (
+    "request_id", "client_id", "tenant_id", "slo_class", "session_id", "round_index",
+    "prefix_group", "prefix_length", "streaming", "input_tokens", "output_tokens",
+    "text_tokens", "image_tokens", "audio_tokens", "video_tokens", "reason_ratio",
+    "model", "deadline_us", "server_input_tokens",
+    "arrival_time_us", "send_time_us", "first_chunk_time_us", "last_chunk_time_us",
+    "num_chunks", "status", "error_message", "finish_reason",
+)
+OPTIONAL_COLUMNS = ("vllm_priority", "slo_target_us", "x_request_id", "adapter")
+#: Columns servelens models (imported into a workload or events, and written back from them).
+MODELLED_COLUMNS = (
+    "request_id", "tenant_id", "slo_class", "session_id", "prefix_group", "prefix_length", "input_tokens",
+    "output_tokens", "model", "deadline_us", "slo_target_us", "arrival_time_us", "first_chunk_time_us",
+    "last_chunk_time_us", "status", "adapter",
+)
+#: Columns servelens does not model: kept as written in ``BlisTrace.carry`` (see docs/interop.md).
+UNMODELLED_COLUMNS = tuple(c for c in (*BASE_COLUMNS, *OPTIONAL_COLUMNS) if c not in MODELLED_COLUMNS)
+_INT_COLUMNS = ("request_id", "prefix_length", "input_tokens", "output_tokens", "deadline_us", "slo_target_us",
+                "arrival_time_us", "first_chunk_time_us", "last_chunk_time_us")
+DEFAULT_BLOCK_TOKENS = 16  # vLLM's default KV block size, for prefix blocks when the header names none
+_STATUS_OUTCOME = {"ok": "completed", "timeout": "timed_out", "error": "error"}
+_OUTCOME_STATUS = {"completed": "ok", "timed_out": "timeout", "error": "error", "rejected": "error", "cancelled": "error"}
+
+
+@dataclass(frozen=True, slots=True)
+class BlisServer:
+    """The header's ``server`` block (what served the trace)."""
+
+    type: str | None = None
+    model: str | None = None
+    tensor_parallel: int | None = None
+    max_num_seqs: int | None = None
+    block_size: int | None = None
+    gpu_memory_utilization: float | None = None
+    max_model_len: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlisSloTargets:
+    """One SLO class's goodput thresholds, milliseconds (0 or absent: not gated)."""
+
+    ttft_ms: float | None = None
+    itl_ms: float | None = None
+    e2e_ms: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlisHeader:
+    """The YAML header of a trace v2 (version 3 adds ``goodput_slo_targets``)."""
+
+    trace_version: int = 2
+    time_unit: str = "us"
+    created_at: str | None = None
+    mode: str = "real"  # real (blis observe), generated (blis run) or replayed (blis replay)
+    warm_up_requests: int = 0
+    workload_seed: int | None = None
+    workload_spec: str | None = None
+    server: BlisServer | None = None
+    measured_rtt_ms: float | None = None  # the header's network.measured_rtt_ms
+    goodput_slo_targets: tuple[tuple[str, BlisSloTargets], ...] = ()
+
+    @property
+    def block_tokens(self) -> int:
+        return (self.server.block_size if self.server and self.server.block_size else None) or DEFAULT_BLOCK_TOKENS
+
+
+@dataclass(frozen=True, slots=True)
+class BlisTrace:
+    """A trace v2 as read: its header, its rows (modelled columns typed), the unmodelled columns as text."""
+
+    header: BlisHeader
+    records: pa.Table  # every column of the CSV; MODELLED ints as int64, the rest as written (strings)
+    columns: tuple[str, ...]  # the CSV's column order
+    carry: pa.Table  # as written (text): request_id, prefix_group, prefix_length and the UNMODELLED_COLUMNS present
+
+
+def _plain(cls, data: object, where: str):
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        raise ServelensError(f"{where}: expected a mapping, got {type(data).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ServelensError(f"{where}: unknown key(s) {', '.join(unknown)}", f"known keys: {', '.join(sorted(known))}")
+    return cls(**data)
+
+
+def parse_header(text: str, where: str = "header") -> BlisHeader:
+    """A trace v2 header from its YAML text; unknown keys are errors (as BLIS reads them)."""
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ServelensError(f"{where}: not YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ServelensError(f"{where}: a trace header is a YAML mapping")
+    data = dict(data)
+    network = data.pop("network", None) or {}
+    server = _plain(BlisServer, data.pop("server", None), f"{where}: server")
+    targets = data.pop("goodput_slo_targets", None) or {}
+    slo = tuple((str(k), _plain(BlisSloTargets, v or {}, f"{where}: goodput_slo_targets.{k}")) for k, v in targets.items())
+    if set(network) - {"measured_rtt_ms"}:
+        raise ServelensError(f"{where}: network: unknown key(s) {', '.join(sorted(set(network) - {'measured_rtt_ms'}))}")
+    header = _plain(BlisHeader, data, where)
+    header = BlisHeader(**{f.name: getattr(header, f.name) for f in fields(BlisHeader)
+                           if f.name not in ("server", "measured_rtt_ms", "goodput_slo_targets")},
+                        server=server, measured_rtt_ms=network.get("measured_rtt_ms"), goodput_slo_targets=slo)
+    if header.trace_version not in (2, 3):
+        raise ServelensError(f"{where}: trace_version {header.trace_version} is not supported (2 or 3)")
+    if header.time_unit != "us":
+        raise ServelensError(f"{where}: time_unit {header.time_unit!r} is not supported", "trace v2 times are microseconds: 'us'")
+    return header
+
+
+def header_yaml(header: BlisHeader) -> str:
+    """The header as YAML, keys in BLIS's order, empty fields omitted."""
+    data: dict = {"trace_version": header.trace_version, "time_unit": header.time_unit}
+    if header.created_at:
+        data["created_at"] = header.created_at
+    data["mode"] = header.mode
+    data["warm_up_requests"] = header.warm_up_requests
+    if header.workload_seed is not None:
+        data["workload_seed"] = header.workload_seed
+    if header.workload_spec:
+        data["workload_spec"] = header.workload_spec
+    if header.server is not None:
+        data["server"] = {f.name: getattr(header.server, f.name) for f in fields(BlisServer) if getattr(header.server, f.name)}
+    if header.measured_rtt_ms:
+        data["network"] = {"measured_rtt_ms": header.measured_rtt_ms}
+    if header.goodput_slo_targets:
+        data["goodput_slo_targets"] = {
+            name: {f.name: getattr(t, f.name) for f in fields(BlisSloTargets) if getattr(t, f.name)}
+            for name, t in header.goodput_slo_targets
+        }
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def read_blis(header_path: Path, data_path: Path) -> BlisTrace:
+    """Read a trace v2 (header YAML, data CSV); bad values are errors that name the row and column."""
+    header = parse_header(Path(header_path).read_text(), str(header_path))
+    try:
+        with Path(data_path).open("rb") as fh:
+            columns = next(csv.reader(io.TextIOWrapper(fh, "utf-8", newline="")))
+        table = pacsv.read_csv(data_path, convert_options=pacsv.ConvertOptions(
+            column_types={c: pa.string() for c in columns}, strings_can_be_null=False))
+    except (StopIteration, pa.ArrowInvalid) as exc:
+        raise ServelensError(f"{data_path}: not a readable trace v2 CSV: {exc}") from None
+    missing = [c for c in BASE_COLUMNS if c not in columns]
+    if missing:
+        raise ServelensError(f"{data_path}: missing trace v2 column(s) {', '.join(missing)}")
+    typed = {}
+    for name in table.column_names:
+        if name in _INT_COLUMNS:
+            values = table[name].to_pylist()
+            bad = next((i for i, v in enumerate(values) if not re.fullmatch(r"-?\d+", v.strip())), None)
+            if bad is not None:
+                raise ServelensError(f"{data_path}: row {bad + 1}, column {name}: {values[bad]!r} is not an integer")
+            typed[name] = pa.array([int(v) for v in values], pa.int64())
+        else:
+            typed[name] = table[name]
+    records = pa.table(typed)
+    for name in ("prefix_length", "input_tokens", "output_tokens", "deadline_us"):
+        if pc.any(pc.less(records[name], 0)).as_py():
+            raise ServelensError(f"{data_path}: column {name} has a negative value")
+    kept = ["request_id", "prefix_group"] + [c for c in UNMODELLED_COLUMNS if c in columns]
+    carry = table.select(kept).append_column("prefix_length", table["prefix_length"])
+    return BlisTrace(header, records, tuple(columns), carry)
+
+
+def _text_or_null(column: pa.ChunkedArray) -> pa.Array:
+    return pc.if_else(pc.equal(column, ""), pa.scalar(None, pa.string()), column)
+
+
+def _prefix_blocks(groups: list[str], lengths: list[int], block_tokens: int) -> list[list[int] | None]:
+    """Full prefix blocks of each request, ids stable per (group, position): requests of a group share them."""
+    out = []
+    for group, length in zip(groups, lengths):
+        num_blocks = length // block_tokens
+        if not group or num_blocks == 0:
+            out.append(None)
+            continue
+        base = int.from_bytes(hashlib.blake2b(group.encode(), digest_size=6).digest(), "big") << 14
+        out.append([base + i for i in range(num_blocks)])
+    return out
+
+
+def blis_workload(trace: BlisTrace) -> pa.Table:
+    """The trace's requests as a workload table (``WorkloadRequest``), arrivals in ns on the trace's origin.
+
+    The prompt is ``prefix_length + input_tokens`` (BLIS writes the suffix only); a named prefix
+    group becomes shared prefix blocks of the header's block size (full blocks only: vLLM caches
+    no partial block). Tenants, classes and models are kept as recorded.
+    """
+    r = trace.records
+    n = r.num_rows
+    blocks = _prefix_blocks(r["prefix_group"].to_pylist(), r["prefix_length"].to_pylist(), trace.header.block_tokens)
+    adapter = _text_or_null(r["adapter"]) if "adapter" in r.column_names else pa.nulls(n, pa.string())
+    columns = {
+        "request_id": pc.cast(r["request_id"], pa.string()),
+        "arrival_ns": pc.multiply(r["arrival_time_us"], 1000),
+        "num_prompt_tokens": pc.add(r["prefix_length"], r["input_tokens"]),
+        "num_output_tokens": r["output_tokens"],
+        "prefix_block_ids": pa.array(blocks, pa.list_(pa.int64())),
+        "prefix_block_size_tokens": pa.array([trace.header.block_tokens if b else None for b in blocks], pa.int64()),
+        "session_id": _text_or_null(r["session_id"]),
+        "tenant": _text_or_null(r["tenant_id"]),
+        "service_class": _text_or_null(r["slo_class"]),
+        "model": _text_or_null(r["model"]),
+        "adapter": adapter,
+        "num_branches": pa.array([1] * n, pa.int64()),
+        "failed": pc.equal(r["status"], "error"),
+    }
+    return pa.Table.from_pydict({f.name: columns.get(f.name, pa.nulls(n, f.type)) for f in WORKLOAD_SCHEMA},
+                                schema=WORKLOAD_SCHEMA)
+
+
+def blis_events(trace: BlisTrace, engine_id: str = "blis") -> pa.Table:
+    """An observed trace as lifecycle events (``EVENTS_SCHEMA``).
+
+    Per request: ``request_arrived`` at ``arrival_time_us`` (deadlines from ``deadline_us`` and
+    ``slo_target_us``), ``first_token`` at ``first_chunk_time_us``, the other output tokens as one
+    coalesced delivery at ``last_chunk_time_us`` (per-token gaps are not in the trace), and
+    ``request_finished`` with the status's outcome (``incomplete``: still in flight, no finish).
+    Event ids are derived from the request id, so importing twice de-duplicates.
+    """
+    r = trace.records.to_pylist()
+    events = []
+    for row in r:
+        rid = str(row["request_id"])
+        arrival = row["arrival_time_us"] * 1000
+        common = {"engine_id": engine_id, "request_id": rid, "tenant": row["tenant_id"] or None,
+                  "service_class": row["slo_class"] or None, "model": row["model"] or None,
+                  "adapter": row.get("adapter") or None}
+        target = row.get("slo_target_us") or 0
+        events.append(RequestArrived(
+            event_id=f"{engine_id}:{rid}:arrived", ts_ns=arrival,
+            num_prompt_tokens=row["prefix_length"] + row["input_tokens"], max_output_tokens=row["output_tokens"],
+            prefix_block_ids=_prefix_blocks([row["prefix_group"]], [row["prefix_length"]], trace.header.block_tokens)[0],
+            session_id=row["session_id"] or None,
+            e2e_deadline_ns=row["deadline_us"] * 1000 if row["deadline_us"] > 0 else None,
+            ttft_deadline_ns=arrival + target * 1000 if target > 0 else None, **common,
+        ))
+        first, last, out = row["first_chunk_time_us"], row["last_chunk_time_us"], row["output_tokens"]
+        if first > 0:
+            events.append(FirstToken(event_id=f"{engine_id}:{rid}:first", ts_ns=first * 1000, **common))
+            if out > 1:
+                events.append(TokensDelivered(event_id=f"{engine_id}:{rid}:rest", ts_ns=last * 1000, num_tokens=out - 1,
+                                              coalesced=True, **common))
+        status = row["status"]
+        if status == "incomplete":
+            continue
+        outcome = _STATUS_OUTCOME.get(status)
+        if outcome is None:
+            raise ServelensError(f"request {rid}: unknown status {status!r}", "trace v2 statuses: ok, error, timeout, incomplete")
+        if status == "error" and row["error_message"] in ("rejected", "cancelled"):  # servelens's own outcomes
+            outcome = row["error_message"]
+        finish_us = max(last, first, row["arrival_time_us"])
+        events.append(RequestFinished(event_id=f"{engine_id}:{rid}:finished", ts_ns=finish_us * 1000, outcome=outcome,
+                                      num_output_tokens=out if first > 0 else 0, **common))
+    return events_to_table(events) if events else EVENTS_SCHEMA.empty_table()
+
+
+def to_blis(events: pa.Table, *, header: BlisHeader | None = None, carry: pa.Table | None = None) -> tuple[BlisHeader, pa.Table]:
+    """Any events table as a trace v2: the header and the CSV rows (all columns as text, in order).
+
+    Request ids stay when they are all integers, else requests are numbered in arrival order.
+    Times are floored to microseconds. ``carry`` (``BlisTrace.carry``) restores the unmodelled
+    columns of an imported trace; without it they get BLIS's "not recorded" values. Prefix groups
+    are named after their blocks unless carried.
+    """
+    from pipelines.tables import derive_requests
+
+    header = header or BlisHeader()
+    requests = derive_requests(events)
+    arrivals = events.filter(pc.equal(events["event_type"], "request_arrived"))
+    extra = {}
+    for row in arrivals.select(["request_id", "prefix_block_ids", "e2e_deadline_ns", "ttft_deadline_ns"]).to_pylist():
+        extra.setdefault(row["request_id"], row)
+    rows = requests.to_pylist()
+    ids = [r["request_id"] for r in rows]
+    numbered = all(re.fullmatch(r"\d+", i) for i in ids)
+    carried = {}
+    if carry is not None:
+        carried = {str(c["request_id"]): c for c in carry.to_pylist()}
+    out = []
+    for index, r in enumerate(rows):
+        rid = r["request_id"] if numbered else str(index)
+        more = extra.get(r["request_id"], {})
+        c = carried.get(r["request_id"], {})
+        blocks = more.get("prefix_block_ids") or []
+        arrival_us = (r["arrival_ns"] or 0) // 1000
+        prompt = r["num_prompt_tokens"] or 0
+        prefix_length = len(blocks) * header.block_tokens if blocks else 0
+        outcome = r["outcome"]
+        status = "incomplete" if outcome is None else _OUTCOME_STATUS[outcome]
+        message = outcome if outcome in ("rejected", "cancelled") else ""
+        e2e_deadline, ttft_deadline = more.get("e2e_deadline_ns"), more.get("ttft_deadline_ns")
+        record = {
+            "request_id": rid, "client_id": "", "tenant_id": r["tenant"] or "", "slo_class": r["service_class"] or "",
+            "vllm_priority": "0", "session_id": r["session_id"] or "", "round_index": "0",
+            "prefix_group": f"p{blocks[0] >> 14:012x}" if blocks else "", "prefix_length": str(prefix_length),
+            "streaming": "true", "input_tokens": str(prompt - prefix_length), "output_tokens": str(_output_tokens(r)),
+            "text_tokens": "0", "image_tokens": "0", "audio_tokens": "0", "video_tokens": "0", "reason_ratio": "0",
+            "model": r["model"] or "", "deadline_us": str(e2e_deadline // 1000 if e2e_deadline else 0),
+            "slo_target_us": str((ttft_deadline - r["arrival_ns"]) // 1000 if ttft_deadline and r["arrival_ns"] is not None else 0),
+            "server_input_tokens": "0", "arrival_time_us": str(arrival_us), "send_time_us": str(arrival_us),
+            "first_chunk_time_us": str(r["first_token_ns"] // 1000 if r["first_token_ns"] is not None else 0),
+            "last_chunk_time_us": str(r["last_token_ns"] // 1000 if r["last_token_ns"] is not None else 0),
+            "num_chunks": "0", "status": status, "error_message": message, "finish_reason": "",
+            "x_request_id": "", "adapter": r["adapter"] or "",
+        }
+        for name, value in c.items():  # the unmodelled columns as they were written
+            if name in UNMODELLED_COLUMNS:
+                record[name] = value
+        if "prefix_group" in c:  # the group's name and sub-block length, where the blocks still agree
+            length = int(c["prefix_length"])
+            if (length // header.block_tokens if c["prefix_group"] else 0) == len(blocks) and length <= prompt:
+                record["prefix_group"], record["prefix_length"] = c["prefix_group"], str(length)
+                record["input_tokens"] = str(prompt - length)
+        out.append(record)
+    columns = _columns(out, header, carry)
+    table = pa.table({name: pa.array([rec[name] for rec in out], pa.string()) for name in columns})
+    return header, table
+
+
+def _output_tokens(r: dict) -> int:
+    """What BLIS should generate: the tokens a completed request produced; for one that did not
+    complete, its max_tokens limit where known (BLIS traces set it to the intended length)."""
+    if r["outcome"] != "completed" and r["max_output_tokens"] is not None:
+        return r["max_output_tokens"]
+    return r["num_output_tokens"] or 0
+
+
+def _columns(records: list[dict], header: BlisHeader, carry: pa.Table | None) -> list[str]:
+    """BLIS's column set: the base columns, plus each optional one where a row needs it."""
+    present = set(carry.column_names) if carry is not None else set()
+    columns = []
+    for name in BASE_COLUMNS:
+        columns.append(name)
+        if name == "slo_class" and ("vllm_priority" in present or any(r["vllm_priority"] != "0" for r in records)):
+            columns.append("vllm_priority")
+        if name == "deadline_us" and any(r["slo_target_us"] != "0" for r in records):
+            columns.append("slo_target_us")
+    if "x_request_id" in present or (header.mode == "real" and any(r["x_request_id"] for r in records)):
+        columns.append("x_request_id")
+    if any(r["adapter"] for r in records):
+        columns.append("adapter")
+    return columns
+
+
+def write_blis(header: BlisHeader, rows: pa.Table, header_path: Path, data_path: Path) -> None:
+    """Write a trace v2: the header YAML and the CSV (minimal quoting, ``\\n`` line ends, as Go writes)."""
+    Path(header_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(header_path).write_text(header_yaml(header))
+    with Path(data_path).open("w", newline="") as fh:
+        writer = csv.writer(fh, lineterminator="\n")
+        writer.writerow(rows.column_names)
+        for row in zip(*(rows[c].to_pylist() for c in rows.column_names)):
+            writer.writerow(row)
+
+
+def trace_rows(trace: BlisTrace) -> pa.Table:
+    """The trace's rows as text in its column order (what ``write_blis`` writes back)."""
+    return pa.table({c: pc.cast(trace.records[c], pa.string()) for c in trace.columns})
+
+
+__all__ = [
+    "BASE_COLUMNS", "BlisHeader", "BlisServer", "BlisSloTargets", "BlisTrace", "MODELLED_COLUMNS", "UNMODELLED_COLUMNS",
+    "blis_events", "blis_workload", "header_yaml", "parse_header", "read_blis", "to_blis", "trace_rows", "write_blis",
+]
+
+
+def header_path_for(data_path: Path) -> Path:
+    """The header beside a trace's CSV: ``trace.csv`` -> ``trace.yaml`` (or .yml, _header.yaml, .header.yaml)."""
+    data_path = Path(data_path)
+    candidates = [data_path.with_suffix(s) for s in (".yaml", ".yml")]
+    candidates += [data_path.with_name(data_path.stem + s) for s in ("_header.yaml", ".header.yaml")]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise ServelensError(f"{data_path}: no trace v2 header beside it",
+                         f"put the YAML header at {candidates[0]} (BLIS writes it with --trace-header)")
+
+
+def read_blis_workload(data_path: Path, prefix: str = "blis") -> pa.Table:
+    """The workload of the trace v2 whose CSV is ``data_path`` (its header beside it); ids as in the trace."""
+    return blis_workload(read_blis(header_path_for(data_path), data_path))
