@@ -236,56 +236,6 @@ def trace_stats(ctx: click.Context, trace_name: str) -> None:
     )
 
 
-@trace.command("to-blis")
-@click.argument("events_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True,
-              help="The trace's CSV; its YAML header is written beside it (.yaml).")
-@click.option("--mode", type=click.Choice(["real", "replayed", "generated"]), default="real", show_default=True,
-              help="The header's mode: real for recorded production traffic, replayed for a servelens replay.")
-@click.option("--model", help="The header's server.model.")
-def trace_to_blis(events_file: Path, out: Path, mode: str, model: str | None) -> None:
-    """Export EVENTS_FILE (Parquet; real or replayed) as a BLIS (inference-sim) trace v2 (docs/interop.md).
-
-    \b
-    Example:
-      servelens trace to-blis out/demo/events.parquet --out blis/trace.csv --mode replayed
-      blis replay --trace-header blis/trace.yaml --trace-data blis/trace.csv ...
-    """
-    import pyarrow.parquet as pq
-
-    from replay.blis import BlisHeader, BlisServer, to_blis, write_blis
-
-    header = BlisHeader(mode=mode, created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                        server=BlisServer(model=model) if model else None)
-    header, rows = to_blis(pq.read_table(events_file), header=header)
-    write_blis(header, rows, out.with_suffix(".yaml"), out)
-    click.echo(f"wrote {rows.num_rows:,} requests to {out} (header {out.with_suffix('.yaml')})")
-
-
-@trace.command("from-blis")
-@click.argument("data_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True,
-              help="Events (Parquet) of the trace's observed timings, to derive and judge its request table.")
-def trace_from_blis(data_file: Path, out: Path) -> None:
-    """Import a BLIS trace v2 (DATA_FILE, header beside it) as observed lifecycle events.
-
-    To replay its workload instead, give the CSV to `servelens replay` or `trace convert`.
-
-    \b
-    Example:
-      servelens trace from-blis blis/trace.csv --out blis.events.parquet
-      servelens requests derive blis.events.parquet --out blis.requests.parquet
-    """
-    import pyarrow.parquet as pq
-
-    from replay.blis import blis_events, header_path_for, read_blis
-
-    events = blis_events(read_blis(header_path_for(data_file), data_file), engine_id=f"blis:{data_file.stem}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(events, out, compression="zstd")
-    click.echo(f"wrote {events.num_rows:,} events to {out}")
-
-
 def _shared_or_none(ctx: click.Context, trace_name: str) -> Path | None:
     """The shared data folder, required only when TRACE names a bundled trace."""
     from replay.traces import BUNDLED_TRACES
@@ -638,6 +588,91 @@ def lake_sql(ctx: click.Context, query: str, limit: int) -> None:
 # ---------------------------------------------------------------------------------------------- replay
 
 
+def _stash(name: str):
+    """An option callback that keeps the value in ctx.meta (cluster options reach the command without
+    widening its signature)."""
+
+    def callback(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+        if value not in (None, ()):
+            ctx.meta[f"cluster.{name}"] = value
+
+    return callback
+
+
+def _cluster_options(command):
+    """`servelens replay`'s cluster options: --instances, --router, --scale and the scaling delays."""
+    options = [
+        click.option("--instances", type=int, expose_value=False, callback=_stash("instances"),
+                     help="Replay a cluster of this many alike instances behind a router (docs/replay.md, Cluster)."),
+        click.option("--router", expose_value=False, callback=_stash("router"),
+                     help="Cluster router: round-robin (default), least-outstanding-tokens, least-load, gie."),
+        click.option("--scale", multiple=True, expose_value=False, callback=_stash("scale"),
+                     help="Scaling step AT_S:+N or AT_S:-N (seconds after the first arrival; repeatable), e.g. 120:+2."),
+        click.option("--startup-s", type=float, expose_value=False, callback=_stash("startup_s"),
+                     help="An added instance's start-up delay, seconds (default 30)."),
+        click.option("--weight-load-s", type=float, expose_value=False, callback=_stash("weight_load_s"),
+                     help="Its weight-loading delay, seconds (default: weight bytes / --weight-load-gbps)."),
+        click.option("--weight-load-gbps", type=float, expose_value=False, callback=_stash("weight_load_gbps"),
+                     help="Bandwidth weights load at, GB/s (default 2)."),
+        click.option("--cache-warm-s", type=float, expose_value=False, callback=_stash("cache_warm_s"),
+                     help="Its cache warm-up delay after loading, seconds (default 10)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _replay_cluster(ctx: click.Context, workload_name: str, policy_name: str, policy_config: Path | None,
+                    engine_spec: str, cost_model: str, profile_path: Path | None, mode: str,
+                    num_requests: int | None, seed: int, out: Path) -> None:
+    """`servelens replay` with cluster options: the cluster replay (replay.cluster)."""
+    from replay.cluster import ScalingDelays, cluster_config, parse_scale_step, run_cluster_replay
+    from replay.policies import load_policy_config
+    from replay.workload import load_workload
+
+    meta = {k.removeprefix("cluster."): v for k, v in ctx.meta.items() if k.startswith("cluster.")}
+    if ctx.params.get("measured"):
+        raise ServelensError("--measured replays one instance", "drop --instances, --router and --scale")
+    num_instances = meta.get("instances", 1)
+    if num_instances < 1:
+        raise ServelensError(f"--instances must be at least 1, not {num_instances}")
+    delays = ScalingDelays(
+        startup_s=meta.get("startup_s", 30.0),
+        weight_load_s=meta.get("weight_load_s"),
+        weight_load_bandwidth_bytes_per_s=meta.get("weight_load_gbps", 2.0) * 1e9,
+        cache_warm_s=meta.get("cache_warm_s", 10.0),
+    )
+    instance, model_arg = (
+        _fitted_profile(ctx, profile_path) if profile_path is not None else (_instance(engine_spec), cost_model)
+    )
+    config = cluster_config(num_instances, instance, meta.get("router", "round-robin"),
+                            scaling=[parse_scale_step(s) for s in meta.get("scale", ())], delays=delays)
+    workload = load_workload(workload_name, _shared_or_none(ctx, workload_name), num_requests)
+    shared = shared_dir(_config(ctx)) if cost_model == "profile" and profile_path is None else None
+    with click.progressbar(length=workload.num_requests or 0, label="replaying", file=sys.stderr,
+                           item_show_func=lambda p: f"{p.simulated_ns / 1e9:,.0f} s simulated in {p.wall_s:,.1f} s" if p else None) as bar:
+        done = [0]
+
+        def progress(p) -> None:
+            bar.update(p.num_arrived - done[0], p)
+            done[0] = p.num_arrived
+
+        policy_cfg = load_policy_config(policy_name, policy_config) if policy_config is not None else None
+        summary = run_cluster_replay(workload, config, policy_name=policy_name, policy_config=policy_cfg,
+                                     cost_model=model_arg, shared=shared, seed=seed, out_dir=out, mode=mode,
+                                     progress=progress, progress_every=max(1, (workload.num_requests or 100_000) // 200))
+    click.echo(
+        f"replayed {summary.num_requests:,} requests ({summary.simulated_s:,.1f} s simulated) on "
+        f"{len(summary.instances)} instances ({summary.router}) in {summary.wall_s:,.1f} s "
+        f"({summary.requests_per_wall_s:,.0f} requests/s): {summary.num_events:,} events, {summary.num_steps:,} engine steps, "
+        f"{summary.num_preemptions:,} preemptions, {summary.num_shed:,} shed"
+    )
+    for x in summary.instances:
+        ready = "never ready" if x.ready_s is None else f"ready at {x.ready_s:,.1f} s"
+        click.echo(f"  {x.instance_id}: {x.num_routed:,} requests routed, {ready}")
+    click.echo(f"events:   {summary.events_path}\nmanifest: {summary.manifest_path} (run {summary.run_id})")
+
+
 @cli.command("replay")
 @click.option("--workload", "workload_name", required=True,
               help="Bundled trace name, trace file, or workload Parquet file (from `servelens trace convert`).")
@@ -661,6 +696,7 @@ def lake_sql(ctx: click.Context, query: str, limit: int) -> None:
 @click.option("--requests", "num_requests", type=int, default=None, help="Tile the workload to this many requests.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of every random choice (scenario draws).")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True, help="Output folder.")
+@_cluster_options
 @click.pass_context
 def replay_command(ctx: click.Context, workload_name: str, policy_name: str, policy_config: Path | None,
                    engine_spec: str, cost_model: str, profile_path: Path | None, measured: bool, mode: str,
@@ -677,8 +713,12 @@ def replay_command(ctx: click.Context, workload_name: str, policy_name: str, pol
       servelens replay --workload azure-conv --engine llama-2-70b@a100-80gx2 --cost-model profile --out out/70b
       servelens replay --workload azure-conv --policy deadline --policy-config deadline.yaml --out out/deadline
       servelens replay --workload azure-conv --profile profiles/llama-8b-h200.parquet --out out/8b-fitted
+      servelens replay --workload azure-conv --instances 8 --router least-outstanding-tokens --scale 600:+2 --out out/cluster
       servelens replay --workload azure-conv --requests 40 --profile out/profiles/tiny-cpu.parquet --measured --out out/measured
     """
+    if any(key.startswith("cluster.") for key in ctx.meta):
+        return _replay_cluster(ctx, workload_name, policy_name, policy_config, engine_spec, cost_model, profile_path,
+                               mode, num_requests, seed, out)
     from replay.policies import load_policy_config
     from replay.run import run_replay
     from replay.workload import load_workload

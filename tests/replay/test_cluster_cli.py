@@ -1,0 +1,40 @@
+"""`servelens replay` with cluster options, run as users run it: a real process, clean errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+
+
+def servelens(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "servelens", *args], capture_output=True, text=True, env=dict(os.environ))
+
+
+def test_replay_with_cluster_options_routes_scales_and_reports(tmp_path):
+    out = tmp_path / "cluster"
+    proc = servelens("replay", "--workload", "azure-conv", "--requests", "400", "--instances", "3",
+                     "--router", "least-outstanding-tokens", "--scale", "2:+1", "--startup-s", "1",
+                     "--weight-load-s", "2", "--cache-warm-s", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "on 4 instances (least-outstanding-tokens)" in proc.stdout and "ready at 6.0 s" in proc.stdout
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["cluster"]["router"]["name"] == "least-outstanding-tokens"
+    assert manifest["cluster"]["scaling"] == [{"at_s": 2.0, "delta": 1, "instance": None}]
+    events = pq.read_table(out / "events.parquet", columns=["event_type", "decision", "state"]).to_pylist()
+    assert sum(e["decision"] == "route" for e in events) == 400
+    assert sum(e["event_type"] == "instance_state" for e in events) == 3 * 2 + 3  # ready, stopped; the added one starting too
+
+
+def test_cluster_options_fail_cleanly(tmp_path):
+    for args, message in (
+        (["--instances", "2", "--router", "nope"], "unknown router 'nope'"),
+        (["--scale", "5:2"], "is not AT_S:+N or AT_S:-N"),
+        (["--instances", "0"], "--instances must be at least 1"),
+        (["--instances", "1", "--scale", "5:-1"], "leaves 0 instances"),
+    ):
+        proc = servelens("replay", "--workload", "azure-conv", "--requests", "50", *args, "--out", str(tmp_path / "x"))
+        assert proc.returncode == 3 and message in proc.stderr and "Traceback" not in proc.stderr, (args, proc.stderr)
