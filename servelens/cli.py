@@ -236,6 +236,56 @@ def trace_stats(ctx: click.Context, trace_name: str) -> None:
     )
 
 
+@trace.command("to-blis")
+@click.argument("events_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="The trace's CSV; its YAML header is written beside it (.yaml).")
+@click.option("--mode", type=click.Choice(["real", "replayed", "generated"]), default="real", show_default=True,
+              help="The header's mode: real for recorded production traffic, replayed for a servelens replay.")
+@click.option("--model", help="The header's server.model.")
+def trace_to_blis(events_file: Path, out: Path, mode: str, model: str | None) -> None:
+    """Export EVENTS_FILE (Parquet; real or replayed) as a BLIS (inference-sim) trace v2 (docs/interop.md).
+
+    \b
+    Example:
+      servelens trace to-blis out/demo/events.parquet --out blis/trace.csv --mode replayed
+      blis replay --trace-header blis/trace.yaml --trace-data blis/trace.csv ...
+    """
+    import pyarrow.parquet as pq
+
+    from replay.blis import BlisHeader, BlisServer, to_blis, write_blis
+
+    header = BlisHeader(mode=mode, created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                        server=BlisServer(model=model) if model else None)
+    header, rows = to_blis(pq.read_table(events_file), header=header)
+    write_blis(header, rows, out.with_suffix(".yaml"), out)
+    click.echo(f"wrote {rows.num_rows:,} requests to {out} (header {out.with_suffix('.yaml')})")
+
+
+@trace.command("from-blis")
+@click.argument("data_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="Events (Parquet) of the trace's observed timings, to derive and judge its request table.")
+def trace_from_blis(data_file: Path, out: Path) -> None:
+    """Import a BLIS trace v2 (DATA_FILE, header beside it) as observed lifecycle events.
+
+    To replay its workload instead, give the CSV to `servelens replay` or `trace convert`.
+
+    \b
+    Example:
+      servelens trace from-blis blis/trace.csv --out blis.events.parquet
+      servelens requests derive blis.events.parquet --out blis.requests.parquet
+    """
+    import pyarrow.parquet as pq
+
+    from replay.blis import blis_events, header_path_for, read_blis
+
+    events = blis_events(read_blis(header_path_for(data_file), data_file), engine_id=f"blis:{data_file.stem}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(events, out, compression="zstd")
+    click.echo(f"wrote {events.num_rows:,} events to {out}")
+
+
 def _shared_or_none(ctx: click.Context, trace_name: str) -> Path | None:
     """The shared data folder, required only when TRACE names a bundled trace."""
     from replay.traces import BUNDLED_TRACES
