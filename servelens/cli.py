@@ -1131,7 +1131,7 @@ def dashboard_command(ctx: click.Context, port: int | None, host: str | None, ru
     \b
     Example:
       servelens dashboard                          # http://127.0.0.1:8501
-      servelens dashboard --port 0 --runs-dir out/demo   # a free port; the demo's replay on Policies
+      servelens dashboard --port 0 --runs-dir out/demo/out/replay   # a free port; the demo's replays
     """
     import dataclasses
     import subprocess
