@@ -4,13 +4,15 @@ A *shape* is one step's composition: prefill chunks (tokens, context before the 
 sequences (each one's context). The sweep covers what moves a step's time: prefill chunk size and
 the context it extends, the number of decode sequences and their contexts, and mixes of a chunk with
 decodes (Sarathi-style hybrid steps). Each shape runs ``warmup`` times untimed, then ``repeats``
-times timed: with CUDA events on a GPU (recorded around the call, read after the end event
+times timed, round robin within groups of ``INTERLEAVE`` shapes (a burst of outside load then costs
+one repeat of several shapes, which their medians discard, instead of every repeat of one shape):
+with CUDA events on a GPU (recorded around the call, read after the end event
 completes: the step's host-side preparation is inside, as in a serving engine), with
 ``time.perf_counter_ns`` around the call on a CPU. The profile keeps every repeat, their median
 (the figure the fit uses) and spread (min, max, p10, p90, std).
 
-Shapes are swept in a seeded shuffled order, so a sweep stopped by its time box (``max_seconds``)
-still covers every kind of shape; the metadata says whether it was cut short.
+Shapes are swept in a seeded shuffled order, so a sweep stopped by its time box (``max_seconds``,
+checked between groups) still covers every kind of shape; the metadata says whether it was cut short.
 
 Parquet layout: one row per shape (``PROFILE_SCHEMA``), the metadata as JSON under the schema
 metadata key ``servelens.profile`` (``ProfileMeta``): device kind and name, driver, CUDA and torch
@@ -45,6 +47,8 @@ from servelens.errors import DataNotFoundError
 
 PROFILE_VERSION = 1
 META_KEY = b"servelens.profile"
+#: Shapes timed round robin together: each repeat of a group runs every shape of it once
+INTERLEAVE = 8
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -248,6 +252,29 @@ def _quantile(sorted_values: list[int], q: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
+def _add_row(rows: dict[str, list], shape_id: int, s: ProfileShape, times: list[int]) -> int:
+    """Append one shape's row; return its median, ns."""
+    ordered = sorted(times)
+    median = round(statistics.median(ordered))
+    rows["shape_id"].append(shape_id)
+    rows["kind"].append(s.kind)
+    rows["prefill_chunk_tokens"].append([c for c, _ in s.prefill_chunks])
+    rows["prefill_chunk_context"].append([o for _, o in s.prefill_chunks])
+    rows["decode_context"].append(list(s.decode_contexts))
+    rows["num_tokens"].append(s.num_tokens)
+    rows["num_decode_seqs"].append(len(s.decode_contexts))
+    rows["decode_context_tokens"].append(sum(x + 1 for x in s.decode_contexts))
+    rows["median_ns"].append(median)
+    rows["mean_ns"].append(statistics.fmean(ordered))
+    rows["min_ns"].append(ordered[0])
+    rows["max_ns"].append(ordered[-1])
+    rows["p10_ns"].append(_quantile(ordered, 0.1))
+    rows["p90_ns"].append(_quantile(ordered, 0.9))
+    rows["std_ns"].append(statistics.pstdev(ordered))
+    rows["times_ns"].append(times)
+    return median
+
+
 def step_timer(executor) -> Callable[[list], int]:
     """A function that runs one step's work on the executor and returns its time, ns."""
     torch = executor.torch
@@ -324,36 +351,27 @@ def _run_profile(torch, shape: LlamaShape, device: str, sweep: SweepConfig | Non
     wall0 = time.perf_counter()
     truncated = False
     with torch.inference_mode():
-        for i, s in enumerate(shapes):
+        for first in range(0, len(shapes), INTERLEAVE):
             if sweep.max_seconds is not None and time.perf_counter() - wall0 > sweep.max_seconds:
                 truncated = True
                 break
-            work = shape_work(s)
-            for _ in range(sweep.warmup):
-                executor.execute(work)
+            group = shapes[first:first + INTERLEAVE]
+            works = [shape_work(s) for s in group]
+            for work in works:
+                for _ in range(sweep.warmup):
+                    executor.execute(work)
+                executor.free_all()
             executor.synchronize()
-            times = [timed(work) for _ in range(sweep.repeats)]
-            executor.free_all()
-            ordered = sorted(times)
-            median = round(statistics.median(ordered))
-            rows["shape_id"].append(i)
-            rows["kind"].append(s.kind)
-            rows["prefill_chunk_tokens"].append([c for c, _ in s.prefill_chunks])
-            rows["prefill_chunk_context"].append([o for _, o in s.prefill_chunks])
-            rows["decode_context"].append(list(s.decode_contexts))
-            rows["num_tokens"].append(s.num_tokens)
-            rows["num_decode_seqs"].append(len(s.decode_contexts))
-            rows["decode_context_tokens"].append(sum(x + 1 for x in s.decode_contexts))
-            rows["median_ns"].append(median)
-            rows["mean_ns"].append(statistics.fmean(ordered))
-            rows["min_ns"].append(ordered[0])
-            rows["max_ns"].append(ordered[-1])
-            rows["p10_ns"].append(_quantile(ordered, 0.1))
-            rows["p90_ns"].append(_quantile(ordered, 0.9))
-            rows["std_ns"].append(statistics.pstdev(ordered))
-            rows["times_ns"].append(times)
-            if progress is not None:
-                progress(i + 1, len(shapes), s, median)
+            times: list[list[int]] = [[] for _ in group]
+            for _ in range(sweep.repeats):  # round robin: a burst of outside load hits one repeat of many shapes
+                for j, work in enumerate(works):
+                    times[j].append(timed(work))
+                    executor.free_all()
+            for j, s in enumerate(group):
+                i = first + j
+                median = _add_row(rows, i, s, times[j])
+                if progress is not None:
+                    progress(i + 1, len(shapes), s, median)
     wall_s = time.perf_counter() - wall0
     peak_flops, peak_bw, source = device_peaks(executor)
     meta = ProfileMeta(
