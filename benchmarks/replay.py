@@ -7,9 +7,15 @@
    requests/s) and memory should stay flat: it follows the requests in flight, not the trace length.
 2. Fast vs reference. The full Azure and Mooncake traces are replayed in both modes; the request
    tables' timestamps are compared (largest relative difference) and the speed ratio is reported.
+3. Cluster. 8 instances behind the least-outstanding-tokens router replay 8 superposed copies of the
+   Azure trace (each shifted by 60 s: eight user populations, so the load per instance is the single
+   instance's), tiled to 1,000,000 requests (``--quick``: 100,000), in a fresh process; its
+   requests/s is set against the single instance's at the same number of requests (the ratio
+   single / cluster: the cost per request of the cluster layer; the target is at most 2).
 
     python benchmarks/replay.py            # the README figures (a few minutes)
     python benchmarks/replay.py --quick    # 10k and 100k requests, trace slices: under a minute
+    python benchmarks/replay.py --cluster  # the cluster case alone (with its single-instance baseline)
 
 The last line of output is one JSON object with the figures. Single process, single thread of
 simulation (Parquet encoding runs on a background thread of the same process).
@@ -60,6 +66,60 @@ def replay_tiled(num_requests: int, out_dir: Path) -> dict:
     }
 
 
+CLUSTER_INSTANCES = 8
+CLUSTER_ROUTER = "least-outstanding-tokens"
+
+
+def replay_cluster_tiled(num_requests: int, out_dir: Path) -> dict:
+    """Replay 8 superposed copies of the Azure trace, tiled, on an 8-instance cluster in this process."""
+    from replay.cluster import cluster_config, run_cluster_replay
+    from replay.traces import read_trace
+    from replay.workload import TiledWorkload, superpose
+    from servelens.config import load_config, shared_dir
+
+    base = superpose(read_trace("azure-conv", shared_dir(load_config())), CLUSTER_INSTANCES, 60_000_000_000)
+    workload = TiledWorkload(base, -(-num_requests // base.num_rows), num_requests=num_requests,
+                             name="azure-conv-x8-tiled")
+    cpu0 = time.process_time()
+    summary = run_cluster_replay(workload, cluster_config(CLUSTER_INSTANCES, router=CLUSTER_ROUTER), out_dir=out_dir)
+    cpu_s = time.process_time() - cpu0
+    routed = [x.num_routed for x in summary.instances]
+    return {
+        "requests": summary.num_requests,
+        "instances": len(summary.instances),
+        "router": summary.router,
+        "events": summary.num_events,
+        "steps": summary.num_steps,
+        "simulated_s": round(summary.simulated_s, 1),
+        "wall_s": round(summary.wall_s, 2),
+        "process_cpu_s": round(cpu_s, 2),
+        "requests_per_s": round(summary.requests_per_wall_s),
+        "routed_min_max": [min(routed), max(routed)],
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "events_mb": round((out_dir / "events.parquet").stat().st_size / 1e6, 1),
+    }
+
+
+def _child(flag: str, n: int) -> dict:
+    proc = subprocess.run([sys.executable, __file__, flag, str(n)], capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def cluster_case(num_requests: int, single: dict | None) -> dict:
+    """The cluster case and its ratio to the single instance at the same size (measured here if not given)."""
+    cluster = _child("--one-cluster", num_requests)
+    print(f"cluster, {num_requests:,} requests: {cluster}", file=sys.stderr)
+    if single is None or single["requests"] != num_requests:
+        single = _child("--one", num_requests)
+        print(f"tiled azure-conv, {num_requests:,} requests: {single}", file=sys.stderr)
+    return {
+        "cluster": cluster,
+        "single_requests_per_s": single["requests_per_s"],
+        "single_over_cluster_time_per_request": round(single["requests_per_s"] / cluster["requests_per_s"], 2),
+        "target_at_most": 2.0,
+    }
+
+
 def compare_modes(trace: str, num_requests: int | None, out_dir: Path) -> dict:
     """Both modes on one trace: largest relative timestamp difference and the speed ratio."""
     from pipelines.tables import derive_requests
@@ -100,17 +160,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="10k and 100k requests; mode comparison on trace slices")
     parser.add_argument("--sizes", type=int, nargs="*", default=None, help="tiled workload sizes (overrides --quick)")
+    parser.add_argument("--cluster", action="store_true", help="only the cluster case and its single-instance baseline")
     parser.add_argument("--one", type=int, metavar="N", help=argparse.SUPPRESS)  # child: replay N requests
+    parser.add_argument("--one-cluster", type=int, metavar="N", help=argparse.SUPPRESS)  # child: the cluster case
     args = parser.parse_args()
     if args.one:
         with tempfile.TemporaryDirectory() as tmp:
             print(json.dumps(replay_tiled(args.one, Path(tmp))))
         return
+    if args.one_cluster:
+        with tempfile.TemporaryDirectory() as tmp:
+            print(json.dumps(replay_cluster_tiled(args.one_cluster, Path(tmp))))
+        return
+    cluster_size = 100_000 if args.quick else 1_000_000
+    if args.cluster:
+        figures = cluster_case(cluster_size, None)
+        figures["cpu_count"] = os.cpu_count()
+        figures["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+        print(json.dumps(figures))
+        return
     sizes = args.sizes or ([10_000, 100_000] if args.quick else [10_000, 100_000, 1_000_000])
     throughput = []
     for n in sizes:
-        proc = subprocess.run([sys.executable, __file__, "--one", str(n)], capture_output=True, text=True, check=True)
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        result = _child("--one", n)
         print(f"tiled azure-conv, {n:,} requests: {result}", file=sys.stderr)
         throughput.append(result)
     with tempfile.TemporaryDirectory() as tmp:
@@ -121,6 +193,7 @@ def main() -> None:
     for m in modes:
         print(f"fast vs reference: {m}", file=sys.stderr)
     largest = throughput[-1]
+    cluster = cluster_case(cluster_size, next((t for t in throughput if t["requests"] == cluster_size), None))
     figures = {
         "throughput": throughput,
         "requests_per_s_at_largest": largest["requests_per_s"],
@@ -130,6 +203,7 @@ def main() -> None:
         "modes": modes,
         "fast_over_reference_speed": {m["trace"]: m["fast_over_reference_speed"] for m in modes},
         "max_relative_timestamp_difference": max(m["max_relative_timestamp_difference"] for m in modes),
+        "cluster": cluster,
         "cpu_count": os.cpu_count(),
         "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
     }

@@ -249,6 +249,29 @@ class ClusterInstance:
         return f"ClusterInstance({self.instance_id!r}, {self.state}, outstanding={self.num_outstanding})"
 
 
+class _ClusterWriter(EventWriter):
+    """The writer the instances share. A chunk's member log is valid until the next flush, and one
+    instance flushes while others have steps in flight whose lockstep members were logged before:
+    after each flush those snapshots are logged again into the new chunk's log."""
+
+    engines: list[Engine]
+
+    def flush(self) -> None:
+        super().flush()
+        seen: set[int] = set()
+        for e in self.engines:
+            for snap in (e._flight.snapshot if e._flight is not None else None, e._lock.snapshot):
+                if snap is None or not snap.num_rows or id(snap) in seen:
+                    continue
+                seen.add(id(snap))
+                snap.row = len(self._member_requests)
+                snap.chunk = self._log_number
+                self._member_requests.extend(snap.requests)
+                self._member_offsets.extend(snap.offsets)
+                if snap.num_seqs != snap.num_rows:
+                    self._member_branches = True
+
+
 class _ClusterStats:
     __slots__ = ("num_finished",)
 
@@ -280,6 +303,7 @@ class Cluster:
         index = len(self.instances)
         instance_id = f"{self.engine_id}-i{index}"
         engine = self._make_engine(config, instance_id)
+        self.writer.engines.append(engine)
         inst = ClusterInstance(index, instance_id, config, engine, self.feeder, self.config.router)
         engine.on_finish = lambda r, inst=inst: self._finished(inst, r)
         self.instances.append(inst)
@@ -493,7 +517,8 @@ def run_cluster_replay(
             parquet(table)
         sink(table)
 
-    writer = EventWriter(emit, run_id=run_id, engine_id=engine_id, chunk_rows=chunk_rows, hash_tables=parquet is None)
+    writer = _ClusterWriter(emit, run_id=run_id, engine_id=engine_id, chunk_rows=chunk_rows, hash_tables=parquet is None)
+    writer.engines = []
     kernel = Kernel()
 
     def make_engine(config: InstanceConfig, instance_id: str) -> Engine:

@@ -165,8 +165,9 @@ def test_identical_inputs_give_byte_identical_events_and_manifest(tmp_path):
                             scaling=[ScaleStep(at_s=0.5, delta=2), ScaleStep(at_s=2.0, delta=-3)],
                             delays=ScalingDelays(startup_s=0.1, weight_load_s=0.1, cache_warm_s=0.1))
     w = _steady(300, gap_ns=7_000_000)
-    a = run_cluster_replay(w, config, out_dir=tmp_path / "a", seed=3)
-    b = run_cluster_replay(w, config, out_dir=tmp_path / "b", seed=3)
+    # small chunks: instances flush while others have steps in flight (their members are logged again)
+    a = run_cluster_replay(w, config, out_dir=tmp_path / "a", seed=3, chunk_rows=300)
+    b = run_cluster_replay(w, config, out_dir=tmp_path / "b", seed=3, chunk_rows=300)
     assert a.events_path.read_bytes() == b.events_path.read_bytes()
     assert a.manifest_path.read_bytes() == b.manifest_path.read_bytes()
     assert a.output_sha256 == b.output_sha256 and a.run_id == b.run_id
@@ -181,7 +182,7 @@ def test_fast_and_reference_modes_route_and_time_every_request_alike(tmp_path):
                             delays=ScalingDelays(startup_s=0.1, weight_load_s=0.1, cache_warm_s=0.0))
     w = make_workload([i * 3_000_000 for i in range(250)], [100 + 37 * (i % 23) for i in range(250)],
                       [20 + 11 * (i % 13) for i in range(250)], cancel_after_ns=[300_000_000 if i % 9 == 0 else None for i in range(250)])
-    fast = run_cluster_replay(w, config, out_dir=tmp_path / "fast", mode="fast", check_invariants=True)
+    fast = run_cluster_replay(w, config, out_dir=tmp_path / "fast", mode="fast", check_invariants=True, chunk_rows=500)
     ref = run_cluster_replay(w, config, out_dir=tmp_path / "ref", mode="reference", check_invariants=True)
 
     def routes(s):
