@@ -745,7 +745,7 @@ def getting_started(settings) -> str:
         f"servelens gate --baseline {runs}/fcfs --candidate {runs}/fcfs-a100 --out {gate}",
         "#    or every night from the lake: `make dagster` replays each policy and load into <paths.out_dir>/replay/<day>/"
         "<policy>@<load>/ and gates them into <paths.out_dir>/gate/<day>/ (the defaults of these two folders)",
-        "# the end-to-end path on the bundled Azure trace (replay, sanitize, request table, summary)",
+        "# or all of it offline on the bundled Azure trace, then a dashboard over that demo's own data (out/demo)",
         "servelens demo",
     ]
     return "\n".join(lines)
