@@ -896,17 +896,18 @@ def profile_command(model_name: str, device: str, num_layers: int | None, out: P
             bar.update(1, f"{s.kind} {s.num_tokens} tokens: {median_ns / 1e6:,.2f} ms")
 
         profile = run_profile(shape, device=device, sweep=sweep, out=out, progress=progress, num_threads=num_threads)
-    _, report = evaluate_profile(profile, seed)
-    report_path = write_fit_report(report, profile, out)
     m = profile.meta
     click.echo(
         f"profiled {profile.table.num_rows} of {m.num_shapes_planned} shapes of {shape.name} "
         f"({shape.num_layers}/{shape.full_num_layers} layers, {m.dtype}) on {m.device_name} in {m.wall_s:,.1f} s"
         + (" (time box reached)" if m.truncated else "")
+        + f"\nprofile: {out}"
     )
+    _, report = evaluate_profile(profile, seed)
+    report_path = write_fit_report(report, profile, out)
     for line in fit_report_lines(report):
         click.echo(line)
-    click.echo(f"profile: {out}\nfit:     {report_path}")
+    click.echo(f"fit:     {report_path}")
 
 
 @cli.command("compare-measured")

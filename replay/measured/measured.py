@@ -109,9 +109,10 @@ def _device_blocks(workload: Workload, block_size: int) -> int:
     """Device KV blocks for every request of the workload at its full length at once (never runs out)."""
     total = 0
     for batch in workload.batches():
-        prompt = np.maximum(1, batch.column("num_prompt_tokens").to_numpy(zero_copy_only=False))
-        output = batch.column("num_output_tokens").to_numpy(zero_copy_only=False)
-        branches = np.maximum(1, pc.fill_null(batch.column("num_branches"), 1).to_numpy(zero_copy_only=False))
+        column = lambda name, fill: pc.fill_null(batch.column(name), fill).to_numpy(zero_copy_only=False)  # noqa: E731
+        prompt = np.maximum(1, column("num_prompt_tokens", 1))
+        output = np.maximum(0, column("num_output_tokens", 0))
+        branches = np.maximum(1, column("num_branches", 1))
         total += int((((prompt + output + block_size) // block_size + 1) * branches).sum())
     return total
 
