@@ -253,3 +253,31 @@ def test_a_new_lake_version_is_derived_in_the_background_while_the_previous_one_
     assert not any("is being derived" in c.value for c in at.caption)
     assert any(f"Lake version v{second.events_version};" in c.value for c in at.caption)
     assert _metrics(at)["Requests in the window"] == f"{sample.num_requests + 50:,}"
+
+
+def test_the_nightly_layout_of_runs_and_gate_reports_is_browsed_by_day(sample, app, tmp_path):
+    import os
+
+    runs_dir, gate_dir = tmp_path / "replay", tmp_path / "gate"
+    for name in ("fcfs", "fcfs@1.5x", "fcfs@2x"):
+        shutil.copytree(sample.root / "runs" / name, runs_dir / "2023-11-16" / name)
+    shutil.copytree(sample.root / "gate", gate_dir)
+    shutil.copytree(sample.root / "gate", gate_dir / "2023-11-16" / "fcfs-chunk256@1x")
+    os.utime(gate_dir / "gate.json", ns=(1, 1))  # the older of the two
+    settings = sample.with_dashboard(runs_dir=str(runs_dir), gate_dir=str(gate_dir), cache_dir=str(tmp_path / "cache"))
+
+    at = app(settings)
+    _clean(at)
+    assert _metrics(at)["Replay runs"] == "3" and _metrics(at)["Gate reports"] == "2"
+    at = app(settings, "policies")
+    _clean(at)
+    assert list(at.dataframe[0].value["run"]) == ["2023-11-16/fcfs", "2023-11-16/fcfs@1.5x", "2023-11-16/fcfs@2x"]
+    (sweep,) = [c for c in _charts(at) if "Load sweep" in c["layout"]["title"]["text"]]
+    assert [len(t["x"]) for t in sweep["data"]] == [3]  # one line through 1x, 1.5x and 2x
+    at = app(settings, "gate")
+    _clean(at)
+    assert "report: 2023-11-16/fcfs-chunk256@1x" in _texts(at)  # the newest first
+    at = app(settings, "gate", {"report": ""})
+    at.selectbox(key="gate.report").select(1).run()
+    _clean(at)
+    assert "report: 2023-11-16/fcfs-chunk256@1x" not in _texts(at) and "report" not in at.query_params
