@@ -173,3 +173,29 @@ def test_degrade_caps_the_output_where_the_e2e_objective_is_still_met(run):
     for off in (DeadlineConfig(tenancy=tenancy, prior_output_tokens_high=200, min_history=1000, degrade_to_meet_e2e=False),
                 DeadlineConfig(tenancy=tenancy, prior_output_tokens_high=200, min_history=1000, min_degraded_output_tokens=90)):
         assert run(w, policy_name="deadline", policy_config=off, **CONSTANT).row("r0")["outcome"] == "rejected"
+
+
+def test_work_cancelled_before_it_was_served_is_not_counted_as_load(run):
+    # A 'batch' request is overtaken (EDF) by the later arrivals of the tighter 'chat' class, so its
+    # predicted TTFT counts their admitted prompt-token inflow: at rho = inflow x step time / chunk >= 1
+    # it can never be promised. Tenant c submits a 4,000-token chat prompt every 10 ms and cancels
+    # each 5 ms later, before it is ever scheduled (one sequence at a time, held by r0's long decode):
+    # rho would be 100/s x 4,000 x 10 ms / 2,048 = 1.95, but none of that inflow is served, and it is
+    # taken back at each cancellation, so the batch request arriving at 1 s is accepted. (Without
+    # the take-back, the same replay rejects it; checked by disabling it.) The same arrivals, not
+    # cancelled, are real load: it is rejected.
+    tenancy = Tenancy(classes=(ClassConfig(name="chat", ttft_objective_s=1.0), ClassConfig(name="batch", ttft_objective_s=10.0)),
+                      tenants=(TenantConfig(name="c", service_class="chat"), TenantConfig(name="d", service_class="batch")),
+                      default_class="batch")
+    n = 90
+    arrivals = [0] + [(i + 1) * 10 * MS for i in range(n)] + [1 * S]
+    kwargs = dict(request_id=["r0"] + [f"c{i}" for i in range(n)] + ["late"], tenant=["d"] + ["c"] * n + ["d"])
+    config = DeadlineConfig(tenancy=tenancy, chunk_from_itl=False)
+    one = dict(instance=instance_config(engine=EngineConfig(max_num_seqs=1)), **CONSTANT)
+    churn = make_workload(arrivals, [10] + [4000] * n + [10], [500] + [5] * n + [5],
+                          cancel_after_ns=[None] + [5 * MS] * n + [None], **kwargs)
+    out = run(churn, policy_name="deadline", policy_config=config, **one)
+    assert {out.row(f"c{i}")["outcome"] for i in range(n)} == {"cancelled"}
+    assert out.row("late")["admission_decision"] == "accept"
+    served = make_workload(arrivals, [10] + [4000] * n + [10], [500] + [5] * n + [5], **kwargs)
+    assert run(served, policy_name="deadline", policy_config=config, **one).row("late")["admission_decision"] == "reject"
