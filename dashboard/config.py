@@ -58,7 +58,7 @@ class DashboardConfig:
     )
     port: int = doc("Port the dashboard listens on.", 8501)
     max_points: int = doc(
-        "Most points one chart series draws; longer series are aggregated (time bins) or sampled in "
+        "Most points one chart series draws; a longer span is aggregated into wider time bins in "
         "DuckDB before plotting.",
         1500,
     )
