@@ -30,6 +30,12 @@ class IngestConfig:
 
     group_id: str = doc("Kafka consumer group; ingest processes in one group split the partitions.", "servelens-ingest")
     consumer_name: str | None = doc("Name of this ingest process in logs and status files; unset: host-pid.", None)
+    message_format: str = doc(
+        "What the topic carries: servelens (our JSON events), or OTLP spans as the OpenTelemetry Collector's "
+        "Kafka exporter writes them (otlp_json, otlp_proto, or otlp for either; vLLM request spans, "
+        "docs/interop.md).",
+        "servelens",
+    )
     poll_max_records: int = doc("Records fetched per poll.", 10_000)
     flush_max_events: int = doc("Buffered records that trigger a commit to the lake (bounds memory).", 100_000)
     flush_interval_s: float = doc("Longest time records wait in the buffer before a commit, seconds.", 5.0)

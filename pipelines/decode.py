@@ -82,9 +82,19 @@ def _slow(value: bytes, index: int) -> tuple[object | None, Rejected | None, tup
 class Decoder:
     """Turns raw messages into valid events and rejections; keeps no state between batches."""
 
-    def __init__(self, *, max_message_bytes: int = 1_048_576, max_future_skew_ns: int | None = None) -> None:
+    def __init__(self, *, max_message_bytes: int = 1_048_576, max_future_skew_ns: int | None = None,
+                 message_format: str = "servelens") -> None:
+        """``message_format``: servelens (our JSON events), or OTLP spans from the OpenTelemetry
+        Collector's Kafka exporter: otlp_json, otlp_proto, or otlp (either, per message; ``pipelines.otlp``)."""
+        from pipelines.otlp import FORMATS
+
+        if message_format not in FORMATS:
+            from servelens.errors import ConfigError
+
+            raise ConfigError(f"ingest.message_format: unknown format {message_format!r}; valid: {', '.join(FORMATS)}")
         self.max_message_bytes = max_message_bytes
         self.max_future_skew_ns = max_future_skew_ns
+        self.message_format = message_format
 
     def decode(self, values: Sequence[bytes], now_ns: int | None = None) -> DecodedBatch:
         rejected: list[Rejected] = []
@@ -93,6 +103,11 @@ class Decoder:
             error = FieldError(OVERSIZED, "$", f"{sizes[i]:,} bytes exceed the {self.max_message_bytes:,}-byte limit")
             rejected.append(Rejected(i, int(sizes[i]), (error,)))
         candidates = np.flatnonzero(sizes <= self.max_message_bytes).tolist()
+        if self.message_format != "servelens":
+            from pipelines.otlp import decode_spans
+
+            batch = decode_spans(values, candidates, rejected, self.message_format)
+            return self._reject_skewed(batch, values, now_ns) if self.max_future_skew_ns is not None else batch
         joined = b"\n".join(values[i] for i in candidates)
         # NaN and Infinity are not JSON, but pyarrow reads them (in an unknown field, unchecked): the
         # reference path refuses them. A mention anywhere sends the message there (conservative).
@@ -167,7 +182,7 @@ class Decoder:
         ahead = pc.greater(batch.events["ts_ns"], limit).to_numpy(zero_copy_only=False)
         if not ahead.any():
             return batch
-        for i in batch.indices[ahead]:
+        for i in np.unique(batch.indices[ahead]):  # one dead letter per message (a span yields several events)
             error = FieldError(CLOCK_SKEW, "$.ts_ns", "the timestamp is further in the future than the allowed clock skew")
             batch.rejected.append(Rejected(int(i), len(values[int(i)]), (error,)))
         batch.rejected.sort(key=lambda r: r.index)

@@ -154,7 +154,8 @@ class IngestConsumer:
         self.keyring = keyring
         self.sanitizer = Sanitizer(keyring, privacy)
         self.decoder = Decoder(
-            max_message_bytes=ingest.max_message_bytes, max_future_skew_ns=int(ingest.max_future_skew_s * 1e9)
+            max_message_bytes=ingest.max_message_bytes, max_future_skew_ns=int(ingest.max_future_skew_s * 1e9),
+            message_format=ingest.message_format,
         )
         self.recent = RecentIds(ingest.dedup_window_events)
         self.partitions: dict[int, _Partition] = {}
