@@ -24,10 +24,21 @@ manifest records each instance's phase durations.
 
 **Time.** Kernel ties at one instant keep the lone engine's order (step ends, then cancellations and
 scaling transitions, then arrivals, then scheduling passes), so an instance that becomes ready at
-the instant of an arrival takes it. In the fast mode an instance's decode run stops at the step
-during which the next *arrival* (any instance's) or one of its own cancellations happens, never at
-another instance's step ends, so runs stay as long as on a lone instance at the same per-instance
-load; routing therefore sees every instance in the state the reference mode would show.
+the instant of an arrival takes it. In the fast mode an instance's decode run never stops for
+another instance's step ends. It stops at the step during which one of its own cancellations
+happens, and for arrivals it depends on the router:
+
+- a router that reads only its own counts (round-robin, least-outstanding-tokens: ``Router.
+  reads_engine_state`` false, no shedding) lets runs go past arrivals; an arrival routed to an
+  instance cuts that instance's run at the step during which it happens (``Engine.interrupt_run``:
+  the later steps' blocks go back to the pool, which is exact because such runs never evict a
+  cached unit beyond their first step), so runs stay as long as on a lone instance at the same
+  per-instance load;
+- a router that reads engine state (least-load, gie, any shedding) makes every instance's runs stop
+  at every arrival, so that each instance is in the reference mode's state when the router looks.
+
+Either way every timestamp and every routing decision equals the reference mode's
+(``tests/replay/test_cluster.py``).
 
 Identical inputs and seed give byte-identical events and manifest, as for a lone instance.
 """
@@ -193,10 +204,10 @@ class ClusterInstance:
     """One instance of the cluster: its engine, lifecycle state and router counts (its router load view)."""
 
     __slots__ = ("index", "instance_id", "config", "engine", "state", "num_outstanding", "num_outstanding_tokens",
-                 "num_routed", "phases_ns", "ready_ns", "_cancels", "_feeder", "_route")
+                 "num_routed", "phases_ns", "ready_ns", "_cancels", "_feeder", "_route", "_every_arrival")
 
     def __init__(self, index: int, instance_id: str, config: InstanceConfig, engine: Engine, feeder: _Feeder,
-                 router_name: str) -> None:
+                 router_name: str, every_arrival: bool) -> None:
         self.index = index
         self.instance_id = instance_id
         self.config = config
@@ -210,7 +221,9 @@ class ClusterInstance:
         self._cancels: list[int] = []  # this instance's pending cancellation times (a heap)
         self._feeder = feeder
         self._route = _Route(router_name, instance_id)
+        self._every_arrival = every_arrival
         engine.next_event_ns = self.next_event_ns
+        engine.interruptible = not every_arrival
 
     # the router's load view (replay.policies.routing.InstanceLoad)
     @property
@@ -234,8 +247,9 @@ class ClusterInstance:
         return self.engine.view.cached_prefix_blocks(request)[0]
 
     def next_event_ns(self) -> int | None:
-        """The next event that can reach this instance: the next arrival, or one of its own cancellations."""
-        nxt = self._feeder.next_arrival_ns
+        """When a run of this instance must stop: its next cancellation, or the next arrival when the router
+        reads engine state (else an arrival routed here cuts the run then: ``Engine.interrupt_run``)."""
+        nxt = self._feeder.next_arrival_ns if self._every_arrival else None
         cancels = self._cancels
         if cancels:
             now = self.engine.kernel.now_ns
@@ -304,7 +318,8 @@ class Cluster:
         instance_id = f"{self.engine_id}-i{index}"
         engine = self._make_engine(config, instance_id)
         self.writer.engines.append(engine)
-        inst = ClusterInstance(index, instance_id, config, engine, self.feeder, self.config.router)
+        inst = ClusterInstance(index, instance_id, config, engine, self.feeder, self.config.router,
+                               self.router.needs_engine_state)
         engine.on_finish = lambda r, inst=inst: self._finished(inst, r)
         self.instances.append(inst)
         return inst
@@ -393,7 +408,10 @@ class Cluster:
         inst.num_routed += 1
         if r.cancel_after_ns is not None:
             heapq.heappush(inst._cancels, now + r.cancel_after_ns)
-        inst.engine.submit(r, num_output_tokens)
+        engine = inst.engine
+        if engine.interruptible:
+            engine.interrupt_run()
+        engine.submit(r, num_output_tokens)
 
     def _finished(self, inst: ClusterInstance, r: Request) -> None:
         inst.num_outstanding -= 1

@@ -161,6 +161,9 @@ class Engine:
         self.next_event_ns: Callable[[], int | None] = kernel.next_time_ns
         # called with each request as it finishes (a cluster's router counts and draining)
         self.on_finish: Callable[[Request], None] | None = None
+        # a cluster may route a request here inside a run its horizon did not stop at (``interrupt_run``):
+        # runs then never evict a cached unit beyond their first step, so that cutting one is exact
+        self.interruptible = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -276,6 +279,36 @@ class Engine:
         elif r.state == HELD:
             self.held.remove(r)
         self._finish(r, now, "cancelled", None)
+
+    def interrupt_run(self) -> None:
+        """Something reaches this instance now, inside a run planned past now (a cluster routes a request
+        here): cut the run at the step during which now falls, as if it had been planned with now as its
+        horizon; its later steps' blocks go back to the pool. A step ending exactly now completes now."""
+        f = self._flight
+        kernel = self.kernel
+        now = kernel.now_ns
+        if f is None or not f.lockstep or f.scheduled or f.num_steps < 2 or f.num_applied or now >= f.end_ns:
+            return
+        if not self.interruptible:
+            raise AssertionError("interrupt_run on an engine whose runs may evict cached units")
+        lock = self._lock
+        t0 = lock.ticks
+        k = f.num_steps
+        j, duration, last = self.cost_model.decode_run(lock.num_seqs, lock.ctx_base + lock.num_seqs * t0, k, now - f.start_ns)
+        if j >= k:
+            return
+        self.pool.unallocate(lock.blocks_needed(t0, k) - lock.blocks_needed(t0, j))
+        lock.ahead = j
+        self.stats.num_steps -= k - j
+        f.num_steps = j
+        f.end_ns = f.start_ns + duration
+        f.prev_end_ns = f.end_ns - last
+        if f.end_ns > now:
+            kernel.schedule(f.end_ns, STEP_END, self._end_flight)  # the run's old end is now stale
+            return
+        self._complete_flight()  # its last step ends now: as in the reference, plan after what is due now
+        self._schedule_pending = True
+        kernel.schedule(now, SCHEDULE, self._schedule)
 
     def _catch_up(self) -> None:
         """Inside a run, bring the lockstep progress to the reference's (all but the run's last step)."""
@@ -468,7 +501,7 @@ class Engine:
             pool = self.pool
             free = pool.num_free
             extra = lock.blocks_needed(t, k) - first_need
-            if extra and self.waiting:
+            if extra and (self.waiting or self.interruptible):
                 # a waiting request's prefix hits must not be evicted inside the run: the reference
                 # would offer it the batch again after that eviction
                 free = min(free, pool.free_before_eviction(extra))
@@ -749,6 +782,9 @@ class Engine:
 
     def _end_flight(self) -> None:
         """Kernel action: the flight ended; then plan the next step (after anything else due now)."""
+        f = self._flight
+        if f is None or f.end_ns != self.kernel.now_ns:
+            return  # the end of a run that was cut (interrupt_run)
         self._complete_flight()
         nxt = self.kernel.next_time_ns()
         if nxt is not None and nxt == self.kernel.now_ns:

@@ -85,6 +85,20 @@ class BlockPool:
         if self.num_free > self.num_total:
             raise AssertionError(f"{self.num_free} free blocks in a pool of {self.num_total}")
 
+    def unallocate(self, num_blocks: int) -> None:
+        """Give back the last ``num_blocks`` an allocation took, to the head of the free queue, as if never taken
+        (a cut decode run's later steps: exact when that allocation evicted no cached unit)."""
+        if num_blocks <= 0:
+            return
+        self.num_free += num_blocks
+        queue = self._queue
+        if queue and queue[0].__class__ is int:
+            queue[0] += num_blocks
+        else:
+            queue.appendleft(num_blocks)
+        if self.num_free > self.num_total:
+            raise AssertionError(f"{self.num_free} free blocks in a pool of {self.num_total}")
+
     def free_before_eviction(self, limit: int) -> int:
         """Free blocks an allocation can take before it must evict a cached unit (counted up to ``limit``)."""
         total = 0

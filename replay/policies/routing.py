@@ -140,11 +140,20 @@ class Router:
 
     name: ClassVar[str] = ""
     config_type: ClassVar[type] = object
+    #: whether ``choose`` reads the engine-state fields of the loads (num_waiting, num_running,
+    #: kv_utilization, prefix_hit_blocks), not only the router counts (num_outstanding*)
+    reads_engine_state: ClassVar[bool] = True
 
     def __init__(self, config: object | None = None) -> None:
         self.config = config if config is not None else self.config_type()
         self._shedding: SheddingConfig | None = getattr(self.config, "shedding", None)
         self._decisions: list[RouteDecision] = []  # one per index, built once (reason is the router's name)
+
+    @property
+    def needs_engine_state(self) -> bool:
+        """Whether a decision reads the instances' engine state (``choose`` does, or shedding is on): the
+        cluster then keeps every instance's state at each arrival as the reference mode has it."""
+        return self.reads_engine_state or self._shedding is not None
 
     def choose(self, request: RequestView, loads: Sequence[InstanceLoad]) -> int:
         """The index of the instance that takes ``request`` (``loads`` is never empty)."""
@@ -201,6 +210,7 @@ class RoundRobinRouter(Router):
 
     name = "round-robin"
     config_type = RoundRobinConfig
+    reads_engine_state = False
 
     def __init__(self, config: object | None = None) -> None:
         super().__init__(config)
@@ -225,6 +235,7 @@ class LeastOutstandingTokensRouter(Router):
 
     name = "least-outstanding-tokens"
     config_type = LeastOutstandingTokensConfig
+    reads_engine_state = False
 
     def choose(self, request: RequestView, loads: Sequence[InstanceLoad]) -> int:
         best = 0
