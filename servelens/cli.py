@@ -363,21 +363,27 @@ def metrics() -> None:
 def metrics_export(ctx: click.Context, requests_file: Path, events_file: Path | None, fmt: str, out: Path | None,
                    labels: str, max_label_values: int, min_group_size: int | None, max_model_len: int | None,
                    provider: str | None) -> None:
-    """Export REQUESTS_FILE (a request table, real or replayed) as histograms with vLLM's and
-    the OTel GenAI conventions' names and buckets (docs/interop.md).
+    """Export REQUESTS_FILE (a request table, real or replayed, or the events to derive it from) as
+    histograms with vLLM's and the OTel GenAI conventions' names and buckets (docs/interop.md).
 
     \b
     Example:
       servelens metrics export out/demo/requests.parquet --events out/demo/events.parquet --out demo.prom
+      servelens metrics export out/replay/events.parquet --labels model,pool
       servelens metrics export requests.parquet --format otlp-json --labels model,service_class --out m.json
     """
     import pyarrow.parquet as pq
 
     from pipelines.exposition import request_metrics, to_otlp_json, to_prometheus
 
+    table = pq.read_table(requests_file)
     events = pq.read_table(events_file) if events_file else None
+    if "event_type" in table.column_names:  # an events file (a replay's events.parquet): derive its requests
+        from pipelines.tables import derive_requests
+
+        table, events = derive_requests(table), events if events is not None else table
     result = request_metrics(
-        pq.read_table(requests_file), events, labels=_names(labels), max_label_values=max_label_values,
+        table, events, labels=_names(labels), max_label_values=max_label_values,
         min_group_size=min_group_size or _config(ctx).privacy.min_group_size, max_model_len=max_model_len,
         provider_name=provider,
     )

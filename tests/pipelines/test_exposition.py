@@ -177,3 +177,17 @@ def test_the_cli_writes_both_formats(replayed, tmp_path):
     result = runner.invoke(cli, ["metrics", "export", str(tmp_path / "requests.parquet"), "--labels", "tenant"])
     assert result.exit_code == 3 and "can never be a metric label" in result.output
     assert "Example" in runner.invoke(cli, ["metrics", "export", "--help"]).output
+
+
+def test_the_cli_derives_the_request_table_from_an_events_file(replayed, tmp_path):
+    import pyarrow.parquet as pq
+
+    from servelens.cli import cli
+
+    events, requests = replayed
+    pq.write_table(events, tmp_path / "events.parquet")
+    result = CliRunner().invoke(cli, ["metrics", "export", str(tmp_path / "events.parquet"), "--labels", ""])
+    assert result.exit_code == 0, result.output
+    parsed = families(result.output)
+    count = next(s.value for s in parsed["vllm:inter_token_latency_seconds"].samples if s.name.endswith("_count"))
+    assert count == sum(requests["num_itl_gaps"].to_pylist())
