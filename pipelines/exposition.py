@@ -171,28 +171,34 @@ def _ns_seconds(table: pa.Table, end: str, start: str) -> np.ndarray:
 def _labels(table: pa.Table, dims: Sequence[str], max_values: int, min_group: int) -> tuple[np.ndarray, list[tuple[str, ...]], int]:
     """Each row's cell (an index into the returned label tuples) after bounding, and the folded row count."""
     n = table.num_rows
-    columns = []
+    names: list[list[str]] = []  # per dimension: its kept values, then "other"
+    codes = np.zeros(n, dtype=np.int64)
     for dim in dims:
-        raw = table[LABEL_DIMENSIONS[dim][0]].to_pylist()
-        values = [UNKNOWN if v is None else str(v) for v in raw]
-        counts: dict[str, int] = {}
-        for v in values:
-            counts[v] = counts.get(v, 0) + 1
-        kept = {v for v, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:max_values]}
-        columns.append([v if v in kept else OTHER for v in values])
-    keys = [tuple(col[i] for col in columns) for i in range(n)]
-    sizes: dict[tuple[str, ...], int] = {}
-    for k in keys:
-        sizes[k] = sizes.get(k, 0) + 1
+        values = pc.fill_null(pc.cast(table[LABEL_DIMENSIONS[dim][0]], pa.string()), UNKNOWN)
+        counts = pc.value_counts(values).to_pylist()
+        kept = [c["values"] for c in sorted(counts, key=lambda c: (-c["counts"], c["values"]))[:max_values] if c["values"] != OTHER]
+        vocabulary = [*kept, OTHER]
+        index = pc.index_in(values, value_set=pa.array(kept, pa.string())).to_numpy(zero_copy_only=False)
+        code = np.where(np.isnan(index.astype(np.float64)), len(kept), np.nan_to_num(index.astype(np.float64))).astype(np.int64)
+        codes = codes * len(vocabulary) + code
+        names.append(vocabulary)
+    unique, inverse, sizes = np.unique(codes, return_inverse=True, return_counts=True)
+
+    def key(code: int) -> tuple[str, ...]:
+        out = []
+        for vocabulary in reversed(names):
+            code, j = divmod(code, len(vocabulary))
+            out.append(vocabulary[j])
+        return tuple(reversed(out))
+
+    keys = [key(int(c)) for c in unique]
     folded_key = tuple(OTHER for _ in dims)
-    folded = 0
-    for i, k in enumerate(keys):
-        if sizes[k] < min_group and k != folded_key:
-            keys[i] = folded_key
-            folded += 1
-    cells = sorted(set(keys))
-    index = {k: j for j, k in enumerate(cells)}
-    return np.array([index[k] for k in keys], dtype=np.int64), cells, folded
+    small = np.array([size < min_group and k != folded_key for k, size in zip(keys, sizes)], dtype=bool)
+    folded = int(sizes[small].sum()) if len(sizes) else 0
+    cells = sorted({k for k, s in zip(keys, small) if not s} | ({folded_key} if small.any() else set()))
+    position = {k: j for j, k in enumerate(cells)}
+    mapping = np.array([position[folded_key] if s else position[k] for k, s in zip(keys, small)], dtype=np.int64)
+    return (mapping[inverse] if n else np.zeros(0, dtype=np.int64)), cells, folded
 
 
 def _histogram_series(values: np.ndarray, cell: np.ndarray, bounds: tuple[float, ...], num_cells: int,

@@ -44,7 +44,7 @@ from schemas.events import Event, FirstToken, RequestArrived, RequestFinished, S
 from schemas.validate import INCONSISTENT, MISSING_FIELD, OUT_OF_RANGE, WRONG_TYPE, FieldError
 
 NOT_OTLP = "not_otlp"  # the message is not an OTLP TracesData in the expected encoding
-UNKNOWN_SPAN = "unknown_span"  # a span without vLLM's request attributes
+UNKNOWN_SPAN = "unknown_span"  # neither named llm_request nor carrying gen_ai.latency.* attributes
 FORMATS = ("servelens", "otlp_json", "otlp_proto", "otlp")
 
 REQUEST_ID = "gen_ai.request.id"
@@ -214,8 +214,9 @@ def _number(attrs: dict, key: str, path: str, errors: list[FieldError], *, integ
 def span_events(span: Span) -> tuple[list[Event], list[FieldError]]:
     """A vLLM request span as lifecycle events, or the errors that keep it out."""
     attrs = dict(span.attributes)
-    if not any(k.startswith("gen_ai.") for k in attrs) and span.name != "llm_request":
-        return [], [FieldError(UNKNOWN_SPAN, span.path, f"span {span.name!r} is not a vLLM request span (no gen_ai.* attributes)")]
+    if span.name != "llm_request" and not any(k.startswith("gen_ai.latency.") for k in attrs):
+        return [], [FieldError(UNKNOWN_SPAN, span.path,
+                               f"span {span.name!r} is not a vLLM request span (not llm_request, no gen_ai.latency.* attributes)")]
     errors = [FieldError(MISSING_FIELD, f"{span.path}.attributes['{key}']", "required attribute is missing")
               for key in REQUIRED if attrs.get(key) is None]
     rid = attrs.get(REQUEST_ID)

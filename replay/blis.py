@@ -183,8 +183,9 @@ def read_blis(header_path: Path, data_path: Path) -> BlisTrace:
     try:
         with Path(data_path).open("rb") as fh:
             columns = next(csv.reader(io.TextIOWrapper(fh, "utf-8", newline="")))
-        table = pacsv.read_csv(data_path, convert_options=pacsv.ConvertOptions(
-            column_types={c: pa.string() for c in columns}, strings_can_be_null=False))
+        table = pacsv.read_csv(data_path, parse_options=pacsv.ParseOptions(newlines_in_values=True),
+                               convert_options=pacsv.ConvertOptions(column_types={c: pa.string() for c in columns},
+                                                                    strings_can_be_null=False))
     except (StopIteration, pa.ArrowInvalid) as exc:
         raise ServelensError(f"{data_path}: not a readable trace v2 CSV: {exc}") from None
     missing = [c for c in BASE_COLUMNS if c not in columns]

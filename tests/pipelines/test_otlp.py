@@ -143,6 +143,9 @@ def test_partial_and_unknown_spans_go_to_dead_letters_with_the_reason_and_good_s
     assert reasons[0].reason == MISSING_FIELD
     assert reasons[0].path == "$.resourceSpans[0].scopeSpans[0].spans[1].attributes['gen_ai.latency.e2e']"
     assert reasons[1].reason == UNKNOWN_SPAN and "POST /v1/completions" in (reasons[1].message or "")
+    client = {**http, "name": "chat facebook/opt-125m", "attributes": [{"key": "gen_ai.request.model", "value": {"stringValue": "m"}}]}
+    (rejection,) = Decoder(message_format="otlp").decode([json.dumps(with_spans(data, [client])).encode()]).rejected
+    assert rejection.errors[0].reason == UNKNOWN_SPAN  # a GenAI client span is not a vLLM request span
     assert reasons[2].reason == NOT_OTLP and reasons[3].reason == NOT_OTLP
     assert reasons[4].reason == INCONSISTENT  # queued longer than its first-token latency
 

@@ -51,7 +51,8 @@ request_id,client_id,tenant_id,slo_class,vllm_priority,session_id,round_index,pr
 0,chat-a,tenant-1,critical,0,s-1,0,sys-a,64,true,100,20,164,0,0,0,0,meta-llama/Llama-3.1-8B-Instruct,30000000,500000,164,1000000,1000210,1180000,1560000,20,ok,,stop,7f3e0c9a-1,
 1,chat-a,tenant-1,critical,0,s-1,1,sys-a,64,true,250,1,314,0,0,0,0,meta-llama/Llama-3.1-8B-Instruct,0,500000,314,1200000,1200190,1400000,1400000,1,ok,,length,7f3e0c9a-2,
 2,batch-b,tenant-2,batch,3,,0,,0,false,800,64,800,0,0,0,0.25,meta-llama/Llama-3.1-8B-Instruct,0,0,800,1300000,1300300,0,0,0,timeout,"deadline exceeded, after 2 s",,7f3e0c9a-3,sql-lora
-3,batch-b,tenant-2,batch,3,,0,sys-b,20,false,12,5,32,0,0,0,0,meta-llama/Llama-3.1-8B-Instruct,0,0,32,1350000,1350150,1500000,1900000,2,error,upstream reset,abort,7f3e0c9a-4,
+3,batch-b,tenant-2,batch,3,,0,sys-b,20,false,12,5,32,0,0,0,0,meta-llama/Llama-3.1-8B-Instruct,0,0,32,1350000,1350150,1500000,1900000,2,error,"upstream reset
+by peer",abort,7f3e0c9a-4,
 4,chat-c,tenant-3,critical,0,,0,,0,true,40,30,40,0,0,0,0,meta-llama/Llama-3.1-8B-Instruct,0,500000,0,1400000,1400100,1450000,1700000,7,incomplete,,,7f3e0c9a-5,
 """
 
