@@ -20,7 +20,8 @@ start + ``gen_ai.latency.e2e``              ``tokens_delivered``: completion_tok
 ==========================================  ================================================================
 
 So the request table's ``queue_s``, ``ttft_s`` and ``e2e_s`` equal the span's values (to the
-nanosecond). What the attributes measure differs from servelens's boundaries, and some things
+nanosecond). For a one-token response our E2E is its TTFT by definition (last token = first); a
+larger ``e2e`` of vLLM's (output processing after the token) then bounds only the finish from below. What the attributes measure differs from servelens's boundaries, and some things
 cannot be recovered at all (per-token gaps, preemptions, the engine's batches): ``docs/interop.md``.
 
 A span that is not a vLLM request span, or lacks a required attribute, or carries an impossible

@@ -202,3 +202,54 @@ def test_spans_through_the_real_broker_land_as_requests_and_dead_letters(broker,
     assert all(r[4].startswith("rq_") for r in rows)  # request ids pseudonymized like any other
     (reason, path), = con.execute("SELECT reason, path FROM dead_letters").fetchall()
     assert reason == MISSING_FIELD and path.endswith("attributes['gen_ai.usage.prompt_tokens']")
+
+
+# ------------------------------------------------------------------------------------------ properties
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=40)
+@given(st.lists(st.one_of(st.binary(max_size=200), st.text(max_size=200).map(str.encode),
+                          st.recursive(st.none() | st.integers() | st.text(max_size=10),
+                                       lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+                                           st.sampled_from(["resourceSpans", "scopeSpans", "spans", "attributes", "key", "value",
+                                                            "intValue", "doubleValue", "startTimeUnixNano", "name"]), inner, max_size=4),
+                                       max_leaves=12).map(lambda v: json.dumps(v).encode())), min_size=1, max_size=5))
+def test_any_message_is_either_events_or_a_dead_letter_never_a_crash(messages):
+    batch = Decoder(message_format="otlp").decode(messages)
+    stored = set(batch.indices.tolist())
+    rejected = {r.index for r in batch.rejected}
+    assert stored | rejected <= set(range(len(messages)))
+    assert all(r.errors and r.errors[0].reason for r in batch.rejected)
+
+
+@settings(max_examples=25)
+@given(
+    queue_ns=st.integers(0, 10**10), prefill_ns=st.integers(0, 10**10), decode_ns=st.integers(0, 10**11),
+    completion=st.integers(1, 10_000), encoding=st.sampled_from(["otlp_json", "otlp_proto"]),
+)
+def test_queue_ttft_and_e2e_equal_the_span_for_any_valid_latencies(queue_ns, prefill_ns, decode_ns, completion, encoding):
+    queue_s, ttft_s, e2e_s = queue_ns / 1e9, (queue_ns + prefill_ns) / 1e9, (queue_ns + prefill_ns + decode_ns) / 1e9
+    data = fixture()
+    span = copy.deepcopy(spans(data)[1])
+    values = {"gen_ai.latency.time_in_queue": queue_s, "gen_ai.latency.time_to_first_token": ttft_s, "gen_ai.latency.e2e": e2e_s}
+    for a in span["attributes"]:
+        if a["key"] in values:
+            a["value"] = {"doubleValue": values[a["key"]]}
+        if a["key"] == "gen_ai.usage.completion_tokens":
+            a["value"] = {"intValue": str(completion)}
+    data = with_spans(data, [span])
+    value = json.dumps(data).encode() if encoding == "otlp_json" else to_proto(data)
+    batch = Decoder(message_format=encoding).decode([value])
+    if batch.rejected:  # seconds that do not round back to an ordered ns triple: refused, never reordered
+        assert batch.rejected[0].errors[0].reason == INCONSISTENT
+        return
+    (row,) = derive_requests(batch.events).to_pylist()
+    assert abs(row["queue_s"] - queue_s) <= 1e-9 and abs(row["ttft_s"] - ttft_s) <= 1e-9
+    if completion > 1:
+        assert abs(row["e2e_s"] - e2e_s) <= 1e-9
+    else:  # one token: our E2E is its TTFT (last token = first); vLLM's e2e bounds the finish
+        assert row["e2e_s"] == row["ttft_s"] and (row["finish_ns"] - row["arrival_ns"]) / 1e9 >= e2e_s - 1e-9
+    assert row["num_output_tokens"] == completion
