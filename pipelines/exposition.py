@@ -251,6 +251,7 @@ def request_metrics(
     max_model_len: int | None = None,
     operation_name: str = "chat",
     provider_name: str | None = None,
+    gaps: pa.Table | None = None,
 ) -> MetricSet:
     """The histograms and counters of a request table (``schemas.records.RequestRow`` columns).
 
@@ -258,6 +259,7 @@ def request_metrics(
     label dimensions among ``LABEL_DIMENSIONS``; ``max_model_len`` bounds the token buckets
     (default: the largest token count in the table). ``operation_name`` and ``provider_name`` fill
     the GenAI conventions' ``gen_ai.operation.name`` and ``gen_ai.provider.name`` attributes.
+    ``gaps`` is ``token_gaps(events)`` computed once, for callers that export many slices.
     """
     for dim in labels:
         if dim in FORBIDDEN_LABELS:
@@ -300,9 +302,9 @@ def request_metrics(
         largest = np.nanmax(np.concatenate([values["num_prompt_tokens"], values["num_output_tokens"], [1.0]]))
         max_model_len = int(largest)
     omitted = []
-    gaps = None
-    if events is not None:
+    if gaps is None and events is not None:
         gaps = token_gaps(events)
+    if gaps is not None:
         row = {rid: i for i, rid in enumerate(requests["request_id"].to_pylist())}
         gap_rows = np.array([row.get(r, -1) for r in gaps["request_id"].to_pylist()], dtype=np.int64)
         known = gap_rows >= 0
@@ -373,6 +375,54 @@ def _duration_by_outcome(values, outcome, cell, cells, spec: _Spec, dims, operat
             if name != "completed":
                 pairs += (("error.type", name or "in_flight"),)
             out.append(HistogramSeries(pairs, tuple(counts), count, total))
+    return out
+
+
+def bound_labels(requests: pa.Table, labels: Sequence[str], max_label_values: int, min_group_size: int) -> tuple[pa.Table, int]:
+    """The table with its label columns rewritten to their bounded values (top-K, small groups
+    folded into ``other``, null as ``unknown``) and the number of folded requests. Slices of the
+    result keep the same label values, whatever rows they hold."""
+    cell, cells, folded = _labels(requests, labels, max_label_values, min_group_size)
+    for d, dim in enumerate(labels):
+        name = LABEL_DIMENSIONS[dim][0]
+        values = pa.array([k[d] for k in cells], pa.string()).take(pa.array(cell)) if requests.num_rows else pa.array([], pa.string())
+        requests = requests.set_column(requests.schema.get_field_index(name), name, values)
+    return requests, folded
+
+
+def request_metrics_over_time(
+    requests: pa.Table,
+    events: pa.Table | None = None,
+    *,
+    interval_s: float = 15.0,
+    labels: Sequence[str] = ("model",),
+    max_label_values: int = 10,
+    min_group_size: int = 5,
+    max_model_len: int | None = None,
+    **options,
+) -> list[tuple[int, MetricSet]]:
+    """Cumulative metrics at the end of every ``interval_s`` window, as a scraper would have seen
+    them: a request is observed when it finished (else at its last known timestamp), so
+    ``rate()`` and ``histogram_quantile()`` work on the series. Labels are bounded once over the
+    whole table; the last point equals ``request_metrics`` of the whole table."""
+    if interval_s <= 0:
+        raise ServelensError("the interval must be positive")
+    bounded, _ = bound_labels(requests, labels, max_label_values, min_group_size)
+    observed = pc.coalesce(*(bounded[c] for c in ("finish_ns", "last_token_ns", "first_token_ns", "arrival_ns")))
+    times = np.array(pc.fill_null(observed, 0).to_numpy(zero_copy_only=False), dtype=np.int64)
+    if max_model_len is None and bounded.num_rows:
+        counts = [bounded[c] for c in ("num_prompt_tokens", "num_output_tokens")]
+        max_model_len = max(int(pc.max(c).as_py() or 1) for c in counts)
+    gaps = token_gaps(events) if events is not None else None
+    step = int(interval_s * 1e9)
+    if not bounded.num_rows:
+        return []
+    first_end = (int(times.min()) // step + 1) * step
+    out = []
+    for end in range(first_end, int(times.max()) + step, step):
+        rows = bounded.filter(pa.array(times < end))
+        out.append((end, request_metrics(rows, None, labels=labels, max_label_values=1 << 30, min_group_size=1,
+                                         max_model_len=max_model_len, gaps=gaps, **options)))
     return out
 
 
@@ -458,3 +508,41 @@ def to_otlp_json(metrics: MetricSet, *, service_name: str = "servelens", scope_v
             "scopeMetrics": [{"scope": {"name": "servelens.exposition", "version": scope_version}, "metrics": out_metrics}],
         }]
     }
+
+
+def _timestamp(ns: int) -> str:
+    return f"{ns // 10**9}.{ns % 10**9:09d}"
+
+
+def to_openmetrics(points: Sequence[tuple[int, MetricSet]]) -> str:
+    """A time series of cumulative metrics (``request_metrics_over_time``) in the OpenMetrics text
+    format with timestamps, ``# EOF``-terminated: what ``promtool tsdb create-blocks-from openmetrics``
+    backfills into Prometheus, so a replay's series sit beside production's."""
+    lines: list[str] = []
+    if not points:
+        return "# EOF\n"
+    last = points[-1][1]
+    for h in last.histograms:
+        lines += [f"# TYPE {h.name} histogram", f"# HELP {h.name} {_escape(h.help)}"]
+        if h.unit == "s" and h.name.endswith("_seconds"):
+            lines.append(f"# UNIT {h.name} seconds")
+        for labels in dict.fromkeys(s.labels for _, m in points for hh in m.histograms if hh.name == h.name for s in hh.series):
+            for end, m in points:
+                series = next((s for hh in m.histograms if hh.name == h.name for s in hh.series if s.labels == labels), None)
+                if series is None:
+                    continue
+                ts = _timestamp(end)
+                running = 0
+                for bound, n in zip((*h.bounds, math.inf), series.bucket_counts):
+                    running += n
+                    lines.append(f"{h.name}_bucket{_label_text((*labels, ('le', _number(bound))))} {running} {ts}")
+                lines.append(f"{h.name}_count{_label_text(labels)} {series.count} {ts}")
+                lines.append(f"{h.name}_sum{_label_text(labels)} {_number(series.sum)} {ts}")
+    for c in last.counters:
+        lines += [f"# TYPE {c.name} counter", f"# HELP {c.name} {_escape(c.help)}"]
+        for labels in dict.fromkeys(s.labels for _, m in points for cc in m.counters if cc.name == c.name for s in cc.series):
+            for end, m in points:
+                series = next((s for cc in m.counters if cc.name == c.name for s in cc.series if s.labels == labels), None)
+                if series is not None:
+                    lines.append(f"{c.name}_total{_label_text(labels)} {series.value} {_timestamp(end)}")
+    return "\n".join(lines) + "\n# EOF\n"

@@ -348,8 +348,11 @@ def metrics() -> None:
 @click.argument("requests_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--events", "events_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="The table's events (Parquet): adds vllm:inter_token_latency_seconds (per-token gaps).")
-@click.option("--format", "fmt", type=click.Choice(["prometheus", "otlp-json"]), default="prometheus", show_default=True,
-              help="Prometheus text exposition, or an OTLP ExportMetricsServiceRequest in JSON.")
+@click.option("--format", "fmt", type=click.Choice(["prometheus", "otlp-json", "openmetrics"]), default="prometheus",
+              show_default=True, help="Prometheus text exposition (one snapshot), an OTLP ExportMetricsServiceRequest "
+              "in JSON, or an OpenMetrics time series for `promtool tsdb create-blocks-from openmetrics`.")
+@click.option("--interval-s", type=float, default=15.0, show_default=True,
+              help="openmetrics: one cumulative point per interval (requests observed when they finish).")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Output file; default: standard output.")
 @click.option("--labels", default="model", show_default=True,
               help="Comma-separated label dimensions among model, service_class, pool ('' for none); never ids.")
@@ -360,9 +363,9 @@ def metrics() -> None:
 @click.option("--max-model-len", type=int, help="Upper end of the 1-2-5 token buckets (default: the largest count).")
 @click.option("--provider", help="gen_ai.provider.name of the OTel GenAI series (e.g. vllm); default: omitted.")
 @click.pass_context
-def metrics_export(ctx: click.Context, requests_file: Path, events_file: Path | None, fmt: str, out: Path | None,
-                   labels: str, max_label_values: int, min_group_size: int | None, max_model_len: int | None,
-                   provider: str | None) -> None:
+def metrics_export(ctx: click.Context, requests_file: Path, events_file: Path | None, fmt: str, interval_s: float,
+                   out: Path | None, labels: str, max_label_values: int, min_group_size: int | None,
+                   max_model_len: int | None, provider: str | None) -> None:
     """Export REQUESTS_FILE (a request table, real or replayed, or the events to derive it from) as
     histograms with vLLM's and the OTel GenAI conventions' names and buckets (docs/interop.md).
 
@@ -371,10 +374,12 @@ def metrics_export(ctx: click.Context, requests_file: Path, events_file: Path | 
       servelens metrics export out/demo/requests.parquet --events out/demo/events.parquet --out demo.prom
       servelens metrics export out/replay/events.parquet --labels model,pool
       servelens metrics export requests.parquet --format otlp-json --labels model,service_class --out m.json
+      servelens metrics export RUN/events.parquet --format openmetrics --out run.om
+      promtool tsdb create-blocks-from openmetrics run.om /prometheus/data
     """
     import pyarrow.parquet as pq
 
-    from pipelines.exposition import request_metrics, to_otlp_json, to_prometheus
+    from pipelines.exposition import request_metrics, request_metrics_over_time, to_openmetrics, to_otlp_json, to_prometheus
 
     table = pq.read_table(requests_file)
     events = pq.read_table(events_file) if events_file else None
@@ -382,12 +387,16 @@ def metrics_export(ctx: click.Context, requests_file: Path, events_file: Path | 
         from pipelines.tables import derive_requests
 
         table, events = derive_requests(table), events if events is not None else table
-    result = request_metrics(
-        table, events, labels=_names(labels), max_label_values=max_label_values,
-        min_group_size=min_group_size or _config(ctx).privacy.min_group_size, max_model_len=max_model_len,
-        provider_name=provider,
-    )
-    text = to_prometheus(result) if fmt == "prometheus" else json.dumps(to_otlp_json(result, scope_version=__version__), indent=1)
+    options = {"labels": _names(labels), "max_label_values": max_label_values,
+               "min_group_size": min_group_size or _config(ctx).privacy.min_group_size, "max_model_len": max_model_len,
+               "provider_name": provider}
+    result = request_metrics(table, events, **options)
+    if fmt == "openmetrics":
+        text = to_openmetrics(request_metrics_over_time(table, events, interval_s=interval_s, **options))
+    elif fmt == "prometheus":
+        text = to_prometheus(result)
+    else:
+        text = json.dumps(to_otlp_json(result, scope_version=__version__), indent=1)
     for why in result.omitted:
         click.echo(f"left out {why}", err=True)
     if out is None:

@@ -174,6 +174,10 @@ def test_the_cli_writes_both_formats(replayed, tmp_path):
     assert result.exit_code == 0, result.output
     assert "inter_token_latency" in result.output  # says what it left out
     assert json.loads((tmp_path / "m.json").read_text())["resourceMetrics"]
+    result = runner.invoke(cli, ["metrics", "export", str(tmp_path / "events.parquet"), "--format", "openmetrics",
+                                 "--interval-s", "1", "--out", str(tmp_path / "m.om")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "m.om").read_text().endswith("# EOF\n")
     result = runner.invoke(cli, ["metrics", "export", str(tmp_path / "requests.parquet"), "--labels", "tenant"])
     assert result.exit_code == 3 and "can never be a metric label" in result.output
     assert "Example" in runner.invoke(cli, ["metrics", "export", "--help"]).output
@@ -191,3 +195,28 @@ def test_the_cli_derives_the_request_table_from_an_events_file(replayed, tmp_pat
     parsed = families(result.output)
     count = next(s.value for s in parsed["vllm:inter_token_latency_seconds"].samples if s.name.endswith("_count"))
     assert count == sum(requests["num_itl_gaps"].to_pylist())
+
+
+def test_a_series_over_time_ends_at_the_table_and_every_point_is_valid_openmetrics(replayed):
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics
+
+    from pipelines.exposition import request_metrics_over_time, to_openmetrics
+
+    events, requests = replayed
+    points = request_metrics_over_time(requests, events, interval_s=0.5, labels=("model",))
+    assert len(points) > 3 and [e for e, _ in points] == sorted(e for e, _ in points)
+    whole = request_metrics(requests, events, labels=("model",))
+    last = points[-1][1]
+    for a, b in zip(whole.histograms, last.histograms, strict=True):
+        assert a.name == b.name and {s.labels: (s.count, s.sum) for s in a.series} == {s.labels: (s.count, s.sum) for s in b.series}
+    counts = [sum(h.count for h in m.histograms if h.name == "vllm:e2e_request_latency_seconds") for _, m in points]
+    assert counts == sorted(counts) and counts[0] < counts[-1]  # cumulative, growing as requests finish
+    for end, metrics in points:  # prometheus_client's parser folds repeated points of a series: check each alone
+        parsed = {f.name: f for f in openmetrics(to_openmetrics([(end, metrics)]))}
+        ttft = parsed["vllm:time_to_first_token_seconds"]
+        assert ttft.unit == "seconds" and all(s.timestamp is not None for s in ttft.samples)
+    text = to_openmetrics(points)
+    assert text.endswith("# EOF\n") and text.count("# TYPE vllm:time_to_first_token_seconds histogram") == 1
+    stamps = [line.rsplit(" ", 1)[1] for line in text.splitlines()
+              if line.startswith('vllm:time_to_first_token_seconds_count{model_name="llama-3-8b"}')]
+    assert len(stamps) == len(points) and stamps == sorted(stamps, key=float)
