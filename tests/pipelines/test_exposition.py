@@ -220,3 +220,16 @@ def test_a_series_over_time_ends_at_the_table_and_every_point_is_valid_openmetri
     stamps = [line.rsplit(" ", 1)[1] for line in text.splitlines()
               if line.startswith('vllm:time_to_first_token_seconds_count{model_name="llama-3-8b"}')]
     assert len(stamps) == len(points) and stamps == sorted(stamps, key=float)
+
+
+def test_the_otlp_json_is_a_valid_export_metrics_request(replayed):
+    from google.protobuf import json_format
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+
+    events, requests = replayed
+    message = json_format.ParseDict(to_otlp_json(request_metrics(requests, events)), ExportMetricsServiceRequest())
+    metrics = {m.name: m for m in message.resource_metrics[0].scope_metrics[0].metrics}
+    ttft = metrics["vllm:time_to_first_token_seconds"].histogram
+    assert ttft.aggregation_temporality == 2  # CUMULATIVE
+    assert sum(p.count for p in ttft.data_points) == len(column_values(requests, "ttft_s"))
+    assert metrics["vllm:prompt_tokens"].sum.is_monotonic
