@@ -235,3 +235,37 @@ def test_fast_and_reference_modes_agree_on_traces(shared, tmp_path, case):
         assert fast.num_preemptions > 0
     if case == "mooncake-rr":
         assert any(row["num_cached_prefix_tokens"] for row in f)
+
+
+def test_instances_may_differ_in_model_and_accelerator(tmp_path):
+    fast_gpu, slow_gpu = instance_config("llama-3-8b", "h100-sxm"), instance_config("llama-3-8b", "a100-80g")
+    config = ClusterConfig(instances=(fast_gpu, slow_gpu), router="round-robin")
+    w = make_workload([0, 0], [2000, 2000], [50, 50])
+    summary = run_cluster_replay(w, config, out_dir=tmp_path)
+    assert [x.accelerator for x in summary.instances] == ["h100-sxm", "a100-80g"]
+    events = _events(summary)
+    first = {e["request_id"]: e["ts_ns"] for e in events if e["event_type"] == "first_token"}
+    assert first["r0"] < first["r1"]  # same request, the slower accelerator takes longer
+    import json
+
+    manifest = json.loads(summary.manifest_path.read_text())
+    assert len(manifest["cluster"]["instances"]) == 2 and len(manifest["cluster"]["cost_models"]) == 2
+    assert manifest["instance_ids"] == [x.instance_id for x in summary.instances]
+
+
+def test_sheddable_requests_are_shed_when_the_pool_saturates(tmp_path):
+    from replay.policies.routing import LeastOutstandingTokensConfig, SheddingConfig
+
+    shedding = SheddingConfig(sheddable_classes=("batch",), queue_threshold=2.0, retry_after_s=3.0)
+    config = cluster_config(2, instance_config(engine=EngineConfig(max_num_seqs=2)), "least-outstanding-tokens",
+                            router_config=LeastOutstandingTokensConfig(shedding=shedding))
+    n = 40
+    w = make_workload([0] * n, [500] * n, [100] * n, service_class=["batch" if i % 2 else "interactive" for i in range(n)])
+    summary = run_cluster_replay(w, config, out_dir=tmp_path)
+    events = _events(summary)
+    shed = [e for e in events if e["event_type"] == "admission_decided" and e["decision"] == "reject"]
+    assert summary.num_shed == len(shed) > 0
+    assert all(e["service_class"] == "batch" and e["instance_id"] is None and e["retry_after_s"] == 3.0 for e in shed)
+    outcomes = {e["request_id"]: e["outcome"] for e in events if e["event_type"] == "request_finished"}
+    assert all(outcomes[e["request_id"]] == "rejected" for e in shed)
+    assert all(outcomes[f"r{i}"] == "completed" for i in range(0, n, 2))  # interactive: always routed
