@@ -31,7 +31,6 @@ $(STAMP): pyproject.toml Makefile
 # The end-to-end path on embedded defaults and the bundled Azure conversation trace.
 demo: $(STAMP)
 	$(BIN)/servelens demo
-	@echo "see the demo's replay in the dashboard (Policies, Request explorer): make dashboard DASHBOARD_ARGS='--runs-dir out/demo/replay-fcfs', then open http://127.0.0.1:8501"
 
 # The whole test suite (pytest exits non-zero when it collects no tests).
 test: $(STAMP)

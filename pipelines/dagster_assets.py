@@ -10,6 +10,7 @@ policy at one load is one partition.
 import datetime as dt
 import json
 import tempfile
+import warnings
 from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
@@ -95,9 +96,13 @@ def scaled_workload(context: dg.AssetExecutionContext, config: DayConfig, lake: 
                                           "num_requests": written.num_rows})
 
 
+with warnings.catch_warnings():  # beta in Dagster 1.13, and the only mapping that says this
+    warnings.simplefilter("ignore", dg.BetaWarning)
+    _LOAD_OF_RUN = dg.MultiToSingleDimensionPartitionMapping(partition_dimension_name="load")
+
+
 @dg.asset(group_name="servelens", partitions_def=RUNS,
-          deps=[dg.AssetDep(scaled_workload,
-                            partition_mapping=dg.MultiToSingleDimensionPartitionMapping(partition_dimension_name="load"))],
+          deps=[dg.AssetDep(scaled_workload, partition_mapping=_LOAD_OF_RUN)],
           description="A replay of the day's workload through one policy at one load: events.parquet + manifest.json.")
 def replay_runs(context: dg.AssetExecutionContext, config: DayConfig, lake: LakeResource,
                 plan: ReplayPlanResource) -> dg.MaterializeResult:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -287,7 +288,7 @@ def serve_demo(config: Config, out_dir: Path, port: int | None = None):
     config = demo_config(config, out_dir)
     if port is None:
         port = config.dashboard.port if _port_free(config.dashboard.host, config.dashboard.port) else 0
-    process = serve(config, port=port)
+    process = serve(config, port=port, stdout=subprocess.DEVNULL)
     url = dashboard_url(process)
     try:
         wait_until_ready(url, 120, process)
