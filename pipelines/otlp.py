@@ -64,6 +64,9 @@ FINISH_REASONS = "gen_ai.response.finish_reasons"
 #: Attributes without which a span cannot become a request's events.
 REQUIRED = (REQUEST_ID, PROMPT_TOKENS, COMPLETION_TOKENS, QUEUE, TTFT, E2E)
 STATUS_ERROR = 2  # OTLP Status.StatusCode STATUS_CODE_ERROR
+MAX_COUNT = 10**9  # tokens (and n) beyond this are corrupt
+MAX_LATENCY_S = 10**7  # ~115 days: beyond this a latency is corrupt (and nanoseconds would overflow)
+MAX_TS_NS = 2**62
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +112,9 @@ def _get(obj: dict, camel: str, snake: str, default=None):
 
 
 def _json_attributes(items) -> tuple[tuple[str, object], ...]:
-    return tuple((a.get("key", ""), _json_value(a.get("value"))) for a in items or () if isinstance(a, dict))
+    if not isinstance(items, list):
+        return ()
+    return tuple((a["key"], _json_value(a.get("value"))) for a in items if isinstance(a, dict) and isinstance(a.get("key"), str))
 
 
 def _spans_from_json(value: bytes) -> Iterator[Span]:
@@ -193,6 +198,8 @@ def read_spans(value: bytes, fmt: str = "otlp") -> list[Span]:
         return list(_spans_from_json(value) if fmt == "otlp_json" else _spans_from_proto(value))
     except _Unreadable as exc:
         raise ValueError(str(exc)) from None
+    except (TypeError, ValueError, AttributeError, KeyError) as exc:  # a JSON shape that is not OTLP's
+        raise ValueError(f"not an OTLP TracesData: {type(exc).__name__}: {exc}") from None
 
 
 # ---------------------------------------------------------------------------------------- conversion
@@ -206,8 +213,8 @@ def _number(attrs: dict, key: str, path: str, errors: list[FieldError], *, integ
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and float(value) != int(value)):
         errors.append(FieldError(WRONG_TYPE, where, "wrong type", type(value).__name__, "an integer" if integer else "a number"))
         return None
-    if not math.isfinite(value) or value < 0:
-        errors.append(FieldError(OUT_OF_RANGE, where, f"{value!r} is not a non-negative finite number"))
+    if not math.isfinite(value) or value < 0 or value > (MAX_COUNT if integer else MAX_LATENCY_S):
+        errors.append(FieldError(OUT_OF_RANGE, where, f"{value!r} is not a non-negative finite number within range"))
         return None
     return int(value) if integer else float(value)
 
@@ -234,6 +241,8 @@ def span_events(span: Span) -> tuple[list[Event], list[FieldError]]:
     cached = _number(attrs, CACHED_TOKENS, span.path, errors, integer=True)
     if span.start_ns <= 0:
         errors.append(FieldError(MISSING_FIELD, f"{span.path}.startTimeUnixNano", "the span has no start time (the arrival)"))
+    elif span.start_ns > MAX_TS_NS or not 0 <= span.end_ns <= MAX_TS_NS:
+        errors.append(FieldError(OUT_OF_RANGE, f"{span.path}.startTimeUnixNano", "a span time is beyond 2^62 ns"))
     if errors:
         return [], errors
     arrival = span.start_ns
@@ -281,6 +290,9 @@ def decode_spans(values: Sequence[bytes], candidates: Sequence[int], rejected: l
             spans = read_spans(values[i], fmt)
         except ValueError as exc:
             rejected.append(Rejected(i, len(values[i]), (FieldError(NOT_OTLP, "$", str(exc)),)))
+            continue
+        if not spans:  # the Collector never sends an empty batch; garbage often decodes as one
+            rejected.append(Rejected(i, len(values[i]), (FieldError(NOT_OTLP, "$", "the message holds no span"),)))
             continue
         errors: list[FieldError] = []
         for span in spans:

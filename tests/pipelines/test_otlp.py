@@ -253,3 +253,31 @@ def test_queue_ttft_and_e2e_equal_the_span_for_any_valid_latencies(queue_ns, pre
     else:  # one token: our E2E is its TTFT (last token = first); vLLM's e2e bounds the finish
         assert row["e2e_s"] == row["ttft_s"] and (row["finish_ns"] - row["arrival_ns"]) / 1e9 >= e2e_s - 1e-9
     assert row["num_output_tokens"] == completion
+
+
+def test_mutated_fixtures_never_crash_the_decoder():
+    """Fields deleted or replaced by junk (nulls, wrong types, huge numbers) at random, seeded."""
+    import random
+
+    rng = random.Random(1)
+    junk = [None, 0, -1, 1.5, "x", [], {}, [None], {"a": 1}, True, "1e400", 10**30, 2**64]
+
+    def mutate(value):
+        if isinstance(value, dict):
+            out = {}
+            for k, v in value.items():
+                r = rng.random()
+                if r < 0.04:
+                    continue
+                out[k] = rng.choice(junk) if r < 0.12 else mutate(v)
+            return out
+        if isinstance(value, list):
+            return [mutate(v) for v in value if rng.random() > 0.05]
+        return value
+
+    decoder = Decoder(message_format="otlp")
+    base = fixture()
+    for _ in range(400):
+        data = mutate(base)
+        batch = decoder.decode([json.dumps(data).encode()])
+        assert batch.rejected or batch.events.num_rows  # events, a dead letter, or both
