@@ -76,7 +76,7 @@ from schemas.types import doc
 #: Scaling transitions run at the cancellations' priority: after step ends, before arrivals.
 CONTROL = CANCEL
 
-InstanceState = Literal["starting", "ready", "draining", "stopped"]
+Lifecycle = Literal["starting", "ready", "draining", "stopped"]
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -212,7 +212,7 @@ class ClusterInstance:
         self.instance_id = instance_id
         self.config = config
         self.engine = engine
-        self.state: InstanceState = "starting"
+        self.state: Lifecycle = "starting"
         self.num_outstanding = 0  # routed, not finished
         self.num_outstanding_tokens = 0  # their prompt tokens
         self.num_routed = 0
@@ -336,7 +336,7 @@ class Cluster:
         for step in self.config.scaling:
             self.kernel.schedule(now + round(step.at_s * 1e9), CONTROL, lambda step=step: self._scale(step))
 
-    def _state(self, inst: ClusterInstance, state: InstanceState, action: str | None) -> None:
+    def _state(self, inst: ClusterInstance, state: Lifecycle, action: str | None) -> None:
         inst.state = state
         e = inst.engine
         self.writer.on_state(self.kernel.now_ns, inst.instance_id, state, e.pool.num_total, e.block_size,
