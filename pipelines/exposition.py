@@ -20,6 +20,7 @@ series equal the request table's exactly.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -113,6 +114,13 @@ class Counter:
 
 
 @dataclass(frozen=True, slots=True)
+class Gauge:
+    name: str
+    help: str
+    series: tuple[CounterSeries, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class MetricSet:
     """Every exported family, what was folded, and what was left out (and why)."""
 
@@ -123,6 +131,7 @@ class MetricSet:
     omitted: tuple[str, ...]
     start_ns: int | None  # earliest arrival: the start of the cumulative OTel histograms
     end_ns: int | None  # latest finish or token: their observation time
+    gauges: tuple[Gauge, ...] = ()  # states at one instant: only in a series over time
 
 
 @dataclass(frozen=True, slots=True)
@@ -418,11 +427,26 @@ def request_metrics_over_time(
     if not bounded.num_rows:
         return []
     first_end = (int(times.min()) // step + 1) * step
+    cell, cells, _ = _labels(bounded, labels, 1 << 30, 1)
+    far = np.iinfo(np.int64).max
+    arrival, scheduled, finish = (np.array(pc.fill_null(bounded[c], far).to_numpy(zero_copy_only=False), dtype=np.int64)
+                                  for c in ("arrival_ns", "scheduled_ns", "finish_ns"))
+    pairs = [_label_pairs("vllm", labels, key, "", None) for key in cells]
     out = []
     for end in range(first_end, int(times.max()) + step, step):
         rows = bounded.filter(pa.array(times < end))
-        out.append((end, request_metrics(rows, None, labels=labels, max_label_values=1 << 30, min_group_size=1,
-                                         max_model_len=max_model_len, gaps=gaps, **options)))
+        metrics = request_metrics(rows, None, labels=labels, max_label_values=1 << 30, min_group_size=1,
+                                  max_model_len=max_model_len, gaps=gaps, **options)
+        running = (scheduled < end) & (finish >= end)
+        waiting = (arrival < end) & (scheduled >= end) & (finish >= end)
+        gauges = tuple(
+            Gauge(name, text, tuple(CounterSeries(pairs[j], int((mask & (cell == j)).sum())) for j in range(len(cells))))
+            for name, text, mask in (
+                ("vllm:num_requests_running", "Requests in a batch (first scheduled, not finished).", running),
+                ("vllm:num_requests_waiting", "Requests arrived and not yet scheduled (nor finished).", waiting),
+            )
+        )
+        out.append((end, dataclasses.replace(metrics, gauges=gauges)))
     return out
 
 
@@ -545,4 +569,11 @@ def to_openmetrics(points: Sequence[tuple[int, MetricSet]]) -> str:
                 series = next((s for cc in m.counters if cc.name == c.name for s in cc.series if s.labels == labels), None)
                 if series is not None:
                     lines.append(f"{c.name}_total{_label_text(labels)} {series.value} {_timestamp(end)}")
+    for g in last.gauges:
+        lines += [f"# TYPE {g.name} gauge", f"# HELP {g.name} {_escape(g.help)}"]
+        for labels in dict.fromkeys(s.labels for _, m in points for gg in m.gauges if gg.name == g.name for s in gg.series):
+            for end, m in points:
+                series = next((s for gg in m.gauges if gg.name == g.name for s in gg.series if s.labels == labels), None)
+                if series is not None:
+                    lines.append(f"{g.name}{_label_text(labels)} {series.value} {_timestamp(end)}")
     return "\n".join(lines) + "\n# EOF\n"

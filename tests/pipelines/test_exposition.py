@@ -233,3 +233,22 @@ def test_the_otlp_json_is_a_valid_export_metrics_request(replayed):
     assert ttft.aggregation_temporality == 2  # CUMULATIVE
     assert sum(p.count for p in ttft.data_points) == len(column_values(requests, "ttft_s"))
     assert metrics["vllm:prompt_tokens"].sum.is_monotonic
+
+
+def test_the_series_carries_running_and_waiting_gauges(replayed):
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics
+
+    from pipelines.exposition import request_metrics_over_time, to_openmetrics
+
+    events, requests = replayed
+    points = request_metrics_over_time(requests, events, interval_s=0.25, labels=())
+    rows = requests.to_pylist()
+    for end, metrics in points:
+        gauges = {g.name: g.series[0].value for g in metrics.gauges}
+        running = sum(1 for r in rows if r["scheduled_ns"] is not None and r["scheduled_ns"] < end
+                      and (r["finish_ns"] is None or r["finish_ns"] >= end))
+        assert gauges["vllm:num_requests_running"] == running
+        parsed = {f.name: f for f in openmetrics(to_openmetrics([(end, metrics)]))}
+        assert parsed["vllm:num_requests_waiting"].type == "gauge"
+    assert max(m.gauges[0].series[0].value for _, m in points) > 0
+    assert points[-1][1].gauges[0].series[0].value == 0  # all finished by the last point
