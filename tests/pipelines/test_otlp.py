@@ -281,3 +281,13 @@ def test_mutated_fixtures_never_crash_the_decoder():
         data = mutate(base)
         batch = decoder.decode([json.dumps(data).encode()])
         assert batch.rejected or batch.events.num_rows  # events, a dead letter, or both
+
+
+def test_the_checked_in_protobuf_fixture_names_its_source_and_matches_the_json_one():
+    value = (FIXTURE.parent / "vllm_spans.otlp.pb").read_bytes()
+    assert value == to_proto(fixture())
+    message = TracesData.FromString(value)
+    source = {a.key: a.value.string_value for a in message.resource_spans[0].resource.attributes}["fixture.source"]
+    assert "vllm/tracing.py" in source and "tests/tracing/test_tracing.py" in source
+    as_proto = Decoder(message_format="otlp_proto").decode([value]).events
+    assert as_proto.equals(Decoder(message_format="otlp_json").decode([FIXTURE.read_bytes()]).events)
