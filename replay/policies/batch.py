@@ -29,12 +29,13 @@ class BatchSnapshot:
     """The running batch's decode composition and prefill work, for one scheduling pass."""
 
     __slots__ = ("key", "num_decode_seqs", "decode_context_tokens", "num_prefilling", "prefill_tokens_left",
-                 "max_prefill_context_tokens", "decodes_behind", "tightest_itl_s", "_itl_of")
+                 "max_prefill_context_tokens", "decodes_behind", "_tightest", "_running", "_itl_of")
 
     def __init__(self, itl_of: Callable[[RequestView], float | None] | None = None) -> None:
-        """``itl_of``: a request's ITL objective, seconds; the snapshot then also keeps the tightest."""
+        """``itl_of``: a request's ITL objective, seconds; the snapshot then also answers the tightest."""
         self._itl_of = itl_of
-        self.tightest_itl_s: float | None = None
+        self._tightest: float | None | bool = False  # False: not computed for this pass yet
+        self._running = ()
         self.key: tuple[int, int, int] | None = None
         self.num_decode_seqs = 0
         self.decode_context_tokens = 0
@@ -50,31 +51,42 @@ class BatchSnapshot:
         if key == self.key:
             return self
         self.key = key
+        self._running = running
+        self._tightest = False
         seqs = ctx = left = max_context = 0
         prefilling: list[tuple[str, int]] = []
-        itl_of = self._itl_of
-        tightest = None
         for r in running:
-            if itl_of is not None:
-                itl = itl_of(r)
-                if itl is not None and (tightest is None or itl < tightest):
-                    tightest = itl
+            computed = r.num_computed_tokens
             if r.is_prefilling:
                 prefilling.append((r.request_id, seqs))
-                left += r.num_tokens - r.num_computed_tokens
-                max_context = max(max_context, r.num_computed_tokens)
+                left += r.num_tokens - computed
+                if computed > max_context:
+                    max_context = computed
             else:
                 n = r.num_branches
                 seqs += n
-                ctx += n * (r.num_computed_tokens + 1)
-        self.tightest_itl_s = tightest
+                ctx += n * (computed + 1)
         self.num_decode_seqs = seqs
         self.decode_context_tokens = ctx
         self.num_prefilling = len(prefilling)
         self.prefill_tokens_left = left
         self.max_prefill_context_tokens = max_context
-        self.decodes_behind = {rid: seqs - before for rid, before in prefilling}
+        self.decodes_behind = {rid: seqs - before for rid, before in prefilling} if prefilling else {}
         return self
+
+    @property
+    def tightest_itl_s(self) -> float | None:
+        """The tightest ITL objective among the running requests (computed once per pass, when asked)."""
+        if self._tightest is False:
+            tightest = None
+            itl_of = self._itl_of
+            if itl_of is not None:
+                for r in self._running:
+                    itl = itl_of(r)
+                    if itl is not None and (tightest is None or itl < tightest):
+                        tightest = itl
+            self._tightest = tightest
+        return self._tightest
 
     def behind(self, request: RequestView) -> int:
         """Decode sequences after ``request`` in batch order (0 for a request not yet running)."""

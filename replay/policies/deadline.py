@@ -240,7 +240,7 @@ class DeadlinePolicy(Policy):
                 e.blocks, e.ctx, e.high = blocks, e.ctx + e.branches * (high - e.high), high
 
     def _admit_to_ledger(self, request: RequestView, cls: ClassConfig, high: int, blocks: int, service: float,
-                         key: tuple, cap: int | None = None) -> None:
+                         key: tuple, now_ns: int, cap: int | None = None) -> None:
         e = _Entry(request, cls, high, blocks, service, key, cap)
         self.ledger[request.request_id] = e
         self.reserved_blocks += e.blocks
@@ -251,9 +251,9 @@ class DeadlinePolicy(Policy):
         if flow is None:
             flow = self._inflow[(cls.name, e.tenant)] = (_Drain(self.config.drain_window_s),
                                                          _Drain(self.config.drain_window_s))
-        flow[0].add(request.num_prompt_tokens, request.arrival_ns)
-        flow[1].add(e.blocks, request.arrival_ns)
-        self._update_headroom(request.arrival_ns)
+        flow[0].add(request.num_prompt_tokens, now_ns)
+        flow[1].add(e.blocks, now_ns)
+        self._update_headroom(now_ns)
 
     def _update_headroom(self, now_ns: int) -> None:
         """Per class, the KV that the classes overtaking it need within their own deadline (their KV
@@ -460,10 +460,10 @@ class DeadlinePolicy(Policy):
         if cap is not None:
             _, shared = view.cached_prefix_blocks(request)
             blocks = view.blocks_for_tokens(request, request.num_prompt_tokens + cap) - shared
-            self._admit_to_ledger(request, cls, cap, blocks, service, key, cap)
+            self._admit_to_ledger(request, cls, cap, blocks, service, key, now, cap)
             return AdmissionDecision(decision="degrade", reason=f"output capped at {cap} tokens to meet its E2E objective",
                                      max_output_tokens=cap, **interval)
-        self._admit_to_ledger(request, cls, hi, blocks, service, key)
+        self._admit_to_ledger(request, cls, hi, blocks, service, key, now)
         return AdmissionDecision(decision="accept", **interval)
 
     def _num_admitted(self, tenant: str | None) -> int:
