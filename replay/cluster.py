@@ -24,21 +24,16 @@ manifest records each instance's phase durations.
 
 **Time.** Kernel ties at one instant keep the lone engine's order (step ends, then cancellations and
 scaling transitions, then arrivals, then scheduling passes), so an instance that becomes ready at
-the instant of an arrival takes it. In the fast mode an instance's decode run never stops for
-another instance's step ends. It stops at the step during which one of its own cancellations
-happens, and for arrivals it depends on the router:
-
-- a router that reads only its own counts (round-robin, least-outstanding-tokens: ``Router.
-  reads_engine_state`` false, no shedding) lets runs go past arrivals; an arrival routed to an
-  instance cuts that instance's run at the step during which it happens (``Engine.interrupt_run``:
-  the later steps' blocks go back to the pool, which is exact because such runs never evict a
-  cached unit beyond their first step), so runs stay as long as on a lone instance at the same
-  per-instance load;
-- a router that reads engine state (least-load, gie, any shedding) makes every instance's runs stop
-  at every arrival, so that each instance is in the reference mode's state when the router looks.
-
-Either way every timestamp and every routing decision equals the reference mode's
-(``tests/replay/test_cluster.py``).
+the instant of an arrival takes it. In the fast mode an instance's decode run stops at the step
+during which one of its own cancellations happens, never for other instances' events nor for
+arrivals: an arrival routed to an instance cuts that instance's run at the step during which it
+happens (``Engine.interrupt_run``: the later steps' blocks go back to the pool, which is exact
+because a cluster's runs never evict a cached unit beyond their first step), so runs stay as long as
+on a lone instance at the same per-instance load. A router reading an instance in a run sees the
+reference mode's state: queues do not change inside a run, KV use is counted without the blocks
+allocated ahead for later steps (``Engine.kv_blocks_used_now``), and cached prefixes are those of
+the reference (no eviction ahead). Every timestamp and every routing decision equals the reference
+mode's (``tests/replay/test_cluster.py``, ``tests/replay/test_cluster_properties.py``).
 
 Identical inputs and seed give byte-identical events and manifest, as for a lone instance.
 """
@@ -204,10 +199,9 @@ class ClusterInstance:
     """One instance of the cluster: its engine, lifecycle state and router counts (its router load view)."""
 
     __slots__ = ("index", "instance_id", "config", "engine", "state", "num_outstanding", "num_outstanding_tokens",
-                 "num_routed", "phases_ns", "ready_ns", "_cancels", "_feeder", "_route", "_every_arrival")
+                 "num_routed", "phases_ns", "ready_ns", "_cancels", "_route")
 
-    def __init__(self, index: int, instance_id: str, config: InstanceConfig, engine: Engine, feeder: _Feeder,
-                 router_name: str, every_arrival: bool) -> None:
+    def __init__(self, index: int, instance_id: str, config: InstanceConfig, engine: Engine, router_name: str) -> None:
         self.index = index
         self.instance_id = instance_id
         self.config = config
@@ -219,11 +213,9 @@ class ClusterInstance:
         self.phases_ns = (0, 0, 0)
         self.ready_ns: int | None = None
         self._cancels: list[int] = []  # this instance's pending cancellation times (a heap)
-        self._feeder = feeder
         self._route = _Route(router_name, instance_id)
-        self._every_arrival = every_arrival
         engine.next_event_ns = self.next_event_ns
-        engine.interruptible = not every_arrival
+        engine.interruptible = True
 
     # the router's load view (replay.policies.routing.InstanceLoad)
     @property
@@ -236,8 +228,7 @@ class ClusterInstance:
 
     @property
     def kv_utilization(self) -> float:
-        pool = self.engine.pool
-        return pool.num_used / pool.num_total
+        return self.engine.kv_blocks_used_now() / self.engine.pool.num_total
 
     @property
     def kv_block_size_tokens(self) -> int:
@@ -247,17 +238,13 @@ class ClusterInstance:
         return self.engine.view.cached_prefix_blocks(request)[0]
 
     def next_event_ns(self) -> int | None:
-        """When a run of this instance must stop: its next cancellation, or the next arrival when the router
-        reads engine state (else an arrival routed here cuts the run then: ``Engine.interrupt_run``)."""
-        nxt = self._feeder.next_arrival_ns if self._every_arrival else None
+        """When a run of this instance must stop: at its next cancellation. Arrivals do not stop it: one
+        routed here cuts the run then (``Engine.interrupt_run``)."""
         cancels = self._cancels
-        if cancels:
-            now = self.engine.kernel.now_ns
-            while cancels and cancels[0] <= now:
-                heapq.heappop(cancels)
-            if cancels and (nxt is None or cancels[0] < nxt):
-                return cancels[0]
-        return nxt
+        now = self.engine.kernel.now_ns
+        while cancels and cancels[0] <= now:
+            heapq.heappop(cancels)
+        return cancels[0] if cancels else None
 
     def __repr__(self) -> str:
         return f"ClusterInstance({self.instance_id!r}, {self.state}, outstanding={self.num_outstanding})"
@@ -308,7 +295,6 @@ class Cluster:
         self.routable: list[ClusterInstance] = []  # ready, not draining, in creation order
         self.stats = _ClusterStats()
         self.num_shed = 0
-        self.feeder: _Feeder | None = None  # set by the runner before anything arrives
         writer.routed = True
 
     # ------------------------------------------------------------------ lifecycle
@@ -318,8 +304,7 @@ class Cluster:
         instance_id = f"{self.engine_id}-i{index}"
         engine = self._make_engine(config, instance_id)
         self.writer.engines.append(engine)
-        inst = ClusterInstance(index, instance_id, config, engine, self.feeder, self.config.router,
-                               self.router.needs_engine_state)
+        inst = ClusterInstance(index, instance_id, config, engine, self.config.router)
         engine.on_finish = lambda r, inst=inst: self._finished(inst, r)
         self.instances.append(inst)
         return inst
@@ -409,8 +394,7 @@ class Cluster:
         if r.cancel_after_ns is not None:
             heapq.heappush(inst._cancels, now + r.cancel_after_ns)
         engine = inst.engine
-        if engine.interruptible:
-            engine.interrupt_run()
+        engine.interrupt_run()
         engine.submit(r, num_output_tokens)
 
     def _finished(self, inst: ClusterInstance, r: Request) -> None:
@@ -545,7 +529,6 @@ def run_cluster_replay(
 
     cl = Cluster(kernel, cluster, writer, engine_id=engine_id, make_engine=make_engine)
     feeder = _Feeder(kernel, cl, source, scenario, seed, first, progress, progress_every)
-    cl.feeder = feeder
     wall0 = time.perf_counter()
     collecting = gc.isenabled()
     gc.disable()

@@ -310,6 +310,21 @@ class Engine:
         self._schedule_pending = True
         kernel.schedule(now, SCHEDULE, self._schedule)
 
+    def kv_blocks_used_now(self) -> int:
+        """KV blocks in use as the reference mode has them now: inside a run (fast mode), less the blocks
+        allocated ahead for its steps after the one during which now falls (what a router may read)."""
+        used = self.pool.num_total - self.pool.num_free
+        f = self._flight
+        if f is None or not f.lockstep or f.scheduled or f.num_steps < 2 or f.num_applied:
+            return used
+        now = self.kernel.now_ns
+        if now >= f.end_ns:
+            return used
+        lock = self._lock
+        t0, k = lock.ticks, f.num_steps
+        j = self.cost_model.decode_run(lock.num_seqs, lock.ctx_base + lock.num_seqs * t0, k, now - f.start_ns)[0]
+        return used if j >= k else used - (lock.blocks_needed(t0, k) - lock.blocks_needed(t0, j))
+
     def _catch_up(self) -> None:
         """Inside a run, bring the lockstep progress to the reference's (all but the run's last step)."""
         f = self._flight

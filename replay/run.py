@@ -230,7 +230,6 @@ class _Feeder:
         self._offset = 0
         self.num_arrived = 0
         self.first_arrival_ns: int | None = None
-        self.next_arrival_ns: int | None = None
         self._last_arrival_ns = -(2**63)
         self._wall0 = time.perf_counter()
         self._objectives = {c.name: c for c in scenario.service_classes}
@@ -264,7 +263,6 @@ class _Feeder:
 
     def _schedule_next(self) -> None:
         if self._pos >= len(self._rows) and not self._load():
-            self.next_arrival_ns = None
             return
         row = self._rows[self._pos]
         arrival = row[1]
@@ -274,8 +272,7 @@ class _Feeder:
                 "sort the workload by arrival_ns once; the replay never reorders arrivals itself",
             )
         self._last_arrival_ns = arrival
-        self.next_arrival_ns = max(arrival, self.kernel.now_ns)  # the earliest event a cluster's instances must see
-        self.kernel.schedule(self.next_arrival_ns, ARRIVAL, self._arrive)
+        self.kernel.schedule(max(arrival, self.kernel.now_ns), ARRIVAL, self._arrive)
 
     def _arrive(self) -> None:
         row = self._rows[self._pos]

@@ -41,11 +41,8 @@ instances of ``max(waiting / queue_threshold, kv_utilization / kv_threshold)`` (
 0.8); at saturation >= ``shed_at``, requests of a class listed in ``sheddable_classes`` are
 rejected with a retry-after instead of routed; other classes are always routed.
 
-In the fast replay mode the engine-state fields (``num_waiting``, ``num_running``,
-``kv_utilization``) equal the reference mode's at every arrival (a decode run stops at the step
-during which the next arrival happens). ``prefix_hit_blocks`` may not: a run allocates its steps'
-blocks when it starts and may evict cached units earlier than the reference would; ``gie``'s prefix
-scorer is therefore exact only in the reference mode.
+In the fast replay mode every field equals the reference mode's at the arrival (``replay.cluster``:
+KV use without blocks allocated ahead inside a decode run, no eviction ahead).
 """
 
 from __future__ import annotations
@@ -140,20 +137,11 @@ class Router:
 
     name: ClassVar[str] = ""
     config_type: ClassVar[type] = object
-    #: whether ``choose`` reads the engine-state fields of the loads (num_waiting, num_running,
-    #: kv_utilization, prefix_hit_blocks), not only the router counts (num_outstanding*)
-    reads_engine_state: ClassVar[bool] = True
 
     def __init__(self, config: object | None = None) -> None:
         self.config = config if config is not None else self.config_type()
         self._shedding: SheddingConfig | None = getattr(self.config, "shedding", None)
         self._decisions: list[RouteDecision] = []  # one per index, built once (reason is the router's name)
-
-    @property
-    def needs_engine_state(self) -> bool:
-        """Whether a decision reads the instances' engine state (``choose`` does, or shedding is on): the
-        cluster then keeps every instance's state at each arrival as the reference mode has it."""
-        return self.reads_engine_state or self._shedding is not None
 
     def choose(self, request: RequestView, loads: Sequence[InstanceLoad]) -> int:
         """The index of the instance that takes ``request`` (``loads`` is never empty)."""
@@ -210,7 +198,6 @@ class RoundRobinRouter(Router):
 
     name = "round-robin"
     config_type = RoundRobinConfig
-    reads_engine_state = False
 
     def __init__(self, config: object | None = None) -> None:
         super().__init__(config)
@@ -235,7 +222,6 @@ class LeastOutstandingTokensRouter(Router):
 
     name = "least-outstanding-tokens"
     config_type = LeastOutstandingTokensConfig
-    reads_engine_state = False
 
     def choose(self, request: RequestView, loads: Sequence[InstanceLoad]) -> int:
         best = 0
@@ -263,8 +249,12 @@ class LeastLoadRouter(Router):
     config_type = LeastLoadConfig
 
     def choose(self, request: RequestView, loads: Sequence[InstanceLoad]) -> int:
-        keys = [(x.num_waiting + x.num_running, x.kv_utilization, i) for i, x in enumerate(loads)]
-        return min(keys)[2]
+        counts = [x.num_waiting + x.num_running for x in loads]
+        fewest = min(counts)
+        tied = [i for i, c in enumerate(counts) if c == fewest]
+        if len(tied) == 1:
+            return tied[0]
+        return min(tied, key=lambda i: (loads[i].kv_utilization, i))  # KV use read only to break ties
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
