@@ -49,6 +49,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar, Protocol
 
 from replay.errors import ReplayError, unknown_name
@@ -183,6 +184,40 @@ def make_router(name: str, config: object | None = None) -> Router:
     if config is not None and not isinstance(config, cls.config_type):
         raise ReplayError(f"router {name!r} takes a {cls.config_type.__name__}, not a {type(config).__name__}")
     return cls(config)
+
+
+def load_router_config(name: str, path: str | Path) -> object:
+    """The named router's config from a YAML (or JSON) mapping of its fields, e.g. ``shedding:
+    {sheddable_classes: [batch], queue_threshold: 5}``: types checked, unknown keys refused."""
+    import dataclasses
+
+    import yaml
+
+    from servelens.config import build
+
+    if name not in ROUTERS:
+        raise unknown_name("router", name, list(ROUTERS))
+    cls = ROUTERS[name].config_type
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except FileNotFoundError:
+        raise ReplayError(f"router configuration {path} does not exist") from None
+    except yaml.YAMLError as exc:
+        raise ReplayError(f"router configuration {path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ReplayError(f"router configuration {path} must be a mapping of {cls.__name__} settings")
+    shedding = data.pop("shedding", None)
+    config = build(cls, data)
+    if shedding is not None:  # an optional section (the builder takes required ones)
+        if not isinstance(shedding, dict):
+            raise ReplayError(f"router configuration {path}: shedding must be a mapping of SheddingConfig settings")
+        classes = shedding.pop("sheddable_classes", [])
+        if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+            raise ReplayError(f"router configuration {path}: shedding.sheddable_classes must be a list of class names")
+        config = dataclasses.replace(
+            config, shedding=dataclasses.replace(build(SheddingConfig, shedding, "shedding."), sheddable_classes=tuple(classes))
+        )
+    return config
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
