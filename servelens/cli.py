@@ -671,6 +671,9 @@ def _cluster_options(command):
                      help="Replay a cluster of this many alike instances behind a router (docs/replay.md, Cluster)."),
         click.option("--router", expose_value=False, callback=_stash("router"),
                      help="Cluster router: round-robin (default), least-outstanding-tokens, least-load, gie."),
+        click.option("--router-config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                     expose_value=False, callback=_stash("router_config"),
+                     help="YAML file of the router's settings, e.g. shedding: {sheddable_classes: [batch]}."),
         click.option("--scale", multiple=True, expose_value=False, callback=_stash("scale"),
                      help="Scaling step AT_S:+N or AT_S:-N (seconds after the first arrival; repeatable), e.g. 120:+2."),
         click.option("--startup-s", type=float, expose_value=False, callback=_stash("startup_s"),
@@ -693,6 +696,7 @@ def _replay_cluster(ctx: click.Context, workload_name: str, policy_name: str, po
     """`servelens replay` with cluster options: the cluster replay (replay.cluster)."""
     from replay.cluster import ScalingDelays, cluster_config, parse_scale_step, run_cluster_replay
     from replay.policies import load_policy_config
+    from replay.policies.routing import load_router_config
     from replay.workload import load_workload
 
     meta = {k.removeprefix("cluster."): v for k, v in ctx.meta.items() if k.startswith("cluster.")}
@@ -710,7 +714,9 @@ def _replay_cluster(ctx: click.Context, workload_name: str, policy_name: str, po
     instance, model_arg = (
         _fitted_profile(ctx, profile_path) if profile_path is not None else (_instance(engine_spec), cost_model)
     )
-    config = cluster_config(num_instances, instance, meta.get("router", "round-robin"),
+    router = meta.get("router", "round-robin")
+    router_config = load_router_config(router, meta["router_config"]) if "router_config" in meta else None
+    config = cluster_config(num_instances, instance, router, router_config=router_config,
                             scaling=[parse_scale_step(s) for s in meta.get("scale", ())], delays=delays)
     workload = load_workload(workload_name, _shared_or_none(ctx, workload_name), num_requests)
     shared = shared_dir(_config(ctx)) if cost_model == "profile" and profile_path is None else None

@@ -30,7 +30,10 @@ def test_replay_with_cluster_options_routes_scales_and_reports(tmp_path):
 
 
 def test_cluster_options_fail_cleanly(tmp_path):
+    bad_config = tmp_path / "router.yaml"
+    bad_config.write_text("shedding: {sheddable_classes: [batch], queue_limit: 3}\n")
     for args, message in (
+        (["--router", "least-load", "--router-config", str(bad_config)], "unknown config key shedding.queue_limit"),
         (["--instances", "2", "--router", "nope"], "unknown router 'nope'"),
         (["--scale", "5:2"], "is not AT_S:+N or AT_S:-N"),
         (["--instances", "0"], "--instances must be at least 1"),
