@@ -276,18 +276,31 @@ class Lake:
         return con
 
     def recent_event_ids(self, limit: int) -> list[str]:
-        """Up to ``limit`` event ids from the most recently written files (to warm de-duplication)."""
+        """The ``limit`` newest event ids by event time (to warm de-duplication after a restart).
+
+        Not "the ids of the newest files": compaction rewrites a closed hour into a new file, which
+        would put that hour's oldest events first and leave out the ones a producer may still retry
+        (the reliability soak caught exactly that). Files are taken newest events first (their
+        ``ts_ns`` statistics) until they hold ``limit`` rows, then DuckDB keeps the newest ids.
+        """
         table = self.table(EVENTS)
         if table is None or limit <= 0:
             return []
-        actions = pa.table(table.get_add_actions(flatten=True)).sort_by([("modification_time", "descending")])
-        ids: list[str] = []
-        base = self.uri(EVENTS)
-        for path in actions["path"].to_pylist():
-            ids.extend(pq.read_table(f"{base}/{path}", columns=["event_id"]).column(0).to_pylist())
-            if len(ids) >= limit:
+        actions = pa.table(table.get_add_actions(flatten=True))
+        if not actions.num_rows:
+            return []
+        newest = "max.ts_ns" if "max.ts_ns" in actions.column_names else "modification_time"
+        actions = actions.sort_by([(newest, "descending")])
+        base, files, rows = self.uri(EVENTS), [], 0
+        for path, num_records in zip(actions["path"].to_pylist(), actions["num_records"].to_pylist()):
+            files.append(f"{base}/{path}")
+            rows += num_records or 0
+            if rows >= limit:
                 break
-        return ids[:limit]
+        from pipelines.tables import connect
+
+        query = "SELECT event_id FROM read_parquet($files) ORDER BY ts_ns DESC LIMIT $limit"
+        return [r[0] for r in connect(self.config.duckdb_memory_limit).execute(query, {"files": files, "limit": limit}).fetchall()]
 
 
 class RecentIds:

@@ -120,6 +120,19 @@ def test_dead_letters_table_and_recent_ids(tmp_path):
     assert sorted(lake.recent_event_ids(3))[:1] and len(lake.recent_event_ids(3)) == 3
 
 
+def test_recent_ids_are_the_newest_events_even_after_compaction_rewrote_an_older_hour(tmp_path):
+    """A restart warms de-duplication with the newest events by event time: compacting a closed
+    hour writes it into the newest file, which must not crowd out the hour being written."""
+    lake = Lake(tmp_path / "lake", LakeConfig(compact_min_files=2))
+    hour = 3_600 * 10**9
+    for k in range(3):  # the older hour, in three small files
+        lake.commit(EVENTS, _events(k * 10, 10), [OffsetRange("t", 0, 0, k * 10, k * 10 + 10)], {("t", 0, 0): (k * 10) or None})
+    lake.commit(EVENTS, _events(30, 10, ts=T0 + hour), [OffsetRange("t", 0, 0, 30, 40)], {("t", 0, 0): 30})
+    assert lake.compact(before=("2025-11-29", 8))[EVENTS] == 3  # the older hour is now the newest file
+    assert sorted(lake.recent_event_ids(10)) == [f"ev_{i:032x}" for i in range(30, 40)]
+    assert sorted(lake.recent_event_ids(12)) == [f"ev_{i:032x}" for i in (28, 29, *range(30, 40))]
+
+
 def _pseudonym_like(i: int) -> str:
     return "ev_" + hashlib.sha256(str(i).encode()).hexdigest()[:32]  # uniform digits, as real pseudonyms
 
