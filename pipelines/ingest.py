@@ -53,6 +53,7 @@ from schemas.arrow import arrow_schema
 from schemas.records import DeadLetter
 
 log = logging.getLogger("servelens.ingest")
+EVENT_ID = FIELD_POLICIES["event_id"]  # how the sanitizer pseudonymizes event ids
 
 DEAD_LETTER_SCHEMA = arrow_schema(DeadLetter)
 
@@ -335,6 +336,9 @@ class IngestConsumer:
         limits = np.array([event_marks[p] or 0 for p in batch.owner[decoded.indices]], dtype=np.int64)
         fresh = batch.offsets[decoded.indices] >= limits
         events = decoded.events if fresh.all() else decoded.events.filter(pa.array(fresh))
+        if not fresh.all():  # re-read below the mark (see _resolve): stored already, remembered now
+            stored = decoded.events.filter(pa.array(~fresh))["event_id"].to_pylist()
+            self.recent.add(self.keyring.pseudonyms(EVENT_ID.kind, stored, hex_chars=EVENT_ID.hex_chars))
         clean = self.sanitizer.sanitize(events, decoded.dropped_fields)
         first = self.recent.first_sightings(clean["event_id"], remember=False)
         duplicates = int((~first).sum())
@@ -454,11 +458,15 @@ class IngestConsumer:
                 "are safe in the lake.",
                 self.name, self.topic, topic_id, epoch,
             )
+        # A producer retry sits in the same partition as its original (same key), a little later.
+        # So each partition is read again from a little before its mark: those records are not
+        # stored twice (the marks filter them), but their ids warm de-duplication exactly.
+        reread = self.config.dedup_window_events // (2 * max(1, len(assigned)))
         for p in sorted(self._unresolved):
             tp = TopicPartition(self.topic, p)
             events_mark = self.lake.high_water_mark(EVENTS, self.topic, p, epoch)
             dead_mark = self.lake.high_water_mark(DEAD_LETTERS, self.topic, p, epoch)
-            start = min(m or 0 for m in (events_mark, dead_mark))
+            start = max(0, min(m or 0 for m in (events_mark, dead_mark)) - reread)
             log.debug("%s: partition %d resumes at offset %d (epoch %d)", self.name, p, start, epoch)
             self._consumer.seek(tp, start)
             self.partitions[p] = _Partition(epoch, events_mark, dead_mark, topic_id)

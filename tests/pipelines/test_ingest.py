@@ -157,8 +157,31 @@ def test_producer_retries_and_replays_after_a_restart_are_stored_once(broker, to
     assert first.duplicates_dropped == 50 and lake_counts(tmp_path / "lake") == (300, 300)
     produce(broker.bootstrap, topic, items[100:150])  # retried again, after the consumer restarted
     second = consumer(broker.bootstrap, topic, tmp_path / "lake").run(idle_exit_s=1.5)
-    assert second.records_read == 50 and second.duplicates_dropped == 50
+    # it read every partition again from before its mark (the stored 350 records warm the
+    # de-duplication, stored nothing), then the 50 new ones
+    assert second.records_read == 400 and second.duplicates_dropped == 50
     assert lake_counts(tmp_path / "lake") == (300, 300)
+
+
+def test_a_retry_after_a_restart_is_dropped_however_far_other_partitions_ran_ahead(broker, topic, tmp_path):
+    """The restarted consumer remembers each partition's last records, not the lake's newest events:
+    here 200 newer events of another partition would push the original out of any lake-wide window."""
+    from kafka import KafkaProducer
+
+    original = arrivals(0, 1)[0]
+    producer = KafkaProducer(bootstrap_servers=broker.bootstrap)
+    producer.send(topic, key=original[0], value=original[1], partition=0)
+    for key, value in arrivals(1_000, 200):
+        producer.send(topic, key=key, value=value, partition=1)
+    producer.flush(30)
+    first = consumer(broker.bootstrap, topic, tmp_path / "lake", dedup_window_events=100).run(idle_exit_s=1.5)
+    assert first.events_written == 201
+    producer.send(topic, key=original[0], value=original[1], partition=0)  # the producer's retry
+    producer.flush(30)
+    producer.close()
+    second = consumer(broker.bootstrap, topic, tmp_path / "lake", name="c2", dedup_window_events=100).run(idle_exit_s=1.5)
+    assert second.duplicates_dropped == 1 and second.events_written == 0
+    assert lake_counts(tmp_path / "lake") == (201, 201)
 
 
 def test_health_is_reported_and_written_for_the_status_command(broker, topic, tmp_path):
