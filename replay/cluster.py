@@ -40,11 +40,9 @@ Identical inputs and seed give byte-identical events and manifest, as for a lone
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import heapq
 import json
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +52,7 @@ import pyarrow as pa
 
 from replay.config import InstanceConfig, instance_config
 from replay.costmodel import StepCostModel, make_cost_model
-from replay.emit import EventChunk, EventWriter, ParquetSink, Sink
+from replay.emit import EventWriter, Sink
 from replay.engine import MODES, Engine, Mode
 from replay.errors import ReplayError
 from replay.kernel import CANCEL, Kernel
@@ -62,7 +60,7 @@ from replay.policies import make_policy
 from replay.policies.base import AdmissionDecision
 from replay.policies.routing import ROUTERS, Router, make_router
 from replay.request import Request
-from replay.run import PROGRESS_EVERY, ReplayProgress, _Feeder, _manifest, _plain
+from replay.run import PROGRESS_EVERY, ReplayProgress, _Feeder, _manifest, _Outputs, _plain
 from replay.scenario import Scenario
 from replay.views import RequestView
 from replay.workload import Workload, as_workload
@@ -506,20 +504,8 @@ def run_cluster_replay(
     run_id = hashlib.sha256(json.dumps(manifest, sort_keys=True, default=str).encode()).hexdigest()[:12]
     engine_id = f"replay-{run_id}"
 
-    out = Path(out_dir) if out_dir is not None else None
-    parquet = ParquetSink(out / "events.parquet") if out is not None else None
-
-    def emit(chunk: EventChunk) -> None:
-        if sink is None:
-            if parquet is not None:
-                parquet(chunk)
-            return
-        table = chunk.table()
-        if parquet is not None:
-            parquet(table)
-        sink(table)
-
-    writer = _ClusterWriter(emit, run_id=run_id, engine_id=engine_id, chunk_rows=chunk_rows, hash_tables=parquet is None)
+    outputs = _Outputs(out_dir, sink)
+    writer = outputs.writer(_ClusterWriter, run_id=run_id, engine_id=engine_id, chunk_rows=chunk_rows)
     writer.engines = []
     kernel = Kernel()
 
@@ -529,29 +515,7 @@ def run_cluster_replay(
 
     cl = Cluster(kernel, cluster, writer, engine_id=engine_id, make_engine=make_engine)
     feeder = _Feeder(kernel, cl, source, scenario, seed, first, progress, progress_every)
-    wall0 = time.perf_counter()
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        feeder.start()
-        first_ns = kernel.next_time_ns()
-        if first_ns is not None:
-            kernel.now_ns = first_ns
-        cl.start()
-        kernel.run()
-        cl.stop()
-        writer.flush()
-    except BaseException:
-        if parquet is not None:
-            parquet.abort()
-        raise
-    finally:
-        if collecting:
-            gc.enable()
-    output_sha256 = parquet.close() if parquet is not None else writer.output_sha256()
-    wall_s = time.perf_counter() - wall0
-    if cl.num_active:
-        raise ReplayError(f"{cl.num_active} requests did not finish (an engine bug)")
+    output_sha256, wall_s, wall0 = outputs.drive(kernel, feeder, cl, writer)
     if progress is not None:
         progress(feeder.report(wall0))
 
@@ -559,16 +523,7 @@ def run_cluster_replay(
     manifest["run_id"] = run_id
     manifest["engine_id"] = engine_id
     manifest["instance_ids"] = [x.instance_id for x in cl.instances]
-    manifest["output"] = {
-        "events_sha256": output_sha256,
-        "hash_of": "the events Parquet file" if parquet is not None else "the Arrow IPC stream of the event chunks",
-        "num_events": writer.num_events,
-        "events_file": "events.parquet" if parquet is not None else None,
-    }
-    manifest_path = None
-    if out is not None:
-        manifest_path = out / "manifest.json"
-        manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str) + "\n")
+    manifest_path = outputs.write_manifest(manifest, output_sha256, writer.num_events, default=str)
     instances = tuple(
         InstanceSummary(
             instance_id=x.instance_id, model=x.config.model.name, accelerator=x.config.accelerator.name,
@@ -593,7 +548,7 @@ def run_cluster_replay(
         requests_per_wall_s=feeder.num_arrived / wall_s if wall_s > 0 else float("inf"),
         output_sha256=output_sha256,
         workload_sha256=manifest["workload"]["sha256"],
-        events_path=parquet.path if parquet is not None else None,
+        events_path=outputs.events_path,
         manifest_path=manifest_path,
         instances=instances,
     )

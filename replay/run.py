@@ -124,67 +124,22 @@ def run_replay(
     engine_id = f"replay-{run_id}"
     instance_id = f"{engine_id}-i0"
 
-    out = Path(out_dir) if out_dir is not None else None
-    parquet = ParquetSink(out / "events.parquet") if out is not None else None
-
-    def emit(chunk: EventChunk) -> None:
-        if sink is None:
-            if parquet is not None:
-                parquet(chunk)  # finished on the Parquet thread
-            return
-        table = chunk.table()
-        if parquet is not None:
-            parquet(table)
-        sink(table)
-
-    writer = EventWriter(emit, run_id=run_id, engine_id=engine_id, chunk_rows=chunk_rows, hash_tables=parquet is None)
+    outputs = _Outputs(out_dir, sink)
+    writer = outputs.writer(EventWriter, run_id=run_id, engine_id=engine_id, chunk_rows=chunk_rows)
     kernel = Kernel()
     engine = Engine(
         kernel, instance, model, policy, writer, instance_id=instance_id, mode=mode,
         check_invariants=check_invariants, step_timer=step_timer,
     )
     feeder = _Feeder(kernel, engine, source, scenario, seed, instance, progress, progress_every)
-    wall0 = time.perf_counter()
-    # The replay makes no reference cycles that outlive a request (finished requests drop their
-    # view), so the cyclic collector would only rescan millions of live buffer tuples: pause it.
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        feeder.start()
-        first_ns = kernel.next_time_ns()
-        if first_ns is not None:  # the instance comes up when the trace begins, not at the epoch
-            kernel.now_ns = first_ns  # (the earliest action: the order stays the heap's)
-        engine.start()
-        kernel.run()
-        engine.stop()
-        writer.flush()
-    except BaseException:
-        if parquet is not None:
-            parquet.abort()
-        raise
-    finally:
-        if collecting:
-            gc.enable()
-    output_sha256 = parquet.close() if parquet is not None else writer.output_sha256()
-    wall_s = time.perf_counter() - wall0
-    if engine.num_active:
-        raise ReplayError(f"{engine.num_active} requests did not finish (an engine bug)")
+    output_sha256, wall_s, wall0 = outputs.drive(kernel, feeder, engine, writer)
     if progress is not None:
         progress(feeder.report(wall0))
 
     manifest["run_id"] = run_id
     manifest["engine_id"] = engine_id
     manifest["instance_id"] = instance_id
-    manifest["output"] = {
-        "events_sha256": output_sha256,
-        "hash_of": "the events Parquet file" if parquet is not None else "the Arrow IPC stream of the event chunks",
-        "num_events": writer.num_events,
-        "events_file": "events.parquet" if parquet is not None else None,
-    }
-    manifest_path = None
-    if out is not None:
-        manifest_path = out / "manifest.json"
-        manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    manifest_path = outputs.write_manifest(manifest, output_sha256, writer.num_events)
     simulated_s = (kernel.now_ns - feeder.first_arrival_ns) / 1e9 if feeder.first_arrival_ns is not None else 0.0
     stats = engine.stats
     return ReplaySummary(
@@ -204,9 +159,80 @@ def run_replay(
         requests_per_wall_s=feeder.num_arrived / wall_s if wall_s > 0 else float("inf"),
         output_sha256=output_sha256,
         workload_sha256=manifest["workload"]["sha256"],
-        events_path=parquet.path if parquet is not None else None,
+        events_path=outputs.events_path,
         manifest_path=manifest_path,
     )
+
+
+
+class _Outputs:
+    """Where a replay's events go: ``events.parquet`` under ``out_dir`` and/or ``sink``."""
+
+    def __init__(self, out_dir: str | Path | None, sink: Sink | None) -> None:
+        self.out = Path(out_dir) if out_dir is not None else None
+        self.parquet = ParquetSink(self.out / "events.parquet") if self.out is not None else None
+        self.sink = sink
+
+    def __call__(self, chunk: EventChunk) -> None:
+        if self.sink is None:
+            if self.parquet is not None:
+                self.parquet(chunk)  # finished on the Parquet thread
+            return
+        table = chunk.table()
+        if self.parquet is not None:
+            self.parquet(table)
+        self.sink(table)
+
+    def writer(self, writer_class: type[EventWriter], **kwargs) -> EventWriter:
+        return writer_class(self, hash_tables=self.parquet is None, **kwargs)
+
+    def drive(self, kernel: Kernel, feeder: _Feeder, actor, writer: EventWriter) -> tuple[str, float, float]:
+        """Run the replay: arrivals from ``feeder`` into ``actor`` (an engine or a cluster: ``start``,
+        ``stop``, ``num_active``) until nothing is pending; returns (output sha256, wall s, wall start)."""
+        wall0 = time.perf_counter()
+        # The replay makes no reference cycles that outlive a request (finished requests drop their
+        # view), so the cyclic collector would only rescan millions of live buffer tuples: pause it.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            feeder.start()
+            first_ns = kernel.next_time_ns()
+            if first_ns is not None:  # the instances come up when the trace begins, not at the epoch
+                kernel.now_ns = first_ns  # (the earliest action: the order stays the heap's)
+            actor.start()
+            kernel.run()
+            actor.stop()
+            writer.flush()
+        except BaseException:
+            if self.parquet is not None:
+                self.parquet.abort()
+            raise
+        finally:
+            if collecting:
+                gc.enable()
+        output_sha256 = self.parquet.close() if self.parquet is not None else writer.output_sha256()
+        wall_s = time.perf_counter() - wall0
+        if actor.num_active:
+            raise ReplayError(f"{actor.num_active} requests did not finish (an engine bug)")
+        return output_sha256, wall_s, wall0
+
+    def write_manifest(self, manifest: dict, output_sha256: str, num_events: int, **dumps) -> Path | None:
+        """Record the output in ``manifest`` and write it next to the events (if written to a folder)."""
+        manifest["output"] = {
+            "events_sha256": output_sha256,
+            "hash_of": "the events Parquet file" if self.parquet is not None else "the Arrow IPC stream of the event chunks",
+            "num_events": num_events,
+            "events_file": "events.parquet" if self.parquet is not None else None,
+        }
+        if self.out is None:
+            return None
+        path = self.out / "manifest.json"
+        path.write_text(json.dumps(manifest, indent=2, sort_keys=True, **dumps) + "\n")
+        return path
+
+    @property
+    def events_path(self) -> Path | None:
+        return self.parquet.path if self.parquet is not None else None
 
 
 class _Feeder:
