@@ -26,6 +26,7 @@ Exactly once, step by step:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -345,18 +346,20 @@ class IngestConsumer:
         clean = clean.filter(pa.array(first)) if duplicates else clean
         expected = lambda marks: {(self.topic, r.partition, r.epoch): marks[r.partition] for r in batch.ranges}  # noqa: E731
         try:
-            self.lake.commit(DEAD_LETTERS, dead_rows, batch.ranges, expected(dead_marks))
-            for r in batch.ranges:
+            dead_ranges = _not_before(batch.ranges, dead_marks)
+            self.lake.commit(DEAD_LETTERS, dead_rows, dead_ranges, expected(dead_marks))
+            for r in dead_ranges:
                 parts[r.partition].dead_mark = r.end
-            self.lake.commit(EVENTS, clean, batch.ranges, expected(event_marks))
+            event_ranges = _not_before(batch.ranges, event_marks)
+            self.lake.commit(EVENTS, clean, event_ranges, expected(event_marks))
         except CommitFenced as exc:
             return _Outcome(batch.ranges, 0, 0, 0, exc)
         self.recent.add(clean["event_id"])  # seen, now that they are stored
-        for r in batch.ranges:
+        for r in event_ranges:
             parts[r.partition].events_mark = r.end
-        log.debug("%s: committed %s", self.name, [(r.partition, r.start, r.end) for r in batch.ranges])
+        log.debug("%s: committed %s", self.name, [(r.partition, r.start, r.end) for r in event_ranges])
         self._maybe_compact()
-        return _Outcome(batch.ranges, clean.num_rows, dead_rows.num_rows, duplicates, None)
+        return _Outcome(event_ranges, clean.num_rows, dead_rows.num_rows, duplicates, None)
 
     def _maybe_compact(self) -> None:
         """Now and then, merge the small files of closed hours (on the worker thread, between commits)."""
@@ -560,6 +563,12 @@ class IngestConsumer:
         write_status(self.lake.root, stats)
         if on_status is not None:
             on_status(stats)
+
+
+def _not_before(ranges: list[OffsetRange], marks: dict[int, int | None]) -> list[OffsetRange]:
+    """``ranges`` as one table commits them: a batch of records read again from below a table's
+    mark (after a restart, or a crash between the two tables' commits) never moves the mark back."""
+    return [r if r.end >= (marks[r.partition] or 0) else dataclasses.replace(r, end=marks[r.partition]) for r in ranges]
 
 
 def _Rebalance(owner: IngestConsumer):

@@ -184,6 +184,26 @@ def test_a_retry_after_a_restart_is_dropped_however_far_other_partitions_ran_ahe
     assert lake_counts(tmp_path / "lake") == (201, 201)
 
 
+def test_records_read_again_below_the_marks_never_move_them_back(broker, topic, tmp_path):
+    """After a restart the first small batches hold only records read again (below the marks): the
+    marks stay, so a dead letter further on is not stored a second time (the soak caught that)."""
+    from kafka import KafkaProducer
+
+    producer = KafkaProducer(bootstrap_servers=broker.bootstrap)
+    for n, (key, value) in enumerate(arrivals(0, 100)):
+        producer.send(topic, key=key, value=b"{not json" if n == 80 else value, partition=0)
+    producer.flush(30)
+    producer.close()
+    small = {"dedup_window_events": 400, "poll_max_records": 10, "flush_max_events": 10}  # re-read 50, 10 a batch
+    first = consumer(broker.bootstrap, topic, tmp_path / "lake", **small).run(idle_exit_s=1.5)
+    assert (first.events_written, first.dead_letters) == (99, 1)
+    second = consumer(broker.bootstrap, topic, tmp_path / "lake", name="c2", **small).run(idle_exit_s=1.5)
+    assert second.records_read == 50 and (second.events_written, second.dead_letters) == (0, 0)
+    assert Lake(tmp_path / "lake").high_water_mark(EVENTS, topic, 0, 0) == 100
+    assert lake_counts(tmp_path / "lake") == (99, 99)
+    assert Lake(tmp_path / "lake").connect().execute("SELECT count(*) FROM dead_letters").fetchone() == (1,)
+
+
 def test_health_is_reported_and_written_for_the_status_command(broker, topic, tmp_path):
     produce(broker.bootstrap, topic, arrivals(0, 100))
     seen = []
