@@ -270,17 +270,21 @@ class IngestConsumer:
         return sum(len(p.records) for p in self.partitions.values())
 
     def _buffer(self, polled) -> int:
-        got = 0
+        """Buffer what was polled; return how many records are new (at or past the lake's marks:
+        records read again only to warm de-duplication do not count as data for idleness)."""
+        got = new = 0
         for tp, records in polled.items():
             part = self.partitions.get(tp.partition)
             if part is None:  # not (or no longer) resolved: read again after the seek
                 continue
             part.records.extend(records)
             got += len(records)
+            mark = min(part.events_mark or 0, part.dead_mark or 0)
+            new += len(records) if records[0].offset >= mark else sum(r.offset >= mark for r in records)
         self._counts["read"] += got
         if got and self._first_record_s is None:
             self._first_record_s = time.monotonic()
-        return got
+        return new
 
     def flush(self, partitions: list[int] | None = None, *, wait: bool = True) -> None:
         """Commit the buffered records of ``partitions`` (default: all) to the lake.

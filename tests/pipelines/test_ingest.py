@@ -35,7 +35,7 @@ FAST = IngestConfig(session_timeout_ms=2_000, heartbeat_interval_ms=500, flush_i
 
 def consumer(bootstrap: str, topic: str, root: Path, name: str = "c1", lake: LakeConfig | None = None, **ingest) -> IngestConsumer:
     kafka = KafkaConfig(bootstrap_servers=bootstrap, topic=topic, num_partitions=NUM_TEST_PARTITIONS)
-    config = dataclasses.replace(FAST, **ingest)
+    config = dataclasses.replace(FAST, **{"group_id": f"ingest-{topic}", **ingest})  # a group per test's topic
     lake = dataclasses.replace(lake or LakeConfig(), root=str(root))
     return IngestConsumer(kafka, config, lake, PrivacyConfig(), KEYRING, consumer_name=name)
 
