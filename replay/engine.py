@@ -476,19 +476,9 @@ class Engine:
             lock.ahead = k
             snapshot = lock.current_snapshot()
         else:
-            num_decode = lock.num_seqs
-            decode_ctx = lock.ctx_base + lock.num_seqs * t
-            chunks: list[tuple[int, int]] = []
-            for r, m in scheduled:
-                if r.scheduled_ns is None:
-                    r.scheduled_ns = now
-                if r.num_tokens - r.num_computed == 1 and r.num_computed >= r.num_prompt_tokens:
-                    num_decode += r.num_branches
-                    decode_ctx += r.num_branches * (r.num_computed + 1)
-                else:
-                    chunks.append((m, r.num_computed))
+            shape = _step_shape(scheduled, now, lock.num_seqs, lock.ctx_base + lock.num_seqs * t)
             k = 1
-            duration = self.cost_model.step_time_ns(StepShape(tuple(chunks), num_decode, decode_ctx)) + self._swap_ns
+            duration = self.cost_model.step_time_ns(shape) + self._swap_ns
             last = duration
             if num_lock:
                 lock.ahead = 1
@@ -600,17 +590,7 @@ class Engine:
             if running:
                 raise ReplayError("the scheduler found nothing to run while requests are running (a policy bug)")
             return  # idle until the next arrival: waiting requests are blocked by the policy
-        num_decode = decode_ctx = 0
-        chunks: list[tuple[int, int]] = []
-        for r, m in scheduled:
-            if r.scheduled_ns is None:
-                r.scheduled_ns = now
-            if r.num_tokens - r.num_computed == 1 and r.num_computed >= r.num_prompt_tokens:
-                num_decode += r.num_branches
-                decode_ctx += r.num_branches * (r.num_computed + 1)
-            else:
-                chunks.append((m, r.num_computed))
-        shape = StepShape(tuple(chunks), num_decode, decode_ctx)
+        shape = _step_shape(scheduled, now)
         if self.step_timer is None:
             duration = self.cost_model.step_time_ns(shape) + self._swap_ns
         else:
@@ -958,3 +938,19 @@ class Engine:
         pool.check(anon)
         assert 0 <= pool.num_used <= pool.num_total
         assert len(self.running) <= self.max_seqs
+
+
+def _step_shape(scheduled: list[tuple[Request, int]], now: int, num_decode: int = 0, decode_ctx: int = 0) -> StepShape:
+    """The cost model's view of a step: ``scheduled`` (request, tokens) split into prefill chunks and
+    decode sequences, on top of ``num_decode`` sequences with ``decode_ctx`` summed context (the
+    lockstep set's); stamps each request's first schedule time."""
+    chunks: list[tuple[int, int]] = []
+    for r, m in scheduled:
+        if r.scheduled_ns is None:
+            r.scheduled_ns = now
+        if r.num_tokens - r.num_computed == 1 and r.num_computed >= r.num_prompt_tokens:
+            num_decode += r.num_branches
+            decode_ctx += r.num_branches * (r.num_computed + 1)
+        else:
+            chunks.append((m, r.num_computed))
+    return StepShape(tuple(chunks), num_decode, decode_ctx)
