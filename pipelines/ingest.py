@@ -188,6 +188,7 @@ class IngestConsumer:
         timeout_s = self.kafka_config.connect_timeout_s
         ensure_topics(self.kafka_config.bootstrap_servers, {self.topic: self.kafka_config.num_partitions}, timeout_s=timeout_s)
         self.lake.ensure_tables()
+        self.sanitizer.scrubber.load()  # Presidio takes seconds to build: before the first batch, not in it
         self.recent.add(self.lake.recent_event_ids(self.config.dedup_window_events // 2))
         try:
             self._consumer = KafkaConsumer(

@@ -142,9 +142,16 @@ class Scrubber:
         self.redactions: Counter[str] = Counter()
         self.num_over_budget = 0
 
-    def _analyze(self, text: str) -> ScrubResult:
+    def load(self) -> Scrubber:
+        """Build the analyzer now (seconds: Presidio, and spaCy with a NER model), not at the first text:
+        a long-running consumer calls this at start-up, so a bad NER model fails there and its first
+        batch does not wait."""
         if self._analyzer is None:
             self._analyzer = _build_analyzer(self.ner_model)
+        return self
+
+    def _analyze(self, text: str) -> ScrubResult:
+        self.load()
         results = self._analyzer.analyze(text, language="en", score_threshold=self.score_threshold)
         return _redact(text, [(r.start, r.end, r.entity_type) for r in results])
 

@@ -55,11 +55,11 @@ from replay.costmodel import StepCostModel, make_cost_model
 from replay.emit import EventWriter, Sink
 from replay.engine import MODES, Engine, Mode
 from replay.errors import ReplayError
-from replay.kernel import CANCEL, Kernel
+from replay.kernel import ARRIVAL, CANCEL, Kernel
 from replay.policies import make_policy
 from replay.policies.base import AdmissionDecision
 from replay.policies.routing import ROUTERS, Router, make_router
-from replay.request import Request
+from replay.request import FINISHED, Request
 from replay.run import PROGRESS_EVERY, ReplayProgress, _Feeder, _manifest, _Outputs, _plain
 from replay.scenario import Scenario
 from replay.views import RequestView
@@ -70,6 +70,8 @@ from schemas.types import doc
 CONTROL = CANCEL
 
 Lifecycle = Literal["starting", "ready", "draining", "stopped"]
+#: serve: prefills and decodes (aggregated); prefill / decode: one pool of a disaggregated cluster
+Role = Literal["serve", "prefill", "decode"]
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -120,19 +122,49 @@ class ScaleStep:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ClusterConfig:
-    """Instances (ready when the replay starts), their router, and the scaling schedule."""
+    """Instances (ready when the replay starts), their router, and the scaling schedule; optionally a
+    separate decode pool (disaggregated serving) and the interconnect KV crosses between instances."""
 
-    instances: tuple[InstanceConfig, ...] = doc("The instances up from the start (at least one).")
+    instances: tuple[InstanceConfig, ...] = doc(
+        "The instances up from the start (at least one); with decode_instances, the prefill pool."
+    )
     router: str = doc("Registered router: " + ", ".join(sorted(ROUTERS)) + ".", "round-robin")
     router_config: object | None = doc("The router's typed config (None: its defaults).", None)
     scaling: tuple[ScaleStep, ...] = doc("Fixed scaling schedule, in time order.", ())
     delays: ScalingDelays = field(default_factory=ScalingDelays, metadata={"doc": "Delays of an added instance."})
+    decode_instances: tuple[InstanceConfig, ...] = doc(
+        "Disaggregated serving: the decode pool. Empty (the default): aggregated, each instance prefills and "
+        "decodes its requests. Set: a request is prefilled on a prefill instance (instances), which produces "
+        "its first token, then its KV moves to a decode instance, which produces the rest.",
+        (),
+    )
+    decode_router: str = doc(
+        "Registered router that picks the decode instance of a prefilled request (disaggregated serving).",
+        "least-outstanding-tokens",
+    )
+    decode_router_config: object | None = doc("The decode router's typed config (None: its defaults; no shedding).", None)
+    kv_transfer_bandwidth_bytes_per_s: float = doc(
+        "Bandwidth of one instance's link for KV leaving it (transfers from one instance queue on its link), bytes/s. "
+        "Default 50e9: a 400 Gb/s RDMA NIC.",
+        50e9,
+    )
+    kv_transfer_latency_s: float = doc("Fixed latency added to every KV transfer, seconds.", 20e-6)
 
     def __post_init__(self) -> None:
         if not self.instances:
             raise ReplayError("a cluster needs at least one instance")
         if self.router not in ROUTERS:
             make_router(self.router)  # raises the error listing the valid names
+        if self.decode_instances:
+            if self.decode_router not in ROUTERS:
+                make_router(self.decode_router)
+            if getattr(self.decode_router_config, "shedding", None) is not None:
+                raise ReplayError("the decode router cannot shed", "a prefilled request always moves to a decode instance")
+            if self.scaling:
+                raise ReplayError("a scaling schedule with disaggregated pools is not supported yet",
+                                  "scale an aggregated cluster, or size the two pools")
+        if not self.kv_transfer_bandwidth_bytes_per_s > 0 or self.kv_transfer_latency_s < 0:
+            raise ReplayError("kv_transfer_bandwidth_bytes_per_s must be positive and kv_transfer_latency_s non-negative")
         live = len(self.instances)
         last = 0.0
         for step in self.scaling:
@@ -144,7 +176,7 @@ class ClusterConfig:
                 raise ReplayError(
                     f"the scaling step at {step.at_s} s leaves {live} instances", "a cluster keeps at least one instance"
                 )
-        configs = list(self.instances) + [s.instance for s in self.scaling if s.instance is not None]
+        configs = list(self.instances) + list(self.decode_instances) + [s.instance for s in self.scaling if s.instance is not None]
         sizes = {(c.engine.block_size_tokens, c.engine.enable_prefix_caching) for c in configs}
         if len(sizes) > 1:
             raise ReplayError(
@@ -162,6 +194,19 @@ def cluster_config(num_instances: int, instance: InstanceConfig | None = None, r
     instance = instance or instance_config()
     return ClusterConfig(instances=(instance,) * num_instances, router=router, router_config=router_config,
                          scaling=tuple(scaling), delays=delays or ScalingDelays())
+
+
+def disaggregated_config(num_prefill: int, num_decode: int, instance: InstanceConfig | None = None,
+                         router: str = "least-outstanding-tokens", *, decode_instance: InstanceConfig | None = None,
+                         decode_router: str = "least-outstanding-tokens", **fields) -> ClusterConfig:
+    """``num_prefill`` prefill instances (``instance``) behind ``router``, ``num_decode`` decode instances
+    (``decode_instance``, default ``instance``) behind ``decode_router``; ``fields``: the other
+    ``ClusterConfig`` fields (e.g. ``kv_transfer_bandwidth_bytes_per_s``)."""
+    if num_prefill < 1 or num_decode < 1:
+        raise ReplayError(f"disaggregated serving needs both pools, not {num_prefill} prefill + {num_decode} decode")
+    instance = instance or instance_config()
+    return ClusterConfig(instances=(instance,) * num_prefill, router=router,
+                         decode_instances=(decode_instance or instance,) * num_decode, decode_router=decode_router, **fields)
 
 
 def parse_scale_step(spec: str) -> ScaleStep:
@@ -197,10 +242,16 @@ class ClusterInstance:
     """One instance of the cluster: its engine, lifecycle state and router counts (its router load view)."""
 
     __slots__ = ("index", "instance_id", "config", "engine", "state", "num_outstanding", "num_outstanding_tokens",
-                 "num_routed", "phases_ns", "ready_ns", "_cancels", "_route")
+                 "num_routed", "phases_ns", "ready_ns", "_cancels", "_route", "role", "link_free_ns", "num_transfers_out",
+                 "kv_bytes_out")
 
-    def __init__(self, index: int, instance_id: str, config: InstanceConfig, engine: Engine, router_name: str) -> None:
+    def __init__(self, index: int, instance_id: str, config: InstanceConfig, engine: Engine, router_name: str,
+                 role: Role = "serve") -> None:
         self.index = index
+        self.role = role
+        self.link_free_ns = 0  # when its link for outgoing KV is free
+        self.num_transfers_out = 0
+        self.kv_bytes_out = 0
         self.instance_id = instance_id
         self.config = config
         self.engine = engine
@@ -294,28 +345,47 @@ class Cluster:
         self.stats = _ClusterStats()
         self.num_shed = 0
         writer.routed = True
+        # disaggregated serving: the decode pool and its router
+        self.decode_router: Router | None = (
+            make_router(config.decode_router, config.decode_router_config) if config.decode_instances else None
+        )
+        self.decode_routable: list[ClusterInstance] = []
+        # requests whose KV is on its way to a decode instance: decided at one instant, routed together
+        self._moves: list[tuple[Request, int, ClusterInstance]] = []
+        self._in_transit: dict[Request, ClusterInstance] = {}  # request -> its destination
+        self._bandwidth = config.kv_transfer_bandwidth_bytes_per_s
+        self._latency_ns = round(config.kv_transfer_latency_s * 1e9)
+        self.num_transfers = 0
+        self.kv_transfer_bytes = 0
 
     # ------------------------------------------------------------------ lifecycle
 
-    def _add(self, config: InstanceConfig) -> ClusterInstance:
+    def _add(self, config: InstanceConfig, role: Role = "serve") -> ClusterInstance:
         index = len(self.instances)
         instance_id = f"{self.engine_id}-i{index}"
         engine = self._make_engine(config, instance_id)
         self.writer.engines.append(engine)
-        inst = ClusterInstance(index, instance_id, config, engine, self.config.router)
+        inst = ClusterInstance(index, instance_id, config, engine,
+                               self.config.decode_router if role == "decode" else self.config.router, role)
         engine.on_finish = lambda r, inst=inst: self._finished(inst, r)
+        engine.cancel_elsewhere = self._cancel_moved
+        if role == "prefill":
+            engine.handoff = lambda r, target, inst=inst: self._handoff(inst, r, target)
         self.instances.append(inst)
         return inst
 
     def start(self) -> None:
         """The initial instances come up ready when the replay starts; the schedule is set."""
         now = self.kernel.now_ns
-        for config in self.config.instances:
-            inst = self._add(config)
+        disaggregated = bool(self.config.decode_instances)
+        pools = [(c, "prefill" if disaggregated else "serve") for c in self.config.instances]
+        pools += [(c, "decode") for c in self.config.decode_instances]
+        for config, role in pools:
+            inst = self._add(config, role)
             inst.state = "ready"
             inst.ready_ns = now
             inst.engine.start()
-            self.routable.append(inst)
+            (self.decode_routable if role == "decode" else self.routable).append(inst)
         for step in self.config.scaling:
             self.kernel.schedule(now + round(step.at_s * 1e9), CONTROL, lambda step=step: self._scale(step))
 
@@ -396,9 +466,13 @@ class Cluster:
         engine.submit(r, num_output_tokens)
 
     def _finished(self, inst: ClusterInstance, r: Request) -> None:
+        self.stats.num_finished += 1
+        self._left(inst, r)
+
+    def _left(self, inst: ClusterInstance, r: Request) -> None:
+        """``r`` no longer counts on ``inst`` (it finished there or moved away)."""
         inst.num_outstanding -= 1
         inst.num_outstanding_tokens -= r.num_prompt_tokens
-        self.stats.num_finished += 1
         if inst.state == "draining" and inst.engine.num_active == 0:
             # after the step that finished it has been written
             self.kernel.schedule(self.kernel.now_ns, CONTROL, lambda: self._drained(inst))
@@ -409,7 +483,78 @@ class Cluster:
 
     @property
     def num_active(self) -> int:
-        return sum(x.engine.num_active for x in self.instances)
+        return sum(x.engine.num_active for x in self.instances) + len(self._in_transit)
+
+    # ------------------------------------------------------------------ moves between instances
+
+    def _handoff(self, src: ClusterInstance, r: Request, target: int) -> None:
+        """A prefill instance produced ``r``'s first token and released it (its KV with it): at this
+        instant, after every step that ends now, it is routed to a decode instance."""
+        self._left(src, r)
+        if not self._moves:
+            self.kernel.schedule(self.kernel.now_ns, ARRIVAL, self._route_moves)
+        self._moves.append((r, target, src))
+
+    def _route_moves(self) -> None:
+        """Route the requests released at this instant (in arrival order, whatever order their steps
+        ended in) to decode instances, and start their KV transfers."""
+        moves, self._moves = self._moves, []
+        moves.sort(key=lambda m: m[0].index)
+        for r, target, src in moves:
+            self._move(r, target, src, self.decode_router, self.decode_routable)
+
+    def _move(self, r: Request, target: int, src: ClusterInstance, router: Router, routable: list[ClusterInstance]) -> None:
+        now = self.kernel.now_ns
+        if not routable:
+            self._end_moved(r, src, "error", "no instance to move to (all stopped, failed or draining)", counted=False)
+            return
+        dest = routable[router.route(r.view, routable).index]
+        r.num_admission_decisions += 1
+        self.writer.admission.append((r, now, dest._route, r.num_admission_decisions, dest.instance_id))
+        dest.num_outstanding += 1
+        dest.num_outstanding_tokens += r.num_prompt_tokens
+        dest.num_routed += 1
+        if r.cancel_after_ns is not None and r.arrival_ns + r.cancel_after_ns > now:
+            heapq.heappush(dest._cancels, r.arrival_ns + r.cancel_after_ns)
+        at = now
+        if r.moved_tokens:  # its KV crosses src's link, after what is queued there, then the latency
+            kv_bytes = r.moved_tokens * src.config.model.kv_bytes_per_token
+            start = max(now, src.link_free_ns)
+            src.link_free_ns = start + -(-kv_bytes * 1_000_000_000 // int(self._bandwidth))
+            at = src.link_free_ns + self._latency_ns
+            src.num_transfers_out += 1
+            src.kv_bytes_out += kv_bytes
+            self.num_transfers += 1
+            self.kv_transfer_bytes += kv_bytes
+        self._in_transit[r] = dest
+        self.kernel.schedule(at, ARRIVAL, lambda: self._arrive_moved(r, target, dest))
+
+    def _arrive_moved(self, r: Request, target: int, dest: ClusterInstance) -> None:
+        if r.state == FINISHED:
+            return  # cancelled on the way
+        del self._in_transit[r]
+        engine = dest.engine
+        engine.interrupt_run()
+        engine.receive(r, target)
+
+    def _cancel_moved(self, r: Request) -> None:
+        """A cancellation comes due for a request that moved since it was scheduled."""
+        if r.owner is not None:
+            r.owner.cancel(r)
+            return
+        dest = self._in_transit.pop(r)  # on its way: it ends where it was going
+        now = self.kernel.now_ns
+        self.writer.cancelled.append((r, now, dest.instance_id))
+        self._end_moved(r, dest, "cancelled", None, counted=True)
+
+    def _end_moved(self, r: Request, inst: ClusterInstance, outcome: str, error: str | None, *, counted: bool) -> None:
+        """``r`` ends while no engine holds it; ``inst`` reports it (and counts it as outstanding: ``counted``)."""
+        r.state = FINISHED
+        r.view = None
+        self.writer.finished.append((r, self.kernel.now_ns, outcome, r.num_output * r.num_branches, error, inst.instance_id))
+        self.stats.num_finished += 1
+        if counted:
+            self._left(inst, r)
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -422,6 +567,7 @@ class InstanceSummary:
     instance_id: str
     model: str
     accelerator: str
+    role: str  # serve (aggregated), prefill or decode
     num_routed: int
     num_steps: int
     num_preemptions: int
@@ -429,6 +575,8 @@ class InstanceSummary:
     startup_ns: int
     weight_load_ns: int
     cache_warm_ns: int
+    num_kv_transfers_out: int  # KV transfers that left it (disaggregated hand-offs, migrations)
+    kv_bytes_out: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -452,6 +600,8 @@ class ClusterSummary:
     events_path: Path | None
     manifest_path: Path | None
     instances: tuple[InstanceSummary, ...]
+    num_kv_transfers: int = 0
+    kv_transfer_bytes: int = 0
 
 
 def run_cluster_replay(
@@ -483,7 +633,8 @@ def run_cluster_replay(
         raise ReplayError(f"unknown replay mode {mode!r}", "valid modes: fast, reference")
     source = as_workload(workload)
     scenario = scenario or Scenario()
-    configs = list(dict.fromkeys(list(cluster.instances) + [s.instance for s in cluster.scaling if s.instance is not None]))
+    configs = list(dict.fromkeys(list(cluster.instances) + list(cluster.decode_instances)
+                                 + [s.instance for s in cluster.scaling if s.instance is not None]))
     if not isinstance(cost_model, str) and len(configs) > 1:
         raise ReplayError("one cost model object was given for instances that differ", "pass the cost model's name")
     models = {
@@ -501,6 +652,14 @@ def run_cluster_replay(
         "delays": _plain(cluster.delays),
         "cost_models": [models[c].info().name for c in configs],
     }
+    if cluster.decode_instances:  # only then: an aggregated cluster's manifest (and run id) stays as it was
+        manifest["cluster"]["disaggregation"] = {
+            "decode_instances": [_plain(c) for c in cluster.decode_instances],
+            "decode_router": {"name": cluster.decode_router,
+                              "config": _plain(make_router(cluster.decode_router, cluster.decode_router_config).config)},
+            "kv_transfer_bandwidth_bytes_per_s": cluster.kv_transfer_bandwidth_bytes_per_s,
+            "kv_transfer_latency_s": cluster.kv_transfer_latency_s,
+        }
     run_id = hashlib.sha256(json.dumps(manifest, sort_keys=True, default=str).encode()).hexdigest()[:12]
     engine_id = f"replay-{run_id}"
 
@@ -526,10 +685,11 @@ def run_cluster_replay(
     manifest_path = outputs.write_manifest(manifest, output_sha256, writer.num_events, default=str)
     instances = tuple(
         InstanceSummary(
-            instance_id=x.instance_id, model=x.config.model.name, accelerator=x.config.accelerator.name,
+            instance_id=x.instance_id, model=x.config.model.name, accelerator=x.config.accelerator.name, role=x.role,
             num_routed=x.num_routed, num_steps=x.engine.stats.num_steps, num_preemptions=x.engine.stats.num_preemptions,
             ready_s=None if x.ready_ns is None else (x.ready_ns - start_ns) / 1e9,
             startup_ns=x.phases_ns[0], weight_load_ns=x.phases_ns[1], cache_warm_ns=x.phases_ns[2],
+            num_kv_transfers_out=x.num_transfers_out, kv_bytes_out=x.kv_bytes_out,
         )
         for x in cl.instances
     )
@@ -551,4 +711,6 @@ def run_cluster_replay(
         events_path=outputs.events_path,
         manifest_path=manifest_path,
         instances=instances,
+        num_kv_transfers=cl.num_transfers,
+        kv_transfer_bytes=cl.kv_transfer_bytes,
     )

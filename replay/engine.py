@@ -53,7 +53,7 @@ from replay.kernel import CANCEL, SCHEDULE, STEP_END, Kernel
 from replay.kvcache import BlockPool
 from replay.lockstep import Lockstep
 from replay.policies.base import AdmissionDecision, Policy
-from replay.request import FINISHED, HELD, RUNNING, WAITING, Request
+from replay.request import FINISHED, HELD, MOVING, RUNNING, WAITING, Request
 from replay.views import EngineView, RequestSequence, RequestView, blocks_for, held_blocks
 
 Mode = Literal["fast", "reference"]
@@ -63,7 +63,8 @@ MODES: tuple[str, ...] = ("fast", "reference")
 class _Flight:
     """The step, or run of identical decode steps, in flight."""
 
-    __slots__ = ("start_ns", "end_ns", "prev_end_ns", "num_steps", "num_applied", "lockstep", "snapshot", "scheduled")
+    __slots__ = ("start_ns", "end_ns", "prev_end_ns", "num_steps", "num_applied", "lockstep", "snapshot", "scheduled",
+                 "leases")
 
     def __init__(self, start_ns: int, end_ns: int, prev_end_ns: int, num_steps: int, lockstep: bool,
                  snapshot: Snapshot | None, scheduled: list) -> None:
@@ -75,6 +76,7 @@ class _Flight:
         self.lockstep = lockstep  # the lockstep set decodes in it (as a whole)
         self.snapshot = snapshot  # the lockstep members at its start (batch membership)
         self.scheduled = scheduled  # [(request, positions)] scheduled one by one
+        self.leases: list[int] | None = None  # their lease generations when planned (Engine.track_leases)
 
 
 class EngineStats:
@@ -83,6 +85,7 @@ class EngineStats:
     __slots__ = (
         "num_submitted", "num_finished", "num_steps", "num_step_events", "num_runs", "num_preemptions",
         "num_prefix_hit_tokens", "num_swapped_bytes", "max_running", "max_waiting", "num_general_passes",
+        "num_moved_out", "num_moved_in", "num_stale_refused",
     )
 
     def __init__(self) -> None:
@@ -164,6 +167,14 @@ class Engine:
         # a cluster may route a request here inside a run its horizon did not stop at (``interrupt_run``):
         # runs then never evict a cached unit beyond their first step, so that cutting one is exact
         self.interruptible = False
+        # a disaggregated prefill instance (replay.cluster): called with each request that sampled a token
+        # here and must decode elsewhere, once it has left (``release``), with its output target
+        self.handoff: Callable[[Request, int], None] | None = None
+        # a cancellation due while the request is elsewhere (it moved: replay.cluster)
+        self.cancel_elsewhere: Callable[[Request], None] | None = None
+        # record each planned step's lease generations, so that a step of a request that moved away
+        # during it is refused (set by a cluster whose requests can move mid-step)
+        self.track_leases = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -217,6 +228,7 @@ class Engine:
         r.view = RequestView(r)
         if not self.writer.labelled and (r.tenant or r.service_class or r.model or r.adapter):
             self.writer.labelled = True
+        r.owner = self
         self.num_active += 1
         self.stats.num_submitted += 1
         cached = self._lookup(r)[1] * self.block_size if (self.prefix_caching and r.unit_keys) else None
@@ -264,6 +276,9 @@ class Engine:
         """The client cancels ``r`` now: it leaves at once and its KV blocks are freed."""
         if r.state == FINISHED:
             return
+        if r.owner is not self:  # it moved to another instance since (replay.cluster)
+            self.cancel_elsewhere(r)
+            return
         self._catch_up()
         now = self.kernel.now_ns
         f = self._flight
@@ -279,6 +294,65 @@ class Engine:
         elif r.state == HELD:
             self.held.remove(r)
         self._finish(r, now, "cancelled", None)
+
+    # ------------------------------------------------------------------ moves between instances (replay.cluster)
+
+    def release(self, r: Request, keep_kv: bool) -> int:
+        """``r`` leaves this instance now to continue on another (a cluster moves it); returns its output target.
+
+        Its blocks here are freed and its lease generation (``num_preemptions``) is bumped: a
+        ``request_preempted`` event, mode ``migrate`` when its KV goes with it (``keep_kv``: its
+        computed tokens become ``moved_tokens``), else ``recompute`` (``num_lost_tokens`` = them). A
+        step in flight that includes it delivers nothing for it: this engine's lease is stale at the
+        step's end. Inside a run (fast mode) the caller cuts the run first (``interrupt_run``).
+        """
+        self._catch_up()
+        now = self.kernel.now_ns
+        f = self._flight
+        if r.lock is not None:
+            in_run = f is not None and f.lockstep and f.num_steps > 1
+            self._lock.leave(r)
+            if in_run:  # the run's steps before its last one ended before now: their tokens were delivered
+                k = f.num_steps - 1
+                self._deliver(r, f.prev_end_ns, k * r.num_branches, k > 1)
+        if r.state == RUNNING:
+            self.running.remove(r)
+        elif r.state == WAITING:
+            self.waiting.remove(r)
+        elif r.state == HELD:
+            self.held.remove(r)
+        self._release(r)
+        r.next_unit = 0
+        r.swapped_tokens = 0  # a swapped-out request's KV leaves from host memory
+        lost = 0
+        if keep_kv:
+            r.moved_tokens = r.num_computed
+        else:
+            lost = r.num_computed
+            r.num_computed = 0
+        r.state = MOVING
+        r.owner = None
+        r.num_preemptions += 1
+        self.stats.num_moved_out += 1
+        self.num_active -= 1
+        self.writer.preempted.append(
+            (r, now, "migrate" if keep_kv else "recompute", r.num_preemptions, lost, self.instance_id)
+        )
+        return self._targets.pop(r)
+
+    def receive(self, r: Request, target: int) -> None:
+        """``r`` arrives now from another instance (``release``) and waits here for the batch, in arrival
+        order; the KV of its ``moved_tokens`` came with it and is placed when it is admitted to the batch
+        (no further copy). The admission policy is not asked again: the move was decided."""
+        self._catch_up()
+        self.check_fits(r, target)
+        self._targets[r] = target
+        r.owner = self
+        r.state = WAITING
+        self.num_active += 1
+        self.stats.num_moved_in += 1
+        self.waiting.append(r)
+        self._wake()
 
     def interrupt_run(self) -> None:
         """Something reaches this instance now, inside a run planned past now (a cluster routes a request
@@ -384,6 +458,8 @@ class Engine:
             f = self._flight
             if f is None:
                 return  # idle: waiting requests are blocked by the policy until something changes
+            if self.track_leases and f.scheduled:
+                f.leases = [r.num_preemptions for r, _ in f.scheduled]
             if len(running) > stats.max_running:
                 stats.max_running = len(running)
             if len(self.waiting) > stats.max_waiting:
@@ -621,7 +697,7 @@ class Engine:
             rv = r.view
             hits: list[Hashable] = []
             hit_blocks = 0
-            computed = r.swapped_tokens
+            computed = r.swapped_tokens or r.moved_tokens
             if not computed and self.prefix_caching and r.unit_keys:
                 hits, hit_blocks = self._lookup(r)
                 computed = hit_blocks * bs
@@ -654,6 +730,9 @@ class Engine:
                 self.stats.num_swapped_bytes += swap_bytes
                 r.next_unit = len(r.unit_keys)
                 r.swapped_tokens = 0
+            elif r.moved_tokens:  # its KV came from another instance (the transfer was charged there)
+                r.next_unit = len(r.unit_keys)
+                r.moved_tokens = 0
             elif r.num_preemptions == 0:
                 r.num_cached_prefix_tokens = computed
                 self.stats.num_prefix_hit_tokens += computed
@@ -813,7 +892,9 @@ class Engine:
         targets = self._targets
         tokens = writer.tokens
         joiners: list[Request] = []
-        for r, m in f.scheduled:
+        handoffs: list[Request] = []
+        leases = f.leases
+        for i, (r, m) in enumerate(f.scheduled):
             ids.append(r.request_id)
             left = r.num_tokens - r.num_computed
             decode = left == 1 and r.num_computed >= r.num_prompt_tokens
@@ -823,6 +904,9 @@ class Engine:
                 num_decode += n
             else:
                 num_prefill += m
+            if r.owner is not self or (leases is not None and leases[i] != r.num_preemptions):
+                self.stats.num_stale_refused += 1  # it moved away during the step: this worker's lease is stale
+                continue
             if r.state != RUNNING:
                 continue  # cancelled during the step
             r.num_computed += m
@@ -840,6 +924,8 @@ class Engine:
                 tokens.append((r, now, r.num_branches, r.num_output * r.num_branches, False, iid))
             if r.num_output >= targets[r]:
                 finished.append((r, "completed"))
+            elif self.handoff is not None:  # a prefill instance: it decodes elsewhere
+                handoffs.append(r)
             elif self.fast and (r.num_branches == 1 or r.num_computed > r.num_prompt_tokens):
                 joiners.append(r)
         if self._report_steps:  # before finishing: finished requests drop their views
@@ -857,6 +943,8 @@ class Engine:
         self._step_index += 1
         self.stats.num_step_events += 1
         self._flight = None
+        for r in handoffs:  # after the step: its KV leaves with it
+            self.handoff(r, self.release(r, True))
         if self.fast:
             if not f.lockstep:  # after a request-by-request pass, decoders rejoin the lockstep set
                 for r in self.running:

@@ -24,6 +24,7 @@ WAITING = 0
 RUNNING = 1
 HELD = 2  # admission said "queue": not yet in the engine's waiting queue
 FINISHED = 3
+MOVING = 4  # between two instances of a cluster (its KV in transfer, or to be recomputed): no engine holds it
 
 
 class Request:
@@ -59,6 +60,7 @@ class Request:
         "held_units",
         "next_unit",
         "swapped_tokens",
+        "moved_tokens",
         # lockstep membership (fast mode)
         "lock",
         "g0",
@@ -73,6 +75,8 @@ class Request:
         "scheduled_ns",
         "first_token_ns",
         "view",
+        # the lease: the engine that may advance it now (its worker), at generation ``num_preemptions``
+        "owner",
     )
 
     def __init__(
@@ -123,6 +127,7 @@ class Request:
         self.held_units: list[Hashable] = []
         self.next_unit = 0
         self.swapped_tokens = 0
+        self.moved_tokens = 0  # tokens whose KV arrived from another instance (replay.cluster), not yet placed
         self.lock = None
         self.g0 = 0
         self.lock_offset = 0
@@ -135,6 +140,7 @@ class Request:
         self.scheduled_ns: int | None = None
         self.first_token_ns: int | None = None
         self.view = None
+        self.owner = None
 
     def live_ticks(self) -> int:
         """Decode positions gained in lockstep since ``g0`` (0 outside the lockstep set)."""
