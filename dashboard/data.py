@@ -34,6 +34,7 @@ from pathlib import Path
 import duckdb
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipelines.config import LakeConfig
@@ -321,11 +322,16 @@ def lake_requests_path(snapshot: LakeSnapshot, cache_dir: str | Path, memory_lim
 # ------------------------------------------------------------------------------------------ request-file queries
 
 
-def _selected(requests_path: str | Path, selection: Selection) -> tuple[str, list[object]]:
+def _selected(requests_path: str | Path, selection: Selection, scope: TenantScope | None = None) -> tuple[str, list[object]]:
     """The selected requests as a SQL relation (with its parameters): arrivals in the window, of
-    the class; ``class_name`` is the class ('default' when none), ``crowd_member`` the tenant or,
-    without one, the request itself (``CROWD_ID``, for k-anonymity counting)."""
+    the class (and of ``scope``'s tenant only, when given); ``class_name`` is the class ('default'
+    when none), ``crowd_member`` the tenant or, without one, the request itself (``CROWD_ID``, for
+    k-anonymity counting)."""
     clauses, params = ["arrival_ns IS NOT NULL"], []
+    if scope is not None:
+        predicate, scope_params = scope.where("tenant")
+        clauses.append(predicate)
+        params += scope_params
     if selection.window is not None:
         clauses += ["arrival_ns >= ?", "arrival_ns < ?"]
         params += [int(selection.window.start_ns), int(selection.window.end_ns)]
@@ -512,13 +518,9 @@ def _shares(t: pa.Table, covered_s: np.ndarray) -> dict[str, pa.Array]:
         }
 
 
-def service_over_time(requests_path: str | Path, selection: Selection, objectives: Sequence[Objective], bin_s: float,
-                      k: int) -> tuple[pa.Table, int]:
-    """Attainment, SLO goodput, rejections and cancellations per time bin (by arrival) and class,
-    k-anonymous; (table, cells suppressed)."""
+def _service_over_time(con: duckdb.DuckDBPyConnection, relation: str, params: list[object], selection: Selection,
+                       objectives: Sequence[Objective], bin_s: float, k: int) -> tuple[pa.Table, int]:
     bin_ns = max(1, int(round(bin_s * NS)))
-    con = connect()
-    relation, params = _selected(requests_path, selection)
     judged = _with_verdicts(con, relation, objectives)
     binned = f"(SELECT *, (arrival_ns // {bin_ns}) * {bin_ns} AS bin_start_ns FROM {judged})"
     result = k_anonymous(con, binned, ["bin_start_ns", "class_name"], _SERVICE_AGGREGATES, k=k,
@@ -529,12 +531,16 @@ def service_over_time(requests_path: str | Path, selection: Selection, objective
     return pa.table(columns), result.num_suppressed
 
 
-def service_by_class(requests_path: str | Path, selection: Selection, objectives: Sequence[Objective],
-                     k: int) -> tuple[pa.Table, int]:
-    """Per class over the whole selection: requests, attainment (overall and per objective),
-    goodput per second of the window, and every outcome beside it; k-anonymous."""
-    con = connect()
+def service_over_time(requests_path: str | Path, selection: Selection, objectives: Sequence[Objective], bin_s: float,
+                      k: int) -> tuple[pa.Table, int]:
+    """Attainment, SLO goodput, rejections and cancellations per time bin (by arrival) and class,
+    k-anonymous; (table, cells suppressed)."""
     relation, params = _selected(requests_path, selection)
+    return _service_over_time(connect(), relation, params, selection, objectives, bin_s, k)
+
+
+def _service_by_class(con: duckdb.DuckDBPyConnection, relation: str, params: list[object], selection: Selection,
+                      objectives: Sequence[Objective], k: int) -> tuple[pa.Table, KAnonymousResult]:
     judged = _with_verdicts(con, relation, objectives)
     result = k_anonymous(con, judged, ["class_name"], _SERVICE_AGGREGATES | {
         "first_arrival_ns": "min(arrival_ns)", "last_arrival_ns": "max(arrival_ns)"}, k=k,
@@ -545,80 +551,126 @@ def service_by_class(requests_path: str | Path, selection: Selection, objectives
     else:
         first, last = _floats(t["first_arrival_ns"]), _floats(t["last_arrival_ns"])
         covered = np.maximum((last - first) / NS, 1e-9) if t.num_rows else np.zeros(0)
-    return pa.table({"service_class": t["class_name"]} | _shares(t, covered)), result.num_suppressed
+    return pa.table({"service_class": t["class_name"]} | _shares(t, covered)), result
 
 
-def _interpolated(sorted_list: str, probabilities: str) -> str:
-    """SQL: the quantiles at ``probabilities`` of an ascending list, interpolated linearly between
-    the two nearest ranks (``quantile_cont``, numpy's default)."""
-    n1 = f"(len({sorted_list}) - 1)"
-    lo, hi = f"floor(p * {n1})::BIGINT + 1", f"ceil(p * {n1})::BIGINT + 1"
-    return (f"list_transform({probabilities}, lambda p: {sorted_list}[{lo}] + (p * {n1} - floor(p * {n1})) * "
-            f"({sorted_list}[{hi}] - {sorted_list}[{lo}]))")
+def service_by_class(requests_path: str | Path, selection: Selection, objectives: Sequence[Objective],
+                     k: int) -> tuple[pa.Table, int]:
+    """Per class over the whole selection: requests, attainment (overall and per objective),
+    goodput per second of the window, and every outcome beside it; k-anonymous."""
+    relation, params = _selected(requests_path, selection)
+    table, result = _service_by_class(connect(), relation, params, selection, objectives, k)
+    return table, result.num_suppressed
+
+
+def interpolated_quantiles(values: np.ndarray, probabilities: Sequence[float]) -> np.ndarray:
+    """The quantiles of ``values`` at ``probabilities``, interpolated linearly between the two
+    nearest ranks (DuckDB's ``quantile_cont``, numpy's default): a partial sort places only the
+    ranks needed (``np.partition``), a few times faster than sorting every value."""
+    p = np.asarray(probabilities, dtype=np.float64)
+    position = p * (values.size - 1)
+    lo, hi = np.floor(position).astype(np.int64), np.ceil(position).astype(np.int64)
+    ranked = np.partition(values, np.unique(np.concatenate([lo, hi])))
+    return ranked[lo] + (position - lo) * (ranked[hi] - ranked[lo])
+
+
+_CDF_SCHEMA = pa.schema([("service_class", pa.string()), ("metric", pa.string()), ("probability", pa.float64()),
+                         ("value_s", pa.float64()), ("num_points", pa.int64())])
+
+
+def _latency_quantiles(con: duckdb.DuckDBPyConnection, relation: str, params: list[object],
+                       classes: Sequence[str]) -> pa.Table:
+    """``CDF_PROBABILITIES`` quantiles of each latency column of ``classes`` (those that passed
+    k-anonymity): one scan reads the three columns of those classes, numpy places the ranks."""
+    rows: dict[str, list] = {name: [] for name in _CDF_SCHEMA.names}
+    names = sorted(classes)
+    if names:
+        marks = ", ".join("?" for _ in names)
+        table = con.sql(
+            f"SELECT list_position([{marks}], class_name) AS class_index, {', '.join(LATENCY_COLUMNS)} "
+            f"FROM {relation} WHERE class_name IN ({marks})", params=[*names, *params, *names],
+        ).to_arrow_table()
+        index = table["class_index"].to_numpy()
+        columns = {c: (pc.is_valid(table[c]).to_numpy(), pc.fill_null(table[c], 0.0).to_numpy()) for c in LATENCY_COLUMNS}
+        for position, name in enumerate(names, start=1):
+            mine = index == position
+            for column, (valid, values) in columns.items():
+                values = values[mine & valid]
+                if not values.size:
+                    continue
+                n = len(CDF_PROBABILITIES)
+                rows["service_class"] += [name] * n
+                rows["metric"] += [column] * n
+                rows["probability"] += list(CDF_PROBABILITIES)
+                rows["value_s"] += interpolated_quantiles(values, CDF_PROBABILITIES).tolist()
+                rows["num_points"] += [int(values.size)] * n
+    return pa.table(rows, schema=_CDF_SCHEMA)
 
 
 def latency_cdfs(requests_path: str | Path, selection: Selection, k: int) -> tuple[pa.Table, int]:
     """Quantiles of TTFT, each request's p99 inter-token gap and E2E per class at
     ``CDF_PROBABILITIES`` (long format: ``service_class``, ``metric``, ``probability``, ``value_s``,
     ``num_points``), k-anonymous: a class with fewer than k tenants or requests is left out and
-    counted.
-
-    The classes that pass ``k_anonymous`` are found first; only theirs are then read, each column
-    sorted once per class and every quantile interpolated from it (exactly ``quantile_cont``, in
-    about 40% of its time for 200 probabilities)."""
+    counted. The classes that pass ``k_anonymous`` are found first; only theirs are then read."""
     con = connect()
     relation, params = _selected(requests_path, selection)
-    counts = {f"n_{column}": f"count({column})" for column in LATENCY_COLUMNS}
-    result = k_anonymous(con, relation, ["class_name"], counts, k=k, tenant_column="crowd_member",
+    result = k_anonymous(con, relation, ["class_name"], {}, k=k, tenant_column="crowd_member",
                          request_column=REQUEST_SEQ, params=params)
-    shown = [row for row in result.table.to_pylist() if not row["suppressed"]]
-    rows: dict[str, list] = {"service_class": [], "metric": [], "probability": [], "value_s": [], "num_points": []}
-    if shown:
-        probs = "[" + ", ".join(repr(p) for p in CDF_PROBABILITIES) + "]"
-        sorted_lists = ", ".join(f"list_sort(list({c}) FILTER (WHERE {c} IS NOT NULL)) AS v_{c}" for c in LATENCY_COLUMNS)
-        quantiles = ", ".join(f"CASE WHEN len(v_{c}) > 0 THEN {_interpolated(f'v_{c}', probs)} END AS q_{c}"
-                              for c in LATENCY_COLUMNS)
-        marks = ", ".join("?" for _ in shown)
-        query = (f"SELECT class_name, {quantiles} FROM (SELECT class_name, {sorted_lists} FROM {relation} "
-                 f"WHERE class_name IN ({marks}) GROUP BY class_name) ORDER BY class_name")
-        counted = {row["class_name"]: row for row in shown}
-        for row in con.sql(query, params=[*params, *counted]).to_arrow_table().to_pylist():
-            for column in LATENCY_COLUMNS:
-                values, n = row[f"q_{column}"], counted[row["class_name"]][f"n_{column}"]
-                if not values or not n:
-                    continue
-                rows["service_class"] += [row["class_name"]] * len(values)
-                rows["metric"] += [column] * len(values)
-                rows["probability"] += list(CDF_PROBABILITIES)
-                rows["value_s"] += values
-                rows["num_points"] += [n] * len(values)
-    schema = pa.schema([("service_class", pa.string()), ("metric", pa.string()), ("probability", pa.float64()),
-                        ("value_s", pa.float64()), ("num_points", pa.int64())])
-    return pa.table(rows, schema=schema), result.num_suppressed
+    shown = [row["class_name"] for row in result.table.to_pylist() if not row["suppressed"]]
+    return _latency_quantiles(con, relation, params, shown), result.num_suppressed
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceLevels:
+    """Everything the Service levels page draws, from one connection (``service_levels``)."""
+
+    by_class: pa.Table  # ``service_by_class``
+    num_hidden_classes: int  # classes suppressed (in the table and the CDFs alike)
+    series: pa.Table  # ``service_over_time``
+    num_hidden_bins: int
+    cdfs: pa.Table  # ``latency_cdfs``
+
+
+def service_levels(requests_path: str | Path, selection: Selection, objectives: Sequence[Objective], bin_s: float,
+                   k: int) -> ServiceLevels:
+    """``service_by_class``, ``service_over_time`` and ``latency_cdfs`` of one selection with two
+    k-anonymous aggregates instead of three: the CDFs are drawn for the classes the per-class cells
+    show (the same rows grouped the same way, so the same classes pass)."""
+    con = connect()
+    relation, params = _selected(requests_path, selection)
+    by_class, classes = _service_by_class(con, relation, params, selection, objectives, k)
+    series, num_hidden_bins = _service_over_time(con, relation, params, selection, objectives, bin_s, k)
+    shown = [row["class_name"] for row in classes.table.select(["class_name", "suppressed"]).to_pylist() if not row["suppressed"]]
+    cdfs = _latency_quantiles(con, relation, params, shown)
+    return ServiceLevels(by_class, classes.num_suppressed, series, num_hidden_bins, cdfs)
 
 
 # ------------------------------------------------------------------------------------------ tenants
 
 
-def _tenant_rows(con: duckdb.DuckDBPyConnection, requests_path: str | Path, selection: Selection,
-                 config: MetricsConfig) -> tuple[str, list[object]]:
+def _tenant_rows(con: duckdb.DuckDBPyConnection, requests_path: str | Path, selection: Selection, config: MetricsConfig,
+                 *, scope: TenantScope | None = None, verdicts: bool = True) -> tuple[str, list[object]]:
     """Per-request rows for tenant views (as ``replay.metrics.tenant_metrics`` builds them): the
-    tenant ('unknown' when none), delivered service, entitlement weight, charged accelerator-seconds."""
-    relation, params = _selected(requests_path, selection)
+    tenant ('unknown' when none), delivered service, entitlement weight, charged accelerator-seconds,
+    and (``verdicts``) each request's objective verdicts; only ``scope``'s rows when given (filtered
+    as the file is read)."""
+    relation, params = _selected(requests_path, selection, scope)
     weights = config.weights()
     con.register("dashboard_weights", pa.table({
         "weighted_tenant": pa.array(list(weights), pa.string()),
         "tenant_weight": pa.array(list(weights.values()), pa.float64()),
     }))
     accelerators = int(config.cost.accelerators_per_instance)
+    judged = _with_verdicts(con, relation, objectives_for(config)) if verdicts else relation
     rows = f"""(
         SELECT coalesce(r.tenant, 'unknown') AS tenant, r.request_id, r.{REQUEST_SEQ}, r.class_name, r.outcome, r.ttft_s, r.queue_s,
-               r.e2e_s, r.good, r.num_prompt_tokens, r.num_cached_prefix_tokens, r.num_preemptions,
+               r.e2e_s, {'r.good' if verdicts else 'NULL::BOOLEAN AS good'}, r.num_prompt_tokens,
+               r.num_cached_prefix_tokens, r.num_preemptions,
                CASE WHEN coalesce(r.num_output_tokens, 0) > 0
                     THEN coalesce(r.num_prompt_tokens, 0) + 2 * r.num_output_tokens ELSE 0 END AS service,
                coalesce(w.tenant_weight, 1.0) AS weight,
                coalesce(r.{BUSY_COLUMN}, 0.0) * {accelerators} AS accelerator_seconds
-        FROM {_with_verdicts(con, relation, objectives_for(config))} r
+        FROM {judged} r
         LEFT JOIN dashboard_weights w ON w.weighted_tenant = coalesce(r.tenant, 'unknown')
     )"""
     return rows, params
@@ -641,7 +693,7 @@ def tenant_service(requests_path: str | Path, selection: Selection, config: Metr
     ``k_anonymous``: no timing figure, and tenants with fewer than k requests suppressed (the
     aggregates of ``replay.metrics.tenant_metrics``, computed in DuckDB)."""
     con = connect()
-    rows, params = _tenant_rows(con, requests_path, selection, config)
+    rows, params = _tenant_rows(con, requests_path, selection, config, verdicts=False)
     return k_anonymous(con, rows, ["tenant"], _tenant_aggregates(config), k=k, min_tenants=1, request_column=REQUEST_SEQ,
                        params=params)
 
@@ -660,7 +712,7 @@ def fairness(requests_path: str | Path, selection: Selection, config: MetricsCon
     ``replay.metrics.jain_index``), through ``k_anonymous`` with the tenant as the unit: below k
     tenants it is suppressed."""
     con = connect()
-    rows, params = _tenant_rows(con, requests_path, selection, config)
+    rows, params = _tenant_rows(con, requests_path, selection, config, verdicts=False)
     per_tenant = f"(SELECT tenant, sum(service) / max(weight) AS x FROM {rows} GROUP BY tenant)"
     result = k_anonymous(con, per_tenant, [], {
         "jain_index": "CASE WHEN sum(x * x) > 0 THEN sum(x) * sum(x) / (count(*) * sum(x * x)) END",
@@ -680,11 +732,13 @@ class TenantDetail:
 
 def tenant_detail(requests_path: str | Path, selection: Selection, config: MetricsConfig, scope: TenantScope,
                   *, num_slowest: int = 20) -> TenantDetail:
-    """Everything about the viewer's tenant: its rows only (``scope.where``), every figure including
-    timing. Other tenants never enter these queries."""
+    """Everything about the viewer's tenant: its rows only (``scope``, applied as the file is read),
+    every figure including timing. Other tenants never enter these queries. The figures of the
+    tenant's rows are read once into a temporary table (without the long request ids, which only
+    the slowest requests need) that the summary and the per-class figures share."""
     con = connect()
-    rows, params = _tenant_rows(con, requests_path, selection, config)
-    predicate, scope_params = scope.where("tenant")
+    rows, params = _tenant_rows(con, requests_path, selection, config, scope=scope)
+    con.execute(f"CREATE TEMP TABLE viewer_rows AS SELECT * EXCLUDE (request_id) FROM {rows}", params)
     aggregates = _tenant_aggregates(config) | {
         "attainment": "avg(good::DOUBLE)",
         "ttft_p50_s": "quantile_cont(ttft_s, 0.5)",
@@ -695,14 +749,11 @@ def tenant_detail(requests_path: str | Path, selection: Selection, config: Metri
         "preemptions_per_request": "avg(coalesce(num_preemptions, 0)::DOUBLE)",
         "cancelled_share": "avg((outcome = 'cancelled')::DOUBLE)",
     }
-    summary = k_anonymous(con, rows, [], aggregates, k=1, min_tenants=1, where=predicate, request_column=REQUEST_SEQ,
-                          params=[*params, *scope_params])
-    by_class = k_anonymous(con, rows, ["class_name"], aggregates, k=1, min_tenants=1, where=predicate, request_column=REQUEST_SEQ,
-                           params=[*params, *scope_params])
+    summary = k_anonymous(con, "viewer_rows", [], aggregates, k=1, min_tenants=1, request_column=REQUEST_SEQ)
+    by_class = k_anonymous(con, "viewer_rows", ["class_name"], aggregates, k=1, min_tenants=1, request_column=REQUEST_SEQ)
     slowest = con.sql(
         f"SELECT request_id, class_name AS service_class, outcome, ttft_s, queue_s, e2e_s, num_preemptions "
-        f"FROM {rows} WHERE {predicate} ORDER BY ttft_s DESC NULLS LAST, request_id LIMIT {int(num_slowest)}",
-        params=[*params, *scope_params],
+        f"FROM {rows} ORDER BY ttft_s DESC NULLS LAST, request_id LIMIT {int(num_slowest)}", params=params,
     ).to_arrow_table()
     return TenantDetail(summary.table, by_class.table, slowest)
 

@@ -206,18 +206,9 @@ def totals(path: str, selection: Selection, k: int) -> pa.Table:
 
 
 @st.cache_data(show_spinner=False, max_entries=64)
-def service_over_time(path: str, selection: Selection, objectives: tuple[data.Objective, ...], bin_s: float, k: int):
-    return data.service_over_time(path, selection, objectives, bin_s, k)
-
-
-@st.cache_data(show_spinner=False, max_entries=64)
-def service_by_class(path: str, selection: Selection, objectives: tuple[data.Objective, ...], k: int):
-    return data.service_by_class(path, selection, objectives, k)
-
-
-@st.cache_data(show_spinner=False, max_entries=64)
-def latency_cdfs(path: str, selection: Selection, k: int):
-    return data.latency_cdfs(path, selection, k)
+def service_levels(path: str, selection: Selection, objectives: tuple[data.Objective, ...], bin_s: float,
+                   k: int) -> data.ServiceLevels:
+    return data.service_levels(path, selection, objectives, bin_s, k)
 
 
 @st.cache_data(show_spinner=False, max_entries=64)
@@ -259,6 +250,26 @@ def _gate_reports(gate_dir: str, tick: int) -> tuple[runs.GateReportRef, ...]:
 def gate_reports(s: Settings) -> tuple[runs.GateReportRef, ...]:
     """The gate reports under dashboard.gate_dir, newest first (re-listed every refresh interval)."""
     return _gate_reports(s.dashboard.gate_dir, _tick(s))
+
+
+def lake_page(s: Settings, page: str) -> tuple[LakeView, Selection]:
+    """The top of a lake page: the lake's request file and the selection from the time-window and
+    class filters (the first-run panel and a stop when the lake holds no events)."""
+    view = lake_view(s)
+    if view is None:
+        first_run(s, "the lake holds no events")
+        st.stop()
+    return view, lake_selection(view, page)
+
+
+def lake_selection(view: LakeView, page: str) -> Selection:
+    """The time-window and class filters of a lake page, side by side."""
+    left, right = st.columns([3, 1])
+    with left:
+        window = window_filter(view.overview, page)
+    with right:
+        service_class = class_filter(view.overview.classes, page)
+    return Selection(window, service_class)
 
 
 def series_bin_s(s: Settings, view: LakeView, selection: Selection) -> float:

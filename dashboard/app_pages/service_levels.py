@@ -6,25 +6,14 @@ import pyarrow as pa
 import streamlit as st
 
 from dashboard import charts, ui
-from dashboard.data import Selection, objectives_for
+from dashboard.data import objectives_for
 
 s = ui.page("Service levels", "Attainment and SLO goodput per class over time, with rejections and cancellations beside "
             "them, and latency CDFs per class. A request is good when it completed within every objective of its class.")
 k = s.privacy.min_group_size
-view = ui.lake_view(s)
-if view is None:
-    ui.first_run(s, "the lake holds no events")
-    st.stop()
-
+view, selection = ui.lake_page(s, "service")
 config = ui.metrics_config(s)
-ov = view.overview
-left, right = st.columns([3, 1])
-with left:
-    window = ui.window_filter(ov, "service")
-with right:
-    service_class = ui.class_filter(ov.classes, "service")
-selection = Selection(window, service_class)
-objectives = objectives_for(config, ov.classes)
+objectives = objectives_for(config, view.overview.classes)
 
 st.subheader("Objectives")
 ui.show_table(pa.table({
@@ -37,26 +26,25 @@ ui.show_table(pa.table({
 st.caption("From dashboard.gate_config_file (its classes; 'default' covers classes it does not list)"
            if s.dashboard.gate_config_file else "The gate's built-in objectives (set dashboard.gate_config_file to use yours).")
 
-by_class, hidden_classes = ui.service_by_class(view.requests_path, selection, objectives, k)
-st.subheader("Per class over the window")
-ui.show_table(by_class)
-ui.suppressed_note(hidden_classes, k, "classes")
-
 bin_s = ui.series_bin_s(s, view, selection)
-series, hidden = ui.service_over_time(view.requests_path, selection, objectives, bin_s, k)
+levels = ui.service_levels(view.requests_path, selection, objectives, bin_s, k)  # one connection for the whole page
+st.subheader("Per class over the window")
+ui.show_table(levels.by_class)
+ui.suppressed_note(levels.num_hidden_classes, k, "classes")
+
+series = levels.series
 ui.show_figure(charts.service_figure(series, "attainment", "Attainment per class: good requests / arrivals", "attainment", bin_s),
                "attainment")
 ui.show_figure(charts.service_figure(series, "goodput_rps", "SLO goodput per class: good requests per second",
                                      "good requests/s", bin_s), "goodput")
 ui.show_figure(charts.service_figure(series, "rejected_share", "Rejected share per class (goodput is never shown alone)",
                                      "rejected / arrivals", bin_s), "rejected")
-ui.suppressed_note(hidden, k, "time bins")
+ui.suppressed_note(levels.num_hidden_bins, k, "time bins")
 
 st.subheader("Latency distributions")
-cdfs, hidden_cdfs = ui.latency_cdfs(view.requests_path, selection, k)
 limits = {o.service_class: {"ttft_s": o.ttft_s, "itl_s": o.itl_s, "e2e_s": o.e2e_s} for o in objectives}
-ui.show_figure(charts.cdf_figure(cdfs, limits), "cdfs")
-ui.suppressed_note(hidden_cdfs, k, "classes")
+ui.show_figure(charts.cdf_figure(levels.cdfs, limits), "cdfs")
+ui.suppressed_note(levels.num_hidden_classes, k, "classes")
 st.caption("TTFT starts at arrival (the frontend received the whole request), not at scheduling as vLLM's per-request "
            "field does. ITL is each request's 99th-percentile gap between consecutive tokens; where an engine delivered "
            "tokens in chunks, a chunk of k tokens after a gap g counts as k gaps of g/k. E2E ends at the last token. "

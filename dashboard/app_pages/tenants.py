@@ -5,24 +5,12 @@ from __future__ import annotations
 import streamlit as st
 
 from dashboard import charts, ui
-from dashboard.data import Selection
 
 s = ui.page("Tenants", "Each tenant's delivered service against its entitlement and what it cost, through the k-anonymous "
             "helper (no timing across tenants); full detail only for this dashboard's own tenant.")
 k = s.privacy.min_group_size
-view = ui.lake_view(s)
-if view is None:
-    ui.first_run(s, "the lake holds no events")
-    st.stop()
-
+view, selection = ui.lake_page(s, "tenants")
 config = ui.metrics_config(s)
-ov = view.overview
-left, right = st.columns([3, 1])
-with left:
-    window = ui.window_filter(ov, "tenants")
-with right:
-    service_class = ui.class_filter(ov.classes, "tenants")
-selection = Selection(window, service_class)
 
 st.subheader("Service against entitlement, every tenant")
 table, hidden = ui.tenant_service(view.requests_path, selection, config, k)

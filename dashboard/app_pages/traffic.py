@@ -8,7 +8,7 @@ import pyarrow as pa
 import streamlit as st
 
 from dashboard import charts, ui
-from dashboard.data import NS, Selection
+from dashboard.data import NS
 
 s = ui.page("Traffic", "Ingest health, and arrivals and token volume over time by class (by arrival time).")
 k = s.privacy.min_group_size
@@ -63,12 +63,8 @@ if view is None:
 
 st.subheader("Arrivals and token volume")
 ov = view.overview
-left, right = st.columns([3, 1])
-with left:
-    window = ui.window_filter(ov, "traffic")
-with right:
-    service_class = ui.class_filter(ov.classes, "traffic")
-selection = Selection(window, service_class)
+selection = ui.lake_selection(view, "traffic")
+window = selection.window
 bin_s = ui.series_bin_s(s, view, selection)
 table, hidden = ui.arrivals(view.requests_path, selection, bin_s, k)
 totals = ui.totals(view.requests_path, selection, k).to_pylist()[0]

@@ -4,6 +4,7 @@ the page, and keep a full-height screenshot. Shared by the browser test and benc
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,13 @@ class PageVisit:
     num_exceptions: int  # stException elements shown in the page
     num_charts: int
     screenshot: Path
+    server_cpu_s: float | None = None  # CPU time the dashboard process spent meanwhile (with ``server_pid``)
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far, all its threads (``/proc/<pid>/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def wait_rendered(page, title: str, min_charts: int) -> int:
@@ -56,10 +64,12 @@ def full_height_screenshot(page, name: str, width: int = 1400) -> Path:
     return screenshot(page, name)
 
 
-def visit_pages(page, prefix: str) -> list[PageVisit]:
-    """Starting on the Overview page, open every page from the sidebar (no reload, as a user does)."""
+def visit_pages(page, prefix: str, server_pid: int | None = None) -> list[PageVisit]:
+    """Starting on the Overview page, open every page from the sidebar (no reload, as a user does);
+    with ``server_pid``, also the dashboard process's CPU time per page."""
     visits = []
     for title, path, charts in PAGES:
+        cpu = process_cpu_s(server_pid) if server_pid else None
         start = time.perf_counter()
         page.locator("[data-testid=stSidebarNav] a", has_text=title).first.click()
         if path:
@@ -67,8 +77,9 @@ def visit_pages(page, prefix: str) -> list[PageVisit]:
         heading = "servelens" if not path else title
         num_charts = wait_rendered(page, heading, charts)
         seconds = time.perf_counter() - start
+        server_cpu_s = process_cpu_s(server_pid) - cpu if server_pid else None
         exceptions = page.locator("[data-testid=stException]").count()
         shot = full_height_screenshot(page, f"{prefix}-{path or 'overview'}.png")
         page.set_viewport_size({"width": 1400, "height": 1000})
-        visits.append(PageVisit(title, path, seconds, exceptions, num_charts, shot))
+        visits.append(PageVisit(title, path, seconds, exceptions, num_charts, shot, server_cpu_s))
     return visits

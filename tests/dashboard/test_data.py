@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dashboard import data
 from dashboard.data import NS, Selection, TimeWindow
@@ -133,6 +136,46 @@ def test_latency_cdfs_are_the_quantiles_of_each_class_and_small_classes_are_left
     one_second = Selection(TimeWindow(first, first + NS))
     few, hidden_few = data.latency_cdfs(path, one_second, k=5)
     assert few.num_rows == 0 and hidden_few >= 1
+
+
+def test_cdf_quantiles_are_duckdbs_quantile_cont_of_each_visible_class(lake_tables):
+    _, path, _ = lake_tables
+    cdfs, _ = data.latency_cdfs(path, Selection(), k=5)
+    probabilities = "[" + ", ".join(repr(p) for p in data.CDF_PROBABILITIES) + "]"
+    columns = ", ".join(f"quantile_cont({c}, {probabilities}) AS {c}, count({c}) AS n_{c}" for c in data.LATENCY_COLUMNS)
+    expected = duckdb.sql(f"SELECT coalesce(service_class, 'default') AS class_name, {columns} "
+                          f"FROM read_parquet('{path}') GROUP BY ALL").to_arrow_table().to_pylist()
+    assert len(expected) == 2
+    for row in expected:
+        for column in data.LATENCY_COLUMNS:
+            mine = cdfs.filter(pc.and_(pc.equal(cdfs["service_class"], row["class_name"]), pc.equal(cdfs["metric"], column)))
+            assert mine["probability"].to_pylist() == list(data.CDF_PROBABILITIES)
+            assert mine["value_s"].to_pylist() == pytest.approx(row[column], rel=1e-12, abs=1e-15), (row["class_name"], column)
+            assert set(mine["num_points"].to_pylist()) == {row[f"n_{column}"]}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(min_value=-1e6, max_value=1e6), min_size=1, max_size=300),
+       st.lists(st.floats(min_value=0, max_value=1), min_size=1, max_size=20))
+def test_interpolated_quantiles_are_numpys_linear_quantiles(values, probabilities):
+    mine = data.interpolated_quantiles(np.asarray(values), probabilities)
+    assert mine.tolist() == pytest.approx(np.quantile(np.asarray(values), probabilities).tolist(), rel=1e-9, abs=1e-9)
+
+
+def test_the_service_levels_page_query_equals_its_three_views(lake_tables, config):
+    _, path, _ = lake_tables
+    ov = data.requests_overview(path)
+    objectives = data.objectives_for(config, ov.classes)
+    half = TimeWindow(ov.first_arrival_ns, (ov.first_arrival_ns + ov.last_arrival_ns) // 2)
+    for selection, k in ((Selection(), 5), (Selection(half), 5), (Selection(half, "interactive"), 5), (Selection(), 10**6)):
+        levels = data.service_levels(path, selection, objectives, 60.0, k)
+        by_class, hidden_classes = data.service_by_class(path, selection, objectives, k)
+        series, hidden_bins = data.service_over_time(path, selection, objectives, 60.0, k)
+        cdfs, hidden_cdfs = data.latency_cdfs(path, selection, k)
+        assert levels.by_class.equals(by_class) and levels.num_hidden_classes == hidden_classes == hidden_cdfs
+        assert levels.series.equals(series) and levels.num_hidden_bins == hidden_bins
+        assert levels.cdfs.equals(cdfs)
+    assert levels.num_hidden_classes == 2 and levels.cdfs.num_rows == 0  # every class under k: no distribution drawn
 
 
 def test_arrivals_over_time_add_up_show_the_busiest_second_and_suppress_small_cells(sample, lake_tables):
