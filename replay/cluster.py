@@ -43,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import json
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,8 +67,12 @@ from replay.views import RequestView
 from replay.workload import Workload, as_workload
 from schemas.types import doc
 
-#: Scaling transitions run at the cancellations' priority: after step ends, before arrivals.
+#: Scaling transitions, migrations and failures run at the cancellations' priority: after step ends, before arrivals.
 CONTROL = CANCEL
+
+
+def _INDEX(r: Request) -> int:
+    return r.index
 
 Lifecycle = Literal["starting", "ready", "draining", "stopped"]
 #: serve: prefills and decodes (aggregated); prefill / decode: one pool of a disaggregated cluster
@@ -121,6 +126,36 @@ class ScaleStep:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class MigrationStep:
+    """One move of a fixed migration schedule: a request leaves an instance for another of its pool."""
+
+    at_s: float = doc("When, seconds after the first arrival.")
+    instance: int = doc("The source instance, by creation index (0 = the first; decode instances follow the prefill pool).")
+    request_rank: int = doc(
+        "Which request: the running one at this rank in arrival order (modulo their number); with none running, "
+        "the waiting one at this rank; with none at all the step does nothing.",
+        0,
+    )
+    keep_kv: bool = doc("True: its KV moves with it (a transfer); False: it is recomputed at the destination.", True)
+
+    def __post_init__(self) -> None:
+        if self.at_s < 0 or self.instance < 0 or self.request_rank < 0:
+            raise ReplayError(f"migration step {self}: time, instance and rank must be >= 0")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InstanceFailure:
+    """An instance fails: it stops at once, and the requests it holds are recomputed elsewhere."""
+
+    at_s: float = doc("When, seconds after the first arrival.")
+    instance: int = doc("The instance, by creation index (nothing happens if it is not up then).")
+
+    def __post_init__(self) -> None:
+        if self.at_s < 0 or self.instance < 0:
+            raise ReplayError(f"instance failure {self}: time and instance must be >= 0")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ClusterConfig:
     """Instances (ready when the replay starts), their router, and the scaling schedule; optionally a
     separate decode pool (disaggregated serving) and the interconnect KV crosses between instances."""
@@ -149,6 +184,15 @@ class ClusterConfig:
         50e9,
     )
     kv_transfer_latency_s: float = doc("Fixed latency added to every KV transfer, seconds.", 20e-6)
+    migrations: tuple[MigrationStep, ...] = doc("Fixed migration schedule (any order).", ())
+    failures: tuple[InstanceFailure, ...] = doc("Instance failures at fixed times (any order).", ())
+    failure_rate_per_s: float = doc(
+        "Random failures: their rate over the cluster, per second (Poisson, seeded by failure_seed), within "
+        "failure_window_s of the first arrival; each fails an instance up then, drawn uniformly.",
+        0.0,
+    )
+    failure_window_s: float = doc("Span after the first arrival within which random failures happen, seconds.", 3600.0)
+    failure_seed: int = doc("Seed of the random failures (their times and instances).", 0)
 
     def __post_init__(self) -> None:
         if not self.instances:
@@ -163,6 +207,8 @@ class ClusterConfig:
             if self.scaling:
                 raise ReplayError("a scaling schedule with disaggregated pools is not supported yet",
                                   "scale an aggregated cluster, or size the two pools")
+        if self.failure_rate_per_s < 0 or self.failure_window_s < 0:
+            raise ReplayError("failure_rate_per_s and failure_window_s must be non-negative")
         if not self.kv_transfer_bandwidth_bytes_per_s > 0 or self.kv_transfer_latency_s < 0:
             raise ReplayError("kv_transfer_bandwidth_bytes_per_s must be positive and kv_transfer_latency_s non-negative")
         live = len(self.instances)
@@ -357,6 +403,10 @@ class Cluster:
         self._latency_ns = round(config.kv_transfer_latency_s * 1e9)
         self.num_transfers = 0
         self.kv_transfer_bytes = 0
+        # requests may move mid-step (migrations, failures): engines record the leases of their steps
+        self._faults = bool(config.migrations or config.failures or config.failure_rate_per_s)
+        self.num_migrations = 0
+        self.num_failures = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -369,6 +419,7 @@ class Cluster:
                                self.config.decode_router if role == "decode" else self.config.router, role)
         engine.on_finish = lambda r, inst=inst: self._finished(inst, r)
         engine.cancel_elsewhere = self._cancel_moved
+        engine.track_leases = self._faults
         if role == "prefill":
             engine.handoff = lambda r, target, inst=inst: self._handoff(inst, r, target)
         self.instances.append(inst)
@@ -388,6 +439,17 @@ class Cluster:
             (self.decode_routable if role == "decode" else self.routable).append(inst)
         for step in self.config.scaling:
             self.kernel.schedule(now + round(step.at_s * 1e9), CONTROL, lambda step=step: self._scale(step))
+        for m in self.config.migrations:
+            self.kernel.schedule(now + round(m.at_s * 1e9), CONTROL, lambda m=m: self._migrate(m))
+        for f in self.config.failures:
+            self.kernel.schedule(now + round(f.at_s * 1e9), CONTROL, lambda f=f: self._fail_index(f.instance))
+        if self.config.failure_rate_per_s > 0:
+            rng = random.Random(self.config.failure_seed)
+            t = rng.expovariate(self.config.failure_rate_per_s)
+            while t <= self.config.failure_window_s:
+                u = rng.random()
+                self.kernel.schedule(now + round(t * 1e9), CONTROL, lambda u=u: self._fail_random(u))
+                t += rng.expovariate(self.config.failure_rate_per_s)
 
     def _state(self, inst: ClusterInstance, state: Lifecycle, action: str | None) -> None:
         inst.state = state
@@ -407,6 +469,8 @@ class Cluster:
         for _ in range(-step.delta):
             live = [x for x in self.instances if x.state in ("starting", "ready")]
             if len(live) <= 1:
+                if self._faults:
+                    break  # failures took the others: the last one stays
                 raise ReplayError("a scale-down would leave no instance (a cluster bug: the schedule is checked)")
             inst = live[-1]  # the newest goes first
             if inst.state == "starting":
@@ -441,9 +505,14 @@ class Cluster:
         now = self.kernel.now_ns
         view = RequestView(r)
         routable = self.routable
+        writer = self.writer
+        if not routable:  # only after failures: every instance of the pool is down
+            writer.arrived.append((r, None, None))
+            writer.finished.append((r, now, "error", 0, "no instance takes traffic (all failed or stopped)", None))
+            self.stats.num_finished += 1
+            return
         d = self.router.route(view, routable)
         r.num_admission_decisions += 1
-        writer = self.writer
         if d.shed:
             self.num_shed += 1
             reject = AdmissionDecision(decision="reject", reason=d.reason, retry_after_s=d.retry_after_s)
@@ -506,7 +575,7 @@ class Cluster:
     def _move(self, r: Request, target: int, src: ClusterInstance, router: Router, routable: list[ClusterInstance]) -> None:
         now = self.kernel.now_ns
         if not routable:
-            self._end_moved(r, src, "error", "no instance to move to (all stopped, failed or draining)", counted=False)
+            self._end_moved(r, src, "error", "no instance to move to (all failed, stopped or draining)", counted=False)
             return
         dest = routable[router.route(r.view, routable).index]
         r.num_admission_decisions += 1
@@ -533,9 +602,67 @@ class Cluster:
         if r.state == FINISHED:
             return  # cancelled on the way
         del self._in_transit[r]
+        if dest.state == "stopped":  # it failed while the request was on its way: on, recomputing
+            lost = r.num_computed if r.moved_tokens else 0
+            r.num_computed = r.moved_tokens = 0
+            r.num_preemptions += 1
+            self.writer.preempted.append((r, self.kernel.now_ns, "recompute", r.num_preemptions, lost, dest.instance_id))
+            self._left(dest, r)
+            self._move(r, target, dest, *self._pool(dest))
+            return
         engine = dest.engine
         engine.interrupt_run()
         engine.receive(r, target)
+
+    def _pool(self, inst: ClusterInstance) -> tuple[Router, list[ClusterInstance]]:
+        """The router and the instances taking traffic now of ``inst``'s pool, less ``inst``."""
+        if inst.role == "decode":
+            return self.decode_router, [x for x in self.decode_routable if x is not inst]
+        return self.router, [x for x in self.routable if x is not inst]
+
+    def _migrate(self, step: MigrationStep) -> None:
+        """A migration step: move one request of the instance (if it is up and holds one) to another of its pool."""
+        if step.instance >= len(self.instances):
+            return
+        src = self.instances[step.instance]
+        if src.state not in ("ready", "draining"):
+            return
+        engine = src.engine
+        engine.interrupt_run()  # its queues as the reference mode has them now
+        candidates = sorted(engine.running, key=_INDEX) or sorted([*engine.waiting, *engine.held], key=_INDEX)
+        router, routable = self._pool(src)
+        if not candidates or not routable:
+            return
+        r = candidates[step.request_rank % len(candidates)]
+        self.num_migrations += 1
+        target = engine.release(r, step.keep_kv)
+        self._left(src, r)
+        self._move(r, target, src, router, routable)
+
+    def _fail_index(self, index: int) -> None:
+        if index < len(self.instances):
+            self._fail(self.instances[index])
+
+    def _fail_random(self, u: float) -> None:
+        live = [x for x in self.instances if x.state in ("ready", "draining")]
+        if live:
+            self._fail(live[int(u * len(live))])
+
+    def _fail(self, inst: ClusterInstance) -> None:
+        """``inst`` fails now: it stops (``instance_state`` stopped, no scale action) and each request it held
+        is recomputed on another instance of its pool (routed as a move), or ends ``error`` if none is up."""
+        if inst.state not in ("ready", "draining"):
+            return
+        self.num_failures += 1
+        for pool in (self.routable, self.decode_routable):
+            if inst in pool:
+                pool.remove(inst)
+        moved = inst.engine.fail()
+        self._state(inst, "stopped", None)
+        router, routable = self._pool(inst)
+        for r, target in moved:
+            self._left(inst, r)
+            self._move(r, target, inst, router, routable)
 
     def _cancel_moved(self, r: Request) -> None:
         """A cancellation comes due for a request that moved since it was scheduled."""
@@ -577,6 +704,7 @@ class InstanceSummary:
     cache_warm_ns: int
     num_kv_transfers_out: int  # KV transfers that left it (disaggregated hand-offs, migrations)
     kv_bytes_out: int
+    num_stale_steps_refused: int  # step results refused for requests that had moved away (stale leases)
 
 
 @dataclass(frozen=True, slots=True)
@@ -602,6 +730,8 @@ class ClusterSummary:
     instances: tuple[InstanceSummary, ...]
     num_kv_transfers: int = 0
     kv_transfer_bytes: int = 0
+    num_migrations: int = 0
+    num_failures: int = 0
 
 
 def run_cluster_replay(
@@ -660,6 +790,16 @@ def run_cluster_replay(
             "kv_transfer_bandwidth_bytes_per_s": cluster.kv_transfer_bandwidth_bytes_per_s,
             "kv_transfer_latency_s": cluster.kv_transfer_latency_s,
         }
+    if cluster.migrations or cluster.failures or cluster.failure_rate_per_s:  # likewise
+        manifest["cluster"]["faults"] = {
+            "migrations": [_plain(m) for m in cluster.migrations],
+            "failures": [_plain(f) for f in cluster.failures],
+            "failure_rate_per_s": cluster.failure_rate_per_s,
+            "failure_window_s": cluster.failure_window_s,
+            "failure_seed": cluster.failure_seed,
+            "kv_transfer_bandwidth_bytes_per_s": cluster.kv_transfer_bandwidth_bytes_per_s,
+            "kv_transfer_latency_s": cluster.kv_transfer_latency_s,
+        }
     run_id = hashlib.sha256(json.dumps(manifest, sort_keys=True, default=str).encode()).hexdigest()[:12]
     engine_id = f"replay-{run_id}"
 
@@ -690,6 +830,7 @@ def run_cluster_replay(
             ready_s=None if x.ready_ns is None else (x.ready_ns - start_ns) / 1e9,
             startup_ns=x.phases_ns[0], weight_load_ns=x.phases_ns[1], cache_warm_ns=x.phases_ns[2],
             num_kv_transfers_out=x.num_transfers_out, kv_bytes_out=x.kv_bytes_out,
+            num_stale_steps_refused=x.engine.stats.num_stale_refused,
         )
         for x in cl.instances
     )
@@ -713,4 +854,6 @@ def run_cluster_replay(
         instances=instances,
         num_kv_transfers=cl.num_transfers,
         kv_transfer_bytes=cl.kv_transfer_bytes,
+        num_migrations=cl.num_migrations,
+        num_failures=cl.num_failures,
     )

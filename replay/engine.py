@@ -340,6 +340,17 @@ class Engine:
         )
         return self._targets.pop(r)
 
+    def fail(self) -> list[tuple[Request, int]]:
+        """The instance fails now (a cluster injects it): every request it holds leaves with its KV lost
+        (``release``, recompute), in arrival order, and the step in flight never ends (tokens of a run's
+        steps that ended before now were delivered). Returns each request with its output target."""
+        self.interrupt_run()
+        self._catch_up()
+        held = sorted([*self.held, *self.waiting, *self.running], key=lambda r: r.index)
+        out = [(r, self.release(r, False)) for r in held]
+        self._flight = None  # its pending end finds no flight (``_end_flight``)
+        return out
+
     def receive(self, r: Request, target: int) -> None:
         """``r`` arrives now from another instance (``release``) and waits here for the batch, in arrival
         order; the KV of its ``moved_tokens`` came with it and is placed when it is admitted to the batch
