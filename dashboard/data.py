@@ -325,6 +325,21 @@ def lake_requests_path(snapshot: LakeSnapshot, cache_dir: str | Path, memory_lim
 # ------------------------------------------------------------------------------------------ request-file queries
 
 
+#: Largest key, in bits, that DuckDB aggregates in a directly indexed table instead of a hash
+#: table. The k-anonymity checks count distinct requests (``REQUEST_SEQ``, 1..n: 20 bits for a
+#: million requests); with the default (12 bits) that count over a whole selection took twice
+#: the CPU time. 22 bits is at most 4M slots (tens of MB while a query runs); larger keys fall back
+#: to hashing as before.
+PERFECT_HASH_BITS = 22
+
+
+def query_connection() -> duckdb.DuckDBPyConnection:
+    """A connection for the pages' aggregates over a derived request file."""
+    con = connect()
+    con.execute(f"SET perfect_ht_threshold = {PERFECT_HASH_BITS}")
+    return con
+
+
 def _selected(requests_path: str | Path, selection: Selection, scope: TenantScope | None = None) -> tuple[str, list[object]]:
     """The selected requests as a SQL relation (with its parameters): arrivals in the window, of
     the class (and of ``scope``'s tenant only, when given); ``class_name`` is the class ('default'
@@ -385,7 +400,7 @@ def arrivals_over_time(requests_path: str | Path, selection: Selection, bin_s: f
         f"coalesce(num_prompt_tokens, 0) AS prompt_tokens, coalesce(num_output_tokens, 0) AS output_tokens "
         f"FROM {relation})"
     )
-    result = k_anonymous(connect(), binned, ["bin_start_ns", "class_name"], {
+    result = k_anonymous(query_connection(), binned, ["bin_start_ns", "class_name"], {
         "num_arrivals": "count(*)", "peak_per_second": "max(same_second)",
         "prompt_tokens": "sum(prompt_tokens)::BIGINT", "output_tokens": "sum(output_tokens)::BIGINT",
     }, k=k, tenant_column="crowd_member", request_column=REQUEST_SEQ, params=params)
@@ -428,7 +443,7 @@ def count_requests(requests_path: str | Path, selection: Selection) -> int:
 def selection_totals(requests_path: str | Path, selection: Selection, k: int) -> KAnonymousResult:
     """Requests, tenants, prompt and output tokens of the selection as one k-anonymous cell."""
     relation, params = _selected(requests_path, selection)
-    return k_anonymous(connect(), relation, [], {
+    return k_anonymous(query_connection(), relation, [], {
         "num_prompt_tokens": "sum(coalesce(num_prompt_tokens, 0))::BIGINT",
         "num_output_tokens": "sum(coalesce(num_output_tokens, 0))::BIGINT",
     }, k=k, tenant_column="crowd_member", request_column=REQUEST_SEQ, params=params)
@@ -539,7 +554,7 @@ def service_over_time(requests_path: str | Path, selection: Selection, objective
     """Attainment, SLO goodput, rejections and cancellations per time bin (by arrival) and class,
     k-anonymous; (table, cells suppressed)."""
     relation, params = _selected(requests_path, selection)
-    return _service_over_time(connect(), relation, params, selection, objectives, bin_s, k)
+    return _service_over_time(query_connection(), relation, params, selection, objectives, bin_s, k)
 
 
 def _service_by_class(con: duckdb.DuckDBPyConnection, relation: str, params: list[object], selection: Selection,
@@ -562,7 +577,7 @@ def service_by_class(requests_path: str | Path, selection: Selection, objectives
     """Per class over the whole selection: requests, attainment (overall and per objective),
     goodput per second of the window, and every outcome beside it; k-anonymous."""
     relation, params = _selected(requests_path, selection)
-    table, result = _service_by_class(connect(), relation, params, selection, objectives, k)
+    table, result = _service_by_class(query_connection(), relation, params, selection, objectives, k)
     return table, result.num_suppressed
 
 
@@ -615,7 +630,7 @@ def latency_cdfs(requests_path: str | Path, selection: Selection, k: int) -> tup
     ``CDF_PROBABILITIES`` (long format: ``service_class``, ``metric``, ``probability``, ``value_s``,
     ``num_points``), k-anonymous: a class with fewer than k tenants or requests is left out and
     counted. The classes that pass ``k_anonymous`` are found first; only theirs are then read."""
-    con = connect()
+    con = query_connection()
     relation, params = _selected(requests_path, selection)
     result = k_anonymous(con, relation, ["class_name"], {}, k=k, tenant_column="crowd_member",
                          request_column=REQUEST_SEQ, params=params)
@@ -639,7 +654,7 @@ def service_levels(requests_path: str | Path, selection: Selection, objectives: 
     """``service_by_class``, ``service_over_time`` and ``latency_cdfs`` of one selection with two
     k-anonymous aggregates instead of three: the CDFs are drawn for the classes the per-class cells
     show (the same rows grouped the same way, so the same classes pass)."""
-    con = connect()
+    con = query_connection()
     relation, params = _selected(requests_path, selection)
     by_class, classes = _service_by_class(con, relation, params, selection, objectives, k)
     series, num_hidden_bins = _service_over_time(con, relation, params, selection, objectives, bin_s, k)
@@ -695,7 +710,7 @@ def tenant_service(requests_path: str | Path, selection: Selection, config: Metr
     """Each tenant's delivered service against its entitlement, and its cost, through
     ``k_anonymous``: no timing figure, and tenants with fewer than k requests suppressed (the
     aggregates of ``replay.metrics.tenant_metrics``, computed in DuckDB)."""
-    con = connect()
+    con = query_connection()
     rows, params = _tenant_rows(con, requests_path, selection, config, verdicts=False)
     return k_anonymous(con, rows, ["tenant"], _tenant_aggregates(config), k=k, min_tenants=1, request_column=REQUEST_SEQ,
                        params=params)
@@ -714,7 +729,7 @@ def fairness(requests_path: str | Path, selection: Selection, config: MetricsCon
     """Jain's index of delivered service over entitlement weight across tenants (as
     ``replay.metrics.jain_index``), through ``k_anonymous`` with the tenant as the unit: below k
     tenants it is suppressed."""
-    con = connect()
+    con = query_connection()
     rows, params = _tenant_rows(con, requests_path, selection, config, verdicts=False)
     per_tenant = f"(SELECT tenant, sum(service) / max(weight) AS x FROM {rows} GROUP BY tenant)"
     result = k_anonymous(con, per_tenant, [], {
@@ -738,7 +753,7 @@ def tenant_detail(requests_path: str | Path, selection: Selection, config: Metri
     """Everything about the viewer's tenant, every figure including timing, from its rows only:
     ``scope`` filters the file as it is read (before the objectives and weights are joined), so
     other tenants never enter these queries."""
-    con = connect()
+    con = query_connection()
     rows, params = _tenant_rows(con, requests_path, selection, config, scope=scope)
     aggregates = _tenant_aggregates(config) | {
         "attainment": "avg(good::DOUBLE)",
