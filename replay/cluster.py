@@ -266,6 +266,17 @@ def parse_scale_step(spec: str) -> ScaleStep:
         raise ReplayError(f"scale step {spec!r} is not AT_S:+N or AT_S:-N", "e.g. 120:+2 (add two at 120 s), 600:-1") from None
 
 
+def parse_failure(spec: str) -> InstanceFailure:
+    """An instance failure from ``AT_S:INDEX`` (the CLI's ``--fail``), e.g. ``300:1``."""
+    at, sep, index = spec.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return InstanceFailure(at_s=float(at), instance=int(index))
+    except ValueError:
+        raise ReplayError(f"instance failure {spec!r} is not AT_S:INDEX", "e.g. 300:1 (instance 1 fails at 300 s)") from None
+
+
 # ---------------------------------------------------------------------------------------------- instances
 
 

@@ -684,6 +684,19 @@ def _cluster_options(command):
                      help="Bandwidth weights load at, GB/s (default 2)."),
         click.option("--cache-warm-s", type=float, expose_value=False, callback=_stash("cache_warm_s"),
                      help="Its cache warm-up delay after loading, seconds (default 10)."),
+        click.option("--decode-instances", type=int, expose_value=False, callback=_stash("decode_instances"),
+                     help="Disaggregated serving: this many decode instances; --instances is then the prefill pool."),
+        click.option("--decode-router", expose_value=False, callback=_stash("decode_router"),
+                     help="Router of the decode pool (default least-outstanding-tokens)."),
+        click.option("--kv-transfer-gbps", type=float, expose_value=False, callback=_stash("kv_transfer_gbps"),
+                     help="Bandwidth of an instance's link for KV leaving it, GB/s (default 50)."),
+        click.option("--kv-transfer-latency-s", type=float, expose_value=False, callback=_stash("kv_transfer_latency_s"),
+                     help="Latency added to every KV transfer, seconds (default 0.00002)."),
+        click.option("--fail", multiple=True, expose_value=False, callback=_stash("fail"),
+                     help="Instance failure AT_S:INDEX (seconds after the first arrival, instance by creation index; "
+                          "repeatable), e.g. 300:1."),
+        click.option("--failure-rate-per-hour", type=float, expose_value=False, callback=_stash("failure_rate_per_hour"),
+                     help="Random instance failures per hour over the cluster (seeded by --seed), within the first hour."),
     ]
     for option in reversed(options):
         command = option(command)
@@ -694,7 +707,9 @@ def _replay_cluster(ctx: click.Context, workload_name: str, policy_name: str, po
                     engine_spec: str, cost_model: str, profile_path: Path | None, mode: str,
                     num_requests: int | None, seed: int, out: Path) -> None:
     """`servelens replay` with cluster options: the cluster replay (replay.cluster)."""
-    from replay.cluster import ScalingDelays, cluster_config, parse_scale_step, run_cluster_replay
+    import dataclasses
+
+    from replay.cluster import ScalingDelays, cluster_config, parse_failure, parse_scale_step, run_cluster_replay
     from replay.policies import load_policy_config
     from replay.policies.routing import load_router_config
     from replay.workload import load_workload
@@ -718,6 +733,19 @@ def _replay_cluster(ctx: click.Context, workload_name: str, policy_name: str, po
     router_config = load_router_config(router, meta["router_config"]) if "router_config" in meta else None
     config = cluster_config(num_instances, instance, router, router_config=router_config,
                             scaling=[parse_scale_step(s) for s in meta.get("scale", ())], delays=delays)
+    num_decode = meta.get("decode_instances", 0)
+    if num_decode < 0:
+        raise ServelensError(f"--decode-instances must be at least 1, not {num_decode}")
+    config = dataclasses.replace(
+        config,
+        decode_instances=(instance,) * num_decode,
+        decode_router=meta.get("decode_router", "least-outstanding-tokens"),
+        kv_transfer_bandwidth_bytes_per_s=meta.get("kv_transfer_gbps", 50.0) * 1e9,
+        kv_transfer_latency_s=meta.get("kv_transfer_latency_s", 20e-6),
+        failures=tuple(parse_failure(f) for f in meta.get("fail", ())),
+        failure_rate_per_s=meta.get("failure_rate_per_hour", 0.0) / 3600,
+        failure_seed=seed,
+    )
     workload = load_workload(workload_name, _shared_or_none(ctx, workload_name), num_requests)
     shared = shared_dir(_config(ctx)) if cost_model == "profile" and profile_path is None else None
     with click.progressbar(length=workload.num_requests or 0, label="replaying", file=sys.stderr,
@@ -738,9 +766,13 @@ def _replay_cluster(ctx: click.Context, workload_name: str, policy_name: str, po
         f"({summary.requests_per_wall_s:,.0f} requests/s): {summary.num_events:,} events, {summary.num_steps:,} engine steps, "
         f"{summary.num_preemptions:,} preemptions, {summary.num_shed:,} shed"
     )
+    if summary.num_kv_transfers or summary.num_failures:
+        click.echo(f"  {summary.num_kv_transfers:,} KV transfers ({summary.kv_transfer_bytes / 1e9:,.1f} GB), "
+                   f"{summary.num_failures} instance failures")
     for x in summary.instances:
         ready = "never ready" if x.ready_s is None else f"ready at {x.ready_s:,.1f} s"
-        click.echo(f"  {x.instance_id}: {x.num_routed:,} requests routed, {ready}")
+        role = "" if x.role == "serve" else f" ({x.role})"
+        click.echo(f"  {x.instance_id}{role}: {x.num_routed:,} requests routed, {ready}")
     click.echo(f"events:   {summary.events_path}\nmanifest: {summary.manifest_path} (run {summary.run_id})")
 
 
@@ -785,6 +817,7 @@ def replay_command(ctx: click.Context, workload_name: str, policy_name: str, pol
       servelens replay --workload azure-conv --policy deadline --policy-config deadline.yaml --out out/deadline
       servelens replay --workload azure-conv --profile profiles/llama-8b-h200.parquet --out out/8b-fitted
       servelens replay --workload azure-conv --instances 8 --router least-outstanding-tokens --scale 600:+2 --out out/cluster
+      servelens replay --workload azure-conv --instances 2 --decode-instances 2 --kv-transfer-gbps 50 --fail 300:1 --out out/disagg
       servelens replay --workload azure-conv --requests 40 --profile out/profiles/tiny-cpu.parquet --measured --out out/measured
     """
     if any(key.startswith("cluster.") for key in ctx.meta):

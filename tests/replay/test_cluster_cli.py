@@ -41,3 +41,19 @@ def test_cluster_options_fail_cleanly(tmp_path):
     ):
         proc = servelens("replay", "--workload", "azure-conv", "--requests", "50", *args, "--out", str(tmp_path / "x"))
         assert proc.returncode == 3 and message in proc.stderr and "Traceback" not in proc.stderr, (args, proc.stderr)
+
+
+def test_replay_with_disaggregated_pools_and_a_failure(tmp_path):
+    out = tmp_path / "disagg"
+    proc = servelens("replay", "--workload", "azure-conv", "--requests", "300", "--instances", "2", "--decode-instances", "2",
+                     "--kv-transfer-gbps", "25", "--fail", "30:3", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "KV transfers" in proc.stdout and "1 instance failures" in proc.stdout and "(decode)" in proc.stdout
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["cluster"]["disaggregation"]["kv_transfer_bandwidth_bytes_per_s"] == 25e9
+    assert manifest["cluster"]["faults"]["failures"] == [{"at_s": 30.0, "instance": 3}]
+    events = pq.read_table(out / "events.parquet", columns=["event_type", "mode", "request_id"]).to_pylist()
+    assert sum(e["event_type"] == "request_finished" for e in events) == 300
+    assert any(e["mode"] == "migrate" for e in events)
+    proc = servelens("replay", "--workload", "azure-conv", "--requests", "50", "--fail", "5", "--out", str(tmp_path / "x"))
+    assert proc.returncode == 3 and "is not AT_S:INDEX" in proc.stderr and "Traceback" not in proc.stderr
