@@ -37,6 +37,11 @@ class IngestConfig:
         "servelens",
     )
     poll_max_records: int = doc("Records fetched per poll.", 10_000)
+    transform_process: bool = doc(
+        "Decode, validate and sanitize in a child process with its own interpreter (kafka-python's record "
+        "parsing holds this process's interpreter lock most of the time); false: in this process.",
+        True,
+    )
     flush_max_events: int = doc("Buffered records that trigger a commit to the lake (bounds memory).", 100_000)
     flush_interval_s: float = doc("Longest time records wait in the buffer before a commit, seconds.", 5.0)
     max_message_bytes: int = doc("Larger messages go to dead letters as 'oversized' without being parsed.", 1_048_576)

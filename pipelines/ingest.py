@@ -47,14 +47,14 @@ from pipelines.config import IngestConfig, LakeConfig
 from pipelines.decode import Decoder, Rejected
 from pipelines.kafka_config import BrokerUnreachableError, KafkaConfig
 from pipelines.lake import DEAD_LETTERS, EVENTS, CommitFenced, Lake, OffsetRange, RecentIds
+from pipelines.transform import TransformSpec, TransformWorker
 from privacy.config import PrivacyConfig
 from privacy.keys import KeyRing
-from privacy.sanitize import FIELD_POLICIES, Sanitizer
+from privacy.sanitize import FIELD_POLICIES, PrivacyReport
 from schemas.arrow import arrow_schema
 from schemas.records import DeadLetter
 
 log = logging.getLogger("servelens.ingest")
-EVENT_ID = FIELD_POLICIES["event_id"]  # how the sanitizer pseudonymizes event ids
 
 DEAD_LETTER_SCHEMA = arrow_schema(DeadLetter)
 
@@ -154,11 +154,14 @@ class IngestConsumer:
         self.name = consumer_name or ingest.consumer_name or f"{socket.gethostname()}-{os.getpid()}"
         self.lake = Lake(lake.root, lake)
         self.keyring = keyring
-        self.sanitizer = Sanitizer(keyring, privacy)
-        self.decoder = Decoder(
+        Decoder(message_format=ingest.message_format)  # a clear error for an unknown format, now
+        spec = TransformSpec(
             max_message_bytes=ingest.max_message_bytes, max_future_skew_ns=int(ingest.max_future_skew_s * 1e9),
-            message_format=ingest.message_format,
+            message_format=ingest.message_format, privacy=privacy, active_key_id=keyring.active_id,
+            secrets=dict(keyring.secrets),
         )
+        self.transform = TransformWorker(spec, in_process=not ingest.transform_process)
+        self._privacy = PrivacyReport()
         self.recent = RecentIds(ingest.dedup_window_events)
         self.partitions: dict[int, _Partition] = {}
         self._unresolved: set[int] = set()
@@ -188,7 +191,7 @@ class IngestConsumer:
         timeout_s = self.kafka_config.connect_timeout_s
         ensure_topics(self.kafka_config.bootstrap_servers, {self.topic: self.kafka_config.num_partitions}, timeout_s=timeout_s)
         self.lake.ensure_tables()
-        self.sanitizer.scrubber.load()  # Presidio takes seconds to build: before the first batch, not in it
+        self.transform.start()  # decoder and sanitizer (Presidio takes seconds): before the first batch
         self.recent.add(self.lake.recent_event_ids(self.config.dedup_window_events // 2))
         try:
             self._consumer = KafkaConsumer(
@@ -222,6 +225,7 @@ class IngestConsumer:
                 self._consumer.close()
                 self._consumer = None
                 self._worker.shutdown(wait=True)
+                self.transform.close()
         return self.stats()
 
     def run(
@@ -333,19 +337,19 @@ class IngestConsumer:
     def _commit(self, batch: _Batch) -> _Outcome:
         """Decode, check, sanitize, de-duplicate and commit one batch (the worker thread's job)."""
         now_ns = time.time_ns()
-        decoded = self.decoder.decode(batch.values, now_ns=now_ns)
         parts = {r.partition: self.partitions[r.partition] for r in batch.ranges}
         dead_marks = {p: part.dead_mark for p, part in parts.items()}
         event_marks = {p: part.events_mark for p, part in parts.items()}
-        dead_rows = self._dead_letters(decoded.rejected, batch, dead_marks, now_ns)
         # events of records the lake already holds (below its mark after a crash) are not written again
-        limits = np.array([event_marks[p] or 0 for p in batch.owner[decoded.indices]], dtype=np.int64)
-        fresh = batch.offsets[decoded.indices] >= limits
-        events = decoded.events if fresh.all() else decoded.events.filter(pa.array(fresh))
-        if not fresh.all():  # re-read below the mark (see _resolve): stored already, remembered now
-            stored = decoded.events.filter(pa.array(~fresh))["event_id"].to_pylist()
-            self.recent.add(self.keyring.pseudonyms(EVENT_ID.kind, stored, hex_chars=EVENT_ID.hex_chars))
-        clean = self.sanitizer.sanitize(events, decoded.dropped_fields)
+        owners = np.array(sorted(event_marks), dtype=np.int64)
+        limits = np.array([event_marks[p] or 0 for p in owners.tolist()], dtype=np.int64)
+        fresh = batch.offsets >= limits[np.searchsorted(owners, batch.owner)]
+        done = self.transform(batch.values, fresh, now_ns)  # decode, validate, sanitize: in the worker
+        self._privacy = done.report
+        dead_rows = self._dead_letters(done.rejected, batch, dead_marks, now_ns)
+        if done.stored_ids:  # re-read below the mark (see _resolve): stored already, remembered now
+            self.recent.add(done.stored_ids)
+        clean = done.clean
         first = self.recent.first_sightings(clean["event_id"], remember=False)
         duplicates = int((~first).sum())
         clean = clean.filter(pa.array(first)) if duplicates else clean
@@ -524,6 +528,10 @@ class IngestConsumer:
         if self._unreachable_since is not None:
             log.warning("%s: the broker is reachable again after %.1f s", self.name, time.monotonic() - self._unreachable_since)
             self._unreachable_since = None
+
+    def privacy_report(self) -> PrivacyReport:
+        """What sanitization removed or coarsened since the start (counts only, never values)."""
+        return self._privacy
 
     def stats(self) -> IngestStats:
         elapsed = max(time.monotonic() - (self._first_record_s or time.monotonic()), 1e-9)

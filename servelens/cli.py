@@ -559,7 +559,7 @@ def ingest(ctx: click.Context, max_records: int | None, idle_exit_s: float | Non
     if live:
         click.echo("", err=True)
     click.echo(stats.line())
-    report = consumer.sanitizer.report().as_dict()
+    report = consumer.privacy_report().as_dict()
     click.echo(f"privacy: {json.dumps(report)}")
 
 

@@ -1,0 +1,211 @@
+"""The ingest's CPU-heavy middle step: decode, validate and sanitize a batch, in a worker process.
+
+The ingest process polls Kafka and commits to the lake; kafka-python parses every record in Python,
+holding the interpreter's lock most of the time. Decoding (``pipelines.decode``) and sanitizing
+(``privacy.sanitize``) cost about as much CPU again, and in a thread of the same process they would
+wait for that lock. So they run in one child process with an interpreter of its own
+(``TransformWorker``: ``python -m pipelines.transform``, spoken to in pickles over two pipes), fed one
+batch at a time: the ingest's commit thread hands it the raw values and which messages are fresh,
+waits for the result, then de-duplicates and commits.
+
+The step keeps no state the lake relies on: the sanitizer's sketches and caches shape only which
+labels fold into "other" and what is cached, so a restarted worker starts them anew, as a restarted
+ingest process always has. The worker dies with its parent (``PR_SET_PDEATHSIG``; elsewhere, at the
+closed pipe), so a SIGKILLed ingest leaves no process behind; a worker that dies alone fails the
+commit with a clear error (``TransformWorkerDied``) and nothing of that batch is stored.
+
+``IngestConfig.transform_process = false`` runs the same step in a thread of the ingest process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from pipelines.decode import Decoder, Rejected
+from privacy.config import PrivacyConfig
+from privacy.keys import KeyRing
+from privacy.sanitize import FIELD_POLICIES, PrivacyReport, Sanitizer
+from servelens.errors import ServelensError
+
+EVENT_ID = FIELD_POLICIES["event_id"]  # how the sanitizer pseudonymizes event ids
+_ROOT = Path(__file__).resolve().parents[1]  # the project root: the worker imports from it
+
+
+class TransformWorkerDied(ServelensError):
+    """The transform worker process ended while the ingest needed it."""
+
+
+@dataclass(frozen=True, slots=True)
+class TransformSpec:
+    """Everything a worker needs to build its decoder and sanitizer (picklable: keys as bytes)."""
+
+    max_message_bytes: int
+    max_future_skew_ns: int | None
+    message_format: str
+    privacy: PrivacyConfig
+    active_key_id: str
+    secrets: Mapping[str, bytes]
+
+    def build(self) -> Transform:
+        decoder = Decoder(max_message_bytes=self.max_message_bytes, max_future_skew_ns=self.max_future_skew_ns,
+                          message_format=self.message_format)
+        return Transform(decoder, Sanitizer(KeyRing(self.active_key_id, dict(self.secrets)), self.privacy))
+
+
+@dataclass(frozen=True, slots=True)
+class Transformed:
+    """One batch, decoded and sanitized."""
+
+    clean: pa.Table  # the sanitized events of fresh messages (EVENTS_SCHEMA), in message order
+    rejected: list[Rejected]  # messages that are not valid events (fresh or not: the caller filters)
+    stored_ids: list[str]  # pseudonymized event ids of the valid events of messages not fresh
+    report: PrivacyReport  # the sanitizer's cumulative counts
+
+
+class Transform:
+    """Decode, validate and sanitize one batch (where it runs is ``TransformWorker``'s business)."""
+
+    def __init__(self, decoder: Decoder, sanitizer: Sanitizer) -> None:
+        self.decoder = decoder
+        self.sanitizer = sanitizer
+
+    def __call__(self, values: list[bytes], fresh: np.ndarray, now_ns: int) -> Transformed:
+        """``fresh[i]``: message i is past the lake's events mark (messages below it were stored
+        already: their event ids come back, pseudonymized, to warm de-duplication)."""
+        decoded = self.decoder.decode(values, now_ns=now_ns)
+        keep = fresh[decoded.indices]
+        events = decoded.events if keep.all() else decoded.events.filter(pa.array(keep))
+        stored: list[str] = []
+        if not keep.all():
+            ids = decoded.events.filter(pa.array(~keep))["event_id"].to_pylist()
+            stored = self.sanitizer.keyring.pseudonyms(EVENT_ID.kind, ids, hex_chars=EVENT_ID.hex_chars)
+        clean = self.sanitizer.sanitize(events, decoded.dropped_fields)
+        return Transformed(clean, decoded.rejected, stored, self.sanitizer.report())
+
+
+# -- the worker process ---------------------------------------------------------------------------
+
+
+def _die_with_parent(parent_pid: int) -> bool:
+    """Ask Linux to SIGKILL this process when its parent dies; False if the parent is gone already."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the closed pipe ends the worker instead
+    return os.getppid() == parent_pid
+
+
+def _send(stream, message: object) -> None:
+    pickle.dump(message, stream, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.flush()
+
+
+def _serve(read_fd: int, write_fd: int, parent_pid: int) -> None:
+    """The worker's loop: a spec, then (values, fresh, now_ns) batches until the parent closes the pipe."""
+    if not _die_with_parent(parent_pid):
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent: it stops, then closes us
+    with os.fdopen(read_fd, "rb") as rx, os.fdopen(write_fd, "wb") as tx:
+        try:
+            transform = pickle.load(rx).build()
+            transform.sanitizer.scrubber.load()
+            _send(tx, ("ok", None))
+        except EOFError:
+            return
+        except Exception as exc:  # a bad configuration: the parent raises it
+            _send(tx, ("error", exc))
+            return
+        while True:
+            try:
+                args = pickle.load(rx)
+            except EOFError:
+                return
+            try:
+                reply = ("ok", transform(*args))
+            except Exception as exc:
+                reply = ("error", exc)
+            _send(tx, reply)
+
+
+class TransformWorker:
+    """Runs ``Transform`` in a child process (``python -m pipelines.transform``, spoken to over two
+    pipes), or (``in_process=True``) in the calling thread. One caller at a time."""
+
+    def __init__(self, spec: TransformSpec, *, in_process: bool = False) -> None:
+        self.spec = spec
+        self.in_process = in_process
+        self._local: Transform | None = None
+        self._process: subprocess.Popen | None = None
+        self._tx = self._rx = None
+
+    def start(self) -> TransformWorker:
+        """Start the worker and wait until its sanitizer is built (Presidio takes seconds): a bad
+        configuration fails here, and the first batch does not wait."""
+        if self.in_process:
+            self._local = self.spec.build()
+            self._local.sanitizer.scrubber.load()
+            return self
+        to_child, from_parent = os.pipe()[::-1]
+        to_parent, from_child = os.pipe()[::-1]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "pipelines.transform", str(from_parent), str(to_parent), str(os.getpid())],
+            pass_fds=(from_parent, to_parent), stdin=subprocess.DEVNULL, env=env,
+        )
+        os.close(from_parent)
+        os.close(to_parent)
+        self._tx, self._rx = os.fdopen(to_child, "wb"), os.fdopen(from_child, "rb")
+        self._ask(self.spec)
+        return self
+
+    def __call__(self, values: list[bytes], fresh: np.ndarray, now_ns: int) -> Transformed:
+        if self._local is not None:
+            return self._local(values, fresh, now_ns)
+        if self._process is None:
+            raise RuntimeError("TransformWorker called before start()")
+        return self._ask((values, fresh, now_ns))
+
+    def _ask(self, message: object):
+        try:
+            _send(self._tx, message)
+            status, value = pickle.load(self._rx)
+        except (BrokenPipeError, EOFError, OSError):
+            code = self._process.poll() if self._process is not None else None
+            raise TransformWorkerDied(
+                f"the ingest's transform worker process ended (exit status {code}: killed, or out of memory); "
+                "nothing of the batch was stored",
+                "restart the ingest: it resumes from the lake's marks",
+            ) from None
+        if status == "error":
+            raise value
+        return value
+
+    def close(self) -> None:
+        self._local = None
+        process, self._process = self._process, None
+        for stream in (self._tx, self._rx):
+            if stream is not None:
+                stream.close()
+        self._tx = self._rx = None
+        if process is not None:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+if __name__ == "__main__":
+    _serve(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))

@@ -1,0 +1,111 @@
+"""The ingest's transform worker: the same results as in process, a clear error when it dies, and no
+process left behind when the ingest is killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from pipelines.transform import EVENT_ID, TransformSpec, TransformWorker, TransformWorkerDied
+from privacy.config import PrivacyConfig
+from privacy.keys import KeyRing
+from schemas.events import RequestArrived, RequestFinished
+from schemas.wire import encode_event
+from servelens.errors import ConfigError
+
+SPEC = TransformSpec(max_message_bytes=4096, max_future_skew_ns=None, message_format="servelens", privacy=PrivacyConfig(),
+                     active_key_id="test", secrets={"test": bytes(range(32))})
+
+
+def messages() -> list[bytes]:
+    t0 = 1_764_000_000_000_000_000
+    out = []
+    for i in range(40):
+        out.append(encode_event(RequestArrived(event_id=f"e{i}", ts_ns=t0 + i, engine_id="eng", request_id=f"r{i}",
+                                               num_prompt_tokens=10 + i, tenant=f"tenant-{i % 3}")))
+        out.append(encode_event(RequestFinished(event_id=f"f{i}", ts_ns=t0 + 10 + i, engine_id="eng", request_id=f"r{i}",
+                                                outcome="error", num_output_tokens=1,
+                                                error_message=f"failed for alice{i}@example.com")))
+    out[5] = b"not json"  # a poison message
+    out[6] = b"x" * 5000  # oversized
+    return out
+
+
+def test_the_worker_process_gives_what_the_in_process_transform_gives() -> None:
+    values = messages()
+    fresh = np.arange(len(values)) >= 10  # the first ten were stored before a crash
+    local = TransformWorker(SPEC, in_process=True).start()
+    worker = TransformWorker(SPEC).start()
+    try:
+        a, b = local(values, fresh, 1_764_000_000_000_000_000), worker(values, fresh, 1_764_000_000_000_000_000)
+    finally:
+        worker.close()
+    assert b.clean.equals(a.clean) and b.clean.num_rows == len(values) - 10  # 5 and 6 are below the mark
+    assert [r.index for r in b.rejected] == [r.index for r in a.rejected] == [5, 6]
+    assert b.stored_ids == a.stored_ids and len(b.stored_ids) == 8
+    ids = ["e0", "f0", "e1", "f1", "e2", "f3", "e4", "f4"]  # messages 0-9 but 5 and 6, in order
+    assert b.stored_ids == KeyRing("test", SPEC.secrets).pseudonyms(EVENT_ID.kind, ids, hex_chars=EVENT_ID.hex_chars)
+    assert b.report == a.report and b.report.redactions.get("EMAIL_ADDRESS", 0) >= 1
+    assert "alice" not in str(b.clean.column("error_message").to_pylist())
+
+
+def test_a_worker_that_dies_fails_the_batch_with_a_clear_error() -> None:
+    worker = TransformWorker(SPEC).start()
+    try:
+        worker._process.kill()
+        worker._process.wait()
+        with pytest.raises(TransformWorkerDied) as err:
+            worker(messages(), np.ones(80, dtype=bool), 0)
+        assert "restart the ingest" in str(err.value) and "nothing of the batch was stored" in str(err.value)
+    finally:
+        worker.close()
+
+
+def test_a_bad_configuration_fails_at_start() -> None:
+    spec = TransformSpec(**{**{f: getattr(SPEC, f) for f in SPEC.__slots__},
+                            "privacy": PrivacyConfig(ner_model="no_such_spacy_model")})
+    with pytest.raises(ConfigError, match="no_such_spacy_model"):
+        TransformWorker(spec).start()
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for a reaper has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_worker_dies_with_a_killed_ingest(tmp_path) -> None:
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(os.getcwd())!r})
+        from tests.pipelines.test_transform import SPEC
+        from pipelines.transform import TransformWorker
+        worker = TransformWorker(SPEC).start()
+        print(worker._process.pid, flush=True)
+        time.sleep(120)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert _alive(child)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and _alive(child):
+            time.sleep(0.1)
+        if _alive(child):
+            os.kill(child, signal.SIGKILL)
+            pytest.fail("the transform worker outlived its SIGKILLed parent")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
