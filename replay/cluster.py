@@ -9,8 +9,21 @@ policy object; all of them run on one ``Kernel`` and write to one ``EventWriter`
    ``admission_decided`` event with decision ``route`` and ``target`` = the instance (or ``reject``
    when a sheddable request is shed, which then finishes ``rejected`` without reaching an instance);
 3. the chosen instance's own admission policy decides as for a lone instance (a second
-   ``admission_decided``), and the request lives and ends there. It never moves (migration is later
-   work), so every request is served by exactly one instance.
+   ``admission_decided``), and the request lives there until it ends or moves.
+
+**Moves.** A request leaves its instance for another (``Engine.release``, then ``Engine.receive``
+at the destination; in between no engine holds it) when: a disaggregated cluster's prefill instance
+produced its first token (``decode_instances``: it moves with its KV to a decode instance); a
+migration step moves it (``MigrationStep``: with its KV or to be recomputed, within its pool); its
+instance fails (``InstanceFailure``, random failures: recomputed within the pool, or ``error`` with
+nowhere to go). Each move is a ``request_preempted`` at the source (mode ``migrate`` with the KV,
+else ``recompute``) carrying the request's new lease generation (``num_preemptions``, bumped by one
+per preemption or move), then an ``admission_decided`` ``route`` whose ``target`` is the
+destination. KV crosses the source's link (transfers leaving one instance queue; bytes / bandwidth,
+then the latency). The lease is ``Request.owner`` at that generation: an engine refuses the result
+of a step for a request it no longer holds (``Engine.track_leases``), so two workers never advance
+the same state. A move is routed at the instant it is decided, after the steps that end then; the
+hand-offs of one instant in arrival order.
 
 **Scaling** follows a fixed schedule (``ScaleStep``: at a time after the first arrival, add or remove
 instances). An added instance reports ``instance_state`` ``starting`` (``scale_action`` scale_up)

@@ -34,6 +34,12 @@ mode (the default) computes the same passes with less work:
   is the reference mode's. An event inside a run first brings the run's progress to where the
   reference has it (all but its last step), so policies observe the same state in both modes.
 
+In a cluster (``replay.cluster``) a request can leave an instance (``release``: its blocks freed,
+its lease generation bumped, a ``request_preempted`` event) and join another (``receive``, with the
+KV of its computed tokens or none); a prefill instance of a disaggregated cluster releases every
+request once it samples a token (``handoff``); ``fail`` releases them all. A step's result is
+refused for a request that left during the step (a stale lease, ``stats.num_stale_refused``).
+
 Invariants checked with ``check_invariants``: KV blocks never negative nor above capacity; the
 blocks requests hold add up to the pool's used count; every request ends with exactly one
 ``request_finished``.

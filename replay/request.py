@@ -14,6 +14,11 @@ live value adds ``lock.ticks - g0`` (``live_*`` below, and the views, do this).
 
 The request's true output length is not here: the engine keeps it apart, so that nothing a policy
 can reach through a view reveals it.
+
+In a cluster a request can move between instances (``replay.cluster``): ``owner`` is the engine
+holding its lease (None while it moves), ``num_preemptions`` the lease generation (bumped by every
+preemption and every move), ``moved_tokens`` the tokens whose KV came with it, placed when it is
+admitted to the destination's batch.
 """
 
 from __future__ import annotations
