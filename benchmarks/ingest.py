@@ -6,11 +6,17 @@ models; ``benchmarks/synthetic.py``) to an 8-partition topic, then, in this one 
 1. reads every record back with a bare kafka-python consumer (``poll(max_records=...)``, no work):
    the raw consume rate;
 2. ingests the same topic with ``pipelines.ingest.IngestConsumer`` into a fresh lake (decode,
-   validate, sanitize, de-duplicate, commit to Delta/Parquet): the end-to-end rate.
+   validate, sanitize, de-duplicate, commit to Delta/Parquet): the end-to-end rate, counted from
+   the first record read (the consumer's start-up, building Presidio in its transform worker, is
+   reported apart as ``ingest_start_s``).
 
-It samples the process's resident memory every half second during the ingest and reports the peak
-of the second and of the last quarter of the run (flat memory: their ratio stays near 1; the first
-quarter is left out, as it holds the warm-up before the first commits).
+One ingest consumer is this process (polling Kafka, de-duplicating, committing) plus its transform
+worker process (decoding, validating, sanitizing: ``pipelines.transform``). It samples the resident
+memory of the two together every half second during the ingest and reports the peak of the second
+and of the last quarter of the run (flat memory: their ratio stays near 1; the first quarter is left
+out, as it holds the warm-up before the first commits). CPU seconds per event are reported for the
+raw consumer, the ingest process and its worker: unlike the rates they hardly move with the load of
+a shared machine (``load_average_1min`` says what it was).
 
     python benchmarks/ingest.py            # 5,000,000 events
     python benchmarks/ingest.py --quick    # 200,000 events, under a minute
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import threading
@@ -44,12 +51,30 @@ TOPIC = "bench.events"
 PARTITIONS = 8
 
 
-def rss_mb() -> float:
-    with open("/proc/self/status") as fh:
+def _proc_status(pid: int | str, field: str) -> float:
+    with open(f"/proc/{pid}/status") as fh:
         for line in fh:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def rss_mb(*pids: int | str) -> float:
+    """Resident memory of these processes together (default: this one), MB."""
+    total = 0.0
+    for pid in pids or ("self",):
+        try:
+            total += _proc_status(pid, "VmRSS")
+        except FileNotFoundError:  # ended
+            pass
+    return total
+
+
+def cpu_s(pid: int | str = "self") -> float:
+    """CPU seconds (user + system) a process has used, all its threads."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def produce(bootstrap: str, num_events: int) -> int:
@@ -71,23 +96,26 @@ def produce(bootstrap: str, num_events: int) -> int:
     return count
 
 
-def raw_consume(bootstrap: str, num_events: int) -> float:
+def raw_consume(bootstrap: str, num_events: int) -> tuple[float, float]:
+    """(events/s, CPU seconds of this process per event)."""
     from kafka import KafkaConsumer, TopicPartition
 
     consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest",
                              max_poll_records=10_000, fetch_max_bytes=64 * 1024 * 1024)
     consumer.assign([TopicPartition(TOPIC, p) for p in range(PARTITIONS)])
     consumer.seek_to_beginning()
-    seen, started = 0, time.perf_counter()
+    seen, started, cpu0 = 0, time.perf_counter(), time.process_time()
     while seen < num_events:
         for records in consumer.poll(timeout_ms=500, max_records=10_000).values():
             seen += len(records)
-    elapsed = time.perf_counter() - started
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu0
     consumer.close()
-    return seen / elapsed
+    return seen / elapsed, cpu / seen
 
 
-def ingest(bootstrap: str, num_events: int, root: str) -> tuple[float, list[float], object]:
+def ingest(bootstrap: str, num_events: int, root: str) -> dict:
+    """Ingest the topic with one IngestConsumer; its rate, memory samples (this process and the
+    consumer's transform worker together) and CPU per event of each."""
     consumer = IngestConsumer(
         KafkaConfig(bootstrap_servers=bootstrap, topic=TOPIC, num_partitions=PARTITIONS),
         IngestConfig(session_timeout_ms=2_000, heartbeat_interval_ms=500, status_interval_s=5.0),  # else defaults
@@ -96,20 +124,35 @@ def ingest(bootstrap: str, num_events: int, root: str) -> tuple[float, list[floa
         KeyRing("bench", {"bench": bytes(range(32))}),
         consumer_name="bench",
     )
+    started = time.perf_counter()
     consumer.start()
+    start_s = time.perf_counter() - started
+    worker = consumer.transform._process.pid if consumer.transform._process is not None else None
+    pids = ("self",) if worker is None else ("self", worker)
     samples: list[float] = []
     done = threading.Event()
+    cpu = {"self": cpu_s(), "worker": cpu_s(worker) if worker else 0.0}
 
     def sample() -> None:
         while not done.wait(0.5):
-            samples.append(rss_mb())
+            samples.append(rss_mb(*pids))
 
+    close = consumer.transform.close
+
+    def close_and_count() -> None:  # the worker's CPU, read before it ends
+        if worker:
+            cpu["worker"] = cpu_s(worker) - cpu["worker"]
+        close()
+
+    consumer.transform.close = close_and_count
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     stats = consumer.run(max_records=num_events)  # its rate counts from the first record read
+    cpu["self"] = cpu_s() - cpu["self"]
     done.set()
     sampler.join()
-    return stats.events_per_s, samples, stats
+    return {"rate": stats.events_per_s, "samples": samples, "stats": stats, "start_s": start_s,
+            "cpu_us_per_event": cpu["self"] / num_events * 1e6, "worker_cpu_us_per_event": cpu["worker"] / num_events * 1e6}
 
 
 def main() -> None:
@@ -120,9 +163,10 @@ def main() -> None:
     num_events = args.events or (200_000 if args.quick else 5_000_000)
     with LocalBroker(topics={TOPIC: PARTITIONS}) as broker, tempfile.TemporaryDirectory() as tmp:
         produced = produce(broker.bootstrap, num_events)
-        raw = raw_consume(broker.bootstrap, produced)
+        raw, raw_cpu = raw_consume(broker.bootstrap, produced)
         print(f"raw consume: {raw:,.0f} events/s", file=sys.stderr)
-        rate, samples, stats = ingest(broker.bootstrap, produced, f"{tmp}/lake")
+        result = ingest(broker.bootstrap, produced, f"{tmp}/lake")
+        rate, samples, stats = result["rate"], result["samples"], result["stats"]
         print(f"end-to-end ingest: {rate:,.0f} events/s; {stats.line()}", file=sys.stderr)
     quarter = max(1, len(samples) // 4)
     first, last = max(samples[quarter : 2 * quarter] or [rss_mb()]), max(samples[-quarter:] or [rss_mb()])
@@ -133,6 +177,11 @@ def main() -> None:
                 "raw_consume_events_per_s": round(raw),
                 "ingest_events_per_s": round(rate),
                 "ingest_vs_raw": round(rate / raw, 2),
+                "raw_cpu_us_per_event": round(raw_cpu * 1e6, 2),
+                "ingest_cpu_us_per_event": round(result["cpu_us_per_event"], 2),
+                "worker_cpu_us_per_event": round(result["worker_cpu_us_per_event"], 2),
+                "ingest_start_s": round(result["start_s"], 2),
+                "load_average_1min": round(os.getloadavg()[0], 2),
                 "peak_rss_mb": round(max(samples or [rss_mb()]), 1),
                 "rss_second_quarter_mb": round(first, 1),
                 "rss_last_quarter_mb": round(last, 1),
