@@ -150,7 +150,7 @@ def test_random_failures_are_seeded(tmp_path):
 
 @st.composite
 def faulty_clusters(draw):
-    blocks = draw(st.integers(250, 1200))
+    blocks = draw(st.integers(200, 600))  # small pools: preemptions
     instance = instance_config(engine=EngineConfig(num_kv_blocks_override=blocks, max_num_seqs=draw(st.sampled_from([4, 128])),
                                                    preemption_mode=draw(st.sampled_from(["recompute", "swap"]))))
     if draw(st.booleans()):
