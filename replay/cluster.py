@@ -594,16 +594,20 @@ class Cluster:
         moves, self._moves = self._moves, []
         moves.sort(key=lambda m: m[0].index)
         for r, target, src in moves:
-            self._move(r, target, src, self.decode_router, self.decode_routable)
+            self._move(r, target, src, self.decode_router, self.decode_routable, "hand-off to decode")
 
-    def _move(self, r: Request, target: int, src: ClusterInstance, router: Router, routable: list[ClusterInstance]) -> None:
+    def _move(self, r: Request, target: int, src: ClusterInstance, router: Router, routable: list[ClusterInstance],
+              why: str) -> None:
+        """Route ``r`` (released by ``src``) to one of ``routable`` and send it there (its KV over ``src``'s
+        link first, if it carries any); the route event's reason says ``why``, then the router."""
         now = self.kernel.now_ns
         if not routable:
             self._end_moved(r, src, "error", "no instance to move to (all failed, stopped or draining)", counted=False)
             return
         dest = routable[router.route(r.view, routable).index]
         r.num_admission_decisions += 1
-        self.writer.admission.append((r, now, dest._route, r.num_admission_decisions, dest.instance_id))
+        self.writer.admission.append((r, now, _Route(f"{why} ({dest._route.reason})", dest.instance_id),
+                                      r.num_admission_decisions, dest.instance_id))
         dest.num_outstanding += 1
         dest.num_outstanding_tokens += r.num_prompt_tokens
         dest.num_routed += 1
@@ -632,7 +636,7 @@ class Cluster:
             r.num_preemptions += 1
             self.writer.preempted.append((r, self.kernel.now_ns, "recompute", r.num_preemptions, lost, dest.instance_id))
             self._left(dest, r)
-            self._move(r, target, dest, *self._pool(dest))
+            self._move(r, target, dest, *self._pool(dest), "destination failed")
             return
         engine = dest.engine
         engine.interrupt_run()
@@ -661,7 +665,7 @@ class Cluster:
         self.num_migrations += 1
         target = engine.release(r, step.keep_kv)
         self._left(src, r)
-        self._move(r, target, src, router, routable)
+        self._move(r, target, src, router, routable, "migration")
 
     def _fail_index(self, index: int) -> None:
         if index < len(self.instances):
@@ -686,16 +690,26 @@ class Cluster:
         router, routable = self._pool(inst)
         for r, target in moved:
             self._left(inst, r)
-            self._move(r, target, inst, router, routable)
+            self._move(r, target, inst, router, routable, "instance failed")
 
     def _cancel_moved(self, r: Request) -> None:
         """A cancellation comes due for a request that moved since it was scheduled."""
         if r.owner is not None:
             r.owner.cancel(r)
             return
-        dest = self._in_transit.pop(r)  # on its way: it ends where it was going
         now = self.kernel.now_ns
-        self.writer.cancelled.append((r, now, dest.instance_id))
+        dest = self._in_transit.pop(r, None)
+        if dest is None:  # released at this instant, not yet routed (a hand-off): it ends where it was
+            for k, (q, _, src) in enumerate(self._moves):
+                if q is r:
+                    del self._moves[k]
+                    break
+            else:
+                raise ReplayError(f"request {r.request_id} is held by no engine and on no move (a cluster bug)")
+            self.writer.cancelled.append((r, now, src.instance_id))
+            self._end_moved(r, src, "cancelled", None, counted=False)
+            return
+        self.writer.cancelled.append((r, now, dest.instance_id))  # on its way: it ends where it was going
         self._end_moved(r, dest, "cancelled", None, counted=True)
 
     def _end_moved(self, r: Request, inst: ClusterInstance, outcome: str, error: str | None, *, counted: bool) -> None:

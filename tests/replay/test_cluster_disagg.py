@@ -49,6 +49,7 @@ def test_a_request_is_prefilled_on_the_prefill_pool_and_decoded_on_the_decode_po
         ]
         # ... and a second route, to a decode instance, at that instant
         assert [roles[e["target"]] for e in routes] == ["prefill", "decode"] and routes[1]["ts_ns"] == t
+        assert [e["reason"] for e in routes] == ["least-outstanding-tokens", "hand-off to decode (least-outstanding-tokens)"]
         decode = routes[1]["target"]
         later = [e for e in evs if e["ts_ns"] > t or e["event_type"] in ("tokens_delivered", "request_finished")]
         assert later and all(e["instance_id"] == decode for e in later), later
@@ -163,3 +164,21 @@ def test_fast_and_reference_modes_agree_on_the_azure_trace_when_disaggregated(sh
     assert len(f) == 1500 and f == r
     assert fast.num_kv_transfers == ref.num_kv_transfers > 1000
     assert fast.num_events * 2 < ref.num_events
+
+
+def test_a_request_cancelled_at_the_instant_of_its_first_token_ends_on_the_prefill_instance(tmp_path):
+    # the first token (step end) comes before the cancellation at one instant: it is delivered, the
+    # request is released for its move, and the cancellation finds it between the two instances
+    config = disaggregated_config(1, 1)
+    w = make_workload([0, 0], [1000, 1000], [50, 50], cancel_after_ns=[10 * MS, None])
+    for mode in ("fast", "reference"):
+        summary = run_cluster_replay(w, config, cost_model="constant", mode=mode,
+                                     cost_model_config=ConstantCostConfig(step_time_ns=10 * MS),
+                                     out_dir=tmp_path / mode, check_invariants=True)
+        evs = _by_request(_events(summary))
+        prefill = summary.instances[0].instance_id
+        r0 = sorted((e["ts_ns"], e["event_type"], e["instance_id"]) for e in evs["r0"] if e["ts_ns"] == 10 * MS)
+        assert r0 == [(10 * MS, t, prefill) for t in
+                      sorted(["first_token", "request_preempted", "request_cancelled", "request_finished"])]
+        assert [e["outcome"] for e in evs["r0"] if e["event_type"] == "request_finished"] == ["cancelled"]
+        assert summary.num_kv_transfers == 1  # r1's

@@ -74,7 +74,8 @@ def test_a_step_from_a_worker_whose_lease_is_stale_is_refused(tmp_path, keep_kv)
         assert [(e["ts_ns"], e["instance_id"], e["mode"], e["lease_generation"], e["num_lost_tokens"]) for e in moved] == [
             (12 * MS, src, "migrate" if keep_kv else "recompute", 1, 0 if keep_kv else 2048)
         ]
-        assert [e["target"] for e in _of(events, "r0", "admission_decided") if e["decision"] == "route"] == [src, dest]
+        routes = [e for e in _of(events, "r0", "admission_decided") if e["decision"] == "route"]
+        assert [(e["target"], e["reason"]) for e in routes] == [(src, "round-robin"), (dest, "migration (round-robin)")]
         produced = _of(events, "r0", "first_token", "tokens_delivered", "request_finished")
         assert produced and all(e["instance_id"] == dest for e in produced)
         steps = [e for e in events if e["event_type"] == "step_executed" and "r0" in e["request_ids"]]
@@ -118,8 +119,9 @@ def test_a_failed_instance_stops_and_its_requests_are_recomputed_elsewhere(tmp_p
     lost = [e for e in events if e["event_type"] == "request_preempted"]
     assert lost and all(e["ts_ns"] == 200 * MS and e["instance_id"] == ids[1] and e["mode"] == "recompute" for e in lost)
     for e in lost:
-        routes = [x["target"] for x in _of(events, e["request_id"], "admission_decided") if x["decision"] == "route"]
-        assert routes[0] == ids[1] and routes[1] in (ids[0], ids[2])
+        routes = [x for x in _of(events, e["request_id"], "admission_decided") if x["decision"] == "route"]
+        assert routes[0]["target"] == ids[1] and routes[1]["target"] in (ids[0], ids[2])
+        assert routes[1]["reason"] == "instance failed (round-robin)" and routes[1]["ts_ns"] == 200 * MS
     assert all(e["outcome"] == "completed" for e in events if e["event_type"] == "request_finished")
     assert not [e for e in events if e["event_type"] == "admission_decided" and e["target"] == ids[1] and e["ts_ns"] > 200 * MS]
     assert fast.num_failures == 1
