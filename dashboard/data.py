@@ -394,16 +394,27 @@ def arrivals_over_time(requests_path: str | Path, selection: Selection, bin_s: f
     """
     bin_ns = max(1, int(round(bin_s * NS)))
     relation, params = _selected(requests_path, selection)
+    # Each request carries the arrivals of its class in the busiest second of its bin (bins of whole
+    # seconds: one row per bin and class to join, not one per second) or, in bins under a second,
+    # in its own second; the cell's peak is their maximum either way.
+    seconds_per_bin = bin_ns // NS if bin_ns % NS == 0 else 0
+    if seconds_per_bin:
+        peaks = (f"(SELECT class_name AS peak_class, second // {seconds_per_bin} AS peak_key, max(n) AS same_second FROM ("
+                 f"SELECT class_name, arrival_ns // {NS} AS second, count(*) AS n FROM {relation} GROUP BY ALL) GROUP BY ALL)")
+        key = f"arrival_ns // {bin_ns}"
+    else:
+        peaks = (f"(SELECT class_name AS peak_class, arrival_ns // {NS} AS peak_key, count(*) AS same_second "
+                 f"FROM {relation} GROUP BY ALL)")
+        key = f"arrival_ns // {NS}"
     binned = (
         f"(SELECT crowd_member, {REQUEST_SEQ}, class_name, (arrival_ns // {bin_ns}) * {bin_ns} AS bin_start_ns, "
-        f"count(*) OVER (PARTITION BY class_name, arrival_ns // {NS}) AS same_second, "
-        f"coalesce(num_prompt_tokens, 0) AS prompt_tokens, coalesce(num_output_tokens, 0) AS output_tokens "
-        f"FROM {relation})"
+        f"p.same_second, coalesce(num_prompt_tokens, 0) AS prompt_tokens, coalesce(num_output_tokens, 0) AS output_tokens "
+        f"FROM {relation} r JOIN {peaks} p ON p.peak_class = r.class_name AND p.peak_key = r.{key})"
     )
     result = k_anonymous(query_connection(), binned, ["bin_start_ns", "class_name"], {
         "num_arrivals": "count(*)", "peak_per_second": "max(same_second)",
         "prompt_tokens": "sum(prompt_tokens)::BIGINT", "output_tokens": "sum(output_tokens)::BIGINT",
-    }, k=k, tenant_column="crowd_member", request_column=REQUEST_SEQ, params=params)
+    }, k=k, tenant_column="crowd_member", request_column=REQUEST_SEQ, params=[*params, *params])
     t = result.table
     covered = _covered_s(t["bin_start_ns"].to_numpy(zero_copy_only=False), bin_ns, selection.window)
     table = pa.table({

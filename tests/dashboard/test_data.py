@@ -189,6 +189,19 @@ def test_arrivals_over_time_add_up_show_the_busiest_second_and_suppress_small_ce
     assert round(float((table["arrivals_per_s"].to_numpy() * covered / NS).sum())) == sample.num_requests
     assert sum(table["num_requests"].to_pylist()) == sample.num_requests
     assert (table["peak_arrivals_per_s"].to_numpy() >= table["arrivals_per_s"].to_numpy()).all()
+    arrivals = pq.read_table(path, columns=["arrival_ns", "service_class"]).to_pylist()
+    for width_s, bins in ((60.0, table), (0.5, data.arrivals_over_time(path, Selection(window), 0.5, k=1)[0])):
+        per_second: dict[tuple, int] = {}
+        for row in arrivals:  # the busiest second of each bin, counted here request by request
+            key = (row["service_class"], row["arrival_ns"] // NS)
+            per_second[key] = per_second.get(key, 0) + 1
+        expected = {}
+        for row in arrivals:
+            cell = (row["service_class"], row["arrival_ns"] // int(width_s * NS))
+            expected[cell] = max(expected.get(cell, 0), per_second[(row["service_class"], row["arrival_ns"] // NS)])
+        got = {(c, b // int(width_s * NS)): p for c, b, p in zip(bins["service_class"].to_pylist(),
+                                                                 bins["bin_start_ns"].to_pylist(), bins["peak_arrivals_per_s"].to_pylist())}
+        assert got == expected
     assert set(table["service_class"].to_pylist()) == {"batch", "interactive"}
     fine, hidden_fine = data.arrivals_over_time(path, Selection(window), 1.0, k=5)
     assert hidden_fine > 0 and all(v is None for v, s in zip(fine["arrivals_per_s"].to_pylist(), fine["suppressed"].to_pylist()) if s)
