@@ -217,3 +217,25 @@ def test_random_migrations_preemptions_and_failures_never_let_two_workers_produc
     f = derive_requests(fast.events_path).select(TIMES).sort_by("request_id").to_pylist()
     r = derive_requests(ref.events_path).select(TIMES).sort_by("request_id").to_pylist()
     assert f == r
+
+
+def test_kv_on_its_way_to_an_instance_that_fails_moves_on_recomputing(tmp_path):
+    # the hand-off to decode instance 1 takes 131 ms over a 1 GB/s link; instance 1 fails at 50 ms
+    config = dataclasses.replace(
+        disaggregated_config(1, 2, decode_router="round-robin", kv_transfer_bandwidth_bytes_per_s=1e9),
+        failures=(InstanceFailure(at_s=0.05, instance=1),))
+    w = make_workload([0], [1000], [20])
+    fast, _ = _same_in_both_modes(w, config, tmp_path, **CONSTANT)
+    events = _events(fast)
+    ids = [x.instance_id for x in fast.instances]
+    arrive = 10 * MS + -(-1000 * instance_config().model.kv_bytes_per_token * 10**9 // 10**9) + 20_000
+    moved = [(e["ts_ns"], e["instance_id"], e["mode"], e["lease_generation"], e["num_lost_tokens"])
+             for e in _of(events, "r0", "request_preempted")]
+    assert moved == [(10 * MS, ids[0], "migrate", 1, 0), (arrive, ids[1], "recompute", 2, 1000)]
+    routes = [(e["ts_ns"], e["target"], e["reason"]) for e in _of(events, "r0", "admission_decided") if e["decision"] == "route"]
+    assert routes[1:] == [(10 * MS, ids[1], "hand-off to decode (round-robin)"),
+                          (arrive, ids[2], "destination failed (round-robin)")]
+    later = _of(events, "r0", "tokens_delivered", "request_finished")
+    assert later and all(e["instance_id"] == ids[2] for e in later)
+    # recomputed there: prompt and first output in one 2048-token step, then one decode step per token
+    assert min(e["ts_ns"] for e in later) == arrive + 10 * MS
