@@ -11,7 +11,7 @@ they used in their admission decision.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, overload
+from typing import TYPE_CHECKING, NamedTuple, overload
 
 from replay.request import FINISHED, HELD, RUNNING, WAITING, Request
 
@@ -159,6 +159,29 @@ class EngineView:
     def held(self) -> RequestSequence:
         return self._held
 
+    def batch_composition(self) -> BatchComposition:
+        """The running batch as one walk over it sees it (what a step-shaping policy reads once per
+        pass; the same figures as reading every running request's view, without a call per field)."""
+        seqs = ctx = left = max_context = 0
+        prefilling: list[tuple[str, int]] = []
+        tenants: set[str | None] = set()
+        for r in self._running._items:
+            tenants.add(r.tenant)
+            lock = r.lock
+            computed = r.num_computed
+            if lock is None and (r.num_tokens - computed > 1 or computed < r.num_prompt_tokens):
+                prefilling.append((r.request_id, seqs))
+                left += r.num_tokens - computed
+                if computed > max_context:
+                    max_context = computed
+            else:
+                n = r.num_branches
+                if lock is not None:
+                    computed += lock.ticks - r.g0
+                seqs += n
+                ctx += n * (computed + 1)
+        return BatchComposition(seqs, ctx, prefilling, left, max_context, tenants)
+
     @property
     def token_budget_left(self) -> int:
         """Tokens still unassigned in the step being planned (max_num_batched_tokens between steps)."""
@@ -189,6 +212,17 @@ class EngineView:
             covered -= sizes.pop()[0]
         shared = sum(size for size, held in sizes if held)
         return covered, shared
+
+
+class BatchComposition(NamedTuple):
+    """The running batch's decode composition and prefill work (``EngineView.batch_composition``)."""
+
+    num_decode_seqs: int  # decoding sequences (branches count one each)
+    decode_context_tokens: int  # their summed context at the next decode (computed tokens + 1 each)
+    prefilling: list[tuple[str, int]]  # (request id, decode sequences before it in batch order), in batch order
+    prefill_tokens_left: int  # tokens the prefilling requests still have to compute
+    max_prefill_context_tokens: int  # the longest computed context among them
+    tenants: set[str | None]  # the tenants with a request in the batch
 
 
 def held_blocks(r: Request) -> int:

@@ -1,10 +1,11 @@
 """What policies read about the running batch, computed once per scheduling pass, and shared helpers.
 
-``BatchSnapshot`` walks the running requests once per pass (a pass is recognized by the clock, the
-batch size and the free KV blocks, which every change inside a pass moves) and answers: the
-decode sequences and their summed context (a decode step's composition), the requests still
-prefilling, and for each of those how many decode sequences sit after it in batch order (so a
-chunk can leave them their budget: the stall-free rule of Sarathi-Serve).
+``BatchSnapshot`` reads the running batch once per pass (``EngineView.batch_composition``: one walk;
+a pass is recognized by the clock, the batch size and the free KV blocks, which every change inside
+a pass moves) and answers: the decode sequences and their summed context (a decode step's
+composition), the requests still prefilling, and for each of those how many decode sequences sit
+after it in batch order (so a chunk can leave them their budget: the stall-free rule of
+Sarathi-Serve).
 
 ``steps_until`` converts a time horizon into decode steps with the cost model's own run arithmetic,
 for policies whose decisions change with time (``run_horizon_steps``): the fast mode then stops a
@@ -29,13 +30,14 @@ class BatchSnapshot:
     """The running batch's decode composition and prefill work, for one scheduling pass."""
 
     __slots__ = ("key", "num_decode_seqs", "decode_context_tokens", "num_prefilling", "prefill_tokens_left",
-                 "max_prefill_context_tokens", "decodes_behind", "_tightest", "_running", "_itl_of")
+                 "max_prefill_context_tokens", "decodes_behind", "_tightest", "_tenants", "_itl_of")
 
-    def __init__(self, itl_of: Callable[[RequestView], float | None] | None = None) -> None:
-        """``itl_of``: a request's ITL objective, seconds; the snapshot then also answers the tightest."""
-        self._itl_of = itl_of
+    def __init__(self, itl_of_tenant: Callable[[str | None], float | None] | None = None) -> None:
+        """``itl_of_tenant``: the ITL objective of a tenant's requests, seconds (classes come from the
+        tenant); the snapshot then also answers the tightest among the running requests."""
+        self._itl_of = itl_of_tenant
         self._tightest: float | None | bool = False  # False: not computed for this pass yet
-        self._running = ()
+        self._tenants: set[str | None] = set()
         self.key: tuple[int, int, int] | None = None
         self.num_decode_seqs = 0
         self.decode_context_tokens = 0
@@ -46,32 +48,19 @@ class BatchSnapshot:
 
     def refresh(self, view: EngineView) -> BatchSnapshot:
         """Recompute if the pass changed (clock, batch size or free blocks); returns self."""
-        running = view.running
-        key = (view.now_ns, len(running), view.num_kv_blocks_free)
+        key = (view.now_ns, len(view.running), view.num_kv_blocks_free)
         if key == self.key:
             return self
         self.key = key
-        self._running = running
         self._tightest = False
-        seqs = ctx = left = max_context = 0
-        prefilling: list[tuple[str, int]] = []
-        for r in running:
-            computed = r.num_computed_tokens
-            if r.is_prefilling:
-                prefilling.append((r.request_id, seqs))
-                left += r.num_tokens - computed
-                if computed > max_context:
-                    max_context = computed
-            else:
-                n = r.num_branches
-                seqs += n
-                ctx += n * (computed + 1)
-        self.num_decode_seqs = seqs
-        self.decode_context_tokens = ctx
-        self.num_prefilling = len(prefilling)
-        self.prefill_tokens_left = left
-        self.max_prefill_context_tokens = max_context
-        self.decodes_behind = {rid: seqs - before for rid, before in prefilling} if prefilling else {}
+        b = view.batch_composition()
+        seqs = self.num_decode_seqs = b.num_decode_seqs
+        self.decode_context_tokens = b.decode_context_tokens
+        self.num_prefilling = len(b.prefilling)
+        self.prefill_tokens_left = b.prefill_tokens_left
+        self.max_prefill_context_tokens = b.max_prefill_context_tokens
+        self.decodes_behind = {rid: seqs - before for rid, before in b.prefilling} if b.prefilling else {}
+        self._tenants = b.tenants
         return self
 
     @property
@@ -81,8 +70,8 @@ class BatchSnapshot:
             tightest = None
             itl_of = self._itl_of
             if itl_of is not None:
-                for r in self._running:
-                    itl = itl_of(r)
+                for tenant in self._tenants:
+                    itl = itl_of(tenant)
                     if itl is not None and (tightest is None or itl < tightest):
                         tightest = itl
             self._tightest = tightest

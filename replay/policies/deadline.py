@@ -190,7 +190,13 @@ class DeadlinePolicy(Policy):
         # admitted prompt tokens and KV blocks per second, per (class, tenant)
         self._inflow: dict[tuple[str, str | None], tuple[_Drain, _Drain]] = {}
         self._headroom: dict[str, int] = {}  # per class: KV kept for classes that overtake it
-        self._offsets: dict[str, int] = {}
+        # the classes are fixed by the tenancy: each one's deadline offset, and which classes overtake it
+        self._offsets: dict[str, int] = {c.name: self._class_offset_ns(c) for c in self.book.classes.values()}
+        self._overtaken_by: dict[str, frozenset[str]] = {
+            c.name: frozenset(o.name for o in self.book.classes.values() if self._overtakes(o, c))
+            for c in self.book.classes.values()
+        }
+        self._overtaking = frozenset().union(*self._overtaken_by.values())  # classes that overtake some class
         self.num_learned = 0
 
     # ---------------------------------------------------------------------------- ledger upkeep
@@ -204,8 +210,16 @@ class DeadlinePolicy(Policy):
             return
         now = view.now_ns
         freed = departed = 0
-        for rid in [rid for rid, e in ledger.items() if e.view.state == "finished"]:
-            e = ledger.pop(rid)
+        finished: list[_Entry] = []
+        running: list[_Entry] = []
+        for e in ledger.values():  # one walk; each state read once
+            state = e.view.state
+            if state == "finished":
+                finished.append(e)
+            elif state == "running":
+                running.append(e)
+        for e in finished:
+            del ledger[e.view.request_id]
             self.reserved_blocks -= e.blocks
             self.reserved_seqs -= e.branches
             self.reserved_ctx -= e.ctx
@@ -226,10 +240,8 @@ class DeadlinePolicy(Policy):
                 blocks.add(-max(0, unused), now)
         self.kv_drain.add(freed, now)
         self.request_drain.add(departed, now)
-        for e in ledger.values():
+        for e in running:
             v = e.view
-            if v.state != "running":
-                continue
             produced = v.num_output_tokens // e.branches
             if produced >= e.high and e.cap is None:
                 high = produced + max(1, self.predictor.remaining_high(e.service_class, e.tenant, produced,
@@ -261,13 +273,15 @@ class DeadlinePolicy(Policy):
         to wait for the pool to drain. Updated at admissions only, so the queue gate does not move
         between events."""
         classes = self.book.classes.values()
+        overtaking = self._overtaking
         rate = {c.name: 0.0 for c in classes}
         for (name, _), (_, blocks) in self._inflow.items():
-            rate[name] += blocks.rate_per_s(now_ns)
+            if name in overtaking:  # only the rates of classes that overtake another are ever summed
+                rate[name] += blocks.rate_per_s(now_ns)
+        offsets = self._offsets
         for c in classes:
-            self._headroom[c.name] = int(sum(
-                rate[o.name] * self._offset_ns(o) / NS for o in classes if self._overtakes(o, c)
-            ))
+            by = self._overtaken_by[c.name]
+            self._headroom[c.name] = int(sum(rate[o.name] * offsets[o.name] / NS for o in classes if o.name in by))
 
     # ---------------------------------------------------------------------------- predictions
 
@@ -296,11 +310,7 @@ class DeadlinePolicy(Policy):
 
     def _offset_ns(self, cls: ClassConfig) -> int:
         """A class's deadline after arrival: its TTFT objective, else its residence limit, else none."""
-        offset = self._offsets.get(cls.name)
-        if offset is not None:
-            return offset
-        self._offsets[cls.name] = offset = self._class_offset_ns(cls)
-        return offset
+        return self._offsets[cls.name]
 
     @staticmethod
     def _class_offset_ns(cls: ClassConfig) -> int:
@@ -313,17 +323,18 @@ class DeadlinePolicy(Policy):
     def _overtakes(self, other: ClassConfig, cls: ClassConfig) -> bool:
         """Whether later arrivals of ``other`` go ahead of a waiting request of ``cls`` under EDF: when
         their deadline is shorter (deadline-vtc decides by tenant counters instead: ``_overtaking_load``)."""
-        return self._offset_ns(other) < self._offset_ns(cls)
+        return self._class_offset_ns(other) < self._class_offset_ns(cls)
 
     def _overtaking_load(self, request: RequestView, cls: ClassConfig, key: tuple, now_ns: int) -> tuple[float, float]:
         """(prompt tokens, KV blocks) per second of the admitted flows whose later arrivals go ahead of
         this request: with EDF, the classes with shorter deadlines; in deadline-vtc, the other tenants
         whose counters are below this request's start tag."""
-        classes = self.book.classes
+        fair = self.fair
+        by = self._overtaken_by[cls.name]
         tokens_per_s = blocks_per_s = 0.0
         for (name, tenant), (tokens, blocks) in self._inflow.items():
-            if (self.fair is None and self._overtakes(classes[name], cls)) or (
-                self.fair is not None and tenant != request.tenant and self.fair.lifted(tenant) < key[0]
+            if (fair is None and name in by) or (
+                fair is not None and tenant != request.tenant and fair.lifted(tenant) < key[0]
             ):
                 tokens_per_s += tokens.rate_per_s(now_ns)
                 blocks_per_s += blocks.rate_per_s(now_ns)

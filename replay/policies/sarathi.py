@@ -54,12 +54,14 @@ class StallFreeChunks:
         self.share = step_time_share
         self.default_itl_s = default_itl_s
         self.min_chunk = min_chunk
-        self.batch = BatchSnapshot(self._itl_s)
+        self.batch = BatchSnapshot(self._itl_of_tenant_s)
         self.sizer = ChunkSizer()
         self._itl_of_tenant: dict[str | None, float | None] = {}
 
     def _itl_s(self, request: RequestView) -> float | None:
-        tenant = request.tenant
+        return self._itl_of_tenant_s(request.tenant)
+
+    def _itl_of_tenant_s(self, tenant: str | None) -> float | None:
         try:
             return self._itl_of_tenant[tenant]
         except KeyError:
