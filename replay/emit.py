@@ -592,7 +592,7 @@ def _labels(reqs: Iterable[Request]) -> dict[str, pa.Array]:
 _LABELS = ("tenant", "service_class", "model", "adapter")
 _LABEL_FIELDS = attrgetter(*_LABELS)
 _ARRIVAL_FIELDS = attrgetter(
-    "arrival_ns", "num_prompt_tokens", "max_output_tokens", "num_branches", "ttft_deadline_ns", "e2e_deadline_ns",
+    "arrival_ns", "num_prompt_tokens", "max_output_tokens", "num_branches_requested", "ttft_deadline_ns", "e2e_deadline_ns",
     "session_id", "prefix_block_ids",
 )
 _DECISION_FIELDS = attrgetter(

@@ -254,7 +254,15 @@ class Engine:
         self.writer.admission.append((r, now, d, r.num_admission_decisions, self.instance_id))
         if kind == "accept" or kind == "degrade":
             if kind == "degrade":  # optional work capped: the request ends at the cap at the latest
-                self._targets[r] = min(self._targets[r], d.max_output_tokens)
+                if d.max_output_tokens is not None:
+                    self._targets[r] = min(self._targets[r], d.max_output_tokens)
+                if d.num_branches is not None:  # fewer parallel samples: it holds nothing yet, so only its shape changes
+                    if d.num_branches > r.num_branches:
+                        raise ReplayError(
+                            f"request {r.request_id}: a degrade decision may reduce its branches "
+                            f"({r.num_branches}), not raise them to {d.num_branches}"
+                        )
+                    r.num_branches = d.num_branches
             if was_held:
                 self.held.remove(r)
             r.state = WAITING

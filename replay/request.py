@@ -41,6 +41,7 @@ class Request:
         "arrival_ns",
         "num_prompt_tokens",
         "num_branches",
+        "num_branches_requested",
         "unit_keys",
         "tenant",
         "service_class",
@@ -109,7 +110,8 @@ class Request:
         self.request_id = request_id
         self.arrival_ns = arrival_ns
         self.num_prompt_tokens = num_prompt_tokens
-        self.num_branches = num_branches
+        self.num_branches = num_branches  # may be lowered at admission (a degrade decision's num_branches)
+        self.num_branches_requested = num_branches  # what the client asked for (the arrival event's)
         self.unit_keys = list(unit_keys)
         self.tenant = tenant
         self.service_class = service_class

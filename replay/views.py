@@ -187,9 +187,10 @@ class EngineView:
         """Tokens still unassigned in the step being planned (max_num_batched_tokens between steps)."""
         return self._budget[0]
 
-    def blocks_for_tokens(self, request: RequestView, num_tokens: int) -> int:
-        """KV blocks a request holds once ``num_tokens`` of its positions are computed (branches included)."""
-        return blocks_for(request._r, num_tokens, self.instance.engine.block_size_tokens)
+    def blocks_for_tokens(self, request: RequestView, num_tokens: int, num_branches: int | None = None) -> int:
+        """KV blocks a request holds once ``num_tokens`` of its positions are computed (branches included;
+        ``num_branches``: as if it had that many, e.g. after a degrade decision reduced them)."""
+        return blocks_for(request._r, num_tokens, self.instance.engine.block_size_tokens, num_branches)
 
     def cached_prefix_blocks(self, request: RequestView) -> tuple[int, int]:
         """(blocks of the request's prompt prefix the prefix cache holds now, how many of them running
@@ -233,11 +234,11 @@ def held_blocks(r: Request) -> int:
     return blocks_for(r, r.num_computed + lock.ticks - r.g0 + lock.ahead, lock.block_size)
 
 
-def blocks_for(r: Request, num_tokens: int, block_size: int) -> int:
+def blocks_for(r: Request, num_tokens: int, block_size: int, num_branches: int | None = None) -> int:
     """Blocks that hold ``num_tokens`` computed positions of ``r``: the prompt's blocks are shared by its
     branches; from the first decode on, each branch owns a copy of the prompt's last partial block and
-    the blocks of its own output."""
-    n = r.num_branches
+    the blocks of its own output (``num_branches``: as if ``r`` had that many)."""
+    n = r.num_branches if num_branches is None else num_branches
     p = r.num_prompt_tokens
     if n == 1 or num_tokens <= p:
         return -(-num_tokens // block_size)

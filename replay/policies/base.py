@@ -6,8 +6,9 @@ read-only views (``replay.views``):
 ``admit(view, request)``           accept into the waiting queue, queue (hold it: it is offered
                                    again at every scheduling point, and ``retry_after_s`` after this
                                    decision at the latest, even if the engine is idle), degrade
-                                   (accept with its output capped at ``max_output_tokens``: optional
-                                   work reduced), or reject (with retry-after); the decision may
+                                   (accept with optional work reduced: its output capped at
+                                   ``max_output_tokens``, its parallel samples cut to ``num_branches``),
+                                   or reject (with retry-after); the decision may
                                    carry the predicted output interval it used.
 ``order(view, waiting)``           which waiting requests to try this step, in order (an iterable:
                                    the engine stops at the first that does not fit, as vLLM does).
@@ -49,7 +50,7 @@ class AdmissionDecision:
 
     decision: AdmissionKind = doc(
         "accept (into the waiting queue), queue (hold, offer again later), degrade (accept with optional work "
-        "capped: ``max_output_tokens``) or reject."
+        "capped: ``max_output_tokens``, ``num_branches``) or reject."
     )
     reason: str | None = doc("Why, in a few words.", None)
     retry_after_s: float | None = doc(
@@ -60,6 +61,9 @@ class AdmissionDecision:
     max_output_tokens: int | None = doc(
         "degrade: the output cap imposed (tokens per branch); the request finishes there at the latest.", None
     )
+    num_branches: int | None = doc(
+        "degrade: the parallel samples (n) the request runs with, fewer than it asked for (at least 1).", None
+    )
 
     def __post_init__(self) -> None:
         if self.decision not in ("accept", "queue", "degrade", "reject"):
@@ -67,10 +71,14 @@ class AdmissionDecision:
                 f"admission decision {self.decision!r} is not supported by a single instance",
                 "accept, queue, degrade or reject (route and downgrade belong to the cluster layer)",
             )
-        if (self.decision == "degrade") != (self.max_output_tokens is not None):
-            raise ReplayError("a degrade decision carries max_output_tokens, and only a degrade decision does")
+        if (self.decision == "degrade") != (self.max_output_tokens is not None or self.num_branches is not None):
+            raise ReplayError(
+                "a degrade decision carries max_output_tokens or num_branches (or both), and only a degrade decision does"
+            )
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise ReplayError(f"max_output_tokens must be at least 1, not {self.max_output_tokens}")
+        if self.num_branches is not None and self.num_branches < 1:
+            raise ReplayError(f"num_branches must be at least 1, not {self.num_branches}")
 
 
 ACCEPT = AdmissionDecision(decision="accept")

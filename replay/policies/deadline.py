@@ -23,7 +23,9 @@ Llumnix's and DistServe's capacity planning, and of QLM's waiting-time estimatio
    meets the class's TTFT objective (and its E2E objective with the high output) less the
    overload margin; ``degrade`` when the first token is in time but the last would not be: the
    output is capped at the tokens that fit before the E2E deadline (at least
-   ``min_degraded_output_tokens``; optional work reduced rather than the request refused);
+   ``min_degraded_output_tokens``; optional work reduced rather than the request refused), or
+   when a request with parallel samples would miss its deadline with all of them but not with
+   fewer: it runs with the most branches that fit (at least ``min_branches``);
    ``queue`` (held by admission control) when only a tenant quota stands in the way and its refill
    leaves the deadline reachable; otherwise ``reject`` with a retry-after: how much later the same
    request would have met its objective.
@@ -38,9 +40,9 @@ wait behind the others' and are the ones rejected (with retry-after), while the 
 tenants' predictions, and so their admissions, barely move.
 
 What one instance cannot do, and the cluster layer (issue 6) must: *route* elsewhere and
-*downgrade* to a smaller qualified model. Of the optional work, only max tokens can be capped
-here; fewer branches or speculative drafts need the engine to change a request's shape
-(``docs/policies.md``).
+*downgrade* to a smaller qualified model. Of the optional work, max tokens (E2E) and branches
+(a request with n > 1 that would miss its deadline runs with the most branches that fit, at least
+``min_branches``) are capped here; speculative drafts are not modelled (``docs/policies.md``).
 """
 
 from __future__ import annotations
@@ -88,6 +90,10 @@ class DeadlineConfig:
         "(a 'degrade' decision: optional work reduced) instead of rejecting.", True
     )
     min_degraded_output_tokens: int = doc("Never cap a request's output below this many tokens per branch.", 64)
+    min_branches: int = doc(
+        "When a request with parallel samples (n > 1) would miss its deadline, accept it with fewer branches, the "
+        "most that make its horizon fit but never fewer than this (a 'degrade' decision); n <= this: never reduced.", 1
+    )
     chunk_from_itl: bool = doc("Size prefill chunks to the ITL objective, stall-free (Sarathi-Serve).", True)
     step_time_share: float = doc("Step-time target as a share of the tightest ITL objective.", 0.9)
     min_chunk_tokens: int = doc("A step with no prefill yet takes at least this many prompt tokens.", 32)
@@ -107,8 +113,8 @@ class DeadlineConfig:
             raise ReplayError("deadline: history_requests, min_history and prior_output_tokens_high must be >= 1")
         if not self.drain_window_s > 0 or self.retry_after_min_s < 0:
             raise ReplayError("deadline: drain_window_s must be positive and retry_after_min_s non-negative")
-        if self.min_degraded_output_tokens < 1:
-            raise ReplayError("deadline: min_degraded_output_tokens must be at least 1")
+        if self.min_degraded_output_tokens < 1 or self.min_branches < 1:
+            raise ReplayError("deadline: min_degraded_output_tokens and min_branches must be at least 1")
 
 
 class _Entry:
@@ -118,12 +124,12 @@ class _Entry:
                  "cap")
 
     def __init__(self, view: RequestView, cls: ClassConfig, high: int, blocks: int, service: float, key: tuple,
-                 cap: int | None = None) -> None:
+                 cap: int | None = None, branches: int | None = None) -> None:
         self.view = view
         self.cap = cap  # the output cap a degrade decision imposed (its length is then censored)
         self.service_class = cls.name
         self.tenant = view.tenant
-        self.branches = view.num_branches
+        self.branches = view.num_branches if branches is None else branches  # after a degrade's reduction
         self.prompt = view.num_prompt_tokens
         self.high = high  # output tokens per branch reserved for
         self.blocks = blocks  # KV blocks at completion, less prefix blocks shared with running requests
@@ -252,8 +258,8 @@ class DeadlinePolicy(Policy):
                 e.blocks, e.ctx, e.high = blocks, e.ctx + e.branches * (high - e.high), high
 
     def _admit_to_ledger(self, request: RequestView, cls: ClassConfig, high: int, blocks: int, service: float,
-                         key: tuple, now_ns: int, cap: int | None = None) -> None:
-        e = _Entry(request, cls, high, blocks, service, key, cap)
+                         key: tuple, now_ns: int, cap: int | None = None, branches: int | None = None) -> None:
+        e = _Entry(request, cls, high, blocks, service, key, cap, branches)
         self.ledger[request.request_id] = e
         self.reserved_blocks += e.blocks
         self.reserved_seqs += e.branches
@@ -364,11 +370,12 @@ class DeadlinePolicy(Policy):
         return (tag, deadline_ns, request.arrival_ns, request.request_id)
 
     def predicted_ttft_s(self, view: EngineView, request: RequestView, cls: ClassConfig, high: int, blocks: int,
-                         key: tuple) -> float:
+                         key: tuple, branches: int | None = None) -> float:
         """Seconds to the first token if admitted now: the KV that must drain before it fits and the
         prefill work ahead of it in the queue, stretched by the load of later arrivals that will
         overtake it (a priority queue's waiting time, W / (1 - rho)), plus its own prefill, at the
-        rate the cost model gives for chunks beside the current decodes."""
+        rate the cost model gives for chunks beside the current decodes (``branches``: as if it ran
+        with that many parallel samples)."""
         ledger = self.ledger
         waiting_blocks = ahead_blocks = ahead_tokens = waiting_seqs = waiting_ctx = 0
         for w in view.waiting:
@@ -392,8 +399,9 @@ class DeadlinePolicy(Policy):
             kv_wait_s = deficit / rate if rate > 0 else math.inf
         target = self._itl_target_ns(cls)
         if target is not None and kv_wait_s < math.inf:
-            seqs = self.reserved_seqs - waiting_seqs + request.num_branches
-            ctx = self.reserved_ctx - waiting_ctx + request.num_branches * (request.num_prompt_tokens + high)
+            n = request.num_branches if branches is None else branches
+            seqs = self.reserved_seqs - waiting_seqs + n
+            ctx = self.reserved_ctx - waiting_ctx + n * (request.num_prompt_tokens + high)
             if self._step_ns(view, 0, seqs, ctx) > target:  # the active streams' step-time slack is used up
                 rate = self.request_drain.rate_per_s(now)
                 kv_wait_s = max(kv_wait_s, 1 / rate if rate > 0 else math.inf)
@@ -429,26 +437,23 @@ class DeadlinePolicy(Policy):
         interval = {"predicted_output_tokens_low": lo, "predicted_output_tokens_high": hi}
         waited_s = (now - request.arrival_ns) / NS
         budget_s = math.inf if offset == NEVER else offset / NS * (1 - c.overload_margin) - waited_s
-        ttft_s = self.predicted_ttft_s(view, request, cls, hi, blocks, key)
-        late_s = ttft_s - budget_s
-        cap = None
-        if cls.e2e_objective_s is not None and ttft_s < math.inf:
-            step_ns = self._step_ns(view, 0, self.reserved_seqs + request.num_branches, self.reserved_ctx)
-            e2e_left_s = cls.e2e_objective_s * (1 - c.overload_margin) - waited_s
-            e2e_late_s = ttft_s + hi * step_ns / NS - e2e_left_s
-            if e2e_late_s > 0 and late_s <= 0 and c.degrade_to_meet_e2e:
-                # the first token is in time, the last is not: how many tokens fit before the E2E deadline
-                fit = (round(e2e_left_s * NS) - round(ttft_s * NS)) // step_ns
-                if c.min_degraded_output_tokens <= fit < hi:
-                    cap = int(fit)
-            if cap is None:
-                late_s = max(late_s, e2e_late_s)
+        branches = request.num_branches
+        late_s, cap = self._lateness(view, request, cls, hi, blocks, branches, key, waited_s, budget_s)
+        if late_s > 0 and branches > c.min_branches:
+            # optional work: fewer parallel samples, the most that make the horizon fit
+            _, shared = view.cached_prefix_blocks(request)
+            for k in range(branches - 1, c.min_branches - 1, -1):
+                k_blocks = view.blocks_for_tokens(request, request.num_prompt_tokens + hi, k) - shared
+                k_late_s, k_cap = self._lateness(view, request, cls, hi, k_blocks, k, key, waited_s, budget_s)
+                if k_late_s <= 0:
+                    branches, blocks, late_s, cap = k, k_blocks, k_late_s, k_cap
+                    break
         if late_s > 0:
             self._retry_at.pop(request.request_id, None)
             retry = late_s if late_s < math.inf else c.drain_window_s
             return AdmissionDecision(decision="reject", reason="would miss its deadline",
                                      retry_after_s=max(c.retry_after_min_s, retry), **interval)
-        service = request.num_prompt_tokens * c.input_token_weight + hi * request.num_branches * c.output_token_weight
+        service = request.num_prompt_tokens * c.input_token_weight + hi * branches * c.output_token_weight
         over = self.quotas.wait_s(request.tenant, service, now, self._num_admitted)
         if over is not None:
             wait_s, why = over
@@ -468,14 +473,42 @@ class DeadlinePolicy(Policy):
         self.quotas.take(request.tenant, service, now)
         if self.fair is not None:
             self.fair.arrive(request)
-        if cap is not None:
-            _, shared = view.cached_prefix_blocks(request)
-            blocks = view.blocks_for_tokens(request, request.num_prompt_tokens + cap) - shared
-            self._admit_to_ledger(request, cls, cap, blocks, service, key, now, cap)
-            return AdmissionDecision(decision="degrade", reason=f"output capped at {cap} tokens to meet its E2E objective",
-                                     max_output_tokens=cap, **interval)
+        if cap is not None or branches != request.num_branches:
+            reasons = []
+            if branches != request.num_branches:
+                reasons.append(f"branches reduced from {request.num_branches} to {branches} to fit its horizon")
+            if cap is not None:
+                _, shared = view.cached_prefix_blocks(request)
+                blocks = view.blocks_for_tokens(request, request.num_prompt_tokens + cap, branches) - shared
+                reasons.append(f"output capped at {cap} tokens to meet its E2E objective")
+            self._admit_to_ledger(request, cls, cap if cap is not None else hi, blocks, service, key, now, cap, branches)
+            return AdmissionDecision(
+                decision="degrade", reason="; ".join(reasons), max_output_tokens=cap,
+                num_branches=branches if branches != request.num_branches else None, **interval,
+            )
         self._admit_to_ledger(request, cls, hi, blocks, service, key, now)
         return AdmissionDecision(decision="accept", **interval)
+
+    def _lateness(self, view: EngineView, request: RequestView, cls: ClassConfig, hi: int, blocks: int, branches: int,
+                  key: tuple, waited_s: float, budget_s: float) -> tuple[float, int | None]:
+        """(seconds it would be late, <= 0 when in time; the output cap that keeps its E2E objective, or
+        None) if admitted now with ``branches`` parallel samples holding ``blocks`` at completion."""
+        c = self.config
+        ttft_s = self.predicted_ttft_s(view, request, cls, hi, blocks, key, branches)
+        late_s = ttft_s - budget_s
+        cap = None
+        if cls.e2e_objective_s is not None and ttft_s < math.inf:
+            step_ns = self._step_ns(view, 0, self.reserved_seqs + branches, self.reserved_ctx)
+            e2e_left_s = cls.e2e_objective_s * (1 - c.overload_margin) - waited_s
+            e2e_late_s = ttft_s + hi * step_ns / NS - e2e_left_s
+            if e2e_late_s > 0 and late_s <= 0 and c.degrade_to_meet_e2e:
+                # the first token is in time, the last is not: how many tokens fit before the E2E deadline
+                fit = (round(e2e_left_s * NS) - round(ttft_s * NS)) // step_ns
+                if c.min_degraded_output_tokens <= fit < hi:
+                    cap = int(fit)
+            if cap is None:
+                late_s = max(late_s, e2e_late_s)
+        return late_s, cap
 
     def _num_admitted(self, tenant: str | None) -> int:
         return sum(1 for e in self.ledger.values() if e.tenant == tenant)

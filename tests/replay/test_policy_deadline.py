@@ -199,3 +199,68 @@ def test_work_cancelled_before_it_was_served_is_not_counted_as_load(run):
     assert out.row("late")["admission_decision"] == "accept"
     served = make_workload(arrivals, [10] + [4000] * n + [10], [500] + [5] * n + [5], **kwargs)
     assert run(served, policy_name="deadline", policy_config=config, **one).row("late")["admission_decision"] == "reject"
+
+
+def test_degrade_reduces_branches_when_that_makes_the_horizon_fit(run):
+    # 48 blocks of 16 tokens; reservations may use int(48 x (1 - 0.05 - 0.1)) = 40. r0 asks for n = 4
+    # samples of a 100-token prompt, predicted up to 250 tokens each: at completion it holds the prompt's
+    # 6 full blocks plus, per branch, ceil((4 + 250) / 16) = 16 blocks: 70 with 4 branches, 54 with 3,
+    # 38 with 2, 22 with 1. Nothing has drained yet, so a horizon over 40 blocks has no predicted first
+    # token: with 4 branches r0 would be rejected. Capping max tokens does not rescue it: the service
+    # promises at least 200 tokens per sample (min_degraded_output_tokens), and 4 branches of 200 tokens
+    # still need 6 + 4 x ceil(204 / 16) = 58 blocks. Two branches of the full 250 need 38 <= 40: the
+    # answer is 'degrade' to 2 branches (the most that fit), and r0 completes 2 x 100 = 200 tokens.
+    tenancy = Tenancy(classes=(ClassConfig(name="chat", ttft_objective_s=1.0, e2e_objective_s=10.0),),
+                      default_class="chat")
+    pool = dict(instance=instance_config(engine=EngineConfig(num_kv_blocks_override=48)), **CONSTANT)
+    w = make_workload([0], [100], [100], num_branches=[4])
+
+    def config(**kwargs) -> DeadlineConfig:
+        return DeadlineConfig(tenancy=tenancy, prior_output_tokens_high=250, min_history=1000,
+                              min_degraded_output_tokens=200, **kwargs)
+
+    out = run(w, policy_name="deadline", policy_config=config(), check_invariants=True, **pool)
+    (d,) = decisions(out)["r0"]
+    assert (d["decision"], d["reason"]) == ("degrade", "branches reduced from 4 to 2 to fit its horizon")
+    row = out.row("r0")
+    assert (row["outcome"], row["admission_decision"], row["num_output_tokens"]) == ("completed", "degrade", 200)
+    (arrived,) = out.of_type("request_arrived")
+    assert arrived["num_branches"] == row["num_branches"] == 4  # the arrival records what the client asked for
+    # never below min_branches: with 3 (or 4) required, nothing fits and r0 is rejected
+    for floor in (3, 4):
+        rejected = run(w, policy_name="deadline", policy_config=config(min_branches=floor), **pool)
+        assert [x["decision"] for x in decisions(rejected)["r0"]] == ["reject"]
+    # a single-branch request is never touched: 22 blocks fit, accepted as it came
+    one = run(make_workload([0], [100], [100]), policy_name="deadline", policy_config=config(), **pool)
+    assert [x["decision"] for x in decisions(one)["r0"]] == ["accept"]
+
+
+def test_a_degrade_decision_names_what_it_reduces():
+    from replay.policies.base import AdmissionDecision
+
+    with pytest.raises(ReplayError, match="max_output_tokens or num_branches"):
+        AdmissionDecision(decision="degrade")
+    with pytest.raises(ReplayError, match="max_output_tokens or num_branches"):
+        AdmissionDecision(decision="accept", num_branches=2)
+    with pytest.raises(ReplayError, match="num_branches must be at least 1"):
+        AdmissionDecision(decision="degrade", num_branches=0)
+    with pytest.raises(ReplayError, match="min_branches"):
+        DeadlineConfig(min_branches=0)
+
+
+def test_the_engine_refuses_a_degrade_that_adds_branches(run):
+    from replay.policies.base import AdmissionDecision, Policy
+
+    class Greedy(Policy):
+        def admit(self, view, request):
+            return AdmissionDecision(decision="degrade", num_branches=request.num_branches + 1)
+
+    from replay.policies.base import POLICIES
+
+    Greedy.name = "test-greedy-branches"
+    POLICIES[Greedy.name] = Greedy
+    try:
+        with pytest.raises(ReplayError, match="may reduce its branches"):
+            run(make_workload([0], [10], [5], num_branches=[2]), policy_name=Greedy.name, **CONSTANT)
+    finally:
+        del POLICIES[Greedy.name]
