@@ -170,8 +170,9 @@ class InstanceFailure:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ClusterConfig:
-    """Instances (ready when the replay starts), their router, and the scaling schedule; optionally a
-    separate decode pool (disaggregated serving) and the interconnect KV crosses between instances."""
+    """Instances (ready when the replay starts), their router, and the scaling schedule or an autoscaler;
+    optionally a separate decode pool (disaggregated serving) and the interconnect KV crosses between
+    instances."""
 
     instances: tuple[InstanceConfig, ...] = doc(
         "The instances up from the start (at least one); with decode_instances, the prefill pool."
@@ -206,10 +207,22 @@ class ClusterConfig:
     )
     failure_window_s: float = doc("Span after the first arrival within which random failures happen, seconds.", 3600.0)
     failure_seed: int = doc("Seed of the random failures (their times and instances).", 0)
+    autoscaler: str | None = doc(
+        "Registered autoscaler consulted every autoscale_interval_s (replay.policies.autoscale; None: none).", None
+    )
+    autoscaler_config: object | None = doc("The autoscaler's typed config (None: its defaults).", None)
+    autoscale_interval_s: float = doc("Seconds between consultations of the autoscaler.", 15.0)
+    autoscale_window_s: float = doc("Arrivals are measured over this many seconds before each consultation.", 60.0)
 
     def __post_init__(self) -> None:
         if not self.instances:
             raise ReplayError("a cluster needs at least one instance")
+        if self.autoscaler is not None:
+            from replay.policies.autoscale import autoscaler_class
+
+            autoscaler_class(self.autoscaler)  # raises the error listing the valid names
+            if not (self.autoscale_interval_s > 0 and self.autoscale_window_s > 0):
+                raise ReplayError("autoscale_interval_s and autoscale_window_s must be positive")
         if self.router not in ROUTERS:
             make_router(self.router)  # raises the error listing the valid names
         if self.decode_instances:
@@ -217,8 +230,8 @@ class ClusterConfig:
                 make_router(self.decode_router)
             if getattr(self.decode_router_config, "shedding", None) is not None:
                 raise ReplayError("the decode router cannot shed", "a prefilled request always moves to a decode instance")
-            if self.scaling:
-                raise ReplayError("a scaling schedule with disaggregated pools is not supported yet",
+            if self.scaling or self.autoscaler is not None:
+                raise ReplayError("a scaling schedule or an autoscaler with disaggregated pools is not supported yet",
                                   "scale an aggregated cluster, or size the two pools")
         if self.failure_rate_per_s < 0 or self.failure_window_s < 0:
             raise ReplayError("failure_rate_per_s and failure_window_s must be non-negative")
@@ -414,6 +427,7 @@ class Cluster:
         self.routable: list[ClusterInstance] = []  # ready, not draining, in creation order
         self.stats = _ClusterStats()
         self.num_shed = 0
+        self.autoscaling = None  # replay.autoscaling.Autoscaling when the config names an autoscaler
         writer.routed = True
         # disaggregated serving: the decode pool and its router
         self.decode_router: Router | None = (
@@ -474,6 +488,11 @@ class Cluster:
                 u = rng.random()
                 self.kernel.schedule(now + round(t * 1e9), CONTROL, lambda u=u: self._fail_random(u))
                 t += rng.expovariate(self.config.failure_rate_per_s)
+        if self.config.autoscaler is not None:
+            from replay.autoscaling import Autoscaling
+
+            self.autoscaling = Autoscaling(self, now)
+            self.autoscaling.start()
 
     def _state(self, inst: ClusterInstance, state: Lifecycle, action: str | None) -> None:
         inst.state = state
@@ -530,6 +549,8 @@ class Cluster:
         view = RequestView(r)
         routable = self.routable
         writer = self.writer
+        if self.autoscaling is not None:
+            self.autoscaling.arrived(r)
         if not routable:  # only after failures: every instance of the pool is down
             writer.arrived.append((r, None, None))
             writer.finished.append((r, now, "error", 0, "no instance takes traffic (all failed or stopped)", None))
@@ -559,6 +580,8 @@ class Cluster:
         engine.submit(r, num_output_tokens)
 
     def _finished(self, inst: ClusterInstance, r: Request) -> None:
+        if self.autoscaling is not None:
+            self.autoscaling.finished(r)
         self.stats.num_finished += 1
         self._left(inst, r)
 
@@ -838,6 +861,13 @@ def run_cluster_replay(
             "kv_transfer_bandwidth_bytes_per_s": cluster.kv_transfer_bandwidth_bytes_per_s,
             "kv_transfer_latency_s": cluster.kv_transfer_latency_s,
         }
+    if cluster.autoscaler is not None:  # absent otherwise: a run without one keeps its manifest and run id
+        from replay.policies.autoscale import autoscaler_class
+
+        cfg = cluster.autoscaler_config or autoscaler_class(cluster.autoscaler).config_type()
+        manifest["cluster"]["autoscaler"] = {"name": cluster.autoscaler, "config": _plain(cfg),
+                                             "interval_s": cluster.autoscale_interval_s,
+                                             "window_s": cluster.autoscale_window_s}
     run_id = hashlib.sha256(json.dumps(manifest, sort_keys=True, default=str).encode()).hexdigest()[:12]
     engine_id = f"replay-{run_id}"
 
