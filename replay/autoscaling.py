@@ -10,7 +10,7 @@ scale-downs take the newest instance: one starting stops at once, a ready one dr
 What is measured, and only from the past (never the trace's true future):
 
 - arrivals over the last ``autoscale_window_s``: their count and mean prompt tokens (known when a
-  request arrives);
+  request arrives), and their count over the last interval (the recent rate);
 - output tokens (all branches) of the latest ``OUTPUT_HISTORY`` requests that finished having
   produced at least one token, and the share of their prompts found in a prefix cache;
 - the queue now (requests waiting or held on every instance not stopped, and their prompt tokens
@@ -52,10 +52,11 @@ class ScaleRecord:
 class LoadMeter:
     """Arrivals in a sliding time window and the outputs of the latest finished requests."""
 
-    __slots__ = ("window_ns", "_arrivals", "_prompt_tokens", "_outputs")
+    __slots__ = ("window_ns", "recent_ns", "_arrivals", "_prompt_tokens", "_outputs")
 
-    def __init__(self, window_ns: int) -> None:
+    def __init__(self, window_ns: int, recent_ns: int) -> None:
         self.window_ns = window_ns
+        self.recent_ns = recent_ns
         self._arrivals: deque[tuple[int, int]] = deque()  # (arrival ns, prompt tokens)
         self._prompt_tokens = 0  # of the arrivals in the deque
         self._outputs: deque[tuple[int, int, int]] = deque(maxlen=OUTPUT_HISTORY)  # (output, prompt, cached prefix)
@@ -74,12 +75,19 @@ class LoadMeter:
         while arrivals and arrivals[0][0] <= now_ns - self.window_ns:
             self._prompt_tokens -= arrivals.popleft()[1]
         n = len(arrivals)
+        recent = 0
+        for t, _ in reversed(arrivals):
+            if t <= now_ns - self.recent_ns:
+                break
+            recent += 1
         outputs = sorted(o for o, _, _ in self._outputs)
         m = len(outputs)
         prompts = sum(p for _, p, _ in self._outputs)
         return LoadSummary(
             window_s=self.window_ns / NS,
             num_arrivals=n,
+            recent_window_s=self.recent_ns / NS,
+            num_recent_arrivals=recent,
             prompt_tokens_mean=self._prompt_tokens / n if n else 0.0,
             prefix_hit_share=min(1.0, sum(c for _, _, c in self._outputs) / prompts) if prompts else 0.0,
             num_output_samples=m,
@@ -106,7 +114,8 @@ class Autoscaling:
         ready_delay_s = sum(config.delays.phases_ns(first)) / NS
         self.autoscaler: Autoscaler = make_autoscaler(config.autoscaler, config.autoscaler_config, first,
                                                       engine.cost_model, ready_delay_s)
-        self.meter = LoadMeter(round(config.autoscale_window_s * NS))
+        self.meter = LoadMeter(round(config.autoscale_window_s * NS),
+                               min(self.interval_ns, round(config.autoscale_window_s * NS)))
         self.last_change_ns = start_ns
         self.records: list[ScaleRecord] = []
 

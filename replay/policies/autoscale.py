@@ -16,22 +16,25 @@ Autoscalers (``make_autoscaler`` by name; an unknown name lists the valid ones):
                     ceil(arrival rate / ``target_requests_per_s``). It ignores what the requests ask
                     for: longer prompts or outputs at the same rate need capacity it does not see,
                     and it does not see a queue that built up while instances started.
-``workload-aware``  sizes prefill and decode capacity separately (in the spirit of DistServe's and
-                    Splitwise's phase-aware provisioning) from the cost model and the KV pool of the
-                    instance type being scaled:
+``workload-aware``  sizes capacity from what the requests ask for (token, phase and KV estimates),
+                    with the cost model of the instance type being scaled:
 
-                    - prefill: busy seconds per second = rate x the time to prefill a mean prompt
-                      (less its prefix-cache hits) alone, in chunks of the step budget;
-                    - decode: the largest batch one instance holds, bounded by ``max_num_seqs``, by
-                      the KV pool (each stream holds its prompt and a high output) and by
-                      ``itl_target_s`` (the cost model's decode step at that batch); busy seconds per
-                      second = rate x mean output / (that batch / its step time);
-                    - backlog: the queued requests' prefill and decode work, plus the shortfall that
-                      keeps queueing while instances started now load (the demand above the ready
-                      instances x the start-up, weight-load and warm-up delay), to be cleared within
-                      ``backlog_drain_s``;
-                    - instances = (prefill + decode + backlog / backlog_drain_s) / ``target_utilization``;
-                      the prefill and decode counts alone are what disaggregated pools would run.
+                    - an instance's capacity is the highest rate at which its steady step still
+                      exists: each step carries the prompt tokens arriving meanwhile (rate x prompt
+                      tokens less prefix-cache hits x step) beside the running decodes (rate x mean
+                      output x step, Little's law), priced by the cost model (the fixed point of
+                      step = cost(shape)); the decodes must fit the sequence cap and the KV pool
+                      (prompt + high output per stream), the step the token budget and
+                      ``itl_target_s``;
+                    - backlog: the queued requests plus those that queue while instances started now
+                      load (the arrivals above what the ready instances take at the target
+                      utilization, x the start-up, weight-load and warm-up delay), to be served
+                      within ``backlog_drain_s``;
+                    - instances = (rate + backlog / backlog_drain_s) / (``target_utilization`` x
+                      capacity), the rate being the higher of the window's and the last interval's
+                      (``react_to_recent_rate``: up at a burst's first interval); beside it, what disaggregated pools would need (DistServe,
+                      Splitwise): prefill instances at the prefill time of a prompt alone, decode
+                      instances at a decode-only instance's capacity.
 
 Both scale up at once and scale down only after ``scale_down_delay_s`` without a change (no
 flapping), within ``min_instances`` .. ``max_instances``.
@@ -44,7 +47,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from replay.config import InstanceConfig
-from replay.costmodel import StepCostModel, prefill_time_ns
+from replay.costmodel import StepCostModel, StepShape, prefill_time_ns
 from replay.errors import ReplayError, unknown_name
 from schemas.types import doc
 
@@ -57,7 +60,9 @@ class LoadSummary:
 
     window_s: float = doc("Length of the window the rates are measured over, seconds.")
     num_arrivals: int = doc("Requests that arrived in the window.")
-    prompt_tokens_mean: float = doc("Mean prompt length of those arrivals, tokens (0 when none).", 0.0)
+    recent_window_s: float | None = doc("A shorter window ending now (the last decision interval), seconds.", None)
+    num_recent_arrivals: int = doc("Requests that arrived in the shorter window.", 0)
+    prompt_tokens_mean: float = doc("Mean prompt length of the window's arrivals, tokens (0 when none).", 0.0)
     prefix_hit_share: float = doc("Share of those arrivals' prompt tokens found in a prefix cache, 0..1.", 0.0)
     num_output_samples: int = doc("Finished requests the output figures come from (0: none yet).", 0)
     output_tokens_mean: float = doc("Mean output tokens (all branches) of recently finished requests.", 0.0)
@@ -68,19 +73,25 @@ class LoadSummary:
     num_instances_ready: int = doc("Of those, the ones taking traffic now.", 1)
 
     def __post_init__(self) -> None:
-        if not self.window_s > 0:
-            raise ReplayError(f"a load summary's window must be positive, not {self.window_s}")
+        if not self.window_s > 0 or (self.recent_window_s is not None and not self.recent_window_s > 0):
+            raise ReplayError(f"a load summary's windows must be positive, not {self.window_s}, {self.recent_window_s}")
         if min(self.num_arrivals, self.prompt_tokens_mean, self.num_output_samples, self.output_tokens_mean,
                self.output_tokens_high, self.num_queued_requests, self.queued_prompt_tokens) < 0:
             raise ReplayError("a load summary's counts and token figures must be non-negative")
         if not 0 <= self.prefix_hit_share <= 1:
             raise ReplayError("prefix_hit_share must be in [0, 1]")
+        if self.num_recent_arrivals > self.num_arrivals:
+            raise ReplayError("the recent window's arrivals are among the window's: num_recent_arrivals <= num_arrivals")
         if not 0 <= self.num_instances_ready <= self.num_instances:
             raise ReplayError("a load summary needs 0 <= num_instances_ready <= num_instances")
 
     @property
     def requests_per_s(self) -> float:
         return self.num_arrivals / self.window_s
+
+    @property
+    def recent_requests_per_s(self) -> float | None:
+        return None if self.recent_window_s is None else self.num_recent_arrivals / self.recent_window_s
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -198,6 +209,10 @@ class WorkloadAwareConfig:
     prior_output_tokens: float = doc("Mean output per request assumed before any request finished, tokens.", 256.0)
     prior_output_tokens_high: float = doc("High output per request assumed before any finished, tokens.", 512.0)
     min_output_samples: int = doc("Finished requests needed before their output figures replace the prior.", 20)
+    react_to_recent_rate: bool = doc(
+        "Size for the higher of the window's and the recent window's arrival rate: scale up within one interval "
+        "of a burst's start (scale-downs still follow the longer window).", True
+    )
     min_instances: int = doc("Fewest instances.", 1)
     max_instances: int = doc("Most instances.", 64)
     scale_down_delay_s: float = doc("Scale down only after this long without a change, seconds.", 300.0)
@@ -213,8 +228,9 @@ class WorkloadAwareConfig:
 
 @register_autoscaler
 class WorkloadAwareAutoscaler(Autoscaler):
-    """Prefill and decode capacity sized separately from token, phase and KV estimates, plus the backlog
-    that queues while new instances start."""
+    """Instance capacity from the cost model at the measured token mix (prefill and decode in the same
+    steps, bounded by the KV pool, the sequence cap, the step budget and the ITL target), plus the
+    backlog that queues while new instances start; disaggregated pool sizes reported beside."""
 
     name = "workload-aware"
     config_type = WorkloadAwareConfig
@@ -226,61 +242,92 @@ class WorkloadAwareAutoscaler(Autoscaler):
             return load.output_tokens_mean, load.output_tokens_high
         return c.prior_output_tokens, c.prior_output_tokens_high
 
-    def decode_batch(self, prompt_tokens: float, output_mean: float, output_high: float) -> tuple[int, float]:
-        """(the largest decode batch one instance holds, its step time in seconds): bounded by the
-        sequence cap, the KV pool (prompt + high output per stream) and the ITL target."""
-        c = self.config
+    def max_streams(self, prompt_tokens: float, output_high: float) -> int:
+        """Decode streams one instance holds: the sequence cap, and the KV pool at prompt + high output each."""
         e = self.instance.engine
-        per_stream = max(1.0, prompt_tokens + output_high)
-        kv_cap = int(self.instance.num_kv_blocks * e.block_size_tokens // per_stream)
-        cap = max(1, min(e.max_num_seqs, kv_cap))
+        kv_cap = int(self.instance.num_kv_blocks * e.block_size_tokens // max(1.0, prompt_tokens + output_high))
+        return max(1, min(e.max_num_seqs, kv_cap))
+
+    def step_s(self, rate_per_s: float, prompt_tokens: float, prefill_tokens: float, output_mean: float,
+               streams: int, *, colocated: bool = True) -> float | None:
+        """The steady step time of one instance serving ``rate_per_s``, seconds, or None when it cannot.
+
+        Each step carries the prefill tokens that arrive during it (rate x prefill tokens x step) beside
+        the decodes that are running (rate x output x step, by Little's law), and its time is the cost
+        model's for that shape: the fixed point of step = cost(rate x prefill x step, rate x output x
+        step), found by iterating from an empty step (it grows towards the fixed point, and without
+        bound when the rate is beyond the instance). ``colocated=False``: a decode-only instance."""
+        c = self.config
+        budget = self.instance.engine.max_num_batched_tokens
         ctx = prompt_tokens + output_mean / 2  # a stream's mean context while it decodes
+        step = self.cost_model.decode_step_ns(1, int(ctx)) / NS
+        for _ in range(200):
+            decodes = rate_per_s * output_mean * step
+            chunk = rate_per_s * prefill_tokens * step if colocated else 0.0
+            if decodes > streams or chunk + decodes > budget or step > c.itl_target_s:
+                return None
+            n = max(1, math.ceil(decodes))
+            if chunk > 0:
+                shape = StepShape(((math.ceil(chunk), int(prompt_tokens // 2)),), n, int(n * ctx))
+                new = self.cost_model.step_time_ns(shape) / NS
+            else:
+                new = self.cost_model.decode_step_ns(n, int(n * ctx)) / NS
+            if abs(new - step) <= 1e-9 * max(step, 1e-9):
+                break
+            step = new
+        return step  # converging slowly (a rate near capacity) but within every bound: it holds
 
-        def step_s(b: int) -> float:
-            return self.cost_model.decode_step_ns(b, int(b * ctx)) / NS
+    def capacity_per_s(self, prompt_tokens: float, prefill_tokens: float, output_mean: float, output_high: float,
+                       *, colocated: bool = True) -> float:
+        """The highest request rate one instance sustains (bisection on ``step_s``), requests per second."""
+        streams = self.max_streams(prompt_tokens, output_high)
 
-        if step_s(cap) <= c.itl_target_s:
-            return cap, step_s(cap)
-        lo, hi = 1, cap  # the step time grows with the batch: the largest batch within the target
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if step_s(mid) <= c.itl_target_s:
+        def ok(rate: float) -> bool:
+            return self.step_s(rate, prompt_tokens, prefill_tokens, output_mean, streams, colocated=colocated) is not None
+
+        lo, hi = 0.0, 1.0
+        while ok(hi):
+            lo, hi = hi, hi * 2
+            if hi > 1e6:
+                return hi
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            if ok(mid):
                 lo = mid
             else:
                 hi = mid
-        return lo, step_s(lo)
-
-    def phase_seconds(self, load: LoadSummary) -> tuple[float, float, float, float]:
-        """(prefill busy s per s, decode busy s per s, busy seconds of the prefill backlog, of the decode
-        backlog): what the load asks of one instance's worth of capacity."""
-        out_mean, out_high = self.outputs(load)
-        prompt = max(1, round(load.prompt_tokens_mean * (1 - load.prefix_hit_share)))
-        prefill_s = prefill_time_ns(self.cost_model, prompt, self.instance.engine.max_num_batched_tokens) / NS
-        batch, step_s = self.decode_batch(load.prompt_tokens_mean, out_mean, out_high)
-        decode_s_per_token = step_s / batch
-        rate = load.requests_per_s
-        prefill = rate * prefill_s
-        decode = rate * out_mean * decode_s_per_token
-        backlog_prefill = load.queued_prompt_tokens * prefill_s / prompt
-        backlog_decode = load.num_queued_requests * out_mean * decode_s_per_token
-        return prefill, decode, backlog_prefill, backlog_decode
+        return lo
 
     def decide(self, load: LoadSummary, seconds_since_last_change: float) -> ScaleDecision:
         c = self.config
-        prefill, decode, backlog_prefill, backlog_decode = self.phase_seconds(load)
-        # what queues while instances started now load: the demand above the ready instances' capacity
-        shortfall = max(0.0, prefill + decode - load.num_instances_ready) * self.ready_delay_s
-        drain = c.backlog_drain_s
+        out_mean, out_high = self.outputs(load)
+        prompt = load.prompt_tokens_mean
+        prefill = prompt * (1 - load.prefix_hit_share)  # prompt tokens computed: prefix-cache hits are not
+        rate = load.requests_per_s
+        recent = load.recent_requests_per_s
+        if c.react_to_recent_rate and recent is not None and recent > rate:
+            rate = recent
+        capacity = self.capacity_per_s(prompt, prefill, out_mean, out_high)
         u = c.target_utilization
-        total = prefill + decode + (backlog_prefill + backlog_decode + shortfall) / drain
-        raw = math.ceil(total / u - 1e-9)
-        n_prefill = max(1, math.ceil((prefill + backlog_prefill / drain) / u - 1e-9))
-        n_decode = max(1, math.ceil((decode + backlog_decode / drain) / u - 1e-9))
+        # what queues while instances started now load: the arrivals above what the ready instances take
+        # at the target utilization (beyond it their queues grow)
+        shortfall = max(0.0, rate - load.num_instances_ready * u * capacity) * self.ready_delay_s
+        backlog = load.num_queued_requests + shortfall  # requests, to be served within backlog_drain_s
+        wanted = (rate + backlog / c.backlog_drain_s) / (u * capacity) if capacity > 0 else math.inf
+        raw = c.max_instances if wanted == math.inf else math.ceil(wanted - 1e-9)
+        # disaggregated pools: prefill instances do prompts alone (chunks of the step budget), decode
+        # instances decode alone (no prefill in their steps)
+        prefill_s = prefill_time_ns(self.cost_model, max(1, round(prefill)),
+                                    self.instance.engine.max_num_batched_tokens) / NS
+        decode_capacity = self.capacity_per_s(prompt, prefill, out_mean, out_high, colocated=False)
+        n_prefill = max(1, math.ceil((rate + backlog / c.backlog_drain_s) * prefill_s / u - 1e-9))
+        n_decode = max(1, math.ceil((rate + backlog / c.backlog_drain_s) / (u * decode_capacity) - 1e-9)
+                       if decode_capacity > 0 else c.max_instances)
         target, held = _clamp_and_hold(raw, load.num_instances, seconds_since_last_change,
                                        min_instances=c.min_instances, max_instances=c.max_instances,
                                        scale_down_delay_s=c.scale_down_delay_s)
         return ScaleDecision(
             num_instances=target, num_prefill_instances=n_prefill, num_decode_instances=n_decode,
-            reason=held or (f"prefill {prefill:.2f} + decode {decode:.2f} busy s/s, backlog "
-                            f"{backlog_prefill + backlog_decode + shortfall:.1f} s over {drain:g} s, at {u:.0%}"),
+            reason=held or (f"{rate:.2f} req/s, {capacity:.2f} per instance at the measured mix, backlog "
+                            f"{backlog:.0f} requests over {c.backlog_drain_s:g} s, at {u:.0%}"),
         )
