@@ -2,7 +2,8 @@
 
 Single-instance policies (``make_policy`` by name): ``fcfs``, ``priority``, ``prefill-first``,
 ``decode-first``, ``sarathi``, ``vtc``, ``deadline``, ``deadline-vtc`` (``docs/policies.md``).
-Routing across instances and autoscaling belong to the cluster layer.
+Routing across instances (``replay.policies.routing``) and autoscaling (``replay.policies.autoscale``:
+``request-rate``, ``workload-aware``) are the cluster layer's seams.
 """
 
 from replay.policies.base import (

@@ -127,3 +127,21 @@ def test_autoscaler_settings_are_checked_and_recorded(tmp_path):
     assert manifest["cluster"]["autoscaler"]["config"]["target_requests_per_s"] == 8.0
     plain = run_cluster_replay(_phases((2, 4.0)), cluster_config(1, delays=DELAYS), out_dir=tmp_path / "plain")
     assert "autoscaler" not in json.loads(plain.manifest_path.read_text())["cluster"]
+
+
+def test_workload_aware_scales_for_what_the_requests_ask_request_rate_does_not(tmp_path):
+    # the same arrivals (2 req/s, then 24 req/s for 30 s) with 20-token or 400-token outputs: request-rate
+    # (8 req/s per instance) starts the same instances for both; workload-aware starts more for the
+    # long outputs than for the short ones (3 against 2 when this was written)
+    def most(summary) -> int:
+        return len(summary.instances)
+
+    short = _phases((2, 10.0), (24, 40.0), prompt_tokens=2000, output_tokens=20)
+    long = _phases((2, 10.0), (24, 40.0), prompt_tokens=2000, output_tokens=400)
+    rr = _autoscaled("request-rate", RequestRateConfig(target_requests_per_s=8.0), autoscale_interval_s=5.0,
+                     autoscale_window_s=10.0)
+    wa = _autoscaled("workload-aware", WorkloadAwareConfig(), autoscale_interval_s=5.0, autoscale_window_s=10.0)
+    rr_short, rr_long = (run_cluster_replay(w, rr, out_dir=tmp_path / f"rr{i}") for i, w in enumerate((short, long)))
+    wa_short, wa_long = (run_cluster_replay(w, wa, out_dir=tmp_path / f"wa{i}") for i, w in enumerate((short, long)))
+    assert most(rr_short) == most(rr_long) == 3  # ceil(24 / 8), whatever the outputs
+    assert most(wa_long) > most(wa_short), (most(wa_short), most(wa_long))
