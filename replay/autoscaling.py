@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from replay.policies.autoscale import Autoscaler, LoadSummary, ScaleDecision, make_autoscaler
 from replay.request import Request
+from schemas.types import doc
 
 if TYPE_CHECKING:
     from replay.cluster import Cluster
@@ -39,14 +40,14 @@ NS = 1_000_000_000
 OUTPUT_HISTORY = 512
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ScaleRecord:
-    """One consultation of the autoscaler."""
+    """One consultation of the autoscaler (the manifest lists them: ``cluster.autoscaler.decisions``)."""
 
-    at_s: float  # seconds after the first arrival
-    num_instances_before: int  # ready or starting
-    num_instances_wanted: int
-    reason: str
+    at_s: float = doc("When, seconds after the first arrival.")
+    num_instances_before: int = doc("Instances ready or starting then.")
+    num_instances_wanted: int = doc("Instances the autoscaler asked for.")
+    reason: str = doc("Its reason.")
 
 
 class LoadMeter:
@@ -153,7 +154,8 @@ class Autoscaling:
                                      num_ready=ready)
         d: ScaleDecision = self.autoscaler.decide(summary, (now - self.last_change_ns) / NS)
         at_s = (now - self.start_ns) / NS
-        self.records.append(ScaleRecord(at_s, live, d.num_instances, d.reason))
+        self.records.append(ScaleRecord(at_s=at_s, num_instances_before=live, num_instances_wanted=d.num_instances,
+                                        reason=d.reason))
         if d.num_instances != live:
             cluster._scale(ScaleStep(at_s=at_s, delta=d.num_instances - live))
             self.last_change_ns = now

@@ -890,6 +890,8 @@ def run_cluster_replay(
     manifest["run_id"] = run_id
     manifest["engine_id"] = engine_id
     manifest["instance_ids"] = [x.instance_id for x in cl.instances]
+    if cl.autoscaling is not None:  # every consultation and why (after the run id: it is an outcome)
+        manifest["cluster"]["autoscaler"]["decisions"] = [_plain(d) for d in cl.autoscaling.records]
     manifest_path = outputs.write_manifest(manifest, output_sha256, writer.num_events, default=str)
     instances = tuple(
         InstanceSummary(

@@ -63,6 +63,12 @@ def test_request_rate_scales_up_where_the_window_says_and_down_after_the_hold(tm
     config = _autoscaled("request-rate", RequestRateConfig(target_requests_per_s=4.0, scale_down_delay_s=10.0),
                          autoscale_interval_s=5.0, autoscale_window_s=10.0)
     summary = run_cluster_replay(_burst(), config, out_dir=tmp_path, check_invariants=True)
+    import json
+
+    decisions = json.loads(summary.manifest_path.read_text())["cluster"]["autoscaler"]["decisions"]
+    assert [(d["at_s"], d["num_instances_before"], d["num_instances_wanted"]) for d in decisions[:6]] == [
+        (5.0, 1, 1), (10.0, 1, 1), (15.0, 1, 1), (20.0, 1, 1), (25.0, 1, 2), (30.0, 2, 3)]
+    assert decisions[4]["reason"] == "7.00 req/s / 4 per instance"
     states = _states(summary)
     ups = [(t, i, s) for t, i, s, a in states if a == "scale_up"]
     assert ups[:4] == [(25.0, 1, "starting"), (27.0, 1, "ready"), (30.0, 2, "starting"), (32.0, 2, "ready")]
@@ -125,6 +131,10 @@ def test_autoscaler_settings_are_checked_and_recorded(tmp_path):
     manifest = json.loads(summary.manifest_path.read_text())
     assert manifest["cluster"]["autoscaler"]["name"] == "request-rate"
     assert manifest["cluster"]["autoscaler"]["config"]["target_requests_per_s"] == 8.0
+    # every consultation, with its reason: 2 req/s until 4 s, consulted at 15 s (the requests still run)
+    # or not at all (all done before), never more than one instance
+    for d in manifest["cluster"]["autoscaler"]["decisions"]:
+        assert d["num_instances_wanted"] == 1 and "req/s" in d["reason"]
     plain = run_cluster_replay(_phases((2, 4.0)), cluster_config(1, delays=DELAYS), out_dir=tmp_path / "plain")
     assert "autoscaler" not in json.loads(plain.manifest_path.read_text())["cluster"]
 
