@@ -9,8 +9,11 @@ so that a series has at most ``max_points`` points, quantiles for distributions)
 Privacy (``docs/privacy.md``): every figure computed across tenants goes through
 ``privacy.views.k_anonymous``: a cell (a time bin of a class, a class, a tenant) with fewer than k
 tenants or k requests is suppressed and counted. Requests without a tenant count as their own
-crowd members (there is no tenant to single out). Per-request detail and per-tenant timing come
-only from ``TenantScope.where``: the viewer's own tenant, resolved from server configuration.
+crowd members (there is no tenant to single out). The derived file holds one row per request,
+checked as it is written (``check_one_row_per_request``), so the pages count a cell's requests as
+its rows (``k_anonymous(..., one_row_per_request=True)``) rather than distinct ids. Per-request
+detail and per-tenant timing come only from ``TenantScope.where``: the viewer's own tenant,
+resolved from server configuration.
 
 Definitions follow ``docs/metrics.md``: a request is *good* when it completed within every
 objective of its class (TTFT, its p99 inter-token gap, E2E), exactly as ``replay.metrics`` judges
@@ -220,13 +223,32 @@ def dead_letters_by_reason(snapshot: LakeSnapshot, memory_limit: str | None = No
 # ------------------------------------------------------------------------------------------ derived requests
 
 
+class NotOneRowPerRequest(ValueError):
+    """A request relation holds a request on more than one row, or a row without a request id."""
+
+
+def check_one_row_per_request(con: duckdb.DuckDBPyConnection, relation: str) -> int:
+    """Raise ``NotOneRowPerRequest`` unless every row of ``relation`` is a different request:
+    ``request_id`` and ``REQUEST_SEQ`` each unique and never null. This is the precondition of
+    ``k_anonymous(..., one_row_per_request=True)``, which every page query over the derived request
+    file relies on (it counts a cell's rows as its requests). Returns the rows."""
+    num_rows, num_ids, num_seqs = con.execute(
+        f"SELECT count(*), count(DISTINCT request_id), count(DISTINCT {REQUEST_SEQ}) FROM {relation}").fetchone()
+    if not num_rows == num_ids == num_seqs:
+        raise NotOneRowPerRequest(
+            f"{num_rows} rows but {num_ids} distinct request ids and {num_seqs} distinct {REQUEST_SEQ}: "
+            "the request table must hold each request on exactly one row")
+    return int(num_rows)
+
+
 def materialize_requests(event_files: Sequence[str | Path], out: str | Path, *, memory_limit: str | None = None) -> int:
     """Derive the request table of ``event_files`` into one Parquet file sorted by arrival.
 
     Columns: ``schemas.records.RequestRow`` plus ``busy_accelerator_s``, each step's duration split
     among its members by the tokens each processed (``replay.metrics.attribution``), so a tenant's
     cost is a sum, and the integer keys ``request_seq`` and ``crowd_id`` (see ``CROWD_ID``). DuckDB streams the events (and spills under ``memory_limit``); the file is
-    written under a temporary name and renamed, so readers never see half of it. Returns the rows.
+    written under a temporary name and renamed, so readers never see half of it, and only once
+    ``check_one_row_per_request`` passes on it. Returns the rows.
     """
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -256,6 +278,7 @@ def materialize_requests(event_files: Sequence[str | Path], out: str | Path, *, 
         (rows,) = con.execute(
             f"COPY ({query}) TO {sql_string(str(tmp))} (FORMAT parquet, COMPRESSION {DERIVED_COMPRESSION}, ROW_GROUP_SIZE 122880)"
         ).fetchone()
+        check_one_row_per_request(con, f"read_parquet({sql_string(str(tmp))})")
         tmp.replace(out)
     finally:
         tmp.unlink(missing_ok=True)
@@ -414,7 +437,7 @@ def arrivals_over_time(requests_path: str | Path, selection: Selection, bin_s: f
     result = k_anonymous(query_connection(), binned, ["bin_start_ns", "class_name"], {
         "num_arrivals": "count(*)", "peak_per_second": "max(same_second)",
         "prompt_tokens": "sum(prompt_tokens)::BIGINT", "output_tokens": "sum(output_tokens)::BIGINT",
-    }, k=k, tenant_column="crowd_member", request_column=REQUEST_SEQ, params=[*params, *params])
+    }, k=k, tenant_column="crowd_member", request_column=REQUEST_SEQ, params=[*params, *params], one_row_per_request=True)
     t = result.table
     covered = _covered_s(t["bin_start_ns"].to_numpy(zero_copy_only=False), bin_ns, selection.window)
     table = pa.table({
@@ -457,7 +480,7 @@ def selection_totals(requests_path: str | Path, selection: Selection, k: int) ->
     return k_anonymous(query_connection(), relation, [], {
         "num_prompt_tokens": "sum(coalesce(num_prompt_tokens, 0))::BIGINT",
         "num_output_tokens": "sum(coalesce(num_output_tokens, 0))::BIGINT",
-    }, k=k, tenant_column="crowd_member", request_column=REQUEST_SEQ, params=params)
+    }, k=k, tenant_column="crowd_member", request_column=REQUEST_SEQ, params=params, one_row_per_request=True)
 
 
 # ------------------------------------------------------------------------------------------ service levels
@@ -553,7 +576,7 @@ def _service_over_time(con: duckdb.DuckDBPyConnection, relation: str, params: li
     judged = _with_verdicts(con, relation, objectives)
     binned = f"(SELECT *, (arrival_ns // {bin_ns}) * {bin_ns} AS bin_start_ns FROM {judged})"
     result = k_anonymous(con, binned, ["bin_start_ns", "class_name"], _SERVICE_AGGREGATES, k=k,
-                         tenant_column="crowd_member", request_column=REQUEST_SEQ, params=params)
+                         tenant_column="crowd_member", request_column=REQUEST_SEQ, params=params, one_row_per_request=True)
     t = result.table
     covered = _covered_s(t["bin_start_ns"].to_numpy(zero_copy_only=False), bin_ns, selection.window)
     columns = {"bin_start_ns": t["bin_start_ns"], "service_class": t["class_name"]} | _shares(t, covered)
@@ -573,7 +596,7 @@ def _service_by_class(con: duckdb.DuckDBPyConnection, relation: str, params: lis
     judged = _with_verdicts(con, relation, objectives)
     result = k_anonymous(con, judged, ["class_name"], _SERVICE_AGGREGATES | {
         "first_arrival_ns": "min(arrival_ns)", "last_arrival_ns": "max(arrival_ns)"}, k=k,
-        tenant_column="crowd_member", request_column=REQUEST_SEQ, params=params)
+        tenant_column="crowd_member", request_column=REQUEST_SEQ, params=params, one_row_per_request=True)
     t = result.table
     if selection.window is not None:
         covered = np.full(t.num_rows, max(selection.window.span_s, 1e-9))
@@ -644,7 +667,7 @@ def latency_cdfs(requests_path: str | Path, selection: Selection, k: int) -> tup
     con = query_connection()
     relation, params = _selected(requests_path, selection)
     result = k_anonymous(con, relation, ["class_name"], {}, k=k, tenant_column="crowd_member",
-                         request_column=REQUEST_SEQ, params=params)
+                         request_column=REQUEST_SEQ, params=params, one_row_per_request=True)
     shown = [row["class_name"] for row in result.table.to_pylist() if not row["suppressed"]]
     return _latency_quantiles(con, relation, params, shown), result.num_suppressed
 
@@ -724,7 +747,7 @@ def tenant_service(requests_path: str | Path, selection: Selection, config: Metr
     con = query_connection()
     rows, params = _tenant_rows(con, requests_path, selection, config, verdicts=False)
     return k_anonymous(con, rows, ["tenant"], _tenant_aggregates(config), k=k, min_tenants=1, request_column=REQUEST_SEQ,
-                       params=params)
+                       params=params, one_row_per_request=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -776,9 +799,10 @@ def tenant_detail(requests_path: str | Path, selection: Selection, config: Metri
         "preemptions_per_request": "avg(coalesce(num_preemptions, 0)::DOUBLE)",
         "cancelled_share": "avg((outcome = 'cancelled')::DOUBLE)",
     }
-    summary = k_anonymous(con, rows, [], aggregates, k=1, min_tenants=1, request_column=REQUEST_SEQ, params=params)
+    summary = k_anonymous(con, rows, [], aggregates, k=1, min_tenants=1, request_column=REQUEST_SEQ, params=params,
+                          one_row_per_request=True)
     by_class = k_anonymous(con, rows, ["class_name"], aggregates, k=1, min_tenants=1, request_column=REQUEST_SEQ,
-                           params=params)
+                           params=params, one_row_per_request=True)
     slowest = con.sql(
         f"SELECT request_id, class_name AS service_class, outcome, ttft_s, queue_s, e2e_s, num_preemptions "
         f"FROM {rows} ORDER BY ttft_s DESC NULLS LAST, request_id LIMIT {int(num_slowest)}", params=params,

@@ -15,7 +15,7 @@ from dashboard import data
 from dashboard.data import NS, Selection, TimeWindow
 from pipelines.lake import Lake
 from pipelines.tables import derive_requests
-from privacy.views import TenantScope
+from privacy.views import TenantScope, k_anonymous
 from replay.gate import load_config
 from replay.metrics import MetricsConfig, TenantWeight, attribution, load_requests, load_steps, run_metrics, tenant_metrics
 
@@ -58,6 +58,65 @@ def test_the_derived_request_file_is_the_request_table_plus_each_requests_charge
     assert busy.keys() == charge.keys()
     assert np.allclose([busy[k] for k in charge], list(charge.values()), rtol=1e-9, atol=1e-12)
     assert sum(charge.values()) > 0
+
+
+def test_the_derived_request_file_holds_each_request_on_exactly_one_row(lake_tables, tmp_path):
+    # the precondition of k_anonymous(..., one_row_per_request=True), which the pages pass for this file
+    _, path, _ = lake_tables
+    cached = pq.read_table(path, columns=["request_id", data.REQUEST_SEQ])
+    ids = cached["request_id"].to_pylist()
+    assert cached.num_rows > 0 and None not in ids and len(set(ids)) == cached.num_rows
+    assert data.check_one_row_per_request(duckdb.connect(), f"read_parquet('{path}')") == cached.num_rows
+    doubled = tmp_path / "doubled.parquet"
+    pq.write_table(pa.concat_tables([pq.read_table(path), pq.read_table(path).slice(3, 1)]), doubled)
+    with pytest.raises(data.NotOneRowPerRequest):
+        data.check_one_row_per_request(duckdb.connect(), f"read_parquet('{doubled}')")
+
+
+def test_a_request_table_with_a_request_on_two_rows_is_never_written(lake_tables, tmp_path, monkeypatch):
+    snapshot, _, _ = lake_tables
+    derive = data.requests_sql
+    monkeypatch.setattr(data, "requests_sql", lambda events: f"SELECT * FROM ({derive(events)}) UNION ALL "
+                                                             f"(SELECT * FROM ({derive(events)}) LIMIT 1)")
+    out = tmp_path / "requests.parquet"
+    with pytest.raises(data.NotOneRowPerRequest):
+        data.materialize_requests(snapshot.event_files, out)
+    assert list(tmp_path.iterdir()) == []  # neither the file nor its temporary
+
+
+def test_the_page_queries_count_rows_exactly_as_a_distinct_count_of_requests(lake_tables, config, monkeypatch):
+    # every relation the pages hand to k_anonymous with one_row_per_request (the file joined with
+    # peaks, objectives and weights) keeps one row per request: counting distinct gives the same tables
+    _, path, _ = lake_tables
+    ov = data.requests_overview(path)
+    objectives = data.objectives_for(config, ov.classes)
+    scope = TenantScope.for_tenant(KEYRING, VIEWER)
+    half = TimeWindow(ov.first_arrival_ns, (ov.first_arrival_ns + ov.last_arrival_ns) // 2)
+
+    def views():
+        out = []
+        for selection in (Selection(), Selection(half, "interactive")):
+            out += [data.arrivals_over_time(path, selection, 60.0, k=5), data.arrivals_over_time(path, selection, 0.5, k=5),
+                    data.selection_totals(path, selection, k=5).table,
+                    data.service_over_time(path, selection, objectives, 60.0, k=5),
+                    data.service_by_class(path, selection, objectives, k=5), data.latency_cdfs(path, selection, k=5),
+                    data.tenant_service(path, selection, config, k=5).table]
+            detail = data.tenant_detail(path, selection, config, scope)
+            out += [detail.summary, detail.by_class]
+        return out
+
+    counted = views()
+    calls = []
+
+    def distinct(*args, one_row_per_request=False, **kwargs):
+        calls.append(one_row_per_request)
+        return k_anonymous(*args, **kwargs)
+
+    monkeypatch.setattr(data, "k_anonymous", distinct)
+    assert views() == counted
+    assert calls and all(calls)  # every one of these queries took the row-counting path
+    hidden = [v[1] for v in counted if isinstance(v, tuple)]
+    assert any(hidden) and not all(hidden)  # some cells suppressed, some shown: the comparison covers both
 
 
 def test_a_new_lake_version_gets_its_own_file_and_the_old_one_is_reused_until_then(sample, lake_tables, tmp_path):
