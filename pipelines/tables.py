@@ -6,7 +6,9 @@ ties broken by ``(ts_ns, event_id)``. Duplicated events (the same ``event_id``, 
 retries) cannot change a min, max or arg-max; counts use distinct event ids, and the token sums and
 inter-token gaps read de-duplicated deliveries. So the table is the same whatever order and
 duplication the events arrive in, and durations, computed from integer nanoseconds, are
-bit-identical across runs and thread counts. Metric definitions: ``docs/metrics.md``.
+bit-identical across runs and thread counts. A ``request_preempted`` with mode ``migrate`` (a move
+to another instance with the KV: a disaggregated hand-off, a migration) counts in ``num_migrations``,
+not in ``num_preemptions``. Metric definitions: ``docs/metrics.md``.
 """
 
 from __future__ import annotations
@@ -59,9 +61,13 @@ can AS (
     SELECT request_id, min(ts_ns) AS cancel_ns
     FROM {source} WHERE event_type = 'request_cancelled' GROUP BY request_id
 ),
-pre AS (
-    SELECT request_id, count(*) AS num_preemptions, sum(num_lost_tokens) AS num_lost_tokens
-    FROM (SELECT DISTINCT ON (event_id) request_id, num_lost_tokens
+pre AS (  -- a migrate event is a move with the KV, not a preemption: counted apart
+    SELECT
+        request_id,
+        count(*) FILTER (WHERE mode IS DISTINCT FROM 'migrate') AS num_preemptions,
+        count(*) FILTER (WHERE mode = 'migrate') AS num_migrations,
+        sum(num_lost_tokens) AS num_lost_tokens
+    FROM (SELECT DISTINCT ON (event_id) request_id, mode, num_lost_tokens
           FROM {source} WHERE event_type = 'request_preempted')
     GROUP BY request_id
 ),
@@ -123,7 +129,8 @@ SELECT
     num_prompt_tokens, num_cached_prefix_tokens, max_output_tokens, num_branches,
     CASE WHEN finished_output_tokens IS NOT NULL THEN finished_output_tokens
          WHEN delivered_tokens > 0 THEN delivered_tokens END AS num_output_tokens,
-    coalesce(num_preemptions, 0) AS num_preemptions, coalesce(num_lost_tokens, 0) AS num_lost_tokens,
+    coalesce(num_preemptions, 0) AS num_preemptions, coalesce(num_migrations, 0) AS num_migrations,
+    coalesce(num_lost_tokens, 0) AS num_lost_tokens,
     (scheduled_ns - arrival_ns) / 1e9 AS queue_s,
     (first_token_ns - arrival_ns) / 1e9 AS ttft_s,
     CASE WHEN num_output_tokens > 1

@@ -52,7 +52,7 @@ def window_stats(r: Requests, rows: np.ndarray, steps: Steps | None, num_windows
         return np.bincount(w, weights=np.asarray(values, dtype=np.float64), minlength=num_windows)
 
     sub = {name: getattr(r, name)[rows] for name in (
-        "good", "outcome", "num_output_tokens", "num_prompt_tokens", "num_preemptions", "num_lost_tokens",
+        "good", "outcome", "num_output_tokens", "num_prompt_tokens", "num_preemptions", "num_migrations", "num_lost_tokens",
         "past_limit", "meets_ttft", "meets_itl", "meets_e2e", "queue_s", "tenant_code", "rejected", "arrival_s")}
     sums = {
         "good": total(sub["good"]),
@@ -65,6 +65,7 @@ def window_stats(r: Requests, rows: np.ndarray, steps: Steps | None, num_windows
         "lost_tokens": total(sub["num_lost_tokens"]),
         "tokens": total(sub["num_output_tokens"] + sub["num_prompt_tokens"]),
         "oscillating": total(sub["num_preemptions"] >= 2),
+        "migrations": total(sub["num_migrations"]),
         "past_limit": total(sub["past_limit"]),
         "flaps": _flaps_per_window(sub["arrival_s"], sub["rejected"], config.window_s, num_windows),
     }
@@ -183,6 +184,7 @@ def _evaluators(price_per_s: float) -> dict[str, Evaluator]:
         "preemptions_per_request": share("preemptions"),
         "wasted_token_share": share("lost_tokens", "tokens"),
         "oscillating_share": share("oscillating"),
+        "migrations_per_request": share("migrations"),
         "admission_flaps_per_hour": lambda s, c: _ratio(c @ s.sums["flaps"], span(s, c) / 3600),
         "max_queue_s": maximum("queue_s"),
         "max_backlogged_service_gap": maximum("service_gap"),

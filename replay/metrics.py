@@ -12,7 +12,8 @@ there (definitions in ``docs/metrics.md``):
 - rejections, cancellations, time-outs and errors as shares of arrivals;
 - starvation: the longest queue residence, the p99 queue age, the share past the class's limit;
 - preemptions per request, wasted (recomputed) token share, oscillation (requests preempted twice
-  or more), and flapping of the admission controller (1 s windows that switch between rejecting
+  or more; moves to another instance with the KV, ``num_migrations``, are not preemptions and are
+  counted apart as migrations per request), and flapping of the admission controller (1 s windows that switch between rejecting
   and not rejecting);
 - fairness: each tenant's delivered service (input tokens x 1 + output tokens x 2, as VTC counts
   it) over its entitlement weight, Jain's index over tenants, and the largest gap between tenants
@@ -138,7 +139,8 @@ class Requests:
     queue_s: np.ndarray
     num_prompt_tokens: np.ndarray
     num_output_tokens: np.ndarray
-    num_preemptions: np.ndarray
+    num_preemptions: np.ndarray  # recompute and swap preemptions (not moves)
+    num_migrations: np.ndarray  # moves to another instance with the KV (request_preempted, mode migrate)
     num_lost_tokens: np.ndarray
     num_admission_decisions: np.ndarray
     request_id: np.ndarray
@@ -209,6 +211,9 @@ def load_requests(table: pa.Table, config: MetricsConfig, origin_ns: int | None 
         num_prompt_tokens=_np(table, "num_prompt_tokens", 0),
         num_output_tokens=_np(table, "num_output_tokens", 0),
         num_preemptions=_np(table, "num_preemptions", 0),
+        # request tables derived before moves were counted apart have no num_migrations column
+        num_migrations=_np(table, "num_migrations", 0) if "num_migrations" in table.column_names
+        else np.zeros(table.num_rows),
         num_lost_tokens=_np(table, "num_lost_tokens", 0),
         num_admission_decisions=_np(table, "num_admission_decisions", 0),
         request_id=np.array(table["request_id"].to_pylist(), dtype=object),
@@ -376,6 +381,7 @@ def summarize(r: Requests, steps: Steps | None, config: MetricsConfig, *, scope:
     generated = float(r.num_output_tokens.sum() + r.num_prompt_tokens.sum())
     add("wasted_token_share", float(r.num_lost_tokens.sum()) / generated if generated else None, "share")
     add("oscillating_share", _share(r.num_preemptions >= 2, n), "share")
+    add("migrations_per_request", float(r.num_migrations.sum()) / n if n else None, "migrations/request")
     add("admission_flaps_per_hour", flaps(r) / (span_s / 3600) if span_s > 0 else None, "switches/hour")
     tenants, normalized = tenant_service(r, weights)
     add("jain_index", jain_index(normalized), "index", len(tenants))

@@ -84,7 +84,11 @@ class RequestRow:
     num_output_tokens: int | None = doc(
         "request_finished num_output_tokens, else the tokens counted in deliveries.", None
     )
-    num_preemptions: int = doc("request_preempted events.", 0)
+    num_preemptions: int = doc("request_preempted events that are preemptions (mode recompute or swap).", 0)
+    num_migrations: int = doc(
+        "request_preempted events with mode migrate: moves to another instance with the KV (a disaggregated "
+        "hand-off, a migration), not preemptions.", 0
+    )
     num_lost_tokens: int = doc("Tokens lost to preemption (to recompute).", 0)
     queue_s: float | None = doc("scheduled - arrival.", None)
     ttft_s: float | None = doc("first_token - arrival (user-facing, not vLLM's scheduled-based).", None)

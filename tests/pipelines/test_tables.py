@@ -126,7 +126,22 @@ def test_preemptions_and_lost_tokens_are_counted():
         RequestPreempted(event_id="p:2", ts_ns=T0 + 9, request_id="p", mode="swap", lease_generation=2, **ENV),
     ]
     (row,) = derive_requests(events_to_table(events)).to_pylist()
-    assert (row["num_preemptions"], row["num_lost_tokens"]) == (2, 40)
+    assert (row["num_preemptions"], row["num_migrations"], row["num_lost_tokens"]) == (2, 0, 40)
+
+
+def test_a_move_with_its_kv_is_a_migration_not_a_preemption():
+    """mode migrate (a disaggregated hand-off, a migration) counts in num_migrations only; a move
+    without the KV is a recompute and counts as a preemption (its tokens are lost)."""
+    events = [
+        arrived("m", T0),
+        RequestPreempted(event_id="m:1", ts_ns=T0 + 5, request_id="m", mode="migrate", lease_generation=1, **ENV),
+        RequestPreempted(event_id="m:1", ts_ns=T0 + 5, request_id="m", mode="migrate", lease_generation=1, **ENV),  # a retry
+        RequestPreempted(event_id="m:2", ts_ns=T0 + 7, request_id="m", mode="recompute", lease_generation=2,
+                         num_lost_tokens=12, **ENV),
+        RequestPreempted(event_id="m:3", ts_ns=T0 + 9, request_id="m", mode="migrate", lease_generation=3, **ENV),
+    ]
+    (row,) = derive_requests(events_to_table(events)).to_pylist()
+    assert (row["num_preemptions"], row["num_migrations"], row["num_lost_tokens"]) == (1, 2, 12)
 
 
 def test_arrow_and_parquet_sources_give_the_same_table(tmp_path):

@@ -167,3 +167,58 @@ def test_the_gate_command_exits_0_1_2_and_3_and_writes_its_reports(tmp_path):
     written = tmp_path / "default.yaml"
     assert _gate("--write-default-config", str(written)).returncode == 0
     assert load_config(written) == default_config() and isinstance(load_config(written), GateConfig)
+
+
+# ------------------------------------------------------------------ moves are not preemptions
+
+
+def _agg_and_disagg(tmp_path):
+    """The same 240 requests on 4 aggregated instances and on 2 prefill + 2 decode instances, with
+    room enough that nothing is preempted: every difference in moves is the hand-offs."""
+    from replay.cluster import cluster_config, disaggregated_config, run_cluster_replay
+    from tests.replay.conftest import make_workload
+
+    ms = 1_000_000
+    n = 240
+    w = make_workload([i * 10 * ms for i in range(n)], [200 + 41 * (i % 7) for i in range(n)], [1 + 9 * (i % 5) for i in range(n)])
+    agg = run_cluster_replay(w, cluster_config(4), out_dir=tmp_path / "agg")
+    dis = run_cluster_replay(w, disaggregated_config(2, 2), out_dir=tmp_path / "dis")
+    return n, agg, dis
+
+
+def test_a_disaggregated_run_counts_its_hand_offs_as_migrations_not_preemptions(tmp_path):
+    import pyarrow.compute as pc
+
+    from pipelines.tables import derive_requests
+
+    n, agg, dis = _agg_and_disagg(tmp_path)
+    events = pq.read_table(dis.events_path)
+    preempted = events.filter(pc.equal(events["event_type"], "request_preempted"))
+    modes = preempted["mode"].to_pylist()
+    table = derive_requests(dis.events_path)
+    moved = sum(1 for i in range(n) if 1 + 9 * (i % 5) > 1)  # a one-token request ends where it began
+    assert modes.count("migrate") == dis.num_kv_transfers == moved > 0
+    assert pc.sum(table["num_migrations"]).as_py() == modes.count("migrate")
+    assert pc.sum(table["num_preemptions"]).as_py() == len(modes) - modes.count("migrate") == 0
+    assert pc.max(table["num_migrations"]).as_py() == 1
+    plain = derive_requests(agg.events_path)
+    assert pc.sum(plain["num_migrations"]).as_py() == 0 and pc.sum(plain["num_preemptions"]).as_py() == 0
+
+
+def test_the_gate_does_not_fail_preemptions_for_the_hand_offs_of_a_disaggregated_candidate(tmp_path):
+    from replay.gate import DEFAULT_METRICS, load_run
+
+    n, agg, dis = _agg_and_disagg(tmp_path)
+    judged = {"preemptions_per_request", "oscillating_share", "migrations_per_request"}
+    specs = [s for s in DEFAULT_METRICS if s.name in judged]
+    specs.append(dataclasses.replace(specs[0], name="migrations_per_request"))
+    config = GateConfig(window_s=0.25, min_points=20, resamples=200, metrics=tuple(specs))
+    verdict = compare_runs(load_run(agg.events_path.parent, "baseline"), load_run(dis.events_path.parent, "candidate"),
+                           config)
+    pre, osc = _by(verdict, "preemptions_per_request"), _by(verdict, "oscillating_share")
+    assert pre.status == PASS and pre.difference.baseline == pre.difference.candidate == 0, pre.reason
+    assert osc.status == PASS, osc.reason
+    # the moves are there to see: 4 in 5 requests moved once (the one-token ones end where they began)
+    mig = _by(verdict, "migrations_per_request")
+    assert mig.difference.baseline == 0 and mig.difference.candidate == pytest.approx(0.8)
+    assert mig.status == FAIL  # judged like any metric when a configuration lists it
