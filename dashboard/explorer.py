@@ -5,7 +5,10 @@ token, deliveries, cancellation, finish) and from the engine steps whose batch h
 time (from its arrival to its finish, so the lake's dt/hour partitions and Parquet statistics prune
 the files) and membership. Each step is classified as a *prefill chunk* (the request processed
 more than one token, or the step ended before its first token; after a preemption that is the
-recompute) or *decode*. The other members of a batch are counted, never named.
+recompute) or *decode*. The other members of a batch are counted, never named. In a cluster a
+``request_preempted`` with mode ``migrate`` is a *move* to another instance with the KV (a
+disaggregated hand-off, a migration), labelled as one, not as a preemption; the ``route`` that
+follows names the instance the request went to (``event_mark``).
 
 Who may see a request (``docs/privacy.md``): on the lake, only requests of the viewer's own tenant
 (``TenantScope``); in a replay run, requests whose tenant is not a lake pseudonym (public traces,
@@ -124,7 +127,8 @@ class RequestLife:
     """A request and what happened to it."""
 
     summary: RequestSummary
-    events: pa.Table  # its own events: ts_ns, event_type, decision, reason, mode, num_lost_tokens, num_tokens, outcome
+    events: pa.Table  # its own events: ts_ns, event_type, instance_id, decision, reason, mode, lease_generation,
+    #                   num_lost_tokens, num_tokens, outcome
     steps: pa.Table  # the batches it was in (see ``request_life``)
 
 
@@ -183,7 +187,8 @@ def request_life(events_relation: str, summary: RequestSummary, *, hive: bool, m
     con = connect(memory_limit)
     window = _time_filter(summary.arrival_ns, summary.end_ns + 1, hive)
     events = con.sql(
-        f"SELECT ts_ns, event_type, decision, reason, mode, num_lost_tokens, num_tokens, outcome "
+        f"SELECT ts_ns, event_type, instance_id, decision, reason, mode, lease_generation, num_lost_tokens, num_tokens, "
+        f"outcome "
         f"FROM {events_relation} WHERE {window} AND request_id = ? AND event_type <> 'step_executed' "
         f"ORDER BY ts_ns, {_LIFECYCLE_ORDER}, event_id", params=[summary.request_id],
     ).to_arrow_table()
@@ -201,6 +206,30 @@ def request_life(events_relation: str, summary: RequestSummary, *, hive: bool, m
         params=[summary.request_id] * 3,
     ).to_arrow_table()
     return RequestLife(summary, events, steps)
+
+
+def is_preemption(event: dict) -> bool:
+    """A ``request_preempted`` that cost the request its batch slot (recompute, swap); one with mode
+    ``migrate`` is a move with the KV, not a preemption (``docs/metrics.md``)."""
+    return event["event_type"] == "request_preempted" and event.get("mode") != "migrate"
+
+
+def event_mark(event: dict) -> tuple[str, str] | None:
+    """The timeline's label and hover text for one of a request's own events (a row of
+    ``RequestLife.events``), or None for events drawn otherwise (deliveries)."""
+    kind = event["event_type"]
+    if kind == "admission_decided":
+        decision = event["decision"]
+        target = f" to {event['instance_id']}" if decision == "route" and event.get("instance_id") else ""
+        return f"admission: {decision}", f"admission decision {decision}{target} {event['reason'] or ''}"
+    if kind == "request_preempted" and not is_preemption(event):
+        return "moved", (f"moved to another instance with its KV, nothing to recompute (lease generation "
+                         f"{event.get('lease_generation')}; the route that follows names the instance)")
+    if kind == "request_preempted":
+        return "preempted", f"preempted ({event['mode']}), {event['num_lost_tokens']} tokens to recompute"
+    labels = {"first_token": "first token", "request_cancelled": "cancelled", "request_arrived": "arrived",
+              "request_finished": f"finished: {event.get('outcome')}"}
+    return (labels[kind], labels[kind]) if kind in labels else None
 
 
 def composition_bin_s(span_s: float, max_points: int) -> float:

@@ -7,7 +7,7 @@ import streamlit as st
 
 from dashboard import charts, ui
 from dashboard.data import NS, TimeWindow, parquet_relation
-from dashboard.explorer import STEP_MARGIN_NS, Visibility, lake_events
+from dashboard.explorer import STEP_MARGIN_NS, Visibility, event_mark, is_preemption, lake_events
 
 s = ui.page("Request explorer", "One request's life: queue, admission, prefill chunks, decode, preemptions and the batches "
             "it shared; and the batch composition of an instance over time.")
@@ -102,16 +102,11 @@ if summary is not None:
         lanes.append((lane, row["start_ns"], row["end_ns"], "#0969da" if lane == "prefill chunk" else "#1a7f37", hover))
     marks: list[tuple[str, int, str]] = []
     for row in life.events.to_pylist():
-        kind = row["event_type"]
-        if kind == "admission_decided":
-            marks.append((f"admission: {row['decision']}", row["ts_ns"], f"admission decision {row['decision']} {row['reason'] or ''}"))
-        elif kind == "request_preempted":
-            marks.append(("preempted", row["ts_ns"], f"preempted ({row['mode']}), {row['num_lost_tokens']} tokens to recompute"))
+        mark = event_mark(row)  # a migrate event is a move (hand-off, migration), not a preemption
+        if mark is not None:
+            marks.append((mark[0], row["ts_ns"], mark[1]))
+        if is_preemption(row):
             lanes.append(("preempted", row["ts_ns"], row["ts_ns"] + 1_000_000, "#cf222e", "preempted"))
-        elif kind in ("first_token", "request_cancelled", "request_finished", "request_arrived"):
-            label = {"first_token": "first token", "request_cancelled": "cancelled", "request_arrived": "arrived",
-                     "request_finished": f"finished: {row['outcome']}"}[kind]
-            marks.append((label, row["ts_ns"], label))
     if summary.last_token_ns:
         marks.append(("last token", summary.last_token_ns, "last token"))
     ui.show_figure(charts.timeline_figure(summary.arrival_ns, lanes, marks), "timeline")

@@ -110,3 +110,32 @@ def test_batch_composition_bins_every_step_of_the_instance_once(lake):
     assert sum(table["num_steps"].to_pylist()) == expected
     assert all(0 <= b <= 1 for b in table["busy_share"].to_pylist())
     assert max(table["mean_batch_size"].to_pylist()) > 1
+
+
+def test_a_disaggregated_hand_off_shows_as_a_move_to_the_decode_instance_not_a_preemption(tmp_path):
+    from pipelines.tables import derive_requests
+    from replay.cluster import disaggregated_config, run_cluster_replay
+    from tests.replay.conftest import make_workload
+
+    ms = 1_000_000
+    w = make_workload([i * 15 * ms for i in range(6)], [300] * 6, [8] * 6)
+    summary = run_cluster_replay(w, disaggregated_config(1, 1), out_dir=tmp_path / "run")
+    (row,) = [r for r in derive_requests(summary.events_path).to_pylist() if r["request_id"] == "r3"]
+    assert (row["num_preemptions"], row["num_migrations"]) == (0, 1)
+    fields = explorer.RequestSummary.__dataclass_fields__
+    found = explorer.RequestSummary(**{k: row.get(k) for k in fields})  # the dashboard adds busy_accelerator_s
+    life = explorer.request_life(parquet_relation([summary.events_path]), found, hive=False)
+    events = life.events.to_pylist()
+    (move,) = [e for e in events if e["event_type"] == "request_preempted"]
+    assert move["mode"] == "migrate" and not explorer.is_preemption(move)
+    label, hover = explorer.event_mark(move)
+    assert label == "moved" and "lease generation 1" in hover and "recompute" not in hover.split(",")[0]
+    prefill, decode = (x.instance_id for x in summary.instances)
+    routes = [explorer.event_mark(e) for e in events if e["event_type"] == "admission_decided" and e["decision"] == "route"]
+    assert [r[0] for r in routes] == ["admission: route"] * 2
+    assert f"route to {prefill} " in routes[0][1] and f"route to {decode} hand-off to decode" in routes[1][1]
+    assert found.instance_id == decode
+    # a real preemption still reads as one
+    recompute = {**move, "mode": "recompute", "num_lost_tokens": 300}
+    assert explorer.is_preemption(recompute)
+    assert explorer.event_mark(recompute) == ("preempted", "preempted (recompute), 300 tokens to recompute")
