@@ -11,6 +11,12 @@ policy object; all of them run on one ``Kernel`` and write to one ``EventWriter`
 3. the chosen instance's own admission policy decides as for a lone instance (a second
    ``admission_decided``), and the request lives there until it ends or moves.
 
+**Re-routes** (``max_reroutes`` > 0): an instance's admission may answer ``route`` for an arriving
+request ("not here": ``EngineView.can_route`` says when it may); the request leaves that instance before
+holding anything, the router picks one of the instances taking traffic that it has not tried (an
+``admission_decided`` ``route`` naming it), and that instance's admission decides; at most
+``max_reroutes`` times per request. Its arrival event is the first instance's, once.
+
 **Moves.** A request leaves its instance for another (``Engine.release``, then ``Engine.receive``
 at the destination; in between no engine holds it) when: a disaggregated cluster's prefill instance
 produced its first token (``decode_instances``: it moves with its KV to a decode instance); a
@@ -213,6 +219,12 @@ class ClusterConfig:
     autoscaler_config: object | None = doc("The autoscaler's typed config (None: its defaults).", None)
     autoscale_interval_s: float = doc("Seconds between consultations of the autoscaler.", 15.0)
     autoscale_window_s: float = doc("Arrivals are measured over this many seconds before each consultation.", 60.0)
+    max_reroutes: int = doc(
+        "Re-routes per request: how many times instances' admission may answer 'route' (not here) for one arriving "
+        "request, each time sending it to another instance taking traffic that it has not tried, which the router "
+        "picks. 0 (the default): never; admission answers as on a lone instance.",
+        0,
+    )
 
     def __post_init__(self) -> None:
         if not self.instances:
@@ -233,6 +245,8 @@ class ClusterConfig:
             if self.scaling or self.autoscaler is not None:
                 raise ReplayError("a scaling schedule or an autoscaler with disaggregated pools is not supported yet",
                                   "scale an aggregated cluster, or size the two pools")
+        if self.max_reroutes < 0:
+            raise ReplayError(f"max_reroutes must be non-negative, not {self.max_reroutes}")
         if self.failure_rate_per_s < 0 or self.failure_window_s < 0:
             raise ReplayError("failure_rate_per_s and failure_window_s must be non-negative")
         if not self.kv_transfer_bandwidth_bytes_per_s > 0 or self.kv_transfer_latency_s < 0:
@@ -445,6 +459,10 @@ class Cluster:
         self._faults = bool(config.migrations or config.failures or config.failure_rate_per_s)
         self.num_migrations = 0
         self.num_failures = 0
+        # re-routes (max_reroutes): the request being routed on arrival now, and the instances it tried
+        self._routing: Request | None = None
+        self._tried: list[ClusterInstance] = []
+        self.num_reroutes = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -460,6 +478,9 @@ class Cluster:
         engine.track_leases = self._faults
         if role == "prefill":
             engine.handoff = lambda r, target, inst=inst: self._handoff(inst, r, target)
+        if self.config.max_reroutes and role != "decode":
+            engine.reroute = lambda r, target, inst=inst: self._reroute(inst, r, target)
+            engine.view.route_check = self._can_route
         self.instances.append(inst)
         return inst
 
@@ -577,7 +598,51 @@ class Cluster:
             heapq.heappush(inst._cancels, now + r.cancel_after_ns)
         engine = inst.engine
         engine.interrupt_run()
+        if not self.config.max_reroutes:
+            engine.submit(r, num_output_tokens)
+            return
+        self._routing, self._tried = r, [inst]
         engine.submit(r, num_output_tokens)
+        self._routing = None
+
+    def _can_route(self, r: Request) -> bool:
+        """Whether an instance's admission may answer 'route' for ``r`` now (``EngineView.can_route``): only
+        while the cluster routes it on arrival (a held request's later decisions never move it), fewer
+        than ``max_reroutes`` times, and while an instance taking traffic has not been tried."""
+        tried = self._tried
+        return r is self._routing and len(tried) <= self.config.max_reroutes and any(
+            x not in tried for x in self.routable
+        )
+
+    def _reroute(self, src: ClusterInstance, r: Request, target: int) -> None:
+        """``src``'s admission answered 'route' for ``r`` (not here) and released it: the router picks one of
+        the instances taking traffic that it has not tried (an ``admission_decided`` 'route' naming it), and
+        that instance's admission decides (it may route again, within ``max_reroutes``)."""
+        now = self.kernel.now_ns
+        writer = self.writer
+        self._left(src, r)
+        candidates = [x for x in self.routable if x not in self._tried]
+        d = self.router.route(r.view, candidates)
+        r.num_admission_decisions += 1
+        if d.shed:  # the router sheds it now: it ends rejected, on no instance
+            self.num_shed += 1
+            reject = AdmissionDecision(decision="reject", reason=d.reason, retry_after_s=d.retry_after_s)
+            writer.admission.append((r, now, reject, r.num_admission_decisions, None))
+            self._end_moved(r, src, "rejected", d.reason, counted=False)
+            return
+        dest = candidates[d.index]
+        self._tried.append(dest)
+        self.num_reroutes += 1
+        writer.admission.append((r, now, _Route(f"re-routed from {src.instance_id} ({dest._route.reason})",
+                                                dest.instance_id), r.num_admission_decisions, dest.instance_id))
+        dest.num_outstanding += 1
+        dest.num_outstanding_tokens += r.num_prompt_tokens
+        dest.num_routed += 1
+        if r.cancel_after_ns is not None:
+            heapq.heappush(dest._cancels, r.arrival_ns + r.cancel_after_ns)
+        engine = dest.engine
+        engine.interrupt_run()
+        engine.submit(r, target, rerouted=True)
 
     def _finished(self, inst: ClusterInstance, r: Request) -> None:
         if self.autoscaling is not None:
@@ -793,6 +858,7 @@ class ClusterSummary:
     kv_transfer_bytes: int = 0
     num_migrations: int = 0
     num_failures: int = 0
+    num_reroutes: int = 0  # requests sent on because an instance's admission answered 'route' (max_reroutes)
 
 
 def run_cluster_replay(
@@ -861,6 +927,8 @@ def run_cluster_replay(
             "kv_transfer_bandwidth_bytes_per_s": cluster.kv_transfer_bandwidth_bytes_per_s,
             "kv_transfer_latency_s": cluster.kv_transfer_latency_s,
         }
+    if cluster.max_reroutes:  # likewise
+        manifest["cluster"]["max_reroutes"] = cluster.max_reroutes
     if cluster.autoscaler is not None:  # absent otherwise: a run without one keeps its manifest and run id
         from replay.policies.autoscale import autoscaler_class
 
@@ -926,4 +994,5 @@ def run_cluster_replay(
         kv_transfer_bytes=cl.kv_transfer_bytes,
         num_migrations=cl.num_migrations,
         num_failures=cl.num_failures,
+        num_reroutes=cl.num_reroutes,
     )

@@ -181,6 +181,9 @@ class Engine:
         # record each planned step's lease generations, so that a step of a request that moved away
         # during it is refused (set by a cluster whose requests can move mid-step)
         self.track_leases = False
+        # set by a cluster (replay.cluster): called with a request its admission answered 'route' for
+        # (not here), once it has left, with its output target; the cluster sends it to another instance
+        self.reroute: Callable[[Request, int], None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -224,8 +227,10 @@ class Engine:
                 "enable chunked prefill or raise max_num_batched_tokens",
             )
 
-    def submit(self, r: Request, num_output_tokens: int) -> None:
-        """A request arrives now: record it, ask admission, queue it (its true length stays private)."""
+    def submit(self, r: Request, num_output_tokens: int, *, rerouted: bool = False) -> None:
+        """A request arrives now: record it, ask admission, queue it (its true length stays private).
+        ``rerouted``: another instance of the cluster received it and its admission answered 'route'
+        (the arrival event and the cancellation timer are that instance's; this one only admits it)."""
         self._catch_up()
         now = self.kernel.now_ns
         self.check_fits(r, num_output_tokens)
@@ -237,10 +242,13 @@ class Engine:
         r.owner = self
         self.num_active += 1
         self.stats.num_submitted += 1
-        cached = self._lookup(r)[1] * self.block_size if (self.prefix_caching and r.unit_keys) else None
-        self.writer.arrived.append((r, self.instance_id, cached))
-        if r.cancel_after_ns is not None:
-            self.kernel.schedule(now + r.cancel_after_ns, CANCEL, lambda: self.cancel(r))
+        if rerouted:
+            r.state = WAITING
+        else:
+            cached = self._lookup(r)[1] * self.block_size if (self.prefix_caching and r.unit_keys) else None
+            self.writer.arrived.append((r, self.instance_id, cached))
+            if r.cancel_after_ns is not None:
+                self.kernel.schedule(now + r.cancel_after_ns, CANCEL, lambda: self.cancel(r))
         self._decide(r, self.policy.admit(self.view, r.view), now)
 
     def _decide(self, r: Request, d: AdmissionDecision, now: int) -> None:
@@ -273,6 +281,16 @@ class Engine:
             r.state = HELD
             self.held.append(r)
             self._wake()
+        elif kind == "route":  # not here: it leaves before it held anything, the cluster sends it on
+            if self.reroute is None:
+                raise ReplayError(f"request {r.request_id}: admission answered 'route' on a lone instance",
+                                  "a policy may route only when EngineView.can_route says so")
+            if was_held:
+                self.held.remove(r)
+            r.state = MOVING
+            r.owner = None
+            self.num_active -= 1
+            self.reroute(r, self._targets.pop(r))
         else:
             if was_held:
                 self.held.remove(r)

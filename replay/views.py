@@ -10,7 +10,7 @@ they used in their admission decision.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple, overload
 
 from replay.request import FINISHED, HELD, RUNNING, WAITING, Request
@@ -103,7 +103,8 @@ class RequestSequence(Sequence[RequestView]):
 class EngineView:
     """What a policy may know about the instance: clock, queues, KV pool, settings, cost model."""
 
-    __slots__ = ("_kernel", "_pool", "_running", "_waiting", "_held", "_budget", "instance", "cost_model", "instance_id")
+    __slots__ = ("_kernel", "_pool", "_running", "_waiting", "_held", "_budget", "instance", "cost_model", "instance_id",
+                 "route_check")
 
     def __init__(
         self,
@@ -126,6 +127,8 @@ class EngineView:
         self.instance = instance
         self.cost_model = cost_model
         self.instance_id = instance_id
+        # set by a cluster (replay.cluster): whether a request may be sent to another instance now
+        self.route_check: Callable[[Request], bool] | None = None
 
     @property
     def now_ns(self) -> int:
@@ -181,6 +184,13 @@ class EngineView:
                 seqs += n
                 ctx += n * (computed + 1)
         return BatchComposition(seqs, ctx, prefilling, left, max_context, tenants)
+
+    def can_route(self, request: RequestView) -> bool:
+        """Whether admission may answer ``route`` for ``request`` now ("not here"): a cluster has another
+        instance taking traffic that it has not tried, and its re-route budget is not spent. Always False
+        on a lone instance. It says nothing about the other instances: the cluster's router picks one."""
+        check = self.route_check
+        return check is not None and check(request._r)
 
     @property
     def token_budget_left(self) -> int:

@@ -8,6 +8,8 @@ read-only views (``replay.views``):
                                    decision at the latest, even if the engine is idle), degrade
                                    (accept with optional work reduced: its output capped at
                                    ``max_output_tokens``, its parallel samples cut to ``num_branches``),
+                                   route (not here: only when ``view.can_route(request)``, i.e. a
+                                   cluster offers another instance; the cluster's router picks it),
                                    or reject (with retry-after); the decision may
                                    carry the predicted output interval it used.
 ``order(view, waiting)``           which waiting requests to try this step, in order (an iterable:
@@ -41,7 +43,7 @@ from replay.errors import ReplayError, unknown_name
 from replay.views import EngineView, RequestView
 from schemas.types import doc
 
-AdmissionKind = Literal["accept", "queue", "degrade", "reject"]
+AdmissionKind = Literal["accept", "queue", "degrade", "route", "reject"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,7 +52,8 @@ class AdmissionDecision:
 
     decision: AdmissionKind = doc(
         "accept (into the waiting queue), queue (hold, offer again later), degrade (accept with optional work "
-        "capped: ``max_output_tokens``, ``num_branches``) or reject."
+        "capped: ``max_output_tokens``, ``num_branches``), route (not here: the cluster sends it to another "
+        "instance, which its router picks; only when ``EngineView.can_route`` says so) or reject."
     )
     reason: str | None = doc("Why, in a few words.", None)
     retry_after_s: float | None = doc(
@@ -66,10 +69,10 @@ class AdmissionDecision:
     )
 
     def __post_init__(self) -> None:
-        if self.decision not in ("accept", "queue", "degrade", "reject"):
+        if self.decision not in ("accept", "queue", "degrade", "route", "reject"):
             raise ReplayError(
-                f"admission decision {self.decision!r} is not supported by a single instance",
-                "accept, queue, degrade or reject (route and downgrade belong to the cluster layer)",
+                f"admission decision {self.decision!r} is not supported by an instance's admission policy",
+                "accept, queue, degrade, route or reject (downgrade needs multi-model residency)",
             )
         if (self.decision == "degrade") != (self.max_output_tokens is not None or self.num_branches is not None):
             raise ReplayError(

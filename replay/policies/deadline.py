@@ -27,8 +27,10 @@ Llumnix's and DistServe's capacity planning, and of QLM's waiting-time estimatio
    when a request with parallel samples would miss its deadline with all of them but not with
    fewer: it runs with the most branches that fit (at least ``min_branches``);
    ``queue`` (held by admission control) when only a tenant quota stands in the way and its refill
-   leaves the deadline reachable; otherwise ``reject`` with a retry-after: how much later the same
-   request would have met its objective.
+   leaves the deadline reachable; otherwise, in a cluster that re-routes (``ClusterConfig.max_reroutes``)
+   while ``EngineView.can_route`` allows it, ``route``: "not here", the cluster's router sends it to an
+   instance it has not tried, whose own admission decides (the policy knows nothing of the others);
+   otherwise ``reject`` with a retry-after: how much later the same request would have met its objective.
 
 Chunks follow Sarathi-Serve's stall-free rule sized to the ITL objective (``chunk_from_itl``).
 Classes, weights and quotas come from tenant configuration. ``deadline-vtc`` orders the queue by
@@ -39,10 +41,11 @@ that floods the instance sees its tag run ahead of everyone's, so its requests a
 wait behind the others' and are the ones rejected (with retry-after), while the well-behaved
 tenants' predictions, and so their admissions, barely move.
 
-What one instance cannot do, and the cluster layer (issue 6) must: *route* elsewhere and
-*downgrade* to a smaller qualified model. Of the optional work, max tokens (E2E) and branches
-(a request with n > 1 that would miss its deadline runs with the most branches that fit, at least
-``min_branches``) are capped here; speculative drafts are not modelled (``docs/policies.md``).
+Not yet answered: *downgrade* to a smaller qualified model (it needs multi-model residency in the
+cluster) and capping speculative drafts (speculative decoding is not modelled yet); see
+``docs/policies.md``. Of the optional work, max tokens (E2E) and branches (a request with n > 1 that
+would miss its deadline runs with the most branches that fit, at least ``min_branches``) are capped
+here, before the request is routed elsewhere or rejected.
 """
 
 from __future__ import annotations
@@ -450,6 +453,8 @@ class DeadlinePolicy(Policy):
                     break
         if late_s > 0:
             self._retry_at.pop(request.request_id, None)
+            if view.can_route(request):  # a cluster offers another instance: say "not here", it picks where
+                return AdmissionDecision(decision="route", reason="would miss its deadline here", **interval)
             retry = late_s if late_s < math.inf else c.drain_window_s
             return AdmissionDecision(decision="reject", reason="would miss its deadline",
                                      retry_after_s=max(c.retry_after_min_s, retry), **interval)
