@@ -665,7 +665,8 @@ def _stash(name: str):
 
 
 def _cluster_options(command):
-    """`servelens replay`'s cluster options: --instances, --router, --scale and the scaling delays."""
+    """`servelens replay`'s cluster options: --instances, --router, --scale and the scaling delays,
+    disaggregated pools, failures and an autoscaler."""
     options = [
         click.option("--instances", type=int, expose_value=False, callback=_stash("instances"),
                      help="Replay a cluster of this many alike instances behind a router (docs/replay.md, Cluster)."),
@@ -697,10 +698,37 @@ def _cluster_options(command):
                           "repeatable), e.g. 300:1."),
         click.option("--failure-rate-per-hour", type=float, expose_value=False, callback=_stash("failure_rate_per_hour"),
                      help="Random instance failures per hour over the cluster (seeded by --seed), within the first hour."),
+        click.option("--autoscaler", expose_value=False, callback=_stash("autoscaler"),
+                     help="Autoscaler that sizes an aggregated cluster as it runs: request-rate, workload-aware "
+                          "(docs/policies.md); --instances is then the start."),
+        click.option("--autoscaler-config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                     expose_value=False, callback=_stash("autoscaler_config"),
+                     help="YAML file of the autoscaler's settings, e.g. {target_requests_per_s: 4, max_instances: 16}."),
+        click.option("--autoscale-interval-s", type=float, expose_value=False, callback=_stash("autoscale_interval_s"),
+                     help="Seconds between the autoscaler's decisions (default 15)."),
+        click.option("--autoscale-window-s", type=float, expose_value=False, callback=_stash("autoscale_window_s"),
+                     help="Seconds of arrivals each decision measures (default 60)."),
     ]
     for option in reversed(options):
         command = option(command)
     return command
+
+
+def _autoscaler_config(name: str, path: Path) -> object:
+    """The named autoscaler's config from a YAML mapping of its fields (types checked, unknown keys refused)."""
+    import yaml
+
+    from replay.policies.autoscale import autoscaler_class
+    from servelens.config import build
+
+    cls = autoscaler_class(name).config_type  # an unknown name: the error lists the valid ones
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ServelensError(f"autoscaler configuration {path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ServelensError(f"autoscaler configuration {path} must be a mapping of {cls.__name__} settings")
+    return build(cls, data)
 
 
 def _replay_cluster(ctx: click.Context, workload_name: str, policy_name: str, policy_config: Path | None,
@@ -746,6 +774,18 @@ def _replay_cluster(ctx: click.Context, workload_name: str, policy_name: str, po
         failure_rate_per_s=meta.get("failure_rate_per_hour", 0.0) / 3600,
         failure_seed=seed,
     )
+    if "autoscaler" in meta or any(k in meta for k in ("autoscaler_config", "autoscale_interval_s", "autoscale_window_s")):
+        if "autoscaler" not in meta:
+            raise ServelensError("--autoscaler-config, --autoscale-interval-s and --autoscale-window-s need --autoscaler",
+                                 "name one: request-rate or workload-aware")
+        config = dataclasses.replace(
+            config,
+            autoscaler=meta["autoscaler"],
+            autoscaler_config=(_autoscaler_config(meta["autoscaler"], meta["autoscaler_config"])
+                               if "autoscaler_config" in meta else None),
+            autoscale_interval_s=meta.get("autoscale_interval_s", config.autoscale_interval_s),
+            autoscale_window_s=meta.get("autoscale_window_s", config.autoscale_window_s),
+        )
     workload = load_workload(workload_name, _shared_or_none(ctx, workload_name), num_requests)
     shared = shared_dir(_config(ctx)) if cost_model == "profile" and profile_path is None else None
     with click.progressbar(length=workload.num_requests or 0, label="replaying", file=sys.stderr,
@@ -818,6 +858,7 @@ def replay_command(ctx: click.Context, workload_name: str, policy_name: str, pol
       servelens replay --workload azure-conv --profile profiles/llama-8b-h200.parquet --out out/8b-fitted
       servelens replay --workload azure-conv --instances 8 --router least-outstanding-tokens --scale 600:+2 --out out/cluster
       servelens replay --workload azure-conv --instances 2 --decode-instances 2 --kv-transfer-gbps 50 --fail 300:1 --out out/disagg
+      servelens replay --workload azure-conv --instances 2 --autoscaler workload-aware --autoscale-interval-s 15 --out out/autoscaled
       servelens replay --workload azure-conv --requests 40 --profile out/profiles/tiny-cpu.parquet --measured --out out/measured
     """
     if any(key.startswith("cluster.") for key in ctx.meta):

@@ -57,3 +57,37 @@ def test_replay_with_disaggregated_pools_and_a_failure(tmp_path):
     assert any(e["mode"] == "migrate" for e in events)
     proc = servelens("replay", "--workload", "azure-conv", "--requests", "50", "--fail", "5", "--out", str(tmp_path / "x"))
     assert proc.returncode == 3 and "is not AT_S:INDEX" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_replay_with_an_autoscaler_scales_as_it_runs(tmp_path):
+    out = tmp_path / "autoscaled"
+    config = tmp_path / "autoscaler.yaml"
+    config.write_text("target_requests_per_s: 2\nmax_instances: 3\nscale_down_delay_s: 0\n")
+    proc = servelens("replay", "--workload", "azure-conv", "--requests", "400", "--instances", "1",
+                     "--autoscaler", "request-rate", "--autoscaler-config", str(config), "--autoscale-interval-s", "2",
+                     "--autoscale-window-s", "4", "--startup-s", "1", "--weight-load-s", "1", "--cache-warm-s", "1",
+                     "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads((out / "manifest.json").read_text())["cluster"]["autoscaler"]
+    assert (manifest["name"], manifest["interval_s"], manifest["window_s"]) == ("request-rate", 2.0, 4.0)
+    assert manifest["config"]["target_requests_per_s"] == 2.0 and manifest["config"]["max_instances"] == 3
+    decisions = manifest["decisions"]
+    assert [d["at_s"] for d in decisions[:3]] == [2.0, 4.0, 6.0]
+    assert max(d["num_instances_wanted"] for d in decisions) == 3  # up to 4 wanted at 8 req/s, clamped
+    events = pq.read_table(out / "events.parquet", columns=["event_type", "scale_action"]).to_pylist()
+    assert any(e["event_type"] == "instance_state" and e["scale_action"] == "scale_up" for e in events)
+    assert "on 1 instances" not in proc.stdout and "ready at 0.0 s" in proc.stdout
+
+
+def test_autoscaler_options_fail_cleanly(tmp_path):
+    bad_config = tmp_path / "autoscaler.yaml"
+    bad_config.write_text("target_rps: 3\n")
+    for args, message in (
+        (["--autoscaler", "nope"], "unknown autoscaler 'nope'"),
+        (["--autoscale-interval-s", "5"], "need --autoscaler"),
+        (["--autoscaler", "request-rate", "--autoscaler-config", str(bad_config)], "unknown config key target_rps"),
+        (["--autoscaler", "request-rate", "--autoscale-window-s", "0"], "must be positive"),
+        (["--instances", "1", "--decode-instances", "1", "--autoscaler", "workload-aware"], "not supported yet"),
+    ):
+        proc = servelens("replay", "--workload", "azure-conv", "--requests", "50", *args, "--out", str(tmp_path / "x"))
+        assert proc.returncode == 3 and message in proc.stderr and "Traceback" not in proc.stderr, (args, proc.stderr)
