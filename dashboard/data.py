@@ -348,19 +348,9 @@ def lake_requests_path(snapshot: LakeSnapshot, cache_dir: str | Path, memory_lim
 # ------------------------------------------------------------------------------------------ request-file queries
 
 
-#: Largest key, in bits, that DuckDB aggregates in a directly indexed table instead of a hash
-#: table. The k-anonymity checks count distinct requests (``REQUEST_SEQ``, 1..n: 20 bits for a
-#: million requests); with the default (12 bits) that count over a whole selection took twice
-#: the CPU time. 22 bits is at most 4M slots (tens of MB while a query runs); larger keys fall back
-#: to hashing as before.
-PERFECT_HASH_BITS = 22
-
-
 def query_connection() -> duckdb.DuckDBPyConnection:
     """A connection for the pages' aggregates over a derived request file."""
-    con = connect()
-    con.execute(f"SET perfect_ht_threshold = {PERFECT_HASH_BITS}")
-    return con
+    return connect()
 
 
 def _selected(requests_path: str | Path, selection: Selection, scope: TenantScope | None = None) -> tuple[str, list[object]]:
