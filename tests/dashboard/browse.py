@@ -48,9 +48,9 @@ def wait_rendered(page, title: str, min_charts: int) -> int:
     """Wait until ``title``'s script finished and at least ``min_charts`` plotly charts are drawn."""
     page.get_by_role("heading", name=title, exact=True).first.wait_for(timeout=TIMEOUT_MS)
     page.wait_for_selector(IDLE, timeout=TIMEOUT_MS)
-    if min_charts:
-        page.wait_for_function(f"document.querySelectorAll('.js-plotly-plot .main-svg').length >= {2 * min_charts}",
-                               timeout=TIMEOUT_MS)  # plotly draws two svg layers per chart
+    if min_charts:  # charts drawn: plots holding their svg layers (two or more per chart, so count plots)
+        page.wait_for_function("Array.from(document.querySelectorAll('.js-plotly-plot'))"
+                               f".filter(p => p.querySelector('.main-svg')).length >= {min_charts}", timeout=TIMEOUT_MS)
     page.wait_for_selector(IDLE, timeout=TIMEOUT_MS)
     return page.locator(".js-plotly-plot").count()
 
