@@ -61,7 +61,7 @@ BUSY_COLUMN = "busy_accelerator_s"
 REQUEST_SEQ = "request_seq"
 CROWD_ID = "crowd_id"
 #: Bumped whenever the derived file's columns or encoding change, so files of an older layout are rebuilt.
-DERIVED_FORMAT = 3
+DERIVED_FORMAT = 4
 #: Compression of the derived request file: every page query decodes it, and Snappy decodes in
 #: about a fifth less CPU time than zstd for these pages (1,000,000 requests: 133 MB against 76 MB).
 DERIVED_COMPRESSION = "snappy"
