@@ -64,11 +64,14 @@ def full_height_screenshot(page, name: str, width: int = 1400) -> Path:
     return screenshot(page, name)
 
 
-def visit_pages(page, prefix: str, server_pid: int | None = None) -> list[PageVisit]:
+def visit_pages(page, prefix: str, server_pid: int | None = None, charts_drawn: dict[str, int] | None = None
+                ) -> list[PageVisit]:
     """Starting on the Overview page, open every page from the sidebar (no reload, as a user does);
-    with ``server_pid``, also the dashboard process's CPU time per page."""
+    with ``server_pid``, also the dashboard process's CPU time per page; ``charts_drawn`` (by URL
+    path) replaces ``PAGES``' chart counts for data other than the sample's."""
     visits = []
     for title, path, charts in PAGES:
+        charts = (charts_drawn or {}).get(path, charts)
         cpu = process_cpu_s(server_pid) if server_pid else None
         start = time.perf_counter()
         page.locator("[data-testid=stSidebarNav] a", has_text=title).first.click()
