@@ -59,6 +59,7 @@ Identical inputs and seed give byte-identical events and manifest, as for a lone
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import heapq
 import json
@@ -78,8 +79,9 @@ from replay.errors import ReplayError
 from replay.kernel import ARRIVAL, CANCEL, Kernel
 from replay.policies import make_policy
 from replay.policies.base import AdmissionDecision
-from replay.policies.routing import ROUTERS, Router, make_router
+from replay.policies.routing import ROUTERS, RouteDecision, Router, make_router
 from replay.request import FINISHED, Request
+from replay.residency import Residency, ResidencyConfig, sized_instance
 from replay.run import PROGRESS_EVERY, ReplayProgress, _Feeder, _manifest, _Outputs, _plain
 from replay.scenario import Scenario
 from replay.views import RequestView
@@ -225,6 +227,9 @@ class ClusterConfig:
         "picks. 0 (the default): never; admission answers as on a lone instance.",
         0,
     )
+    residency: ResidencyConfig | None = doc(
+        "Multi-model residency (replay.residency; None: each instance holds its own model alone).", None
+    )
 
     def __post_init__(self) -> None:
         if not self.instances:
@@ -247,6 +252,11 @@ class ClusterConfig:
                                   "scale an aggregated cluster, or size the two pools")
         if self.max_reroutes < 0:
             raise ReplayError(f"max_reroutes must be non-negative, not {self.max_reroutes}")
+        if self.residency is not None and (self.decode_instances or self.migrations or self.failures
+                                           or self.failure_rate_per_s or self.max_reroutes):
+            raise ReplayError("multi-model residency with disaggregated pools, migrations, failures or re-routes is not "
+                              "supported yet",
+                              "replay residency on an aggregated cluster without faults")
         if self.failure_rate_per_s < 0 or self.failure_window_s < 0:
             raise ReplayError("failure_rate_per_s and failure_window_s must be non-negative")
         if not self.kv_transfer_bandwidth_bytes_per_s > 0 or self.kv_transfer_latency_s < 0:
@@ -318,6 +328,10 @@ def parse_failure(spec: str) -> InstanceFailure:
 
 
 # ---------------------------------------------------------------------------------------------- instances
+
+
+#: The route decision when no routable instance holds a request's model (pinned residency).
+_NOT_HELD = RouteDecision(index=None, reason="no ready instance holds the model", shed=True)
 
 
 class _Route:
@@ -442,6 +456,7 @@ class Cluster:
         self.stats = _ClusterStats()
         self.num_shed = 0
         self.autoscaling = None  # replay.autoscaling.Autoscaling when the config names an autoscaler
+        self.residency = Residency(config.residency, kernel, writer) if config.residency is not None else None
         writer.routed = True
         # disaggregated serving: the decode pool and its router
         self.decode_router: Router | None = (
@@ -481,6 +496,8 @@ class Cluster:
         if self.config.max_reroutes and role != "decode":
             engine.reroute = lambda r, target, inst=inst: self._reroute(inst, r, target)
             engine.view.route_check = self._can_route
+        if self.residency is not None:
+            self.residency.attach(inst)
         self.instances.append(inst)
         return inst
 
@@ -518,8 +535,9 @@ class Cluster:
     def _state(self, inst: ClusterInstance, state: Lifecycle, action: str | None) -> None:
         inst.state = state
         e = inst.engine
+        models, adapters = ([inst.config.model.name], None) if self.residency is None else self.residency.resident_lists(inst)
         self.writer.on_state(self.kernel.now_ns, inst.instance_id, state, e.pool.num_total, e.block_size,
-                             [inst.config.model.name], action)
+                             models, action, adapters=adapters)
 
     def _scale(self, step: ScaleStep) -> None:
         now = self.kernel.now_ns
@@ -542,7 +560,7 @@ class Cluster:
                 continue
             self.routable.remove(inst)
             self._state(inst, "draining", "scale_down")
-            if inst.engine.num_active == 0:
+            if self._idle(inst):
                 self._state(inst, "stopped", "scale_down")
 
     def _ready(self, inst: ClusterInstance) -> None:
@@ -577,7 +595,9 @@ class Cluster:
             writer.finished.append((r, now, "error", 0, "no instance takes traffic (all failed or stopped)", None))
             self.stats.num_finished += 1
             return
-        d = self.router.route(view, routable)
+        if self.residency is not None:
+            routable = self.residency.candidates(r, routable)
+        d = self.router.route(view, routable) if routable else _NOT_HELD
         r.num_admission_decisions += 1
         if d.shed:
             self.num_shed += 1
@@ -596,6 +616,9 @@ class Cluster:
         inst.num_routed += 1
         if r.cancel_after_ns is not None:
             heapq.heappush(inst._cancels, now + r.cancel_after_ns)
+        if self.residency is not None:
+            self.residency.submit(inst, r, num_output_tokens)  # now, or once the weights it needs are loaded
+            return
         engine = inst.engine
         engine.interrupt_run()
         if not self.config.max_reroutes:
@@ -654,12 +677,18 @@ class Cluster:
         """``r`` no longer counts on ``inst`` (it finished there or moved away)."""
         inst.num_outstanding -= 1
         inst.num_outstanding_tokens -= r.num_prompt_tokens
-        if inst.state == "draining" and inst.engine.num_active == 0:
+        if self.residency is not None:
+            self.residency.finished(inst, r)
+        if inst.state == "draining" and self._idle(inst):
             # after the step that finished it has been written
             self.kernel.schedule(self.kernel.now_ns, CONTROL, lambda: self._drained(inst))
 
+    def _idle(self, inst: ClusterInstance) -> bool:
+        """Nothing left on ``inst``: no request in its engine, none waiting there for weights."""
+        return inst.engine.num_active == 0 and (self.residency is None or self.residency.num_deferred(inst) == 0)
+
     def _drained(self, inst: ClusterInstance) -> None:
-        if inst.state == "draining" and inst.engine.num_active == 0:
+        if inst.state == "draining" and self._idle(inst):
             self._state(inst, "stopped", "scale_down")
 
     @property
@@ -831,6 +860,11 @@ class InstanceSummary:
     num_kv_transfers_out: int  # KV transfers that left it (disaggregated hand-offs, migrations)
     kv_bytes_out: int
     num_stale_steps_refused: int  # step results refused for requests that had moved away (stale leases)
+    num_weight_loads: int = 0  # residency (replay.residency): loads completed
+    num_weight_evictions: int = 0
+    weight_swap_ns: int = 0  # time spent evicting and loading
+    weight_drain_ns: int = 0  # time loads waited for their victims' requests to finish
+    num_deferred: int = 0  # requests that waited for a load
 
 
 @dataclass(frozen=True, slots=True)
@@ -888,6 +922,8 @@ def run_cluster_replay(
     """
     if mode not in MODES:
         raise ReplayError(f"unknown replay mode {mode!r}", "valid modes: fast, reference")
+    if cluster.residency is not None:
+        cluster = _sized(cluster)
     source = as_workload(workload)
     scenario = scenario or Scenario()
     configs = list(dict.fromkeys(list(cluster.instances) + list(cluster.decode_instances)
@@ -936,6 +972,8 @@ def run_cluster_replay(
         manifest["cluster"]["autoscaler"] = {"name": cluster.autoscaler, "config": _plain(cfg),
                                              "interval_s": cluster.autoscale_interval_s,
                                              "window_s": cluster.autoscale_window_s}
+    if cluster.residency is not None:
+        manifest["cluster"]["residency"] = _plain(cluster.residency)
     run_id = hashlib.sha256(json.dumps(manifest, sort_keys=True, default=str).encode()).hexdigest()[:12]
     engine_id = f"replay-{run_id}"
 
@@ -969,6 +1007,7 @@ def run_cluster_replay(
             startup_ns=x.phases_ns[0], weight_load_ns=x.phases_ns[1], cache_warm_ns=x.phases_ns[2],
             num_kv_transfers_out=x.num_transfers_out, kv_bytes_out=x.kv_bytes_out,
             num_stale_steps_refused=x.engine.stats.num_stale_refused,
+            **(_residency_counts(cl.residency.state[x.index]) if cl.residency is not None else {}),
         )
         for x in cl.instances
     )
@@ -996,3 +1035,19 @@ def run_cluster_replay(
         num_failures=cl.num_failures,
         num_reroutes=cl.num_reroutes,
     )
+
+
+def _sized(cluster: ClusterConfig) -> ClusterConfig:
+    """``cluster`` with every instance's KV pool sized by its residency's weight regions."""
+    res = cluster.residency
+    return dataclasses.replace(
+        cluster,
+        instances=tuple(sized_instance(c, res) for c in cluster.instances),
+        scaling=tuple(dataclasses.replace(s, instance=sized_instance(s.instance, res)) if s.instance is not None else s
+                      for s in cluster.scaling),
+    )
+
+
+def _residency_counts(st) -> dict[str, int]:
+    return {"num_weight_loads": st.num_loads, "num_weight_evictions": st.num_evictions, "weight_swap_ns": st.load_ns,
+            "weight_drain_ns": st.drain_ns, "num_deferred": st.num_deferred}

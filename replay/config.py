@@ -10,7 +10,7 @@ Published figures used by the presets (dense bf16, no sparsity):
 - A100 SXM 80 GB: 312 TFLOP/s, 2.039 TB/s HBM2e, NVLink 3 600 GB/s (300 GB/s each way).
 - H100 SXM 80 GB: 989 TFLOP/s, 3.35 TB/s HBM3, NVLink 4 900 GB/s (450 GB/s each way).
 - H200 SXM 141 GB: 989 TFLOP/s, 4.8 TB/s HBM3e, NVLink 4 900 GB/s (450 GB/s each way).
-- Llama shapes from the models' Hugging Face ``config.json``.
+- Llama and Mistral shapes from the models' Hugging Face ``config.json``.
 """
 
 from __future__ import annotations
@@ -223,6 +223,16 @@ MODELS: dict[str, ModelConfig] = {
             intermediate_size=11008,
             vocab_size=32000,
             profile_name="meta-llama/Llama-2-7b-hf",
+        ),
+        ModelConfig(
+            name="mistral-7b",  # Mistral-7B-v0.1: Llama-3-8B's layers, heads and KV bytes per token, a smaller vocabulary
+            num_layers=32,
+            hidden_size=4096,
+            num_attention_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            intermediate_size=14336,
+            vocab_size=32000,
         ),
         ModelConfig(
             name="llama-2-70b",

@@ -239,8 +239,10 @@ class EventWriter:
         return taken
 
     def on_state(self, ts_ns: int, instance_id: str, state: str, num_blocks: int, block_size: int, models: list[str],
-                 scale_action: str | None = None) -> None:
-        self.states.append((ts_ns, instance_id, state, num_blocks, block_size, models, scale_action))
+                 scale_action: str | None = None, *, adapters: list[str] | None = None, tag: str = "") -> None:
+        """An ``instance_state`` event; ``tag`` (e.g. ``:load:3``) ends its id, for a state reported again
+        (a residency change: ``replay.residency``)."""
+        self.states.append((ts_ns, instance_id, state, num_blocks, block_size, models, scale_action, adapters, tag))
 
     def pending_rows(self) -> int:
         """Events buffered (a run counts as its members), checked by the engine after each step."""
@@ -508,8 +510,9 @@ class EventWriter:
         buf, self.states = self.states, []
         if not buf:
             return None
-        # (ts_ns, instance_id, state, num_kv_blocks_total, kv_block_size_tokens, resident_models, scale_action)
-        ts, inst, state, blocks, size, models, scale = zip(*buf)
+        # (ts_ns, instance_id, state, num_kv_blocks_total, kv_block_size_tokens, resident_models, scale_action,
+        #  resident_adapters (None: none), event id tag)
+        ts, inst, state, blocks, size, models, scale, adapters, tags = zip(*buf)
         cols = {
             "ts_ns": pa.array(ts, pa.int64()),
             "instance_id": pa.array(inst, pa.string()),
@@ -517,13 +520,13 @@ class EventWriter:
             "num_kv_blocks_total": pa.array(blocks, pa.int64()),
             "kv_block_size_tokens": pa.array(size, pa.int64()),
             "resident_models": pa.array(models, _STRING_LIST),
-            "resident_adapters": pa.array([[] for _ in buf], _STRING_LIST),
+            "resident_adapters": pa.array([a or [] for a in adapters], _STRING_LIST),
         }
         if any(a is not None for a in scale):  # scaling transitions (a cluster's); null for a lone instance
             cols["scale_action"] = pa.array(scale, pa.string())
 
         def build() -> pa.Table:
-            suffix = pc.binary_join_element_wise(":state:", cols["state"], "")
+            suffix = pc.binary_join_element_wise(":state:", cols["state"], pa.array(tags, pa.string()), "")
             cols["event_id"] = self._event_ids(cols["instance_id"], suffix)
             return self._table("instance_state", len(buf), cols)
 

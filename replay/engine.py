@@ -184,20 +184,26 @@ class Engine:
         # set by a cluster (replay.cluster): called with a request its admission answered 'route' for
         # (not here), once it has left, with its output target; the cluster sends it to another instance
         self.reroute: Callable[[Request, int], None] | None = None
+        # multi-model residency (replay.residency): most distinct adapters in one batch (None: no limit),
+        # and what the instance_state events report as resident (None: the instance's model, no adapters)
+        self.max_adapters_per_batch: int | None = None
+        self.resident: Callable[[], tuple[list[str], list[str]]] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        self.writer.on_state(
-            self.kernel.now_ns, self.instance_id, "ready", self.pool.num_total, self.block_size, [self.instance.model.name]
-        )
+        models, adapters = self.resident() if self.resident is not None else ([self.instance.model.name], None)
+        self.writer.on_state(self.kernel.now_ns, self.instance_id, "ready", self.pool.num_total, self.block_size, models,
+                             adapters=adapters)
 
     def stop(self) -> None:
         """End of the replay: whatever never ran is finished as an error, then the instance reports stopped."""
         now = self.kernel.now_ns
         for r in list(self.held) + list(self.waiting) + list(self.running):
             self._finish(r, now, "error", "still queued when the replay ended (never scheduled)")
-        self.writer.on_state(now, self.instance_id, "stopped", self.pool.num_total, self.block_size, [self.instance.model.name])
+        models, adapters = self.resident() if self.resident is not None else ([self.instance.model.name], None)
+        self.writer.on_state(now, self.instance_id, "stopped", self.pool.num_total, self.block_size, models,
+                             adapters=adapters)
 
     # ------------------------------------------------------------------ arrivals and admission
 
@@ -247,8 +253,8 @@ class Engine:
         else:
             cached = self._lookup(r)[1] * self.block_size if (self.prefix_caching and r.unit_keys) else None
             self.writer.arrived.append((r, self.instance_id, cached))
-            if r.cancel_after_ns is not None:
-                self.kernel.schedule(now + r.cancel_after_ns, CANCEL, lambda: self.cancel(r))
+            if r.cancel_after_ns is not None:  # after the arrival (a request may reach the engine later: replay.residency)
+                self.kernel.schedule(max(now, r.arrival_ns + r.cancel_after_ns), CANCEL, lambda: self.cancel(r))
         self._decide(r, self.policy.admit(self.view, r.view), now)
 
     def _decide(self, r: Request, d: AdmissionDecision, now: int) -> None:
@@ -732,11 +738,17 @@ class Engine:
         self._budget[0] = budget
         seats = self.max_seqs - len(running)
         order = waiting if self._default_order else (rv._r for rv in policy.order(view, self._waiting_view))
+        slots = self.max_adapters_per_batch
+        adapters = None if slots is None else {x.adapter for x in running if x.adapter is not None}
         for r in order:
             if len(admitted) >= seats or budget <= 0:
                 break
             if r.state != WAITING:
                 raise ReplayError(f"policy {policy.name!r} ordered a request that is not waiting")
+            if adapters is not None and r.adapter is not None and r.adapter not in adapters:
+                if len(adapters) >= slots:
+                    continue  # no adapter slot left in this batch: later requests may still fit (vLLM's max_loras)
+                adapters.add(r.adapter)
             rv = r.view
             hits: list[Hashable] = []
             hit_blocks = 0

@@ -259,6 +259,7 @@ class _Feeder:
         self._last_arrival_ns = -(2**63)
         self._wall0 = time.perf_counter()
         self._objectives = {c.name: c for c in scenario.service_classes}
+        self._origin_ns: int | None = None  # the first arrival (where a scenario's model phases start)
 
     def start(self) -> None:
         self._wall0 = time.perf_counter()
@@ -279,7 +280,9 @@ class _Feeder:
             if batch.num_rows == 0:
                 continue
             if self.scenario != Scenario():
-                batch = apply_scenario(batch, self.scenario, self.seed, self._offset)
+                if self._origin_ns is None:
+                    self._origin_ns = batch.column("arrival_ns")[0].as_py()
+                batch = apply_scenario(batch, self.scenario, self.seed, self._offset, self._origin_ns)
             self._offset += batch.num_rows
             cols = [batch.column(name).to_pylist() for name in _FEED_COLUMNS]
             self._rows = list(zip(*cols))

@@ -13,6 +13,11 @@ or telemetry records is kept as recorded. ``Scenario()`` adds nothing.
 Service classes carry objectives; a request's deadlines are its arrival plus its class's TTFT and
 E2E objectives (``request_arrived.ttft_deadline_ns`` / ``e2e_deadline_ns``), and a class may cap
 output (``max_output_tokens``, the request's max_tokens).
+
+The model mix may change over time (``model_phases``): phases of given durations, each with its own
+mix, repeat from the workload's first arrival; a request draws its model from the mix of the phase
+its arrival falls in (the same seeded draw as ``models``). ``alternating_models`` builds the common
+case, a two-model mix that alternates: the transition frequency is one over the phase duration.
 """
 
 from __future__ import annotations
@@ -57,6 +62,29 @@ class ServiceClassSpec:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ModelPhase:
+    """One phase of a time-varying model mix."""
+
+    duration_s: float = doc("How long the phase lasts, seconds (phases repeat in order).")
+    models: tuple[Share, ...] = doc("The model mix of requests arriving during the phase.")
+
+    def __post_init__(self) -> None:
+        if not self.duration_s > 0 or not self.models or sum(m.share for m in self.models) <= 0:
+            raise ReplayError("a model phase needs a positive duration and model shares adding up to more than 0")
+
+
+def alternating_models(first: str, second: str, phase_s: float, majority: float = 1.0) -> tuple[ModelPhase, ...]:
+    """Two phases of ``phase_s`` each: ``majority`` of requests name ``first`` then ``second`` (the rest the other)."""
+    if not 0.5 <= majority <= 1:
+        raise ReplayError(f"majority must be in [0.5, 1], not {majority}")
+
+    def mix(a: str, b: str) -> tuple[Share, ...]:
+        return (Share(name=a, share=majority),) + ((Share(name=b, share=1 - majority),) if majority < 1 else ())
+
+    return (ModelPhase(duration_s=phase_s, models=mix(first, second)), ModelPhase(duration_s=phase_s, models=mix(second, first)))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Scenario:
     """Assumptions added to a workload, recorded in the run manifest."""
 
@@ -64,6 +92,9 @@ class Scenario:
     tenants: tuple[TenantSpec, ...] = doc("Tenants to assign where none is recorded.", ())
     service_classes: tuple[ServiceClassSpec, ...] = doc("Classes to assign where none is recorded.", ())
     models: tuple[Share, ...] = doc("Model mix to assign where none is recorded.", ())
+    model_phases: tuple[ModelPhase, ...] = doc(
+        "Time-varying model mix, repeating from the first arrival (replaces ``models`` when set).", ()
+    )
     adapters: tuple[Share, ...] = doc("Adapter mix (a share named '' means no adapter).", ())
     parallel_sampling_share: float = doc("Share of requests that ask for several samples.", 0.0)
     num_branches: int = doc("Samples (n) of those requests.", 2)
@@ -116,8 +147,10 @@ def _pick(names: list[str], shares: list[float], u: np.ndarray) -> np.ndarray:
     return np.asarray(names, dtype=object)[idx]
 
 
-def apply_scenario(batch: pa.RecordBatch, scenario: Scenario, seed: int, row_offset: int) -> pa.RecordBatch:
-    """The batch with the scenario's assignments (rows numbered from ``row_offset`` in the workload)."""
+def apply_scenario(batch: pa.RecordBatch, scenario: Scenario, seed: int, row_offset: int,
+                   origin_ns: int | None = None) -> pa.RecordBatch:
+    """The batch with the scenario's assignments (rows numbered from ``row_offset`` in the workload;
+    ``origin_ns``: the workload's first arrival, where model phases start, default the batch's first)."""
     n = batch.num_rows
     if n == 0:
         return batch
@@ -133,7 +166,9 @@ def apply_scenario(batch: pa.RecordBatch, scenario: Scenario, seed: int, row_off
     if scenario.service_classes:
         specs = scenario.service_classes
         fill("service_class", _pick([c.name for c in specs], [c.share for c in specs], uniform(seed, _CLASS, index)))
-    if scenario.models:
+    if scenario.model_phases:
+        fill("model", _phase_models(batch, scenario.model_phases, uniform(seed, _MODEL, index), origin_ns))
+    elif scenario.models:
         fill("model", _pick([m.name for m in scenario.models], [m.share for m in scenario.models], uniform(seed, _MODEL, index)))
     if scenario.adapters:
         picked = _pick([a.name for a in scenario.adapters], [a.share for a in scenario.adapters], uniform(seed, _ADAPTER, index))
@@ -149,3 +184,18 @@ def apply_scenario(batch: pa.RecordBatch, scenario: Scenario, seed: int, row_off
         after = np.floor((lo + (hi - lo) * uniform(seed, _CANCEL_AFTER, index)) * 1e9).astype(np.int64)
         fill("cancel_after_ns", np.where(cancels, after, None))
     return pa.RecordBatch.from_arrays([columns[name] for name in batch.schema.names], schema=batch.schema)
+
+
+def _phase_models(batch: pa.RecordBatch, phases: tuple[ModelPhase, ...], u: np.ndarray, origin_ns: int | None) -> np.ndarray:
+    """Each row's model, drawn from the mix of the phase its arrival falls in."""
+    arrival = batch.column("arrival_ns").to_numpy(zero_copy_only=False).astype(np.int64)
+    origin = int(arrival[0]) if origin_ns is None else origin_ns
+    ends = np.cumsum([round(p.duration_s * 1e9) for p in phases])
+    offset = (arrival - origin) % int(ends[-1])
+    which = np.searchsorted(ends, offset, side="right")
+    out = np.empty(len(arrival), dtype=object)
+    for k, phase in enumerate(phases):
+        rows = which == k
+        if rows.any():
+            out[rows] = _pick([m.name for m in phase.models], [m.share for m in phase.models], u[rows])
+    return out
