@@ -142,12 +142,31 @@ class EngineConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class SpeculativeConfig:
+    """Speculative decoding on an instance (``InstanceConfig.speculative``; the cost: ``replay.speculative``)."""
+
+    draft: ModelConfig = doc("The draft model (on the same accelerators as the target).")
+    num_speculative_tokens: int = doc("Tokens the draft proposes per step (k).", 4)
+    acceptance_rate: float = doc("Probability that each drafted token is accepted (alpha), independently.", 0.7)
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 1 or not 0 <= self.acceptance_rate <= 1:
+            raise ReplayError("speculative decoding: num_speculative_tokens >= 1 and acceptance_rate in [0, 1]")
+
+    @property
+    def expected_tokens_per_step(self) -> float:
+        """E = sum over i = 0..k of alpha^i."""
+        return sum(self.acceptance_rate**i for i in range(self.num_speculative_tokens + 1))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class InstanceConfig:
     """One serving instance: a model on its accelerators, run by an engine."""
 
     accelerator: AcceleratorConfig = doc("The accelerators.")
     model: ModelConfig = doc("The model.")
     engine: EngineConfig = field(default_factory=EngineConfig, metadata={"doc": "Engine settings."})
+    speculative: SpeculativeConfig | None = doc("Speculative decoding with a draft model (None: off).", None)
 
     @property
     def num_kv_blocks(self) -> int:
@@ -156,7 +175,8 @@ class InstanceConfig:
             return self.engine.num_kv_blocks_override
         tp = self.accelerator.tensor_parallel_size
         usable = int(self.accelerator.memory_bytes * self.engine.gpu_memory_utilization) * tp
-        free = usable - self.model.weight_bytes - self.engine.activation_reserve_bytes * tp
+        draft = self.speculative.draft.weight_bytes if self.speculative is not None else 0
+        free = usable - self.model.weight_bytes - draft - self.engine.activation_reserve_bytes * tp
         block_bytes = self.model.kv_bytes_per_token * self.engine.block_size_tokens
         if free < block_bytes:
             raise ReplayError(

@@ -433,7 +433,17 @@ def make_cost_model(
     config: object | None = None,
     shared: Path | None = None,
 ) -> StepCostModel:
-    """The named cost model for an instance (the profile model reads its tables from ``shared``)."""
+    """The named cost model for an instance (the profile model reads its tables from ``shared``); with
+    speculative decoding on the instance, wrapped by ``replay.speculative`` (the draft costed alike)."""
+    if instance.speculative is not None:
+        import dataclasses
+
+        from replay.speculative import SpeculativeCostModel
+
+        plain = dataclasses.replace(instance, speculative=None)
+        draft = dataclasses.replace(plain, model=instance.speculative.draft)
+        return SpeculativeCostModel(make_cost_model(name, plain, config=config, shared=shared),
+                                    make_cost_model(name, draft, config=config, shared=shared), instance.speculative)
     if name == "roofline":
         return RooflineCostModel(instance, config if isinstance(config, RooflineConfig) else None)
     if name == "constant":

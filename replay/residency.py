@@ -221,14 +221,16 @@ class ResidencyConfig:
         return self.max_resident_adapters * max(sizes, default=0)
 
 
-def sized_instance(instance: InstanceConfig, residency: ResidencyConfig, extra_bytes: int = 0) -> InstanceConfig:
+def sized_instance(instance: InstanceConfig, residency: ResidencyConfig) -> InstanceConfig:
     """``instance`` with its KV pool set to what memory leaves after the weight and adapter regions,
-    ``extra_bytes`` more (a draft model) and the activation reserve (``num_kv_blocks_override``)."""
+    the speculative draft model's weights (always resident) and the activation reserve
+    (``num_kv_blocks_override``)."""
     if instance.engine.num_kv_blocks_override is not None:
         return instance  # the caller fixed the pool
     tp = instance.accelerator.tensor_parallel_size
     usable = int(instance.accelerator.memory_bytes * instance.engine.gpu_memory_utilization) * tp
-    weights = residency.capacity_bytes + residency.adapter_region_bytes + extra_bytes
+    draft = instance.speculative.draft.weight_bytes if instance.speculative is not None else 0
+    weights = residency.capacity_bytes + residency.adapter_region_bytes + draft
     free = usable - weights - instance.engine.activation_reserve_bytes * tp
     block_bytes = instance.model.kv_bytes_per_token * instance.engine.block_size_tokens
     if free < block_bytes:
