@@ -128,6 +128,10 @@ class EngineConfig:
         "recompute",
     )
     swap_bandwidth_bytes_per_s: float = doc("Host<->device copy bandwidth for swap, bytes/s (PCIe 5 x16 ~ 50e9).", 50e9)
+    encoder_s_per_image_token: float = doc(
+        "Vision encoder time per image token, charged to the step that schedules a multimodal request's first "
+        "prefill chunk, seconds.", 0.0
+    )
 
     def __post_init__(self) -> None:
         _positive(self, "max_num_batched_tokens", "max_num_seqs", "block_size_tokens", "swap_bandwidth_bytes_per_s")

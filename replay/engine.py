@@ -139,6 +139,7 @@ class Engine:
         self.swap = e.preemption_mode == "swap"
         self.kv_bytes_per_block = instance.model.kv_bytes_per_token * e.block_size_tokens
         self.swap_bandwidth = e.swap_bandwidth_bytes_per_s
+        self.encoder_ns_per_token = e.encoder_s_per_image_token * 1e9
         self.pool = BlockPool(instance.num_kv_blocks)
         self.watermark_blocks = int(e.kv_watermark_fraction * self.pool.num_total)
         self.running: list[Request] = []
@@ -154,7 +155,7 @@ class Engine:
         self._flight: _Flight | None = None
         self._flush_countdown = 64  # steps between checks of the writer's buffer
         self._schedule_pending = False
-        self._swap_ns = 0
+        self._swap_ns = 0  # extra time of the step being planned: swap copies, vision encoder work
         self._step_index = 0
         self._report_steps = policy.wants_step_reports()
         self._short_completion = not self._report_steps and not check_invariants
@@ -791,6 +792,8 @@ class Engine:
             elif r.num_preemptions == 0:
                 r.num_cached_prefix_tokens = computed
                 self.stats.num_prefix_hit_tokens += computed
+            if r.num_image_tokens and r.scheduled_ns is None:  # the encoder runs once, in its first prefill step
+                self._swap_ns += round(r.num_image_tokens * self.encoder_ns_per_token)
             r.num_computed = computed
             if r.next_unit < len(r.unit_keys):
                 self._register_units(r, computed + m)

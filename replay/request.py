@@ -54,6 +54,7 @@ class Request:
         "max_output_tokens",
         "cancel_after_ns",
         "failed",
+        "num_image_tokens",
         # progress
         "state",
         "num_tokens",
@@ -124,6 +125,7 @@ class Request:
         self.max_output_tokens = max_output_tokens
         self.cancel_after_ns = cancel_after_ns
         self.failed = failed
+        self.num_image_tokens = 0  # encoder tokens of its images (multimodal; its first prefill step runs the encoder)
         self.state = WAITING
         self.num_tokens = num_prompt_tokens
         self.num_computed = 0

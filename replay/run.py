@@ -35,7 +35,7 @@ from replay.errors import ReplayError
 from replay.kernel import ARRIVAL, Kernel
 from replay.policies import make_policy
 from replay.request import Request
-from replay.scenario import Scenario, apply_scenario
+from replay.scenario import Scenario, apply_scenario, image_tokens
 from replay.workload import Workload, as_workload
 from schemas.events import SCHEMA_VERSION
 
@@ -260,6 +260,7 @@ class _Feeder:
         self._wall0 = time.perf_counter()
         self._objectives = {c.name: c for c in scenario.service_classes}
         self._origin_ns: int | None = None  # the first arrival (where a scenario's model phases start)
+        self._images: list[int] | None = None  # encoder tokens of the loaded rows (multimodal scenarios)
 
     def start(self) -> None:
         self._wall0 = time.perf_counter()
@@ -283,6 +284,7 @@ class _Feeder:
                 if self._origin_ns is None:
                     self._origin_ns = batch.column("arrival_ns")[0].as_py()
                 batch = apply_scenario(batch, self.scenario, self.seed, self._offset, self._origin_ns)
+                self._images = image_tokens(self.scenario, self.seed, self._offset, batch.num_rows)
             self._offset += batch.num_rows
             cols = [batch.column(name).to_pylist() for name in _FEED_COLUMNS]
             self._rows = list(zip(*cols))
@@ -331,6 +333,8 @@ class _Feeder:
             cancel_after_ns=cancel_after,
             failed=failed,
         )
+        if self._images is not None:
+            r.num_image_tokens = self._images[self._pos - 1]
         self.num_arrived += 1
         self.engine.submit(r, output)
         if self.progress is not None and self.num_arrived % self.progress_every == 0:

@@ -98,6 +98,8 @@ class Scenario:
     adapters: tuple[Share, ...] = doc("Adapter mix (a share named '' means no adapter).", ())
     parallel_sampling_share: float = doc("Share of requests that ask for several samples.", 0.0)
     num_branches: int = doc("Samples (n) of those requests.", 2)
+    image_share: float = doc("Share of requests that carry images (multimodal: encoder work in prefill).", 0.0)
+    image_tokens: int = doc("Encoder tokens (image patches) of each such request, e.g. 576 for one 336 px image.", 576)
     cancel_share: float = doc("Share of requests whose client cancels.", 0.0)
     cancel_after_s_min: float = doc("Cancellations happen uniformly between this ...", 1.0)
     cancel_after_s_max: float = doc("... and this long after arrival, seconds.", 30.0)
@@ -108,7 +110,8 @@ class Scenario:
                              ("model", self.models), ("adapter", self.adapters)):
             if items and sum(i.share for i in items) <= 0:
                 raise ReplayError(f"scenario {self.name!r}: {label} shares must add up to more than 0")
-        for label, value in (("parallel_sampling_share", self.parallel_sampling_share), ("cancel_share", self.cancel_share)):
+        for label, value in (("parallel_sampling_share", self.parallel_sampling_share), ("cancel_share", self.cancel_share),
+                             ("image_share", self.image_share)):
             if not 0 <= value <= 1:
                 raise ReplayError(f"scenario {self.name!r}: {label} must be in [0, 1], not {value}")
         if self.num_branches < 1 or self.cancel_after_s_min < 0 or self.cancel_after_s_max < self.cancel_after_s_min:
@@ -123,7 +126,7 @@ class Scenario:
 
 
 # Stream ids of the independent draws (so adding one kind of assignment leaves the others unchanged).
-_TENANT, _CLASS, _MODEL, _ADAPTER, _BRANCHES, _CANCEL, _CANCEL_AFTER = range(1, 8)
+_TENANT, _CLASS, _MODEL, _ADAPTER, _BRANCHES, _CANCEL, _CANCEL_AFTER, _IMAGE = range(1, 9)
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
@@ -184,6 +187,15 @@ def apply_scenario(batch: pa.RecordBatch, scenario: Scenario, seed: int, row_off
         after = np.floor((lo + (hi - lo) * uniform(seed, _CANCEL_AFTER, index)) * 1e9).astype(np.int64)
         fill("cancel_after_ns", np.where(cancels, after, None))
     return pa.RecordBatch.from_arrays([columns[name] for name in batch.schema.names], schema=batch.schema)
+
+
+def image_tokens(scenario: Scenario, seed: int, row_offset: int, n: int) -> list[int] | None:
+    """Encoder tokens of ``n`` rows from ``row_offset`` (None: the scenario gives no request images). The
+    workload schema has no column for them, so they come from the scenario alone."""
+    if scenario.image_share <= 0 or n == 0:
+        return None
+    index = np.arange(row_offset, row_offset + n, dtype=np.uint64)
+    return np.where(uniform(seed, _IMAGE, index) < scenario.image_share, scenario.image_tokens, 0).tolist()
 
 
 def _phase_models(batch: pa.RecordBatch, phases: tuple[ModelPhase, ...], u: np.ndarray, origin_ns: int | None) -> np.ndarray:
