@@ -123,12 +123,13 @@ class ScalingDelays:
         if not self.weight_load_bandwidth_bytes_per_s > 0:
             raise ReplayError("weight_load_bandwidth_bytes_per_s must be positive")
 
-    def phases_ns(self, instance: InstanceConfig) -> tuple[int, int, int]:
-        """(start-up, weight load, cache warm) of ``instance``, integer ns."""
+    def phases_ns(self, instance: InstanceConfig, weight_bytes: int | None = None) -> tuple[int, int, int]:
+        """(start-up, weight load, cache warm) of ``instance``, integer ns (``weight_bytes``: what it loads
+        when not its model's weights: a residency's initial set)."""
         load_s = (
             self.weight_load_s
             if self.weight_load_s is not None
-            else instance.model.weight_bytes / self.weight_load_bandwidth_bytes_per_s
+            else (instance.model.weight_bytes if weight_bytes is None else weight_bytes) / self.weight_load_bandwidth_bytes_per_s
         )
         return round(self.startup_s * 1e9), round(load_s * 1e9), round(self.cache_warm_s * 1e9)
 
@@ -544,7 +545,8 @@ class Cluster:
         if step.delta > 0:
             for _ in range(step.delta):
                 inst = self._add(step.instance or self.config.instances[0])
-                inst.phases_ns = self.config.delays.phases_ns(inst.config)
+                inst.phases_ns = self.config.delays.phases_ns(
+                    inst.config, None if self.residency is None else self.residency.initial_bytes(inst))
                 self._state(inst, "starting", "scale_up")
                 self.kernel.schedule(now + sum(inst.phases_ns), CONTROL, lambda inst=inst: self._ready(inst))
             return

@@ -297,6 +297,11 @@ class Residency:
         st = self.state[inst.index]
         return list(st.models), list(st.adapters)
 
+    def initial_bytes(self, inst: ClusterInstance) -> int:
+        """What an added instance loads before it takes traffic: its initial models and the draft model."""
+        draft = inst.config.speculative.draft.weight_bytes if inst.config.speculative is not None else 0
+        return sum(self.config.weights(n).weight_bytes for n in self.config.initial_set(inst.index)) + draft
+
     def num_deferred(self, inst: ClusterInstance) -> int:
         return len(self.state[inst.index].deferred)
 

@@ -279,3 +279,13 @@ def test_a_draining_instance_stops_only_after_the_requests_waiting_for_its_loads
     i1 = [(s[0], s[5]) for s in _states(summary) if s[1] == "i1"]
     assert i1 == [(0, "starting"), (S // 2, "ready"), (S + S // 2, "ready:evict:1"), (2 * S, "draining"),
                   (S + S // 2 + 3 * S, "draining:load:2"), (rows["r1"]["finish_ns"], "stopped")]
+
+
+def test_an_added_instance_loads_its_initial_set_before_it_takes_traffic(tmp_path):
+    w = make_workload([0, 10 * S], [100, 100], [5, 5], model=["a", "a"])
+    res = ResidencyConfig(catalogue=AB, initial=(("a",), ("a", "b")))
+    config = _cluster(1, res, scaling=[ScaleStep(at_s=0.0, delta=1)],
+                      delays=ScalingDelays(startup_s=1.0, weight_load_bandwidth_bytes_per_s=1e9, cache_warm_s=0.0))
+    summary = run_cluster_replay(w, config, out_dir=tmp_path)
+    assert summary.instances[1].weight_load_ns == 4 * S  # a and b: 4 GB at 1 GB/s
+    assert summary.instances[1].ready_s == 5.0
