@@ -289,3 +289,13 @@ def test_an_added_instance_loads_its_initial_set_before_it_takes_traffic(tmp_pat
     summary = run_cluster_replay(w, config, out_dir=tmp_path)
     assert summary.instances[1].weight_load_ns == 4 * S  # a and b: 4 GB at 1 GB/s
     assert summary.instances[1].ready_s == 5.0
+
+
+def test_residency_with_disaggregation_or_faults_is_refused():
+    from replay.cluster import disaggregated_config
+
+    res = ResidencyConfig(catalogue=AB)
+    with pytest.raises(ReplayError, match="not supported"):
+        dataclasses.replace(disaggregated_config(1, 1), residency=res)
+    with pytest.raises(ReplayError, match="not supported"):
+        dataclasses.replace(cluster_config(2), residency=res, failure_rate_per_s=0.1)
