@@ -59,7 +59,6 @@ still join.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -461,8 +460,3 @@ class Residency:
         self.writer.on_state(self.kernel.now_ns, inst.instance_id, inst.state, e.pool.num_total, e.block_size,
                              list(st.models), adapters=list(st.adapters), tag=f":{what}:{st.num_changes}")
 
-
-def check_names(config: ResidencyConfig, names: Sequence[str]) -> None:
-    """Raise unless every name is in the catalogue (a scenario's model mix against the residency's)."""
-    for name in names:
-        config.weights(name)

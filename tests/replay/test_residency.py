@@ -11,7 +11,7 @@ import pytest
 
 from pipelines.tables import derive_requests
 from replay.cluster import ClusterConfig, ScaleStep, ScalingDelays, cluster_config, run_cluster_replay
-from replay.config import EngineConfig, instance_config
+from replay.config import instance_config
 from replay.errors import ReplayError
 from replay.residency import ResidencyConfig, Weights, WeightTransfer, lora_weights, model_weights, sized_instance
 from replay.scenario import Scenario, alternating_models, apply_scenario
