@@ -291,7 +291,7 @@ def test_an_added_instance_loads_its_initial_set_before_it_takes_traffic(tmp_pat
     assert summary.instances[1].ready_s == 5.0
 
 
-def test_residency_with_disaggregation_or_faults_is_refused():
+def test_residency_with_disaggregation_faults_or_reroutes_is_refused():
     from replay.cluster import disaggregated_config
 
     res = ResidencyConfig(catalogue=AB)
@@ -299,3 +299,5 @@ def test_residency_with_disaggregation_or_faults_is_refused():
         dataclasses.replace(disaggregated_config(1, 1), residency=res)
     with pytest.raises(ReplayError, match="not supported"):
         dataclasses.replace(cluster_config(2), residency=res, failure_rate_per_s=0.1)
+    with pytest.raises(ReplayError, match="not supported"):
+        dataclasses.replace(cluster_config(2), residency=res, max_reroutes=1)
