@@ -311,15 +311,11 @@ class Engine:
 
     # ------------------------------------------------------------------ cancellation
 
-    def cancel(self, r: Request) -> None:
-        """The client cancels ``r`` now: it leaves at once and its KV blocks are freed."""
-        if r.state == FINISHED:
-            return
-        if r.owner is not self:  # it moved to another instance since (replay.cluster)
-            self.cancel_elsewhere(r)
-            return
+    def _leave_now(self, r: Request) -> int:
+        """Bring the state up to now for ``r``, which leaves this instance (cancelled or moved): out
+        of the lockstep group, with the tokens of a run's steps that ended before now delivered;
+        returns now."""
         self._catch_up()
-        now = self.kernel.now_ns
         f = self._flight
         if r.lock is not None:
             in_run = f is not None and f.lockstep and f.num_steps > 1
@@ -327,6 +323,16 @@ class Engine:
             if in_run:  # the run's steps before its last one ended before now: their tokens were delivered
                 k = f.num_steps - 1
                 self._deliver(r, f.prev_end_ns, k * r.num_branches, k > 1)
+        return self.kernel.now_ns
+
+    def cancel(self, r: Request) -> None:
+        """The client cancels ``r`` now: it leaves at once and its KV blocks are freed."""
+        if r.state == FINISHED:
+            return
+        if r.owner is not self:  # it moved to another instance since (replay.cluster)
+            self.cancel_elsewhere(r)
+            return
+        now = self._leave_now(r)
         self.writer.cancelled.append((r, now, self.instance_id))
         if r.state == WAITING:
             self.waiting.remove(r)
@@ -345,15 +351,7 @@ class Engine:
         step in flight that includes it delivers nothing for it: this engine's lease is stale at the
         step's end. Inside a run (fast mode) the caller cuts the run first (``interrupt_run``).
         """
-        self._catch_up()
-        now = self.kernel.now_ns
-        f = self._flight
-        if r.lock is not None:
-            in_run = f is not None and f.lockstep and f.num_steps > 1
-            self._lock.leave(r)
-            if in_run:  # the run's steps before its last one ended before now: their tokens were delivered
-                k = f.num_steps - 1
-                self._deliver(r, f.prev_end_ns, k * r.num_branches, k > 1)
+        now = self._leave_now(r)
         if r.state == RUNNING:
             self.running.remove(r)
         elif r.state == WAITING:
