@@ -479,6 +479,7 @@ class Cluster:
         self._routing: Request | None = None
         self._tried: list[ClusterInstance] = []
         self.num_reroutes = 0
+        self.num_downgrades = 0  # requests an instance's admission downgraded to a smaller model (residency)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -495,10 +496,12 @@ class Cluster:
         if role == "prefill":
             engine.handoff = lambda r, target, inst=inst: self._handoff(inst, r, target)
         if self.config.max_reroutes and role != "decode":
-            engine.reroute = lambda r, target, inst=inst: self._reroute(inst, r, target)
+            engine.reroute = lambda r, target, model, inst=inst: self._reroute(inst, r, target, model)
             engine.view.route_check = self._can_route
         if self.residency is not None:
             self.residency.attach(inst)
+            engine.reroute = lambda r, target, model, inst=inst: self._reroute(inst, r, target, model)
+            engine.view.downgrade_check = self._can_downgrade
         self.instances.append(inst)
         return inst
 
@@ -618,8 +621,10 @@ class Cluster:
         inst.num_routed += 1
         if r.cancel_after_ns is not None:
             heapq.heappush(inst._cancels, now + r.cancel_after_ns)
-        if self.residency is not None:
-            self.residency.submit(inst, r, num_output_tokens)  # now, or once the weights it needs are loaded
+        if self.residency is not None:  # into the engine now (its admission may downgrade it), or once loaded
+            self._routing, self._tried = r, [inst]
+            self.residency.submit(inst, r, num_output_tokens)
+            self._routing = None
             return
         engine = inst.engine
         engine.interrupt_run()
@@ -639,14 +644,29 @@ class Cluster:
             x not in tried for x in self.routable
         )
 
-    def _reroute(self, src: ClusterInstance, r: Request, target: int) -> None:
+    def _can_downgrade(self, r: Request, model: str) -> bool:
+        """Whether an instance's admission may answer 'downgrade' to ``model`` for ``r`` now
+        (``EngineView.can_downgrade``): only while the cluster routes it on arrival, once per request, for a
+        request without an adapter (an adapter belongs to its base model), and while an instance taking
+        traffic that it has not tried holds ``model`` resident (a downgrade never waits for a load)."""
+        return (r is self._routing and len(self._tried) == 1 and r.adapter is None
+                and bool(self.residency.serving(model, [x for x in self.routable if x not in self._tried])))
+
+    def _reroute(self, src: ClusterInstance, r: Request, target: int, model: str | None = None) -> None:
         """``src``'s admission answered 'route' for ``r`` (not here) and released it: the router picks one of
         the instances taking traffic that it has not tried (an ``admission_decided`` 'route' naming it), and
-        that instance's admission decides (it may route again, within ``max_reroutes``)."""
+        that instance's admission decides (it may route again, within ``max_reroutes``). 'downgrade'
+        (``model``): ``r`` is served as ``model`` from now on (its weights; its events keep the model it named),
+        and the router picks among the instances not tried that hold it resident (the route event's reason
+        names the downgrade)."""
         now = self.kernel.now_ns
         writer = self.writer
         self._left(src, r)
         candidates = [x for x in self.routable if x not in self._tried]
+        if model is not None:
+            self.residency.served[r] = model
+            candidates = self.residency.serving(model, candidates)
+            self.num_downgrades += 1
         d = self.router.route(r.view, candidates)
         r.num_admission_decisions += 1
         if d.shed:  # the router sheds it now: it ends rejected, on no instance
@@ -654,17 +674,24 @@ class Cluster:
             reject = AdmissionDecision(decision="reject", reason=d.reason, retry_after_s=d.retry_after_s)
             writer.admission.append((r, now, reject, r.num_admission_decisions, None))
             self._end_moved(r, src, "rejected", d.reason, counted=False)
+            if model is not None:
+                self.residency.served.pop(r, None)
             return
         dest = candidates[d.index]
         self._tried.append(dest)
-        self.num_reroutes += 1
-        writer.admission.append((r, now, _Route(f"re-routed from {src.instance_id} ({dest._route.reason})",
-                                                dest.instance_id), r.num_admission_decisions, dest.instance_id))
+        why = f"downgraded to {model} from {src.instance_id}" if model is not None else f"re-routed from {src.instance_id}"
+        if model is None:
+            self.num_reroutes += 1
+        writer.admission.append((r, now, _Route(f"{why} ({dest._route.reason})", dest.instance_id),
+                                 r.num_admission_decisions, dest.instance_id))
         dest.num_outstanding += 1
         dest.num_outstanding_tokens += r.num_prompt_tokens
         dest.num_routed += 1
         if r.cancel_after_ns is not None:
             heapq.heappush(dest._cancels, r.arrival_ns + r.cancel_after_ns)
+        if model is not None:  # its model is resident there: it enters the engine now
+            self.residency.submit(dest, r, target, rerouted=True)
+            return
         engine = dest.engine
         engine.interrupt_run()
         engine.submit(r, target, rerouted=True)
@@ -895,6 +922,7 @@ class ClusterSummary:
     num_migrations: int = 0
     num_failures: int = 0
     num_reroutes: int = 0  # requests sent on because an instance's admission answered 'route' (max_reroutes)
+    num_downgrades: int = 0  # requests an instance's admission answered 'downgrade' for (served as a smaller model)
 
 
 def run_cluster_replay(
@@ -1036,6 +1064,7 @@ def run_cluster_replay(
         num_migrations=cl.num_migrations,
         num_failures=cl.num_failures,
         num_reroutes=cl.num_reroutes,
+        num_downgrades=cl.num_downgrades,
     )
 
 

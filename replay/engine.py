@@ -182,9 +182,10 @@ class Engine:
         # record each planned step's lease generations, so that a step of a request that moved away
         # during it is refused (set by a cluster whose requests can move mid-step)
         self.track_leases = False
-        # set by a cluster (replay.cluster): called with a request its admission answered 'route' for
-        # (not here), once it has left, with its output target; the cluster sends it to another instance
-        self.reroute: Callable[[Request, int], None] | None = None
+        # set by a cluster (replay.cluster): called with a request its admission answered 'route' or 'downgrade'
+        # for (not here), once it has left, with its output target and the downgrade's model (None for a route);
+        # the cluster sends it to another instance
+        self.reroute: Callable[[Request, int, str | None], None] | None = None
         # multi-model residency (replay.residency): most distinct adapters in one batch (None: no limit),
         # and what the instance_state events report as resident (None: the instance's model, no adapters)
         self.max_adapters_per_batch: int | None = None
@@ -288,8 +289,8 @@ class Engine:
             r.state = HELD
             self.held.append(r)
             self._wake()
-        elif kind == "route":  # not here: it leaves before it held anything, the cluster sends it on
-            if self.reroute is None:
+        elif kind == "route" or kind == "downgrade":  # not here: it leaves before it held anything, the cluster
+            if self.reroute is None:  # sends it on (downgrade: to be served as the model d.target)
                 raise ReplayError(f"request {r.request_id}: admission answered 'route' on a lone instance",
                                   "a policy may route only when EngineView.can_route says so")
             if was_held:
@@ -297,7 +298,7 @@ class Engine:
             r.state = MOVING
             r.owner = None
             self.num_active -= 1
-            self.reroute(r, self._targets.pop(r))
+            self.reroute(r, self._targets.pop(r), d.target)
         else:
             if was_held:
                 self.held.remove(r)

@@ -281,6 +281,9 @@ class Residency:
         self.default_model = config.models[0].name
         self._kinds = {w.name: w.kind for w in config.catalogue}
         self.state: dict[int, InstanceWeights] = {}
+        # requests an admission downgraded (replay.policies.deadline), while in the cluster: the model each is served
+        # as (its events keep the model it named)
+        self.served: dict[Request, str] = {}
         self._wait_since: dict[int, int] = {}
 
     # ------------------------------------------------------------------ instances
@@ -308,7 +311,7 @@ class Residency:
 
     def needs(self, r: Request) -> tuple[str, ...]:
         """The weights ``r`` needs resident: its model (or the default) and its adapter, if any."""
-        name = r.model or self.default_model
+        name = self.served.get(r) or r.model or self.default_model
         kinds = self._kinds
         if kinds.get(name) != "model":
             self.config.weights(name)  # raises the error listing the valid names
@@ -327,13 +330,24 @@ class Residency:
         name = r.model or self.default_model
         return [x for x in routable if name in self.state[x.index].models]
 
-    def submit(self, inst: ClusterInstance, r: Request, num_output_tokens: int) -> None:
-        """``r`` was routed to ``inst``: into its engine now if all it needs is resident, else after the loads."""
+    def serving(self, model: str, instances: list[ClusterInstance]) -> list[ClusterInstance]:
+        """Those of ``instances`` that hold ``model`` resident now (where a downgraded request may go: it
+        never waits for a load)."""
+        if self._kinds.get(model) != "model":
+            return []
+        return [x for x in instances if self.state[x.index].resident(model)]
+
+    def submit(self, inst: ClusterInstance, r: Request, num_output_tokens: int, *, rerouted: bool = False) -> None:
+        """``r`` was routed to ``inst``: into its engine now if all it needs is resident, else after the loads
+        (``rerouted``: another instance's admission sent it on; its model is resident here)."""
         st = self.state[inst.index]
         needs = self.needs(r)
         if all(st.resident(n) for n in needs):
-            self._enter(inst, st, r, num_output_tokens, needs)
+            self._enter(inst, st, r, num_output_tokens, needs, rerouted)
             return
+        if rerouted:
+            raise ReplayError(f"request {r.request_id} was sent on to {inst.instance_id}, which does not hold {needs} "
+                              "(a cluster bug: a downgrade goes only where its model is resident)")
         if self.pinned and not st.resident(needs[0]):
             raise ReplayError(f"request {r.request_id} was routed to {inst.instance_id}, which does not hold {needs[0]!r} "
                               "(a cluster bug: pinned routing offers only the instances that hold it)")
@@ -354,7 +368,8 @@ class Residency:
                 inst.engine.cancel(r)
                 return
 
-    def _enter(self, inst: ClusterInstance, st: InstanceWeights, r: Request, n: int, needs: tuple[str, ...]) -> None:
+    def _enter(self, inst: ClusterInstance, st: InstanceWeights, r: Request, n: int, needs: tuple[str, ...],
+               rerouted: bool = False) -> None:
         for name in needs:
             st.in_use[name] = st.in_use.get(name, 0) + 1
             lru = st.models if name in st.models else st.adapters
@@ -363,13 +378,15 @@ class Residency:
                 lru[name] = None  # most recently used
         engine = inst.engine
         engine.interrupt_run()
-        engine.submit(r, n)
+        engine.submit(r, n, rerouted=rerouted)
 
     def finished(self, inst: ClusterInstance, r: Request) -> None:
         """``r`` left ``inst``'s engine: its weights may now be evicted."""
         st = self.state[inst.index]
         for name in self.needs(r):
             st.in_use[name] -= 1
+        if self.served:
+            self.served.pop(r, None)
         if st.leaving and not st.loading:
             self._advance(inst, st)
 

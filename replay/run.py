@@ -389,7 +389,8 @@ def _manifest(source: Workload, scenario: Scenario, policy_name: str, policy_con
 def _plain(obj: Any) -> Any:
     """A config dataclass as JSON-ready values (for the manifest only)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if not (f.metadata.get("omit_empty") and getattr(obj, f.name) == ())}  # (a new setting left unset)
     if isinstance(obj, (list, tuple)):
         return [_plain(v) for v in obj]
     return obj

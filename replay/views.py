@@ -104,7 +104,7 @@ class EngineView:
     """What a policy may know about the instance: clock, queues, KV pool, settings, cost model."""
 
     __slots__ = ("_kernel", "_pool", "_running", "_waiting", "_held", "_budget", "instance", "cost_model", "instance_id",
-                 "route_check")
+                 "route_check", "downgrade_check")
 
     def __init__(
         self,
@@ -129,6 +129,8 @@ class EngineView:
         self.instance_id = instance_id
         # set by a cluster (replay.cluster): whether a request may be sent to another instance now
         self.route_check: Callable[[Request], bool] | None = None
+        # set by a cluster with multi-model residency: whether a request may be served as another model now
+        self.downgrade_check: Callable[[Request, str], bool] | None = None
 
     @property
     def now_ns(self) -> int:
@@ -191,6 +193,14 @@ class EngineView:
         on a lone instance. It says nothing about the other instances: the cluster's router picks one."""
         check = self.route_check
         return check is not None and check(request._r)
+
+    def can_downgrade(self, request: RequestView, model: str) -> bool:
+        """Whether admission may answer ``downgrade`` to ``model`` for ``request`` now: a cluster with
+        multi-model residency routes it on arrival, has not downgraded it yet, and another instance taking
+        traffic serves ``model`` now (holds it resident). Always False on a lone instance. It says nothing
+        about that instance's load: the cluster's router picks one, and its admission decides."""
+        check = self.downgrade_check
+        return check is not None and check(request._r, model)
 
     @property
     def token_budget_left(self) -> int:

@@ -10,6 +10,9 @@ read-only views (``replay.views``):
                                    ``max_output_tokens``, its parallel samples cut to ``num_branches``),
                                    route (not here: only when ``view.can_route(request)``, i.e. a
                                    cluster offers another instance; the cluster's router picks it),
+                                   downgrade (not here, and served as the smaller model ``target``:
+                                   only when ``view.can_downgrade(request, target)``, i.e. a cluster
+                                   with multi-model residency has an instance serving it),
                                    or reject (with retry-after); the decision may
                                    carry the predicted output interval it used.
 ``order(view, waiting)``           which waiting requests to try this step, in order (an iterable:
@@ -43,7 +46,7 @@ from replay.errors import ReplayError, unknown_name
 from replay.views import EngineView, RequestView
 from schemas.types import doc
 
-AdmissionKind = Literal["accept", "queue", "degrade", "route", "reject"]
+AdmissionKind = Literal["accept", "queue", "degrade", "route", "downgrade", "reject"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -53,7 +56,9 @@ class AdmissionDecision:
     decision: AdmissionKind = doc(
         "accept (into the waiting queue), queue (hold, offer again later), degrade (accept with optional work "
         "capped: ``max_output_tokens``, ``num_branches``), route (not here: the cluster sends it to another "
-        "instance, which its router picks; only when ``EngineView.can_route`` says so) or reject."
+        "instance, which its router picks; only when ``EngineView.can_route`` says so), downgrade (not here: served "
+        "as the smaller model ``target`` on an instance serving it, which the router picks; only when "
+        "``EngineView.can_downgrade`` says so) or reject."
     )
     reason: str | None = doc("Why, in a few words.", None)
     retry_after_s: float | None = doc(
@@ -68,12 +73,16 @@ class AdmissionDecision:
         "degrade: the parallel samples (n) the request runs with, fewer than it asked for (at least 1).", None
     )
 
+    target: str | None = doc("downgrade: the smaller qualified model the request is served as.", None)
+
     def __post_init__(self) -> None:
-        if self.decision not in ("accept", "queue", "degrade", "route", "reject"):
+        if self.decision not in ("accept", "queue", "degrade", "route", "downgrade", "reject"):
             raise ReplayError(
                 f"admission decision {self.decision!r} is not supported by an instance's admission policy",
-                "accept, queue, degrade, route or reject (downgrade needs multi-model residency)",
+                "accept, queue, degrade, route, downgrade or reject",
             )
+        if (self.decision == "downgrade") != (self.target is not None):
+            raise ReplayError("a downgrade decision names its target model, and only a downgrade decision does")
         if (self.decision == "degrade") != (self.max_output_tokens is not None or self.num_branches is not None):
             raise ReplayError(
                 "a degrade decision carries max_output_tokens or num_branches (or both), and only a degrade decision does"

@@ -30,6 +30,10 @@ Llumnix's and DistServe's capacity planning, and of QLM's waiting-time estimatio
    leaves the deadline reachable; otherwise, in a cluster that re-routes (``ClusterConfig.max_reroutes``)
    while ``EngineView.can_route`` allows it, ``route``: "not here", the cluster's router sends it to an
    instance it has not tried, whose own admission decides (the policy knows nothing of the others);
+   otherwise, in a cluster with multi-model residency, ``downgrade`` to the first smaller model that
+   ``qualified_downgrades`` lists for the request's model and ``EngineView.can_downgrade`` allows (another
+   instance holds it resident): the cluster's router sends it to one of those, where it is served as that
+   model and whose own admission decides;
    otherwise ``reject`` with a retry-after: how much later the same request would have met its objective.
 
 Chunks follow Sarathi-Serve's stall-free rule sized to the ITL objective (``chunk_from_itl``).
@@ -41,18 +45,18 @@ that floods the instance sees its tag run ahead of everyone's, so its requests a
 wait behind the others' and are the ones rejected (with retry-after), while the well-behaved
 tenants' predictions, and so their admissions, barely move.
 
-Not yet answered: *downgrade* to a smaller qualified model (it needs multi-model residency in the
-cluster) and capping speculative drafts (speculative decoding is not modelled yet); see
-``docs/policies.md``. Of the optional work, max tokens (E2E) and branches (a request with n > 1 that
-would miss its deadline runs with the most branches that fit, at least ``min_branches``) are capped
-here, before the request is routed elsewhere or rejected.
+Of the optional work, max tokens (E2E) and branches (a request with n > 1 that would miss its
+deadline runs with the most branches that fit, at least ``min_branches``) are capped here, before the
+request is routed elsewhere, downgraded or rejected. Speculative drafts are not capped: speculation is
+an instance-wide expected step cost in this engine (``replay.speculative``), with no per-request draft
+KV or token rate that a cap could change; see ``docs/policies.md``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 
 from replay.costmodel import StepShape
@@ -67,6 +71,18 @@ from schemas.types import doc
 
 NS = 1_000_000_000
 NEVER = 1 << 62
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QualifiedDowngrade:
+    """A smaller model qualified to serve the requests of a model (``DeadlineConfig.qualified_downgrades``)."""
+
+    model: str = doc("The model requests name (Request.model).")
+    to: str = doc("A smaller model that may serve them.")
+
+    def __post_init__(self) -> None:
+        if self.to == self.model:
+            raise ReplayError(f"a qualified downgrade of {self.model!r} must name another model")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -102,6 +118,13 @@ class DeadlineConfig:
     min_chunk_tokens: int = doc("A step with no prefill yet takes at least this many prompt tokens.", 32)
     input_token_weight: int = doc("Service per input token (quotas, and VTC in deadline-vtc).", 1)
     output_token_weight: int = doc("Service per output token (quotas, and VTC in deadline-vtc).", 2)
+    qualified_downgrades: tuple[QualifiedDowngrade, ...] = field(default=(), metadata={
+        "doc": "Smaller models qualified to serve a model's requests, in order of preference: a request that would "
+               "miss its deadline here is answered 'downgrade' to the first of its model's that EngineView.can_downgrade "
+               "allows (a cluster with multi-model residency where another instance holds it). Empty (the default): "
+               "never downgrade.",
+        "omit_empty": True,  # absent from the manifest while empty: run ids stay as they were
+    })
 
     def __post_init__(self) -> None:
         if not 0 <= self.output_quantile_low <= self.output_quantile_high <= 1:
@@ -118,6 +141,9 @@ class DeadlineConfig:
             raise ReplayError("deadline: drain_window_s must be positive and retry_after_min_s non-negative")
         if self.min_degraded_output_tokens < 1 or self.min_branches < 1:
             raise ReplayError("deadline: min_degraded_output_tokens and min_branches must be at least 1")
+        pairs = [(d.model, d.to) for d in self.qualified_downgrades]
+        if len(set(pairs)) != len(pairs):
+            raise ReplayError("deadline: qualified_downgrades lists a downgrade twice")
 
 
 class _Entry:
@@ -207,6 +233,9 @@ class DeadlinePolicy(Policy):
         }
         self._overtaking = frozenset().union(*self._overtaken_by.values())  # classes that overtake some class
         self.num_learned = 0
+        self._downgrades: dict[str, list[str]] = {}  # model -> the smaller ones, in order of preference
+        for d in c.qualified_downgrades:
+            self._downgrades.setdefault(d.model, []).append(d.to)
 
     # ---------------------------------------------------------------------------- ledger upkeep
 
@@ -455,6 +484,11 @@ class DeadlinePolicy(Policy):
             self._retry_at.pop(request.request_id, None)
             if view.can_route(request):  # a cluster offers another instance: say "not here", it picks where
                 return AdmissionDecision(decision="route", reason="would miss its deadline here", **interval)
+            if request.model is not None:
+                for smaller in self._downgrades.get(request.model, ()):
+                    if view.can_downgrade(request, smaller):  # another instance serves it: there, as that model
+                        return AdmissionDecision(decision="downgrade", target=smaller, **interval,
+                                                 reason=f"would miss its deadline here as {request.model}")
             retry = late_s if late_s < math.inf else c.drain_window_s
             return AdmissionDecision(decision="reject", reason="would miss its deadline",
                                      retry_after_s=max(c.retry_after_min_s, retry), **interval)
