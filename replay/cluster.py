@@ -664,7 +664,7 @@ class Cluster:
         self._left(src, r)
         candidates = [x for x in self.routable if x not in self._tried]
         if model is not None:
-            self.residency.served[r] = model
+            self.residency.serve_as(r, model)
             candidates = self.residency.serving(model, candidates)
             self.num_downgrades += 1
         d = self.router.route(r.view, candidates)
@@ -675,11 +675,11 @@ class Cluster:
             writer.admission.append((r, now, reject, r.num_admission_decisions, None))
             self._end_moved(r, src, "rejected", d.reason, counted=False)
             if model is not None:
-                self.residency.served.pop(r, None)
+                self.residency.serve_as(r, None)
             return
         dest = candidates[d.index]
         self._tried.append(dest)
-        why = f"downgraded to {model} from {src.instance_id}" if model is not None else f"re-routed from {src.instance_id}"
+        why = f"{'re-routed' if model is None else f'downgraded to {model}'} from {src.instance_id}"
         if model is None:
             self.num_reroutes += 1
         writer.admission.append((r, now, _Route(f"{why} ({dest._route.reason})", dest.instance_id),

@@ -283,7 +283,7 @@ class Residency:
         self.state: dict[int, InstanceWeights] = {}
         # requests an admission downgraded (replay.policies.deadline), while in the cluster: the model each is served
         # as (its events keep the model it named)
-        self.served: dict[Request, str] = {}
+        self._served: dict[Request, str] = {}
         self._wait_since: dict[int, int] = {}
 
     # ------------------------------------------------------------------ instances
@@ -311,7 +311,7 @@ class Residency:
 
     def needs(self, r: Request) -> tuple[str, ...]:
         """The weights ``r`` needs resident: its model (or the default) and its adapter, if any."""
-        name = self.served.get(r) or r.model or self.default_model
+        name = self._served.get(r) or r.model or self.default_model
         kinds = self._kinds
         if kinds.get(name) != "model":
             self.config.weights(name)  # raises the error listing the valid names
@@ -336,6 +336,14 @@ class Residency:
         if self._kinds.get(model) != "model":
             return []
         return [x for x in instances if self.state[x.index].resident(model)]
+
+    def serve_as(self, r: Request, model: str | None) -> None:
+        """``r`` is served as ``model`` from now on, its weights are what it needs (a downgrade; None: as it named,
+        when it ends without reaching an instance)."""
+        if model is None:
+            self._served.pop(r, None)
+        else:
+            self._served[r] = model
 
     def submit(self, inst: ClusterInstance, r: Request, num_output_tokens: int, *, rerouted: bool = False) -> None:
         """``r`` was routed to ``inst``: into its engine now if all it needs is resident, else after the loads
@@ -385,8 +393,8 @@ class Residency:
         st = self.state[inst.index]
         for name in self.needs(r):
             st.in_use[name] -= 1
-        if self.served:
-            self.served.pop(r, None)
+        if self._served:
+            self._served.pop(r, None)
         if st.leaving and not st.loading:
             self._advance(inst, st)
 

@@ -119,10 +119,10 @@ class DeadlineConfig:
     input_token_weight: int = doc("Service per input token (quotas, and VTC in deadline-vtc).", 1)
     output_token_weight: int = doc("Service per output token (quotas, and VTC in deadline-vtc).", 2)
     qualified_downgrades: tuple[QualifiedDowngrade, ...] = field(default=(), metadata={
-        "doc": "Smaller models qualified to serve a model's requests, in order of preference: a request that would "
-               "miss its deadline here is answered 'downgrade' to the first of its model's that EngineView.can_downgrade "
-               "allows (a cluster with multi-model residency where another instance holds it). Empty (the default): "
-               "never downgrade.",
+        "doc": "Smaller models qualified to serve a model's requests, in order of preference: a request that "
+               "would miss its deadline here is answered 'downgrade' to the first of its model's that "
+               "EngineView.can_downgrade allows (a cluster with multi-model residency where another instance "
+               "holds it). Empty (the default): never downgrade.",
         "omit_empty": True,  # absent from the manifest while empty: run ids stay as they were
     })
 

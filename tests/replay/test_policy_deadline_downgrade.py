@@ -48,8 +48,11 @@ def _of(events, request_id: str) -> list[dict]:
     then its admission decisions by number."""
     rank = {"request_arrived": 0, "admission_decided": 1, "first_token": 2, "request_finished": 3}
     mine = [e for e in events if e["request_id"] == request_id and e["event_type"] in rank]
-    number = lambda e: int(e["event_id"].rsplit(":admission", 1)[1]) if e["event_type"] == "admission_decided" else 0  # noqa: E731
-    return sorted(mine, key=lambda e: (e["ts_ns"], rank.get(e["event_type"], 9), number(e)))
+
+    def number(e: dict) -> int:
+        return int(e["event_id"].rsplit(":admission", 1)[1]) if e["event_type"] == "admission_decided" else 0
+
+    return sorted(mine, key=lambda e: (e["ts_ns"], rank[e["event_type"]], number(e)))
 
 
 # Two instances of 40 KV blocks (16 tokens each; reservations may use int(40 x (1 - 0.05 - 0.1)) = 34), pinned:
@@ -65,7 +68,8 @@ WORKLOAD = make_workload([0, 100 * MS], [100, 100], [250, 250], model=["big", "b
 
 def test_a_request_that_would_miss_its_deadline_is_downgraded_and_meets_it(tmp_path):
     off, events = _replay(tmp_path, WORKLOAD, BASE, name="off")
-    assert [(e["event_type"], e.get("decision"), e.get("reason"), e.get("retry_after_s")) for e in _of(events, "r1")] == [
+    assert [(e["event_type"], e.get("decision"), e.get("reason"), e.get("retry_after_s"))
+            for e in _of(events, "r1")] == [
         ("request_arrived", None, None, None),
         ("admission_decided", "route", "round-robin", None),
         ("admission_decided", "reject", "would miss its deadline", 30.0),
@@ -145,7 +149,8 @@ def test_the_config_and_the_decision_are_checked():
     with pytest.raises(ReplayError, match="another model"):
         QualifiedDowngrade(model="big", to="big")
     with pytest.raises(ReplayError, match="twice"):
-        DeadlineConfig(qualified_downgrades=(QualifiedDowngrade(model="a", to="b"), QualifiedDowngrade(model="a", to="b")))
+        twice = QualifiedDowngrade(model="a", to="b")
+        DeadlineConfig(qualified_downgrades=(twice, twice))
     with pytest.raises(ReplayError, match="target model"):
         AdmissionDecision(decision="downgrade")
     with pytest.raises(ReplayError, match="target model"):
