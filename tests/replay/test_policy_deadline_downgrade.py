@@ -177,3 +177,25 @@ def test_the_first_qualified_model_an_instance_serves_is_chosen(tmp_path):
                for e in _of(events, "r1") if e["event_type"] == "admission_decided"]
     assert decided == [("route", "i0"), ("downgrade", "small"), ("route", "i1"), ("accept", None)]
     assert summary.num_downgrades == 1
+
+
+def test_on_demand_downgrades_only_to_an_instance_holding_the_model_now(tmp_path):
+    # on-demand: the router is offered both instances. Round-robin sends r0 ("big") to i0, r1 ("small", 10 tokens,
+    # 5 out: done at 60 ms) to i1, r2 ("big", like r0) at 100 ms to i0 again, saturated as in the first test. i1
+    # holds "small" (its initial set), so r2 is downgraded there and completes by 2.6 s; where i1 holds only "big"
+    # (it could load "small", but a downgrade never waits for a load), r2 is rejected.
+    w = make_workload([0, 1 * MS, 100 * MS], [100, 10, 100], [250, 5, 250], model=["big", "small", "big"])
+    on_demand = dataclasses.replace(PINNED, policy="on-demand")
+    summary, events = _replay(tmp_path, w, DOWN, residency=on_demand, name="held")
+    decided = [(e["decision"], e["target"] if e["decision"] == "downgrade" else _short(e["target"]))
+               for e in _of(events, "r2") if e["event_type"] == "admission_decided"]
+    assert decided == [("route", "i0"), ("downgrade", "small"), ("route", "i1"), ("accept", None)]
+    (done,) = [e for e in _of(events, "r2") if e["event_type"] == "request_finished"]
+    assert (done["outcome"], _short(done["instance_id"]), done["ts_ns"]) == ("completed", "i1", 2_600 * MS)
+    assert summary.num_downgrades == 1 and sum(x.num_weight_loads for x in summary.instances) == 0
+
+    big_only = dataclasses.replace(on_demand, initial=(("big",),), model_capacity_bytes=4 * GB)
+    w = make_workload([0, 1 * MS, 100 * MS], [100, 10, 100], [250, 5, 250], model=["big", "big", "big"])
+    summary, events = _replay(tmp_path, w, DOWN, residency=big_only, name="not-held")
+    assert summary.num_downgrades == 0
+    assert [e["decision"] for e in _of(events, "r2") if e["event_type"] == "admission_decided"] == ["route", "reject"]
