@@ -29,8 +29,10 @@ def test_registry_by_name_with_typed_configs():
     assert "fcfs" in err.value.hint
     with pytest.raises(ReplayError, match="takes a FcfsConfig"):
         make_policy("fcfs", object())
-    with pytest.raises(ReplayError, match="not supported by a single instance"):
-        AdmissionDecision(decision="route")  # routing belongs to the cluster layer
+    with pytest.raises(ReplayError, match="not supported by an instance's admission policy"):
+        AdmissionDecision(decision="shuffle")
+    with pytest.raises(ReplayError, match="names its target model"):
+        AdmissionDecision(decision="downgrade")  # to which model?
 
 
 def test_views_are_read_only_and_hide_the_true_output_length():
