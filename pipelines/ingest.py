@@ -1,8 +1,9 @@
 """The ingest consumer: Kafka -> decode -> validate -> sanitize -> de-duplicate -> the lake, exactly once.
 
 One loop per process: poll a batch of records, buffer them per partition, and commit when the buffer
-holds ``flush_max_events`` records or ``flush_interval_s`` has passed. A commit decodes and checks
-the whole buffer columnar (``pipelines.decode``), sanitizes the valid events (``privacy``), drops
+holds ``flush_max_events`` records or ``flush_interval_s`` has passed. A commit (on a thread, while
+polling goes on) has the consumer's transform worker process (``pipelines.transform``) decode and
+check the whole buffer columnar (``pipelines.decode``) and sanitize the valid events (``privacy``), drops
 event ids seen recently (producer retries), and appends events and dead letters to their Delta
 tables, each commit carrying the partitions' next offsets (``pipelines.lake``). Kafka's own
 committed offsets are written afterwards for lag monitoring only: the lake is the truth.

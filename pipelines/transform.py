@@ -14,7 +14,7 @@ ingest process always has. The worker dies with its parent (``PR_SET_PDEATHSIG``
 closed pipe), so a SIGKILLed ingest leaves no process behind; a worker that dies alone fails the
 commit with a clear error (``TransformWorkerDied``) and nothing of that batch is stored.
 
-``IngestConfig.transform_process = false`` runs the same step in a thread of the ingest process.
+``IngestConfig.transform_process = false`` runs the same step in the ingest process's commit thread.
 """
 
 from __future__ import annotations
