@@ -34,22 +34,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.cluster_scaling import burst_workload  # noqa: E402
+
 S = 1_000_000_000
-
-
-def bursty_workload():
-    import pyarrow as pa
-
-    from replay.traces import read_trace
-    from replay.workload import superpose, trim
-    from servelens.config import load_config, shared_dir
-
-    base = read_trace("azure-conv", shared_dir(load_config()))
-    t0 = base["arrival_ns"][0].as_py()
-    light = trim(base, t0, t0 + 120 * S)
-    burst = trim(superpose(trim(base, t0 + 120 * S, t0 + 420 * S), 6, S), t0 + 120 * S, t0 + 420 * S)
-    tail = trim(base, t0 + 420 * S, t0 + 720 * S)
-    return pa.concat_tables([light, burst, tail]).sort_by([("arrival_ns", "ascending")]), t0, t0 + 120 * S, t0 + 420 * S
 
 
 def instance_seconds(events_path) -> tuple[float, int]:
@@ -104,7 +91,7 @@ def main() -> None:
     from replay.cluster import ScaleStep, cluster_config
     from replay.policies.autoscale import RequestRateConfig, WorkloadAwareConfig
 
-    workload, t0, burst_ns, burst_end_ns = bursty_workload()
+    workload, t0, burst_ns, burst_end_ns = burst_workload(tail_s=300)
     base = cluster_config(1, router="least-outstanding-tokens")
     at, until = (burst_ns - t0) / S, (burst_end_ns - t0) / S
     def request_rate(target: float):

@@ -24,7 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 S = 1_000_000_000
 
 
-def burst_workload():
+def burst_workload(tail_s: float = 0.0):
+    """The Azure conversation trace's first 2 minutes at its rate, the next 5 at 6x (six copies
+    shifted by 1 s each), then ``tail_s`` more at its rate; returns (workload, first arrival ns,
+    burst start ns, burst end ns)."""
     import pyarrow as pa
 
     from replay.traces import read_trace
@@ -33,11 +36,11 @@ def burst_workload():
 
     base = read_trace("azure-conv", shared_dir(load_config()))
     t0 = base["arrival_ns"][0].as_py()
-    light = trim(base, t0, t0 + 120 * S)
-    burst = superpose(trim(base, t0 + 120 * S, t0 + 420 * S), 6, S)
-    burst = trim(burst, t0 + 120 * S, t0 + 420 * S)
-    table = pa.concat_tables([light, burst])
-    return table.sort_by([("arrival_ns", "ascending")]), t0 + 120 * S
+    start, end = t0 + 120 * S, t0 + 420 * S
+    parts = [trim(base, t0, start), trim(superpose(trim(base, start, end), 6, S), start, end)]
+    if tail_s > 0:
+        parts.append(trim(base, end, end + round(tail_s * S)))
+    return pa.concat_tables(parts).sort_by([("arrival_ns", "ascending")]), t0, start, end
 
 
 def run_case(name: str, workload, burst_ns: int, delays, scale: bool, out: Path) -> dict:
@@ -74,7 +77,7 @@ def run_case(name: str, workload, burst_ns: int, delays, scale: bool, out: Path)
 def main() -> None:
     from replay.cluster import ScalingDelays
 
-    workload, burst_ns = burst_workload()
+    workload, _, burst_ns, _ = burst_workload()
     cases = [
         ("no scale-up", ScalingDelays(), False),
         ("scale-up, no delay", ScalingDelays(startup_s=0, weight_load_s=0, cache_warm_s=0), True),
