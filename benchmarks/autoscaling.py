@@ -118,7 +118,7 @@ def main() -> None:
             result = run_case(name, workload, t0, burst_ns, burst_end_ns, config, Path(tmp))
             print(result, file=sys.stderr, flush=True)
             results.append(result)
-    print(json.dumps(results))
+    print(json.dumps({"cases": results}))  # one JSON object on the last line
 
 
 if __name__ == "__main__":

@@ -131,7 +131,7 @@ def main() -> None:
                 print(result, file=sys.stderr)
                 results.append(result)
     print(f"total {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    print(json.dumps(results))
+    print(json.dumps({"cases": results}))  # one JSON object on the last line
 
 
 if __name__ == "__main__":

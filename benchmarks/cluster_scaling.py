@@ -9,7 +9,7 @@ defaults (start-up 30 s, weights at 2 GB/s: 8 s, warm-up 10 s); a slow start (60
 requests, and attainment (completed within every objective of the default class: TTFT 2 s, ITL
 0.2 s, E2E 60 s, queue 30 s) over the burst and over the whole run.
 
-    python benchmarks/cluster_scaling.py      # a minute or two; last line: JSON
+    python benchmarks/cluster_scaling.py      # under a minute (--quick: the same); last line: JSON
 """
 
 from __future__ import annotations
@@ -75,7 +75,13 @@ def run_case(name: str, workload, burst_ns: int, delays, scale: bool, out: Path)
 
 
 def main() -> None:
+    import argparse
+
     from replay.cluster import ScalingDelays
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the same run: the full one takes well under a minute")
+    parser.parse_args()
 
     workload, _, burst_ns, _ = burst_workload()
     cases = [
@@ -91,7 +97,7 @@ def main() -> None:
             result = run_case(name, workload, burst_ns, delays, scale, Path(tmp))
             print(result, file=sys.stderr)
             results.append(result)
-    print(json.dumps(results))
+    print(json.dumps({"cases": results}))  # one JSON object on the last line
 
 
 if __name__ == "__main__":
