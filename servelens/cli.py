@@ -716,19 +716,12 @@ def _cluster_options(command):
 
 def _autoscaler_config(name: str, path: Path) -> object:
     """The named autoscaler's config from a YAML mapping of its fields (types checked, unknown keys refused)."""
-    import yaml
-
     from replay.policies.autoscale import autoscaler_class
+    from replay.policies.base import read_settings
     from servelens.config import build
 
     cls = autoscaler_class(name).config_type  # an unknown name: the error lists the valid ones
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ServelensError(f"autoscaler configuration {path} is not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise ServelensError(f"autoscaler configuration {path} must be a mapping of {cls.__name__} settings")
-    return build(cls, data)
+    return build(cls, read_settings("autoscaler", path, cls))
 
 
 def _replay_cluster(ctx: click.Context, workload_name: str, policy_name: str, policy_config: Path | None,

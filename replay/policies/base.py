@@ -171,17 +171,23 @@ def make_policy(name: str, config: object | None = None) -> Policy:
 def load_policy_config(name: str, path: str | Path) -> object:
     """The named policy's config from a YAML (or JSON) mapping of its fields, types checked and unknown
     keys refused (nested sections, e.g. ``tenancy: {classes: [...], tenants: [...]}``, as lists of tables)."""
-    import yaml
-
     from servelens.config import build
 
     cls = policy_class(name)
+    return build(cls.config_type, read_settings("policy", path, cls.config_type))
+
+
+def read_settings(kind: str, path: str | Path, config_type: type) -> dict:
+    """The YAML (or JSON) mapping of a ``kind`` (policy, router, autoscaler) configuration file, with
+    a clear error for a missing file, invalid YAML or anything but a mapping."""
+    import yaml
+
     try:
         data = yaml.safe_load(Path(path).read_text()) or {}
     except FileNotFoundError:
-        raise ReplayError(f"policy configuration {path} does not exist") from None
+        raise ReplayError(f"{kind} configuration {path} does not exist") from None
     except yaml.YAMLError as exc:
-        raise ReplayError(f"policy configuration {path} is not valid YAML: {exc}") from None
+        raise ReplayError(f"{kind} configuration {path} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
-        raise ReplayError(f"policy configuration {path} must be a mapping of {cls.config_type.__name__} settings")
-    return build(cls.config_type, data)
+        raise ReplayError(f"{kind} configuration {path} must be a mapping of {config_type.__name__} settings")
+    return data

@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import ClassVar, Protocol
 
 from replay.errors import ReplayError, unknown_name
+from replay.policies.base import read_settings
 from replay.views import RequestView
 from schemas.types import doc
 
@@ -191,21 +192,12 @@ def load_router_config(name: str, path: str | Path) -> object:
     {sheddable_classes: [batch], queue_threshold: 5}``: types checked, unknown keys refused."""
     import dataclasses
 
-    import yaml
-
     from servelens.config import build
 
     if name not in ROUTERS:
         raise unknown_name("router", name, list(ROUTERS))
     cls = ROUTERS[name].config_type
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except FileNotFoundError:
-        raise ReplayError(f"router configuration {path} does not exist") from None
-    except yaml.YAMLError as exc:
-        raise ReplayError(f"router configuration {path} is not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise ReplayError(f"router configuration {path} must be a mapping of {cls.__name__} settings")
+    data = read_settings("router", path, cls)
     shedding = data.pop("shedding", None)
     config = build(cls, data)
     if shedding is not None:  # an optional section (the builder takes required ones)
