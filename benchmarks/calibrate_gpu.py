@@ -19,7 +19,8 @@ cannot finish in time, and every profile it writes is complete and self-describi
 5. for each profile, writes ``<name>.parquet`` (metadata: GPU name, driver, torch, dtype, model
    shape, date) and ``<name>.parquet.fit.json`` (held-out median/p95 error, roofline fraction);
 6. if time is left: a measured-versus-modelled replay of 40 Azure conversation requests on the 1B
-   shape (``compare-measured``), into ``<out>/compare-llama-1b``;
+   shape (``compare-measured``), into ``<out>/compare-llama-1b`` (the trace is read from
+   ``$SERVELENS_SHARED_DIR``, else ``../shared`` beside the checkout);
 7. writes ``<out>/calibration-summary.json`` with every figure and how long each step took.
 
 The files under ``--out`` are what a session commits to ``profiles/`` (with docs/calibration.md's
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import traceback
@@ -47,7 +49,7 @@ PLAN = (
     ("llama-70b", 8, 0.80, 90),
 )
 SETUP_S = 25  # weights and KV cache allocation, peak lookup, fit: per profile, outside the sweep's time box
-COMPARE_MIN_S = 60
+COMPARE_MIN_S = 150  # 40 requests on the 1B shape took 146 s on an H200 (each step run twice: warm-up, timed)
 
 
 def _gpu_slug(name: str) -> str:
@@ -159,7 +161,7 @@ def main() -> int:
 
         t0 = time.monotonic()
         try:
-            shared = ROOT.parent / "shared"
+            shared = Path(os.environ.get("SERVELENS_SHARED_DIR") or ROOT.parent / "shared")
             workload = load_workload("azure-conv", shared if shared.is_dir() else None, 40)
             result = compare_measured(workload, first_profile, device=device, out_dir=args.out / "compare-llama-1b")
             for line in comparison_lines(result):

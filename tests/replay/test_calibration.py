@@ -29,7 +29,13 @@ from replay.measured.fit import (  # noqa: E402
     fit_table,
     profile_instance,
 )
-from replay.measured.measured import compare_measured, comparison_lines, latency_samples  # noqa: E402
+from replay.measured.executor import StepExecutor  # noqa: E402
+from replay.measured.measured import (  # noqa: E402
+    MeasuredStepTimer,
+    compare_measured,
+    comparison_lines,
+    latency_samples,
+)
 from replay.measured.profiler import (  # noqa: E402
     PROFILE_SCHEMA,
     Profile,
@@ -223,6 +229,33 @@ def test_measured_and_modelled_replays_compare_on_cpu(profile_path: Path, tmp_pa
     assert any("held-out" in line for line in comparison_lines(result))
 
 
+def test_each_measured_step_is_warmed_up_on_its_own_work_first(profile_path: Path) -> None:
+    """The timed run of a step follows one untimed run of the same work, as each profile shape is warmed."""
+    profile = read_profile(profile_path)
+    table, report = evaluate_profile(profile)
+    instance = profile_instance(profile.meta, EngineConfig(block_size_tokens=16), full_layers=False)
+    for warm in (True, False):
+        ex = StepExecutor(profile.meta.shape, num_kv_blocks=256)
+        calls: list[tuple] = []  # (the step's work, free KV blocks after the call)
+        execute = ex.execute
+
+        def counting(work, token_ids=None, ex=ex, calls=calls, execute=execute):
+            logits = execute(work, token_ids)
+            calls.append((tuple(work), ex.num_free_blocks))
+            return logits
+
+        ex.execute = counting
+        timer = MeasuredStepTimer(ex, warmup_steps=0, warm_each_step=warm)
+        with torch.inference_mode():
+            run_replay(small_workload(), instance=instance, cost_model=FittedProfileCostModel(table, source="t", report=report),
+                       mode="reference", step_timer=timer)
+        assert len(timer.steps) > 0
+        if warm:  # each step's work twice, untimed then timed; the second call allocates no KV block
+            assert len(calls) == 2 * len(timer.steps) and calls[0::2] == calls[1::2]
+        else:
+            assert len(calls) == len(timer.steps)
+
+
 def test_a_measured_replay_refuses_a_large_workload(profile_path: Path) -> None:
     with pytest.raises(ReplayError, match="at most 5 requests"):
         compare_measured(small_workload(), profile_path, max_requests=5)
@@ -294,3 +327,31 @@ def test_cli_help_has_examples() -> None:
     for command in ("profile", "compare-measured"):
         out = cli_run(command, "--help")
         assert out.exit_code == 0 and "Example:" in out.output and "servelens " + command in out.output
+
+
+#: GPU profiles committed under profiles/ (benchmarks/calibrate_gpu.py on an NVIDIA H200, 2026-11-29)
+SHIPPED = sorted((Path(__file__).resolve().parents[2] / "profiles").glob("*.parquet"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_the_shipped_gpu_profiles_read_back_and_refit_to_their_reports(path: Path) -> None:
+    """Their fit reports were written on the GPU machine; refitting here must give the same figures."""
+    profile = read_profile(path)
+    meta = profile.meta
+    assert (meta.device, meta.device_name, meta.dtype, meta.timer) == ("cuda", "NVIDIA H200", "bfloat16", "cuda-events")
+    assert not meta.truncated and profile.table.num_rows == meta.num_shapes_planned
+    _, report = evaluate_profile(profile)
+    saved = json.loads(path.with_name(path.name + ".fit.json").read_text())
+    assert saved["model"]["name"] == meta.shape.name and saved["device_name"] == meta.device_name
+    for part in ("held_out", "train", "all_shapes"):
+        ours = getattr(report, part)
+        assert ours.num_shapes == saved[part]["num_shapes"]
+        assert ours.median == pytest.approx(saved[part]["median"], rel=1e-9)
+        assert ours.p95 == pytest.approx(saved[part]["p95"], rel=1e-9)
+    # one step-time check against the measurements themselves: the fitted table's median error over
+    # every measured shape is the report's, and it is small
+    assert report.all_shapes.median < 0.2
+
+
+def test_three_gpu_profiles_are_shipped() -> None:
+    assert [p.stem for p in SHIPPED] == ["llama-1b-h200", "llama-70b-8l-h200", "llama-8b-h200"]
