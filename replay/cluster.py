@@ -241,11 +241,9 @@ class ClusterConfig:
             autoscaler_class(self.autoscaler)  # raises the error listing the valid names
             if not (self.autoscale_interval_s > 0 and self.autoscale_window_s > 0):
                 raise ReplayError("autoscale_interval_s and autoscale_window_s must be positive")
-        if self.router not in ROUTERS:
-            make_router(self.router)  # raises the error listing the valid names
+        ROUTERS.lookup(self.router)  # an unknown name: the error lists the valid ones
         if self.decode_instances:
-            if self.decode_router not in ROUTERS:
-                make_router(self.decode_router)
+            ROUTERS.lookup(self.decode_router)
             if getattr(self.decode_router_config, "shedding", None) is not None:
                 raise ReplayError("the decode router cannot shed", "a prefilled request always moves to a decode instance")
             if self.scaling or self.autoscaler is not None:

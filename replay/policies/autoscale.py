@@ -48,7 +48,8 @@ from typing import ClassVar
 
 from replay.config import InstanceConfig
 from replay.costmodel import StepCostModel, StepShape, prefill_time_ns
-from replay.errors import ReplayError, unknown_name
+from replay.errors import ReplayError
+from replay.policies.base import Registry
 from schemas.types import doc
 
 NS = 1_000_000_000
@@ -128,31 +129,15 @@ class Autoscaler:
         raise NotImplementedError
 
 
-AUTOSCALERS: dict[str, type[Autoscaler]] = {}
-
-
-def register_autoscaler(cls: type[Autoscaler]) -> type[Autoscaler]:
-    """Class decorator: make an autoscaler available by its ``name``."""
-    if not cls.name or (cls.name in AUTOSCALERS and AUTOSCALERS[cls.name] is not cls):
-        raise TypeError(f"autoscaler {cls.__name__} needs a unique name")
-    AUTOSCALERS[cls.name] = cls
-    return cls
-
-
-def autoscaler_class(name: str) -> type[Autoscaler]:
-    """The registered autoscaler class of that name."""
-    if name not in AUTOSCALERS:
-        raise unknown_name("autoscaler", name, list(AUTOSCALERS))
-    return AUTOSCALERS[name]
+AUTOSCALERS = Registry("autoscaler")
+register_autoscaler = AUTOSCALERS.register
+autoscaler_class = AUTOSCALERS.lookup
 
 
 def make_autoscaler(name: str, config: object | None, instance: InstanceConfig, cost_model: StepCostModel,
                     ready_delay_s: float) -> Autoscaler:
     """An autoscaler by name with its typed config (None: its defaults)."""
-    cls = autoscaler_class(name)
-    if config is not None and not isinstance(config, cls.config_type):
-        raise ReplayError(f"autoscaler {name!r} takes a {cls.config_type.__name__}, not a {type(config).__name__}")
-    return cls(config, instance, cost_model, ready_delay_s)
+    return AUTOSCALERS.checked(name, config)(config, instance, cost_model, ready_delay_s)
 
 
 def _clamp_and_hold(raw: int, current: int, since_s: float, *, min_instances: int, max_instances: int,

@@ -138,34 +138,44 @@ class Policy:
         return cls.observe_step is not Policy.observe_step
 
 
-POLICIES: dict[str, type[Policy]] = {}
+class Registry(dict):
+    """The registered classes of one kind (policies, routers, autoscalers) by name. Each class has a
+    ``name`` and a ``config_type``; ``register`` is its class decorator."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def register(self, cls: type) -> type:
+        """Class decorator: make ``cls`` available by its ``name``."""
+        if not cls.name:
+            raise TypeError(f"{self.kind} {cls.__name__} needs a name")
+        if self.setdefault(cls.name, cls) is not cls:
+            raise TypeError(f"{self.kind} name {cls.name!r} is taken by {self[cls.name].__name__}")
+        return cls
+
+    def lookup(self, name: str) -> type:
+        """The class of that name; a clear error naming the valid ones."""
+        if name not in self:
+            raise unknown_name(self.kind, name, list(self))
+        return self[name]
+
+    def checked(self, name: str, config: object | None) -> type:
+        """The class of that name, once ``config`` (None: its defaults) is of its config type."""
+        cls = self.lookup(name)
+        if config is not None and not isinstance(config, cls.config_type):
+            raise ReplayError(f"{self.kind} {name!r} takes a {cls.config_type.__name__}, not a {type(config).__name__}")
+        return cls
 
 
-def register(cls: type[Policy]) -> type[Policy]:
-    """Class decorator: make a policy available by its ``name``."""
-    if not cls.name:
-        raise TypeError(f"{cls.__name__} needs a name")
-    if cls.name in POLICIES and POLICIES[cls.name] is not cls:
-        raise TypeError(f"policy name {cls.name!r} is taken by {POLICIES[cls.name].__name__}")
-    POLICIES[cls.name] = cls
-    return cls
-
-
-def policy_class(name: str) -> type[Policy]:
-    """The registered policy class of that name."""
-    if name not in POLICIES:
-        raise unknown_name("policy", name, list(POLICIES))
-    return POLICIES[name]
+POLICIES = Registry("policy")
+register = POLICIES.register
+policy_class = POLICIES.lookup
 
 
 def make_policy(name: str, config: object | None = None) -> Policy:
     """A policy by name, with its typed config (defaults when None)."""
-    cls = policy_class(name)
-    if config is not None and not isinstance(config, cls.config_type):
-        raise ReplayError(
-            f"policy {name!r} takes a {cls.config_type.__name__}, not a {type(config).__name__}"
-        )
-    return cls(config)
+    return POLICIES.checked(name, config)(config)
 
 
 def load_policy_config(name: str, path: str | Path) -> object:

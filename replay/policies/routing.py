@@ -52,8 +52,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Protocol
 
-from replay.errors import ReplayError, unknown_name
-from replay.policies.base import read_settings
+from replay.errors import ReplayError
+from replay.policies.base import Registry, read_settings
 from replay.views import RequestView
 from schemas.types import doc
 
@@ -166,25 +166,13 @@ class Router:
         return decisions[i]
 
 
-ROUTERS: dict[str, type[Router]] = {}
-
-
-def register_router(cls: type[Router]) -> type[Router]:
-    """Class decorator: make a router available by its ``name``."""
-    if not cls.name or (cls.name in ROUTERS and ROUTERS[cls.name] is not cls):
-        raise TypeError(f"router {cls.__name__} needs a unique name")
-    ROUTERS[cls.name] = cls
-    return cls
+ROUTERS = Registry("router")
+register_router = ROUTERS.register
 
 
 def make_router(name: str, config: object | None = None) -> Router:
     """A router by name, with its typed config (defaults when None)."""
-    if name not in ROUTERS:
-        raise unknown_name("router", name, list(ROUTERS))
-    cls = ROUTERS[name]
-    if config is not None and not isinstance(config, cls.config_type):
-        raise ReplayError(f"router {name!r} takes a {cls.config_type.__name__}, not a {type(config).__name__}")
-    return cls(config)
+    return ROUTERS.checked(name, config)(config)
 
 
 def load_router_config(name: str, path: str | Path) -> object:
@@ -194,9 +182,7 @@ def load_router_config(name: str, path: str | Path) -> object:
 
     from servelens.config import build
 
-    if name not in ROUTERS:
-        raise unknown_name("router", name, list(ROUTERS))
-    cls = ROUTERS[name].config_type
+    cls = ROUTERS.lookup(name).config_type
     data = read_settings("router", path, cls)
     shedding = data.pop("shedding", None)
     config = build(cls, data)

@@ -35,6 +35,37 @@ def test_registry_by_name_with_typed_configs():
         AdmissionDecision(decision="downgrade")  # to which model?
 
 
+def test_one_registry_type_serves_policies_routers_and_autoscalers():
+    from replay.policies.autoscale import AUTOSCALERS
+    from replay.policies.base import Registry
+    from replay.policies.routing import ROUTERS
+
+    assert all(isinstance(r, Registry) for r in (POLICIES, ROUTERS, AUTOSCALERS))
+    assert (POLICIES.kind, ROUTERS.kind, AUTOSCALERS.kind) == ("policy", "router", "autoscaler")
+    widgets = Registry("widget")
+
+    class A:
+        name, config_type = "a", FcfsConfig
+
+    class B:
+        name, config_type = "a", FcfsConfig
+
+    class Nameless:
+        name = ""
+
+    assert widgets.register(A) is A and widgets.register(A) is A  # registering the same class again is fine
+    with pytest.raises(TypeError, match="widget name 'a' is taken by A"):
+        widgets.register(B)
+    with pytest.raises(TypeError, match="widget Nameless needs a name"):
+        widgets.register(Nameless)
+    assert widgets.lookup("a") is A and widgets.checked("a", None) is A and widgets.checked("a", FcfsConfig()) is A
+    with pytest.raises(ReplayError, match="unknown widget 'b'") as err:
+        widgets.lookup("b")
+    assert "a" in err.value.hint
+    with pytest.raises(ReplayError, match="widget 'a' takes a FcfsConfig, not a object"):
+        widgets.checked("a", object())
+
+
 def test_views_are_read_only_and_hide_the_true_output_length():
     r = Request(0, "secret", 0, 12, num_branches=1)
     view = RequestView(r)
