@@ -160,7 +160,12 @@ class SpeculativeConfig:
     @property
     def expected_tokens_per_step(self) -> float:
         """E = sum over i = 0..k of alpha^i."""
-        return sum(self.acceptance_rate**i for i in range(self.num_speculative_tokens + 1))
+        return self.expected_tokens(self.num_speculative_tokens)
+
+    def expected_tokens(self, num_speculative_tokens: int) -> float:
+        """E_r = sum over i = 0..k_r of alpha^i: a sequence's expected tokens per step when it drafts k_r
+        (1 when it does not speculate)."""
+        return sum(self.acceptance_rate**i for i in range(num_speculative_tokens + 1))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

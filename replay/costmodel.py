@@ -56,6 +56,10 @@ class StepShape(NamedTuple):
     num_decode_seqs: int
     #: keys the decode sequences attend to, summed (each sequence's computed tokens + 1)
     decode_context_tokens: int
+    #: speculating decode sequences, apart from the plain ones above (``replay.speculative``): for each
+    #: group, (speculative tokens k each drafts and verifies, sequences, their summed context as above);
+    #: only a speculative instance's engine builds them, and only ``SpeculativeCostModel`` prices them
+    speculative_decodes: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -63,8 +67,8 @@ class StepShape(NamedTuple):
 
     @property
     def num_tokens(self) -> int:
-        """Tokens through the linear layers."""
-        return self.num_prefill_tokens + self.num_decode_seqs
+        """Tokens through the target's linear layers (a speculating sequence verifies k + 1)."""
+        return self.num_prefill_tokens + self.num_decode_seqs + sum((k + 1) * n for k, n, _ in self.speculative_decodes)
 
 
 class DecodeRun(NamedTuple):

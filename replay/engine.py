@@ -60,6 +60,7 @@ from replay.kvcache import BlockPool
 from replay.lockstep import Lockstep
 from replay.policies.base import AdmissionDecision, Policy
 from replay.request import FINISHED, HELD, MOVING, RUNNING, WAITING, Request
+from replay.speculative import step_advance
 from replay.views import EngineView, RequestSequence, RequestView, blocks_for, held_blocks
 
 Mode = Literal["fast", "reference"]
@@ -126,7 +127,12 @@ class Engine:
         self.policy = policy
         self.writer = writer
         self.instance_id = instance_id
-        self.fast = mode == "fast"
+        spec = instance.speculative
+        # lockstep runs advance one token per member per step: an instance with speculation steps one pass
+        # at a time in both modes (replay.speculative), so its fast mode is the reference's pass
+        self.fast = mode == "fast" and spec is None
+        self.spec_k = spec.num_speculative_tokens if spec is not None else 0  # the instance's k (0: no speculation)
+        self._spec_expected = tuple(spec.expected_tokens(k) for k in range(self.spec_k + 1)) if spec else (1.0,)
         # the measured replay's clock: each step's time is measured running (shape, [(request, tokens)])
         # on a device (replay.measured); policies still ask the cost model for their predictions
         self.step_timer = step_timer
@@ -245,6 +251,7 @@ class Engine:
         target = num_output_tokens if r.max_output_tokens is None else min(num_output_tokens, r.max_output_tokens)
         self._targets[r] = 0 if r.failed else target
         r.view = RequestView(r)
+        self._grant_speculation(r)
         if not self.writer.labelled and (r.tenant or r.service_class or r.model or r.adapter):
             self.writer.labelled = True
         r.owner = self
@@ -279,6 +286,14 @@ class Engine:
                             f"({r.num_branches}), not raise them to {d.num_branches}"
                         )
                     r.num_branches = d.num_branches
+                if d.num_speculative_tokens is not None:  # drafts capped (0: speculation off)
+                    if d.num_speculative_tokens > r.num_speculative_tokens:
+                        raise ReplayError(
+                            f"request {r.request_id}: a degrade decision may reduce its speculative tokens "
+                            f"({r.num_speculative_tokens} on this instance), not raise them to {d.num_speculative_tokens}"
+                        )
+                    r.speculative_cap = d.num_speculative_tokens
+                    r.num_speculative_tokens = d.num_speculative_tokens
             if was_held:
                 self.held.remove(r)
             r.state = WAITING
@@ -303,6 +318,19 @@ class Engine:
             if was_held:
                 self.held.remove(r)
             self._finish(r, now, "rejected", d.reason)
+
+    def _grant_speculation(self, r: Request) -> None:
+        """``r``'s speculative tokens here: the instance's k, at most its cap (0 on an instance without speculation)."""
+        cap = r.speculative_cap
+        r.num_speculative_tokens = self.spec_k if cap is None else min(cap, self.spec_k)
+
+    def _speculate(self, r: Request) -> tuple[int, int]:
+        """(positions it advances, budget tokens it takes) in a speculating decode's next step: its
+        deterministic schedule's tokens (``replay.speculative.step_advance``), never past its output
+        length; k_r + 1 verification tokens per branch."""
+        k = r.num_speculative_tokens
+        a = step_advance(self._spec_expected[k], r.num_speculative_steps + 1)
+        return max(1, min(a, self._targets[r] - r.num_output)), (k + 1) * r.num_branches
 
     def _wake(self) -> None:
         """Make sure a scheduling pass runs at the current instant if the engine is idle."""
@@ -396,6 +424,7 @@ class Engine:
         self._catch_up()
         self.check_fits(r, target)
         self._targets[r] = target
+        self._grant_speculation(r)
         r.owner = self
         r.state = WAITING
         self.num_active += 1
@@ -673,7 +702,7 @@ class Engine:
                 continue
             left = r.num_tokens - r.num_computed
             if left == 1 and r.num_computed >= r.num_prompt_tokens:
-                m, cost = 1, r.num_branches
+                m, cost = self._speculate(r) if r.num_speculative_tokens else (1, r.num_branches)
                 if cost > budget:
                     i += 1
                     continue
@@ -758,10 +787,9 @@ class Engine:
                 computed = hit_blocks * bs
             left = r.num_tokens - computed
             if left == 1 and computed >= r.num_prompt_tokens:
-                m = 1
-                if r.num_branches > budget:
+                m, cost = self._speculate(r) if r.num_speculative_tokens else (1, r.num_branches)
+                if cost > budget:
                     break
-                cost = r.num_branches
             else:
                 self._budget[0] = budget
                 m = min(policy.chunk_tokens(view, rv, left, budget), left, budget)
@@ -944,6 +972,7 @@ class Engine:
                 finished.extend((r, "completed") for r in lock.pop_finished())
         ids: list[str] = []
         per: list[int] = []
+        served: list[int] = []  # tokens served per request, for observe_step
         num_prefill = 0
         num_decode = f.snapshot.num_seqs if f.snapshot is not None else 0
         targets = self._targets
@@ -955,8 +984,11 @@ class Engine:
             ids.append(r.request_id)
             left = r.num_tokens - r.num_computed
             decode = left == 1 and r.num_computed >= r.num_prompt_tokens
+            spec = decode and r.num_speculative_tokens
             n = r.num_branches if decode else m
-            per.append(n)
+            per.append((spec + 1) * n if spec else n)  # a speculating decode processes k_r + 1 tokens per branch
+            if self._report_steps:
+                served.append(m * n if spec else n)  # a speculating decode serves its accepted tokens
             if decode:
                 num_decode += n
             else:
@@ -972,13 +1004,18 @@ class Engine:
             if targets[r] == 0:
                 finished.append((r, "error" if r.failed else "completed"))
                 continue
-            r.num_output += 1
-            r.num_tokens += 1
+            if spec:  # its verified positions: the sampled one and the accepted drafts, delivered at once
+                gained = r.num_computed + 1 - r.num_tokens
+                r.num_speculative_steps += 1
+            else:
+                gained = 1
+            r.num_output += gained
+            r.num_tokens += gained
             if r.num_output == 1:
                 r.first_token_ns = now
                 writer.first_tokens.append((r, now, iid))
             else:
-                tokens.append((r, now, r.num_branches, r.num_output * r.num_branches, False, iid))
+                tokens.append((r, now, r.num_branches * gained, r.num_output * r.num_branches, False, iid))
             if r.num_output >= targets[r]:
                 finished.append((r, "completed"))
             elif self.handoff is not None:  # a prefill instance: it decodes elsewhere
@@ -988,7 +1025,7 @@ class Engine:
         if self._report_steps:  # before finishing: finished requests drop their views
             members = [r for r in f.snapshot.requests if r.view is not None] if f.snapshot is not None else []
             views = [r.view for r in members] + [r.view for r, _ in f.scheduled if r.view is not None]
-            counts = [r.num_branches for r in members] + [c for (r, _), c in zip(f.scheduled, per) if r.view is not None]
+            counts = [r.num_branches for r in members] + [c for (r, _), c in zip(f.scheduled, served) if r.view is not None]
             self.policy.observe_step(self.view, views, counts, f.num_steps - f.num_applied)
         for r, outcome in finished:
             self._finish(r, now, outcome, "failed in the recorded trace" if outcome == "error" else None)
@@ -1088,14 +1125,18 @@ class Engine:
 def _step_shape(scheduled: list[tuple[Request, int]], now: int, num_decode: int = 0, decode_ctx: int = 0) -> StepShape:
     """The cost model's view of a step: ``scheduled`` (request, tokens) split into prefill chunks and
     decode sequences, on top of ``num_decode`` sequences with ``decode_ctx`` summed context (the
-    lockstep set's); stamps each request's first schedule time."""
+    lockstep set's), speculating decodes apart; stamps each request's first schedule time."""
     chunks: list[tuple[int, int]] = []
+    spec: list[tuple[int, int, int]] = []
     for r, m in scheduled:
         if r.scheduled_ns is None:
             r.scheduled_ns = now
         if r.num_tokens - r.num_computed == 1 and r.num_computed >= r.num_prompt_tokens:
-            num_decode += r.num_branches
-            decode_ctx += r.num_branches * (r.num_computed + 1)
+            if r.num_speculative_tokens:  # it verifies k_r + 1 tokens per branch (replay.speculative)
+                spec.append((r.num_speculative_tokens, r.num_branches, r.num_branches * (r.num_computed + 1)))
+            else:
+                num_decode += r.num_branches
+                decode_ctx += r.num_branches * (r.num_computed + 1)
         else:
             chunks.append((m, r.num_computed))
-    return StepShape(tuple(chunks), num_decode, decode_ctx)
+    return StepShape(tuple(chunks), num_decode, decode_ctx, tuple(spec))

@@ -12,6 +12,10 @@ its progress then advances virtually with the set's decode clock, and ``num_comp
 ``num_output`` and ``num_tokens`` hold their values at ``g0``, the clock's value when it joined; the
 live value adds ``lock.ticks - g0`` (``live_*`` below, and the views, do this).
 
+On an instance with speculative decoding, a decoding request with ``num_speculative_tokens`` (k_r) > 0
+schedules its position plus k_r drafted ones for verification and advances by the tokens its
+deterministic schedule accepts (``replay.speculative``); ``num_computed`` then jumps by that many.
+
 The request's true output length is not here: the engine keeps it apart, so that nothing a policy
 can reach through a view reveals it.
 
@@ -55,6 +59,10 @@ class Request:
         "cancel_after_ns",
         "failed",
         "num_image_tokens",
+        # speculative decoding (replay.speculative)
+        "num_speculative_tokens",
+        "speculative_cap",
+        "num_speculative_steps",
         # progress
         "state",
         "num_tokens",
@@ -126,6 +134,9 @@ class Request:
         self.cancel_after_ns = cancel_after_ns
         self.failed = failed
         self.num_image_tokens = 0  # encoder tokens of its images (multimodal; its first prefill step runs the encoder)
+        self.num_speculative_tokens = 0  # k_r: tokens it drafts per decode step here (0: it does not speculate)
+        self.speculative_cap: int | None = None  # at most this k_r on any instance (a degrade decision's)
+        self.num_speculative_steps = 0  # speculative decode steps it completed (its token schedule's n)
         self.state = WAITING
         self.num_tokens = num_prompt_tokens
         self.num_computed = 0

@@ -44,6 +44,10 @@ class RequestView:
     ttft_deadline_ns = property(lambda self: self._r.ttft_deadline_ns, doc="First-token deadline, ns.")
     e2e_deadline_ns = property(lambda self: self._r.e2e_deadline_ns, doc="Last-token deadline, ns.")
     max_output_tokens = property(lambda self: self._r.max_output_tokens, doc="The request's max_tokens, if set.")
+    num_speculative_tokens = property(
+        lambda self: self._r.num_speculative_tokens,
+        doc="Speculative tokens (k) it drafts per decode step on this instance (0: it does not speculate).",
+    )
     num_computed_tokens = property(
         lambda self: self._r.num_computed + self._r.live_ticks(), doc="Tokens whose KV is computed."
     )

@@ -7,7 +7,8 @@ read-only views (``replay.views``):
                                    again at every scheduling point, and ``retry_after_s`` after this
                                    decision at the latest, even if the engine is idle), degrade
                                    (accept with optional work reduced: its output capped at
-                                   ``max_output_tokens``, its parallel samples cut to ``num_branches``),
+                                   ``max_output_tokens``, its parallel samples cut to ``num_branches``,
+                                   its speculative drafts cut to ``num_speculative_tokens``),
                                    route (not here: only when ``view.can_route(request)``, i.e. a
                                    cluster offers another instance; the cluster's router picks it),
                                    downgrade (not here, and served as the smaller model ``target``:
@@ -55,7 +56,7 @@ class AdmissionDecision:
 
     decision: AdmissionKind = doc(
         "accept (into the waiting queue), queue (hold, offer again later), degrade (accept with optional work "
-        "capped: ``max_output_tokens``, ``num_branches``), route (not here: the cluster sends it to another "
+        "capped: ``max_output_tokens``, ``num_branches``, ``num_speculative_tokens``), route (not here: the cluster sends it to another "
         "instance, which its router picks; only when ``EngineView.can_route`` says so), downgrade (not here: served "
         "as the smaller model ``target`` on an instance serving it, which the router picks; only when "
         "``EngineView.can_downgrade`` says so) or reject."
@@ -72,6 +73,10 @@ class AdmissionDecision:
     num_branches: int | None = doc(
         "degrade: the parallel samples (n) the request runs with, fewer than it asked for (at least 1).", None
     )
+    num_speculative_tokens: int | None = doc(
+        "degrade: the speculative tokens (k) the request drafts per decode step, fewer than the instance's "
+        "(0: speculation off for it); the engine refuses more than the instance's k.", None
+    )
 
     target: str | None = doc("downgrade: the smaller qualified model the request is served as.", None)
 
@@ -83,14 +88,18 @@ class AdmissionDecision:
             )
         if (self.decision == "downgrade") != (self.target is not None):
             raise ReplayError("a downgrade decision names its target model, and only a downgrade decision does")
-        if (self.decision == "degrade") != (self.max_output_tokens is not None or self.num_branches is not None):
+        capped = (self.max_output_tokens, self.num_branches, self.num_speculative_tokens)
+        if (self.decision == "degrade") != any(x is not None for x in capped):
             raise ReplayError(
-                "a degrade decision carries max_output_tokens or num_branches (or both), and only a degrade decision does"
+                "a degrade decision carries max_output_tokens or num_branches or num_speculative_tokens (one or "
+                "more), and only a degrade decision does"
             )
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise ReplayError(f"max_output_tokens must be at least 1, not {self.max_output_tokens}")
         if self.num_branches is not None and self.num_branches < 1:
             raise ReplayError(f"num_branches must be at least 1, not {self.num_branches}")
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
+            raise ReplayError(f"num_speculative_tokens must be at least 0, not {self.num_speculative_tokens}")
 
 
 ACCEPT = AdmissionDecision(decision="accept")
