@@ -389,8 +389,9 @@ def _manifest(source: Workload, scenario: Scenario, policy_name: str, policy_con
 def _plain(obj: Any) -> Any:
     """A config dataclass as JSON-ready values (for the manifest only)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)
-                if not (f.metadata.get("omit_empty") and getattr(obj, f.name) == ())}  # (a new setting left unset)
+        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)  # (a new setting left unset:)
+                if not (f.metadata.get("omit_empty") and getattr(obj, f.name) == ())
+                and not (f.metadata.get("omit_default") and getattr(obj, f.name) == f.default)}
     if isinstance(obj, (list, tuple)):
         return [_plain(v) for v in obj]
     return obj

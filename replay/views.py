@@ -174,6 +174,7 @@ class EngineView:
         seqs = ctx = left = max_context = 0
         prefilling: list[tuple[str, int]] = []
         tenants: set[str | None] = set()
+        spec: dict[int, tuple[int, int]] = {}  # k -> (speculating sequences, their context)
         for r in self._running._items:
             tenants.add(r.tenant)
             lock = r.lock
@@ -189,7 +190,12 @@ class EngineView:
                     computed += lock.ticks - r.g0
                 seqs += n
                 ctx += n * (computed + 1)
-        return BatchComposition(seqs, ctx, prefilling, left, max_context, tenants)
+                k = r.num_speculative_tokens
+                if k:
+                    s, c = spec.get(k, (0, 0))
+                    spec[k] = (s + n, c + n * (computed + 1))
+        return BatchComposition(seqs, ctx, prefilling, left, max_context, tenants,
+                                tuple((k, s, c) for k, (s, c) in sorted(spec.items())))
 
     def can_route(self, request: RequestView) -> bool:
         """Whether admission may answer ``route`` for ``request`` now ("not here"): a cluster has another
@@ -248,6 +254,9 @@ class BatchComposition(NamedTuple):
     prefill_tokens_left: int  # tokens the prefilling requests still have to compute
     max_prefill_context_tokens: int  # the longest computed context among them
     tenants: set[str | None]  # the tenants with a request in the batch
+    # of the decoding sequences, those that speculate: (k, sequences, their summed context) per k, as in
+    # ``StepShape.speculative_decodes`` (empty on an instance without speculation)
+    speculative_decodes: tuple[tuple[int, int, int], ...] = ()
 
 
 def held_blocks(r: Request) -> int:

@@ -30,7 +30,8 @@ class BatchSnapshot:
     """The running batch's decode composition and prefill work, for one scheduling pass."""
 
     __slots__ = ("key", "num_decode_seqs", "decode_context_tokens", "num_prefilling", "prefill_tokens_left",
-                 "max_prefill_context_tokens", "decodes_behind", "_tightest", "_tenants", "_itl_of")
+                 "max_prefill_context_tokens", "decodes_behind", "speculative_decodes", "_tightest", "_tenants",
+                 "_itl_of")
 
     def __init__(self, itl_of_tenant: Callable[[str | None], float | None] | None = None) -> None:
         """``itl_of_tenant``: the ITL objective of a tenant's requests, seconds (classes come from the
@@ -45,6 +46,7 @@ class BatchSnapshot:
         self.prefill_tokens_left = 0
         self.max_prefill_context_tokens = 0
         self.decodes_behind: dict[str, int] = {}
+        self.speculative_decodes: tuple[tuple[int, int, int], ...] = ()  # of the decodes, the speculating ones
 
     def refresh(self, view: EngineView) -> BatchSnapshot:
         """Recompute if the pass changed (clock, batch size or free blocks); returns self."""
@@ -61,6 +63,7 @@ class BatchSnapshot:
         self.max_prefill_context_tokens = b.max_prefill_context_tokens
         self.decodes_behind = {rid: seqs - before for rid, before in b.prefilling} if b.prefilling else {}
         self._tenants = b.tenants
+        self.speculative_decodes = b.speculative_decodes
         return self
 
     @property
@@ -107,22 +110,33 @@ class ChunkSizer:
         self._cache: dict[tuple[int, int, int, int, int], int] = {}
 
     def max_chunk_tokens(self, view: EngineView, num_decode_seqs: int, decode_context_tokens: int,
-                         prefix_tokens: int, target_ns: int) -> int:
+                         prefix_tokens: int, target_ns: int,
+                         speculative_decodes: tuple[tuple[int, int, int], ...] = ()) -> int:
         """Largest chunk c (at most the step budget left beside the decodes) such that a step with a
         chunk of c tokens after ``prefix_tokens`` of context, plus the decodes, takes at most
-        ``target_ns``; 0 when even the decodes alone exceed it."""
+        ``target_ns``; 0 when even the decodes alone exceed it. ``speculative_decodes``: of the decodes,
+        those that speculate (``BatchComposition``): their drafts and verification tokens are priced,
+        and take k + 1 tokens of the budget each."""
         b = self.bucket_tokens
-        ctx = -(-decode_context_tokens // b) * b
         pre = -(-prefix_tokens // b) * b
-        limit = max(0, view.instance.engine.max_num_batched_tokens - num_decode_seqs)
-        key = (num_decode_seqs, ctx, pre, target_ns, limit)
+        seqs, ctx = num_decode_seqs, decode_context_tokens
+        spec: tuple[tuple[int, int, int], ...] = ()
+        verify = 0
+        if speculative_decodes:
+            spec = tuple((k, n, -(-c // b) * b) for k, n, c in speculative_decodes)
+            seqs -= sum(n for _, n, _ in speculative_decodes)
+            ctx -= sum(c for _, _, c in speculative_decodes)
+            verify = sum(k * n for k, n, _ in speculative_decodes)  # budget beyond one token per sequence
+        ctx = -(-ctx // b) * b
+        limit = max(0, view.instance.engine.max_num_batched_tokens - num_decode_seqs - verify)
+        key = (num_decode_seqs, ctx, pre, target_ns, limit, spec) if spec else (num_decode_seqs, ctx, pre, target_ns, limit)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
         model = view.cost_model
 
         def fits(c: int) -> bool:
-            return model.step_time_ns(StepShape(((c, pre),) if c else (), num_decode_seqs, ctx)) <= target_ns
+            return model.step_time_ns(StepShape(((c, pre),) if c else (), seqs, ctx, spec)) <= target_ns
 
         if not fits(0):
             best = 0

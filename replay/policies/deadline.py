@@ -45,11 +45,20 @@ that floods the instance sees its tag run ahead of everyone's, so its requests a
 wait behind the others' and are the ones rejected (with retry-after), while the well-behaved
 tenants' predictions, and so their admissions, barely move.
 
-Of the optional work, max tokens (E2E) and branches (a request with n > 1 that would miss its
-deadline runs with the most branches that fit, at least ``min_branches``) are capped here, before the
-request is routed elsewhere, downgraded or rejected. Speculative drafts are not capped: speculation is
-an instance-wide expected step cost in this engine (``replay.speculative``), with no per-request draft
-KV or token rate that a cap could change; see ``docs/policies.md``.
+Of the optional work, speculative drafts, branches (a request with n > 1 that would miss its deadline
+runs with the most branches that fit, at least ``min_branches``) and max tokens (E2E) are capped here,
+in that order, before the request is routed elsewhere, downgraded or rejected. Drafts
+(``cap_speculative_drafts``, on an instance with speculative decoding, ``replay.speculative``): when
+the request's horizon does not fit with them (late, or in time only with its output capped) and
+speculation does not pay at the predicted batch (every admitted stream and this one at completion
+context: a step with all of them drafting k tokens, over the E tokens it yields, is not shorter than a
+plain step), its drafts are turned off (``AdmissionDecision.num_speculative_tokens`` 0) and the rest
+is decided from there; where speculation pays they stay, since turning them off would only lengthen
+its own horizon. The predictions price speculation per request: the ledger counts each admitted
+request's drafts, a speculating stream's output time is the step over E and its worst inter-token gap
+the step over floor(E) (the engine's deterministic schedule), and prefill chunks are sized and priced
+beside the running decodes' drafts and verification tokens. Draft KV is not modelled (``replay.speculative``),
+so the cap acts on step time and token rate, not on the KV ledger. See ``docs/policies.md``.
 """
 
 from __future__ import annotations
@@ -113,6 +122,14 @@ class DeadlineConfig:
         "When a request with parallel samples (n > 1) would miss its deadline, accept it with fewer branches, the "
         "most that make its horizon fit but never fewer than this (a 'degrade' decision); n <= this: never reduced.", 1
     )
+    cap_speculative_drafts: bool = field(default=True, metadata={
+        "doc": "On an instance with speculative decoding: when a request's horizon does not fit with its drafts (or "
+               "fits only with its output capped) and speculation does not pay at the predicted batch (a step of "
+               "every admitted stream drafting, over the tokens it yields, is not shorter than a plain step), turn "
+               "its drafts off first (a 'degrade' decision with num_speculative_tokens 0), before branches are "
+               "reduced, its output capped or it is sent elsewhere or rejected.",
+        "omit_default": True,  # absent from the manifest while on: run ids stay as they were
+    })
     chunk_from_itl: bool = doc("Size prefill chunks to the ITL objective, stall-free (Sarathi-Serve).", True)
     step_time_share: float = doc("Step-time target as a share of the tightest ITL objective.", 0.9)
     min_chunk_tokens: int = doc("A step with no prefill yet takes at least this many prompt tokens.", 32)
@@ -150,11 +167,12 @@ class _Entry:
     """An admitted request in the ledger: what it was promised and what it may still take."""
 
     __slots__ = ("view", "service_class", "tenant", "branches", "prompt", "high", "blocks", "ctx", "service", "key",
-                 "cap")
+                 "cap", "spec")
 
     def __init__(self, view: RequestView, cls: ClassConfig, high: int, blocks: int, service: float, key: tuple,
-                 cap: int | None = None, branches: int | None = None) -> None:
+                 cap: int | None = None, branches: int | None = None, spec: int = 0) -> None:
         self.view = view
+        self.spec = spec  # speculative tokens (k) it drafts per step (0: none)
         self.cap = cap  # the output cap a degrade decision imposed (its length is then censored)
         self.service_class = cls.name
         self.tenant = view.tenant
@@ -216,6 +234,8 @@ class DeadlinePolicy(Policy):
         self.reserved_blocks = 0
         self.reserved_seqs = 0
         self.reserved_ctx = 0
+        self.reserved_spec_seqs = 0  # of the reserved sequences, those that speculate (and their context)
+        self.reserved_spec_ctx = 0
         self.kv_drain = _Drain(c.drain_window_s)
         self.request_drain = _Drain(c.drain_window_s)
         self._retry_at: dict[str, int] = {}  # held request -> when its re-offer is already scheduled
@@ -261,6 +281,9 @@ class DeadlinePolicy(Policy):
             self.reserved_blocks -= e.blocks
             self.reserved_seqs -= e.branches
             self.reserved_ctx -= e.ctx
+            if e.spec:
+                self.reserved_spec_seqs -= e.branches
+                self.reserved_spec_ctx -= e.ctx
             self._class_counts[e.service_class] -= 1
             freed += e.blocks
             departed += 1
@@ -287,15 +310,21 @@ class DeadlinePolicy(Policy):
                 blocks = view.blocks_for_tokens(v, e.prompt + high)
                 self.reserved_blocks += blocks - e.blocks
                 self.reserved_ctx += e.branches * (high - e.high)
+                if e.spec:
+                    self.reserved_spec_ctx += e.branches * (high - e.high)
                 e.blocks, e.ctx, e.high = blocks, e.ctx + e.branches * (high - e.high), high
 
     def _admit_to_ledger(self, request: RequestView, cls: ClassConfig, high: int, blocks: int, service: float,
-                         key: tuple, now_ns: int, cap: int | None = None, branches: int | None = None) -> None:
-        e = _Entry(request, cls, high, blocks, service, key, cap, branches)
+                         key: tuple, now_ns: int, cap: int | None = None, branches: int | None = None,
+                         spec: int = 0) -> None:
+        e = _Entry(request, cls, high, blocks, service, key, cap, branches, spec)
         self.ledger[request.request_id] = e
         self.reserved_blocks += e.blocks
         self.reserved_seqs += e.branches
         self.reserved_ctx += e.ctx
+        if spec:
+            self.reserved_spec_seqs += e.branches
+            self.reserved_spec_ctx += e.ctx
         self._class_counts[e.service_class] = self._class_counts.get(e.service_class, 0) + 1
         flow = self._inflow.get((cls.name, e.tenant))
         if flow is None:
@@ -327,14 +356,45 @@ class DeadlinePolicy(Policy):
         c = self.config
         return int(view.num_kv_blocks_total * (1 - c.recovery_reserve_share - c.overload_margin))
 
-    def _step_ns(self, view: EngineView, chunk: int, num_decode_seqs: int, decode_ctx: int) -> int:
-        key = (chunk, num_decode_seqs, -(-decode_ctx // 4096))
+    def _step_ns(self, view: EngineView, chunk: int, num_decode_seqs: int, decode_ctx: int, spec_seqs: int = 0,
+                 spec_ctx: int = 0) -> int:
+        """A step's time: a prefill chunk, ``num_decode_seqs`` decodes with ``decode_ctx`` summed context, of which
+        ``spec_seqs`` (with ``spec_ctx``) speculate with the instance's k (contexts in units of 4,096 tokens)."""
+        if not spec_seqs:
+            key: tuple = (chunk, num_decode_seqs, -(-decode_ctx // 4096))
+            spec: tuple = ()
+        else:
+            units = -(-spec_ctx // 4096)
+            key = (chunk, num_decode_seqs, -(-(decode_ctx - spec_ctx) // 4096), spec_seqs, units)
+            spec = ((view.instance.speculative.num_speculative_tokens, spec_seqs, units * 4096),)
         t = self._step_cache.get(key)
         if t is None:
             t = self._step_cache[key] = view.cost_model.step_time_ns(
-                StepShape(((chunk, 0),) if chunk else (), num_decode_seqs, key[2] * 4096)
+                StepShape(((chunk, 0),) if chunk else (), num_decode_seqs - spec_seqs, key[2] * 4096, spec)
             )
         return t
+
+    @staticmethod
+    def _tokens_per_step(view: EngineView, spec: int) -> float:
+        """A sequence's expected tokens per decode step with ``spec`` speculative tokens (1 without)."""
+        return view.instance.speculative.expected_tokens(spec) if spec else 1.0
+
+    def _speculation_pays(self, view: EngineView, request: RequestView, high: int, branches: int, spec: int) -> bool:
+        """Whether speculation pays at the batch predicted with the request admitted (every admitted stream and
+        its ``branches`` at completion context): a decode step with every sequence speculating ``spec``
+        tokens, over the E tokens it yields, is shorter than a step with none speculating."""
+        seqs = self.reserved_seqs + branches
+        ctx = self.reserved_ctx + branches * (request.num_prompt_tokens + high)
+        return self._step_ns(view, 0, seqs, ctx, seqs, ctx) / self._tokens_per_step(view, spec) < self._step_ns(
+            view, 0, seqs, ctx)
+
+    def _gap_ns(self, view: EngineView, seqs: int, ctx: int, spec_seqs: int, spec_ctx: int) -> int:
+        """The worst inter-token gap of a decode batch's streams: the step time, over the fewest tokens a
+        step delivers when every stream speculates (``floor(E)``, the deterministic schedule's least)."""
+        step = self._step_ns(view, 0, seqs, ctx, spec_seqs, spec_ctx)
+        if spec_seqs and spec_seqs == seqs:
+            return step // math.floor(self._tokens_per_step(view, view.instance.speculative.num_speculative_tokens))
+        return step
 
     def _itl_target_ns(self, cls: ClassConfig | None) -> int | None:
         """The tightest ITL target among the admitted requests' classes and ``cls`` (x step_time_share)."""
@@ -402,14 +462,15 @@ class DeadlinePolicy(Policy):
         return (tag, deadline_ns, request.arrival_ns, request.request_id)
 
     def predicted_ttft_s(self, view: EngineView, request: RequestView, cls: ClassConfig, high: int, blocks: int,
-                         key: tuple, branches: int | None = None) -> float:
+                         key: tuple, branches: int | None = None, spec: int = 0) -> float:
         """Seconds to the first token if admitted now: the KV that must drain before it fits and the
         prefill work ahead of it in the queue, stretched by the load of later arrivals that will
         overtake it (a priority queue's waiting time, W / (1 - rho)), plus its own prefill, at the
         rate the cost model gives for chunks beside the current decodes (``branches``: as if it ran
-        with that many parallel samples)."""
+        with that many parallel samples; ``spec``: drafting that many speculative tokens per step)."""
         ledger = self.ledger
         waiting_blocks = ahead_blocks = ahead_tokens = waiting_seqs = waiting_ctx = 0
+        waiting_spec_seqs = waiting_spec_ctx = 0
         for w in view.waiting:
             e = ledger.get(w.request_id)
             if e is None:
@@ -417,6 +478,9 @@ class DeadlinePolicy(Policy):
             waiting_blocks += e.blocks
             waiting_seqs += e.branches
             waiting_ctx += e.ctx
+            if e.spec:
+                waiting_spec_seqs += e.branches
+                waiting_spec_ctx += e.ctx
             if e.key <= key:
                 ahead_blocks += e.blocks
                 ahead_tokens += w.num_tokens - w.num_computed_tokens
@@ -433,18 +497,24 @@ class DeadlinePolicy(Policy):
         if target is not None and kv_wait_s < math.inf:
             n = request.num_branches if branches is None else branches
             seqs = self.reserved_seqs - waiting_seqs + n
-            ctx = self.reserved_ctx - waiting_ctx + n * (request.num_prompt_tokens + high)
-            if self._step_ns(view, 0, seqs, ctx) > target:  # the active streams' step-time slack is used up
+            own_ctx = n * (request.num_prompt_tokens + high)
+            ctx = self.reserved_ctx - waiting_ctx + own_ctx
+            spec_seqs = self.reserved_spec_seqs - waiting_spec_seqs + (n if spec else 0)
+            spec_ctx = self.reserved_spec_ctx - waiting_spec_ctx + (own_ctx if spec else 0)
+            if self._gap_ns(view, seqs, ctx, spec_seqs, spec_ctx) > target:  # the active streams' step-time slack is used up
                 rate = self.request_drain.rate_per_s(now)
                 kv_wait_s = max(kv_wait_s, 1 / rate if rate > 0 else math.inf)
         if kv_wait_s == math.inf:
             return math.inf
         batch = self.chunks.batch.refresh(view)
-        d, ctx = batch.num_decode_seqs, batch.decode_context_tokens
+        d, ctx, spec_decodes = batch.num_decode_seqs, batch.decode_context_tokens, batch.speculative_decodes
         chunk = max(1, view.instance.engine.max_num_batched_tokens - d)
         if self.config.chunk_from_itl and target is not None:
-            chunk = max(self.config.min_chunk_tokens, min(chunk, self.chunks.sizer.max_chunk_tokens(view, d, ctx, 0, target)))
-        step_s = self._step_ns(view, chunk, d, ctx) / NS
+            chunk = max(self.config.min_chunk_tokens,
+                        min(chunk, self.chunks.sizer.max_chunk_tokens(view, d, ctx, 0, target, spec_decodes)))
+        spec_seqs = sum(n for _, n, _ in spec_decodes)  # the running decodes that speculate (their drafts,
+        spec_ctx = sum(c for _, _, c in spec_decodes)  # their verification) slow every prefill step
+        step_s = self._step_ns(view, chunk, d, ctx, spec_seqs, spec_ctx) / NS
         backlog_s = math.ceil((ahead_tokens + batch.prefill_tokens_left) / chunk) * step_s
         rho = tokens_per_s * step_s / chunk  # the prefill time overtaking arrivals take
         if rho >= 1:
@@ -470,13 +540,20 @@ class DeadlinePolicy(Policy):
         waited_s = (now - request.arrival_ns) / NS
         budget_s = math.inf if offset == NEVER else offset / NS * (1 - c.overload_margin) - waited_s
         branches = request.num_branches
-        late_s, cap = self._lateness(view, request, cls, hi, blocks, branches, key, waited_s, budget_s)
+        spec = request.num_speculative_tokens  # the engine's grant here: the instance's k (0 without speculation)
+        late_s, cap = self._lateness(view, request, cls, hi, blocks, branches, key, waited_s, budget_s, spec)
+        if (spec and c.cap_speculative_drafts and (late_s > 0 or cap is not None)
+                and not self._speculation_pays(view, request, hi, branches, spec)):
+            # optional work, the cheapest first: its drafts, when speculation does not pay at the predicted
+            # batch (they cost the batch more step time than the tokens they add); then the rest, from there
+            spec = 0
+            late_s, cap = self._lateness(view, request, cls, hi, blocks, branches, key, waited_s, budget_s)
         if late_s > 0 and branches > c.min_branches:
             # optional work: fewer parallel samples, the most that make the horizon fit
             _, shared = view.cached_prefix_blocks(request)
             for k in range(branches - 1, c.min_branches - 1, -1):
                 k_blocks = view.blocks_for_tokens(request, request.num_prompt_tokens + hi, k) - shared
-                k_late_s, k_cap = self._lateness(view, request, cls, hi, k_blocks, k, key, waited_s, budget_s)
+                k_late_s, k_cap = self._lateness(view, request, cls, hi, k_blocks, k, key, waited_s, budget_s, spec)
                 if k_late_s <= 0:
                     branches, blocks, late_s, cap = k, k_blocks, k_late_s, k_cap
                     break
@@ -512,37 +589,51 @@ class DeadlinePolicy(Policy):
         self.quotas.take(request.tenant, service, now)
         if self.fair is not None:
             self.fair.arrive(request)
-        if cap is not None or branches != request.num_branches:
+        drafts_off = spec != request.num_speculative_tokens
+        if cap is not None or branches != request.num_branches or drafts_off:
             reasons = []
+            if drafts_off:
+                reasons.append(f"speculative drafts off (k {request.num_speculative_tokens} to {spec}): "
+                               "speculation does not pay at its predicted batch")
             if branches != request.num_branches:
                 reasons.append(f"branches reduced from {request.num_branches} to {branches} to fit its horizon")
             if cap is not None:
                 _, shared = view.cached_prefix_blocks(request)
                 blocks = view.blocks_for_tokens(request, request.num_prompt_tokens + cap, branches) - shared
                 reasons.append(f"output capped at {cap} tokens to meet its E2E objective")
-            self._admit_to_ledger(request, cls, cap if cap is not None else hi, blocks, service, key, now, cap, branches)
+            self._admit_to_ledger(request, cls, cap if cap is not None else hi, blocks, service, key, now, cap, branches,
+                                  spec)
             return AdmissionDecision(
                 decision="degrade", reason="; ".join(reasons), max_output_tokens=cap,
-                num_branches=branches if branches != request.num_branches else None, **interval,
+                num_branches=branches if branches != request.num_branches else None,
+                num_speculative_tokens=spec if drafts_off else None, **interval,
             )
-        self._admit_to_ledger(request, cls, hi, blocks, service, key, now)
+        self._admit_to_ledger(request, cls, hi, blocks, service, key, now, spec=spec)
         return AdmissionDecision(decision="accept", **interval)
 
     def _lateness(self, view: EngineView, request: RequestView, cls: ClassConfig, hi: int, blocks: int, branches: int,
-                  key: tuple, waited_s: float, budget_s: float) -> tuple[float, int | None]:
+                  key: tuple, waited_s: float, budget_s: float, spec: int = 0) -> tuple[float, int | None]:
         """(seconds it would be late, <= 0 when in time; the output cap that keeps its E2E objective, or
-        None) if admitted now with ``branches`` parallel samples holding ``blocks`` at completion."""
+        None) if admitted now with ``branches`` parallel samples holding ``blocks`` at completion, drafting
+        ``spec`` speculative tokens per step (its decode then yields E tokens per step, at that step's cost)."""
         c = self.config
-        ttft_s = self.predicted_ttft_s(view, request, cls, hi, blocks, key, branches)
+        ttft_s = self.predicted_ttft_s(view, request, cls, hi, blocks, key, branches, spec)
         late_s = ttft_s - budget_s
         cap = None
         if cls.e2e_objective_s is not None and ttft_s < math.inf:
-            step_ns = self._step_ns(view, 0, self.reserved_seqs + branches, self.reserved_ctx)
+            spec_seqs = self.reserved_spec_seqs + (branches if spec else 0)
+            step_ns = self._step_ns(view, 0, self.reserved_seqs + branches, self.reserved_ctx, spec_seqs,
+                                    self.reserved_spec_ctx)
             e2e_left_s = cls.e2e_objective_s * (1 - c.overload_margin) - waited_s
-            e2e_late_s = ttft_s + hi * step_ns / NS - e2e_left_s
+            if spec:  # E tokens per step
+                per_step = self._tokens_per_step(view, spec)
+                e2e_late_s = ttft_s + hi * step_ns / per_step / NS - e2e_left_s
+            else:
+                per_step = 1
+                e2e_late_s = ttft_s + hi * step_ns / NS - e2e_left_s
             if e2e_late_s > 0 and late_s <= 0 and c.degrade_to_meet_e2e:
                 # the first token is in time, the last is not: how many tokens fit before the E2E deadline
-                fit = (round(e2e_left_s * NS) - round(ttft_s * NS)) // step_ns
+                fit = int((round(e2e_left_s * NS) - round(ttft_s * NS)) * per_step // step_ns)
                 if c.min_degraded_output_tokens <= fit < hi:
                     cap = int(fit)
             if cap is None:
@@ -558,7 +649,7 @@ class DeadlinePolicy(Policy):
         self._sync(view)
         ledger = self.ledger
         keyed = []
-        waiting_blocks = waiting_seqs = waiting_ctx = 0
+        waiting_blocks = waiting_seqs = waiting_ctx = waiting_spec_seqs = waiting_spec_ctx = 0
         for w in waiting:
             e = ledger.get(w.request_id)
             if e is None:  # not admitted through this policy (not expected): ahead of all, as it came
@@ -567,6 +658,9 @@ class DeadlinePolicy(Policy):
             waiting_blocks += e.blocks
             waiting_seqs += e.branches
             waiting_ctx += e.ctx
+            if e.spec:
+                waiting_spec_seqs += e.branches
+                waiting_spec_ctx += e.ctx
             keyed.append((e.key, w, e))
         keyed.sort(key=lambda k: k[0])
         used = self.reserved_blocks - waiting_blocks
@@ -574,17 +668,22 @@ class DeadlinePolicy(Policy):
         headroom = self._headroom
         seqs = self.reserved_seqs - waiting_seqs
         ctx = self.reserved_ctx - waiting_ctx
+        spec_seqs = self.reserved_spec_seqs - waiting_spec_seqs
+        spec_ctx = self.reserved_spec_ctx - waiting_spec_ctx
         target = self._itl_target_ns(None)
         out: list[RequestView] = []
         for _, w, e in keyed:
             if e is not None:
                 if used + e.blocks > capacity - headroom.get(e.service_class, 0) and (seqs or out):
                     break  # its whole horizon does not fit yet (alone in an empty batch, it runs anyway)
-                if target is not None and seqs and self._step_ns(view, 0, seqs + e.branches, ctx + e.ctx) > target:
+                s_seqs, s_ctx = (spec_seqs + e.branches, spec_ctx + e.ctx) if e.spec else (spec_seqs, spec_ctx)
+                if target is not None and seqs and self._gap_ns(view, seqs + e.branches, ctx + e.ctx, s_seqs,
+                                                                s_ctx) > target:
                     break  # it would take more step time than the active streams' ITL objectives leave
                 used += e.blocks
                 seqs += e.branches
                 ctx += e.ctx
+                spec_seqs, spec_ctx = s_seqs, s_ctx
             out.append(w)
         if out:
             self._gate_open_ns = view.now_ns

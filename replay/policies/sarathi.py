@@ -87,7 +87,8 @@ class StallFreeChunks:
         # every chunk of the step is priced at the longest context any prefilling request has: a chunk
         # planned before this one may sit after a long prompt, and its attention costs more per token
         prefix = max(request.num_computed_tokens, batch.max_prefill_context_tokens)
-        cap = self.sizer.max_chunk_tokens(view, batch.num_decode_seqs, batch.decode_context_tokens, prefix, target)
+        cap = self.sizer.max_chunk_tokens(view, batch.num_decode_seqs, batch.decode_context_tokens, prefix, target,
+                                          batch.speculative_decodes)
         before = batch.num_decode_seqs - behind
         used_prefill = max(0, view.instance.engine.max_num_batched_tokens - budget_tokens - before)
         allowance = cap - used_prefill
