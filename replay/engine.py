@@ -67,6 +67,18 @@ Mode = Literal["fast", "reference"]
 MODES: tuple[str, ...] = ("fast", "reference")
 
 
+def check_clock(instance: InstanceConfig, mode: str, step_timer: Callable | None) -> None:
+    """Raise unless ``mode`` is a replay mode and a measured clock (``step_timer``) can time this instance's
+    steps (run_replay checks before it opens its outputs)."""
+    if mode not in MODES:
+        raise ReplayError(f"unknown replay mode {mode!r}", "valid modes: fast, reference")
+    if step_timer is not None and mode != "reference":
+        raise ReplayError("a measured clock (step_timer) runs every step: use mode='reference'")
+    if step_timer is not None and instance.speculative is not None:
+        raise ReplayError("a measured clock (step_timer) executes the target model only, not speculative drafts",
+                          "replay a speculative instance with a cost model")
+
+
 class _Flight:
     """The step, or run of identical decode steps, in flight."""
 
@@ -116,10 +128,7 @@ class Engine:
         check_invariants: bool = False,
         step_timer: Callable[[StepShape, list], int] | None = None,
     ) -> None:
-        if mode not in MODES:
-            raise ReplayError(f"unknown replay mode {mode!r}", "valid modes: fast, reference")
-        if step_timer is not None and mode != "reference":
-            raise ReplayError("a measured clock (step_timer) runs every step: use mode='reference'")
+        check_clock(instance, mode, step_timer)
         e = instance.engine
         self.kernel = kernel
         self.instance = instance

@@ -30,7 +30,7 @@ import pyarrow as pa
 from replay.config import InstanceConfig, instance_config
 from replay.costmodel import StepCostModel, make_cost_model
 from replay.emit import EventChunk, EventWriter, ParquetSink, Sink
-from replay.engine import MODES, Engine, Mode
+from replay.engine import Engine, Mode, check_clock
 from replay.errors import ReplayError
 from replay.kernel import ARRIVAL, Kernel
 from replay.policies import make_policy
@@ -106,11 +106,10 @@ def run_replay(
     ``step_timer`` (``replay.measured``) makes the run a measured replay: every step is executed and
     its measured time is the clock (reference mode; the manifest's ``clock`` says what measured it).
     """
-    if mode not in MODES:
-        raise ReplayError(f"unknown replay mode {mode!r}", "valid modes: fast, reference")
+    instance = instance or instance_config()
+    check_clock(instance, mode, step_timer)  # before the outputs open
     source = as_workload(workload)
     scenario = scenario or Scenario()
-    instance = instance or instance_config()
     policy = make_policy(policy_name, policy_config)
     model = (
         make_cost_model(cost_model, instance, config=cost_model_config, shared=shared)

@@ -42,7 +42,8 @@ KV here: the draft cap acts on step time and token rate only.
 
 **Modes.** The fast mode's lockstep decode runs assume one token per member per step, so an instance
 with speculation steps one pass at a time in both modes (the request-by-request pass): the fast mode
-equals the reference there by construction, and runs at the reference's speed.
+equals the reference there by construction, and runs at the reference's speed. A measured clock
+(``step_timer``, ``replay.measured``) is refused on such an instance: its executor runs the target only.
 """
 
 from __future__ import annotations

@@ -180,6 +180,12 @@ def test_a_degrade_may_lower_the_speculative_tokens_never_raise_them(run):
     assert AdmissionDecision(decision="degrade", num_speculative_tokens=0).max_output_tokens is None
 
 
+def test_a_measured_clock_refuses_a_speculative_instance(run):
+    # the measured executor runs the target model only: its clock would omit the drafts
+    with pytest.raises(ReplayError, match="not speculative drafts"):
+        run(make_workload([0], [100], [5]), instance=_spec(), mode="reference", step_timer=lambda shape, scheduled: MS)
+
+
 def test_fast_and_reference_agree_on_a_speculative_instance(run):
     # a few hundred requests on a small pool (preemptions, recomputed speculating requests): per-request
     # timestamps and token counts identical
