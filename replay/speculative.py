@@ -14,8 +14,8 @@ not drawn: after its n-th speculative step a request has advanced ``floor(n x E_
 (``step_advance``: ``floor(E_r)`` or ``floor(E_r) + 1``, at least 1), never past its output length.
 Over many steps the rate is ``E_r`` tokens per step; deliveries are bursty as in a real engine (a
 delivery of ``a`` tokens after a step of ``T`` counts ``a`` inter-token gaps of ``T / a``, so the worst
-gap is ``T / floor(E_r)``). The count n runs over the request's speculative steps on the instance
-(``Request.num_speculative_steps``; it survives preemption). Every branch of a request with parallel
+gap is ``T / floor(E_r)``). The count n runs over the request's speculative steps
+(``Request.num_speculative_steps``; it survives preemption and moves between instances). Every branch of a request with parallel
 samples advances alike. A sequence with ``k_r = 0``, and every decode on an instance without
 speculation, advances one token per step.
 
