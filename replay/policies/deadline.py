@@ -625,12 +625,8 @@ class DeadlinePolicy(Policy):
             step_ns = self._step_ns(view, 0, self.reserved_seqs + branches, self.reserved_ctx, spec_seqs,
                                     self.reserved_spec_ctx)
             e2e_left_s = cls.e2e_objective_s * (1 - c.overload_margin) - waited_s
-            if spec:  # E tokens per step
-                per_step = self._tokens_per_step(view, spec)
-                e2e_late_s = ttft_s + hi * step_ns / per_step / NS - e2e_left_s
-            else:
-                per_step = 1
-                e2e_late_s = ttft_s + hi * step_ns / NS - e2e_left_s
+            per_step = self._tokens_per_step(view, spec)  # E tokens per step when it speculates, else 1
+            e2e_late_s = ttft_s + hi * step_ns / per_step / NS - e2e_left_s
             if e2e_late_s > 0 and late_s <= 0 and c.degrade_to_meet_e2e:
                 # the first token is in time, the last is not: how many tokens fit before the E2E deadline
                 fit = int((round(e2e_left_s * NS) - round(ttft_s * NS)) * per_step // step_ns)
