@@ -175,6 +175,7 @@ class EngineView:
         prefilling: list[tuple[str, int]] = []
         tenants: set[str | None] = set()
         spec: dict[int, tuple[int, int]] = {}  # k -> (speculating sequences, their context)
+        speculative = self.instance.speculative is not None
         for r in self._running._items:
             tenants.add(r.tenant)
             lock = r.lock
@@ -190,12 +191,12 @@ class EngineView:
                     computed += lock.ticks - r.g0
                 seqs += n
                 ctx += n * (computed + 1)
-                k = r.num_speculative_tokens
-                if k:
+                if speculative and r.num_speculative_tokens:
+                    k = r.num_speculative_tokens
                     s, c = spec.get(k, (0, 0))
                     spec[k] = (s + n, c + n * (computed + 1))
         return BatchComposition(seqs, ctx, prefilling, left, max_context, tenants,
-                                tuple((k, s, c) for k, (s, c) in sorted(spec.items())))
+                                tuple((k, s, c) for k, (s, c) in sorted(spec.items())) if spec else ())
 
     def can_route(self, request: RequestView) -> bool:
         """Whether admission may answer ``route`` for ``request`` now ("not here"): a cluster has another

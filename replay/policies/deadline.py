@@ -391,8 +391,10 @@ class DeadlinePolicy(Policy):
     def _gap_ns(self, view: EngineView, seqs: int, ctx: int, spec_seqs: int, spec_ctx: int) -> int:
         """The worst inter-token gap of a decode batch's streams: the step time, over the fewest tokens a
         step delivers when every stream speculates (``floor(E)``, the deterministic schedule's least)."""
+        if not spec_seqs:
+            return self._step_ns(view, 0, seqs, ctx)
         step = self._step_ns(view, 0, seqs, ctx, spec_seqs, spec_ctx)
-        if spec_seqs and spec_seqs == seqs:
+        if spec_seqs == seqs:
             return step // math.floor(self._tokens_per_step(view, view.instance.speculative.num_speculative_tokens))
         return step
 
@@ -512,8 +514,10 @@ class DeadlinePolicy(Policy):
         if self.config.chunk_from_itl and target is not None:
             chunk = max(self.config.min_chunk_tokens,
                         min(chunk, self.chunks.sizer.max_chunk_tokens(view, d, ctx, 0, target, spec_decodes)))
-        spec_seqs = sum(n for _, n, _ in spec_decodes)  # the running decodes that speculate (their drafts,
-        spec_ctx = sum(c for _, _, c in spec_decodes)  # their verification) slow every prefill step
+        spec_seqs = spec_ctx = 0  # the running decodes that speculate (their drafts, their verification)
+        for _, n, c in spec_decodes:  # slow every prefill step
+            spec_seqs += n
+            spec_ctx += c
         step_s = self._step_ns(view, chunk, d, ctx, spec_seqs, spec_ctx) / NS
         backlog_s = math.ceil((ahead_tokens + batch.prefill_tokens_left) / chunk) * step_s
         rho = tokens_per_s * step_s / chunk  # the prefill time overtaking arrivals take
@@ -540,7 +544,7 @@ class DeadlinePolicy(Policy):
         waited_s = (now - request.arrival_ns) / NS
         budget_s = math.inf if offset == NEVER else offset / NS * (1 - c.overload_margin) - waited_s
         branches = request.num_branches
-        spec = request.num_speculative_tokens  # the engine's grant here: the instance's k (0 without speculation)
+        granted = spec = request.num_speculative_tokens  # the engine's grant here: the instance's k (0: none)
         late_s, cap = self._lateness(view, request, cls, hi, blocks, branches, key, waited_s, budget_s, spec)
         if (spec and c.cap_speculative_drafts and (late_s > 0 or cap is not None)
                 and not self._speculation_pays(view, request, hi, branches, spec)):
@@ -589,11 +593,11 @@ class DeadlinePolicy(Policy):
         self.quotas.take(request.tenant, service, now)
         if self.fair is not None:
             self.fair.arrive(request)
-        drafts_off = spec != request.num_speculative_tokens
+        drafts_off = spec != granted
         if cap is not None or branches != request.num_branches or drafts_off:
             reasons = []
             if drafts_off:
-                reasons.append(f"speculative drafts off (k {request.num_speculative_tokens} to {spec}): "
+                reasons.append(f"speculative drafts off (k {granted} to {spec}): "
                                "speculation does not pay at its predicted batch")
             if branches != request.num_branches:
                 reasons.append(f"branches reduced from {request.num_branches} to {branches} to fit its horizon")
@@ -625,7 +629,7 @@ class DeadlinePolicy(Policy):
             step_ns = self._step_ns(view, 0, self.reserved_seqs + branches, self.reserved_ctx, spec_seqs,
                                     self.reserved_spec_ctx)
             e2e_left_s = cls.e2e_objective_s * (1 - c.overload_margin) - waited_s
-            per_step = self._tokens_per_step(view, spec)  # E tokens per step when it speculates, else 1
+            per_step = self._tokens_per_step(view, spec) if spec else 1  # E tokens per step when it speculates
             e2e_late_s = ttft_s + hi * step_ns / per_step / NS - e2e_left_s
             if e2e_late_s > 0 and late_s <= 0 and c.degrade_to_meet_e2e:
                 # the first token is in time, the last is not: how many tokens fit before the E2E deadline
