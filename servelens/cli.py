@@ -998,6 +998,30 @@ def profile_command(model_name: str, device: str, num_layers: int | None, out: P
     click.echo(f"fit:     {report_path}")
 
 
+@cli.command("profile-info")
+@click.argument("profile_path", type=click.Path(dir_okay=False, path_type=Path))
+def profile_info_command(profile_path: Path) -> None:
+    """Say what a profile was measured on and how closely its fitted step-time table predicts it.
+
+    Prints the model shape, the device (GPU, driver, CUDA, torch), the timer and sweep, the peaks the
+    roofline fraction is taken against, when and from which commit it was measured; then the fitted
+    table's held-out error and roofline fraction, refitted here.
+
+    \b
+    Example:
+      servelens profile-info profiles/llama-8b-h200.parquet
+    """
+    from replay.measured.fit import evaluate_profile, fit_report_lines
+    from replay.measured.profiler import profile_lines, read_profile
+
+    profile = read_profile(profile_path)
+    for line in profile_lines(profile):
+        click.echo(line)
+    _, report = evaluate_profile(profile)
+    for line in fit_report_lines(report):
+        click.echo(line)
+
+
 @cli.command("compare-measured")
 @click.option("--workload", "workload_name", required=True,
               help="Bundled trace name, trace file, or workload Parquet file; sliced by --requests.")

@@ -428,6 +428,21 @@ def write_profile(profile: Profile, out: str | Path) -> Path:
     return out
 
 
+def profile_lines(profile: Profile) -> list[str]:
+    """What a profile was measured on and how, as plain text (``servelens profile-info`` prints it)."""
+    m, s = profile.meta, profile.meta.model
+    gpu = f", driver {m.driver}, CUDA {m.cuda}" if m.device == "cuda" else ""
+    box = " (the time box stopped the sweep)" if m.truncated else ""
+    return [
+        f"model:    {s.name}, {s.num_layers} of its {s.full_num_layers} layers built, {m.dtype}, KV blocks of {m.block_size} tokens",
+        f"device:   {m.device} {m.device_name}{gpu}; torch {m.torch}",
+        f"timing:   {m.timer}; {profile.table.num_rows} of {m.num_shapes_planned} shapes{box}, {m.sweep.warmup} warm-ups "
+        f"and {m.sweep.repeats} timed runs each, {m.wall_s:,.0f} s",
+        f"peaks:    {m.peak_flops / 1e12:,.0f} TFLOP/s, {m.peak_bytes_per_s / 1e12:,.2f} TB/s, {m.peak_source}",
+        f"measured: {m.date_utc} on {m.host}, servelens {m.servelens_version}, commit {(m.git_commit or 'unknown')[:12]}",
+    ]
+
+
 def read_profile(path: str | Path) -> Profile:
     """Read a profile written by ``write_profile`` (a clean error for anything else)."""
     path = Path(path)

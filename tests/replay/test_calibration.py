@@ -309,6 +309,8 @@ def test_cli_errors_are_clean(tmp_path: Path, profile_path: Path) -> None:
         (("profile", "--model", "llama-1b", "--layers", "40", "--out", str(tmp_path / "p.parquet")), "between 1 and 16"),
         (("replay", "--workload", "x", "--profile", str(tmp_path / "none.parquet"), "--out", str(tmp_path / "r")), None),
         (("replay", "--workload", "x", "--measured", "--out", str(tmp_path / "r")), "--measured needs --profile"),
+        (("profile-info", str(tmp_path / "none.parquet")), "no profile at"),
+        (("profile-info", __file__), "is not a Parquet profile"),
         (("replay", "--workload", str(profile_path), "--profile", str(profile_path), "--engine", "llama-3-8b@h100-sxm",
           "--out", str(tmp_path / "r")), "--engine and --profile both given"),
     ]
@@ -324,7 +326,7 @@ def test_cli_errors_are_clean(tmp_path: Path, profile_path: Path) -> None:
 
 
 def test_cli_help_has_examples() -> None:
-    for command in ("profile", "compare-measured"):
+    for command in ("profile", "profile-info", "compare-measured"):
         out = cli_run(command, "--help")
         assert out.exit_code == 0 and "Example:" in out.output and "servelens " + command in out.output
 
@@ -351,6 +353,19 @@ def test_the_shipped_gpu_profiles_read_back_and_refit_to_their_reports(path: Pat
     # one step-time check against the measurements themselves: the fitted table's median error over
     # every measured shape is the report's, and it is small
     assert report.all_shapes.median < 0.2
+
+
+def test_profile_info_says_where_a_shipped_profile_was_measured() -> None:
+    path = next(p for p in SHIPPED if p.stem == "llama-8b-h200")
+    saved = json.loads(path.with_name(path.name + ".fit.json").read_text())
+    out = cli_run("profile-info", str(path))
+    assert out.exit_code == 0, out.output
+    lines = out.output.splitlines()
+    assert lines[0] == "model:    llama-8b, 32 of its 32 layers built, bfloat16, KV blocks of 16 tokens"
+    assert lines[1] == "device:   cuda NVIDIA H200, driver 580.159.04, CUDA 13.0; torch 2.11.0+cu130"
+    assert lines[2].startswith("timing:   cuda-events; 254 of 254 shapes, 3 warm-ups and 7 timed runs each")
+    held = saved["held_out"]
+    assert f"held-out relative error median {held['median']:.1%}, p95 {held['p95']:.1%}" in out.output
 
 
 def test_three_gpu_profiles_are_shipped() -> None:
