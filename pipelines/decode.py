@@ -56,11 +56,12 @@ class DecodedBatch:
     num_slow: int = 0  # messages that took the slow path
 
 
-def _parse(values: Sequence[bytes]) -> pa.Table | None:
-    """pyarrow's parse of the messages, or None if it refuses them."""
+def _parse(values: Sequence[bytes], joined: bytes | None = None) -> pa.Table | None:
+    """pyarrow's parse of the messages (``joined``: them joined by newlines already), or None if it
+    refuses them."""
     try:
         table = pajson.read_json(
-            io.BytesIO(b"\n".join(values)),
+            io.BytesIO(b"\n".join(values) if joined is None else joined),
             read_options=pajson.ReadOptions(use_threads=True, block_size=1 << 22),
             parse_options=pajson.ParseOptions(explicit_schema=WIRE_SCHEMA, unexpected_field_behavior="infer"),
         )
@@ -108,12 +109,16 @@ class Decoder:
 
             batch = decode_spans(values, candidates, rejected, self.message_format)
             return self._reject_skewed(batch, values, now_ns) if self.max_future_skew_ns is not None else batch
-        joined = b"\n".join(values[i] for i in candidates)
+        every = len(candidates) == len(values)  # the usual case: nothing oversized
+        joined = b"\n".join(values if every else [values[i] for i in candidates])
         # NaN and Infinity are not JSON, but pyarrow reads them (in an unknown field, unchecked): the
         # reference path refuses them. A mention anywhere sends the message there (conservative).
         suspicious = (b"\r", b"NaN", b"Infinity")
         if joined.count(b"\n") == len(candidates) - 1 and not any(s in joined for s in suspicious):  # the usual case, in C
-            odd = [i for i in candidates if not values[i] or values[i][0] != 0x7B]
+            lengths = sizes[candidates]
+            starts = np.cumsum(lengths + 1) - lengths - 1  # where each message begins in ``joined``
+            first = np.frombuffer(joined, dtype=np.uint8)[np.minimum(starts, max(len(joined) - 1, 0))] if len(joined) else lengths
+            odd = np.asarray(candidates, dtype=np.int64)[(lengths == 0) | (first != 0x7B)].tolist()
         else:
             odd = [i for i in candidates if not values[i] or values[i][0] != 0x7B or b"\n" in values[i]
                    or any(s in values[i] for s in suspicious)]
@@ -122,7 +127,7 @@ class Decoder:
         fast = [i for i in candidates if i not in odd_set] if odd else candidates
         parts: list[tuple[np.ndarray, pa.Table]] = []
         dropped: Counter[str] = Counter()
-        self._fast(values, fast, parts, slow, dropped)
+        self._fast(values, fast, parts, slow, dropped, joined=None if odd else joined)
         slow_events, slow_index = [], []
         for i in sorted(slow):
             event, rejection, ignored = _slow(values[i], i)
@@ -146,23 +151,22 @@ class Decoder:
         batch = DecodedBatch(events, indices, sorted(rejected, key=lambda r: r.index), dropped, len(slow))
         return self._reject_skewed(batch, values, now_ns) if self.max_future_skew_ns is not None else batch
 
-    def _fast(self, values, idx: list[int], parts, slow: list[int], dropped: Counter[str]) -> None:
+    def _fast(self, values, idx: list[int], parts, slow: list[int], dropped: Counter[str], joined: bytes | None = None) -> None:
+        """Parse and check ``values[idx]`` columnar (``joined``: those messages joined by newlines already)."""
         if not idx:
             return
-        if len(idx) < _SLOW_BATCH:
-            table = _parse([values[i] for i in idx])
-            if table is None:
+        mine = values if len(idx) == len(values) else [values[i] for i in idx]
+        table = _parse(mine, joined)
+        if table is None:
+            if len(idx) < _SLOW_BATCH:
                 slow.extend(idx)
-                return
-        else:
-            table = _parse([values[i] for i in idx])
-            if table is None:  # a poison message somewhere: bisect to isolate it
+            else:  # a poison message somewhere: bisect to isolate it
                 half = len(idx) // 2
                 self._fast(values, idx[:half], parts, slow, dropped)
                 self._fast(values, idx[half:], parts, slow, dropped)
-                return
+            return
         extra = [n for n in table.column_names if n not in EVENTS_SCHEMA.names]
-        valid, clean, foreign = check_table(table, [values[i] for i in idx])
+        valid, clean, foreign = check_table(table, mine)
         positions = np.array(idx, dtype=np.int64)
         slow.extend(positions[~valid].tolist())
         if valid.any():

@@ -28,6 +28,25 @@ def test_a_clean_batch_takes_the_fast_path_and_keeps_order():
     assert batch.indices.tolist() == list(range(500))
 
 
+def test_messages_that_are_not_one_object_take_the_reference_path_and_only_they():
+    """In a batch with no newline, CR, NaN or Infinity anywhere, the framing check is vectorized over
+    the joined batch: an empty message, one with leading blanks, a JSON array, or one after an oversized
+    message is still found, and judged as the reference validator judges it alone."""
+    values = [encode_event(_arrived(i)) for i in range(200)]
+    values[10] = b""
+    values[20] = b"  " + values[20]  # valid JSON, but not "{" first: the reference path accepts it
+    values[30] = b"[1, 2]"
+    values[40] = b"{" + b"x" * 3_000  # oversized: not parsed, and later messages shift in the joined batch
+    values[199] = b" " + values[199]
+    batch = Decoder(max_message_bytes=2_000).decode(values)
+    assert batch.num_slow == 4
+    assert {r.index: r.errors[0].reason for r in batch.rejected} == {10: "invalid_json", 30: "not_an_object", 40: OVERSIZED}
+    assert batch.indices.tolist() == [i for i in range(200) if i not in (10, 30, 40)]
+    for i in (10, 30):
+        alone = Decoder().decode([values[i]])
+        assert alone.rejected[0].errors[0].reason == {r.index: r.errors[0].reason for r in batch.rejected}[i]
+
+
 def test_a_poison_message_mid_batch_is_isolated_and_the_rest_kept():
     values = [encode_event(_arrived(i)) for i in range(1_000)]
     values[517] = b'{"event_id": "x", "ts_ns": "soon"'
