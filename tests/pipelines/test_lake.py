@@ -159,3 +159,23 @@ def test_first_token_events_land_in_the_hour_of_their_own_timestamp(tmp_path):
     late = events_to_table([FirstToken(event_id="ev_" + "1" * 32, ts_ns=T0 + 3_600 * 10**9, engine_id="e", request_id="r")])
     lake.commit(EVENTS, late, [OffsetRange("t", 0, 0, 0, 1)], {("t", 0, 0): None})
     assert lake.connect().execute("SELECT dt, hour FROM events").fetchall() == [(datetime.date(2025, 11, 29), 8)]
+
+
+def test_time_partitions_are_those_of_each_rows_own_timestamp():
+    """dt/hour come from each row's distinct hour, formatted once: the same as formatting every row,
+    across hours, days, the epoch and before it, and over a table in several chunks."""
+    import pyarrow.compute as pc
+
+    from pipelines.lake import with_time_partitions
+
+    hour_ns = 3_600_000_000_000
+    stamps = [0, -1, 1, hour_ns - 1, hour_ns, 1_764_028_799_999_999_999, 1_764_028_800_000_000_000, -25 * hour_ns]
+    table = pa.concat_tables([pa.table({"ts_ns": pa.array(stamps, pa.int64())})] * 2)
+    got = with_time_partitions(table, "ts_ns")
+    utc = pc.cast(table["ts_ns"], pa.timestamp("ns", tz="UTC"))
+    assert got["dt"].to_pylist() == pc.strftime(utc, format="%Y-%m-%d").to_pylist()
+    assert got["hour"].to_pylist() == pc.hour(utc).to_pylist()
+    assert got["dt"].to_pylist()[:8] == ["1970-01-01", "1969-12-31", "1970-01-01", "1970-01-01", "1970-01-01",
+                                         "2025-11-24", "2025-11-25", "1969-12-30"]
+    assert got["hour"].to_pylist()[:8] == [0, 23, 0, 0, 1, 23, 0, 23]
+    assert got.schema.field("hour").type == pa.int32()
