@@ -4,9 +4,11 @@ The ingest process polls Kafka and commits to the lake; kafka-python parses ever
 holding the interpreter's lock most of the time. Decoding (``pipelines.decode``) and sanitizing
 (``privacy.sanitize``) cost about as much CPU again, and in a thread of the same process they would
 wait for that lock. So they run in one child process with an interpreter of its own
-(``TransformWorker``: ``python -m pipelines.transform``, spoken to in pickles over two pipes), fed one
-batch at a time: the ingest's commit thread hands it the raw values and which messages are fresh,
-waits for the result, then de-duplicates and commits.
+(``TransformWorker``: ``python -m pipelines.transform``, spoken to in pickles over two pipes). Batches
+queue in order (``submit``: a future of the result): a thread writes each batch to the worker while the
+worker still works on the one before, another reads the results, so the worker never waits for the
+ingest's interpreter lock between batches. The ingest hands it the raw values and which messages are
+fresh, then de-duplicates and commits the results in order.
 
 The step keeps no state the lake relies on: the sanitizer's sketches and caches shape only which
 labels fold into "other" and what is cached, so a restarted worker starts them anew, as a restarted
@@ -23,9 +25,13 @@ import ctypes
 import os
 import pickle
 import signal
+import queue
 import subprocess
 import sys
+import threading
+from collections import deque
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +46,7 @@ from servelens.errors import ServelensError
 
 EVENT_ID = FIELD_POLICIES["event_id"]  # how the sanitizer pseudonymizes event ids
 _ROOT = Path(__file__).resolve().parents[1]  # the project root: the worker imports from it
+PIPE_BUFFER_BYTES = 1 << 20
 
 
 class TransformWorkerDied(ServelensError):
@@ -106,6 +113,17 @@ def _die_with_parent(parent_pid: int) -> bool:
     return os.getppid() == parent_pid
 
 
+def _widen(pipe_fd: int) -> None:
+    """Give a pipe Linux's largest unprivileged buffer (1 MiB, not 64 KiB): a batch crosses in a few
+    dozen writes, and a thread writing it waits for the interpreter lock after each one."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(pipe_fd, fcntl.F_SETPIPE_SZ, PIPE_BUFFER_BYTES)
+    except (ImportError, AttributeError, OSError):  # not Linux, or a lower limit: the default works too
+        pass
+
+
 def _send(stream, message: object) -> None:
     pickle.dump(message, stream, protocol=pickle.HIGHEST_PROTOCOL)
     stream.flush()
@@ -140,24 +158,35 @@ def _serve(read_fd: int, write_fd: int, parent_pid: int) -> None:
 
 class TransformWorker:
     """Runs ``Transform`` in a child process (``python -m pipelines.transform``, spoken to over two
-    pipes), or (``in_process=True``) in the calling thread. One caller at a time."""
+    pipes), or (``in_process=True``) on a thread of this process. Batches are done in the order
+    submitted."""
 
     def __init__(self, spec: TransformSpec, *, in_process: bool = False) -> None:
         self.spec = spec
         self.in_process = in_process
-        self._local: Transform | None = None
+        self._local: ThreadPoolExecutor | None = None  # in process: the thread, and its transform
+        self._transform: Transform | None = None
         self._process: subprocess.Popen | None = None
         self._tx = self._rx = None
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # batches for the sender thread; None: close
+        self._pending: deque[Future] = deque()  # one per batch sent, oldest first: the receiver resolves them
+        self._lock = threading.Lock()
+        self._dead: TransformWorkerDied | None = None
+        self._threads: list[threading.Thread] = []
 
     def start(self) -> TransformWorker:
         """Start the worker and wait until its sanitizer is built (Presidio takes seconds): a bad
         configuration fails here, and the first batch does not wait."""
         if self.in_process:
-            self._local = self.spec.build()
-            self._local.sanitizer.scrubber.load()
+            transform = self.spec.build()
+            transform.sanitizer.scrubber.load()
+            self._local = ThreadPoolExecutor(max_workers=1, thread_name_prefix="servelens-transform")
+            self._transform = transform
             return self
         to_child, from_parent = os.pipe()[::-1]
         to_parent, from_child = os.pipe()[::-1]
+        for fd in (to_child, to_parent):
+            _widen(fd)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
         self._process = subprocess.Popen(
@@ -167,37 +196,89 @@ class TransformWorker:
         os.close(from_parent)
         os.close(to_parent)
         self._tx, self._rx = os.fdopen(to_child, "wb"), os.fdopen(from_child, "rb")
-        self._ask(self.spec)
-        return self
-
-    def __call__(self, values: list[bytes], fresh: np.ndarray, now_ns: int) -> Transformed:
-        if self._local is not None:
-            return self._local(values, fresh, now_ns)
-        if self._process is None:
-            raise RuntimeError("TransformWorker called before start()")
-        return self._ask((values, fresh, now_ns))
-
-    def _ask(self, message: object):
         try:
-            _send(self._tx, message)
+            _send(self._tx, self.spec)
             status, value = pickle.load(self._rx)
         except (BrokenPipeError, EOFError, OSError):
-            code = self._process.poll() if self._process is not None else None
-            raise TransformWorkerDied(
-                f"the ingest's transform worker process ended (exit status {code}: killed, or out of memory); "
-                "nothing of the batch was stored",
-                "restart the ingest: it resumes from the lake's marks",
-            ) from None
+            raise self._died() from None
         if status == "error":
             raise value
-        return value
+        self._threads = [threading.Thread(target=loop, name=f"servelens-transform-{loop.__name__[1:]}", daemon=True)
+                         for loop in (self._sender, self._receiver)]
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def submit(self, values: list[bytes], fresh: np.ndarray, now_ns: int) -> Future[Transformed]:
+        """Queue a batch; its result (or the error that ended it) comes in the future."""
+        if self._local is not None:
+            return self._local.submit(self._transform, values, fresh, now_ns)
+        if self._process is None:
+            raise RuntimeError("TransformWorker used before start()")
+        future: Future[Transformed] = Future()
+        with self._lock:
+            if self._dead is not None:
+                future.set_exception(self._dead)
+                return future
+            self._pending.append(future)
+            self._outbox.put((values, fresh, now_ns))
+        return future
+
+    def __call__(self, values: list[bytes], fresh: np.ndarray, now_ns: int) -> Transformed:
+        return self.submit(values, fresh, now_ns).result()
+
+    def _sender(self) -> None:
+        """Write queued batches to the worker, in order (blocks while the worker is busy: the pipe is full)."""
+        while (message := self._outbox.get()) is not None:
+            try:
+                _send(self._tx, message)
+            except (BrokenPipeError, OSError):
+                return  # the worker ended: the receiver fails the pending batches
+        self._tx.close()  # closing: the worker ends at the closed pipe
+
+    def _receiver(self) -> None:
+        """Read the worker's results, in order, into the oldest pending futures."""
+        while True:
+            try:
+                status, value = pickle.load(self._rx)
+            except Exception:  # EOF, or a reply cut short: the worker ended
+                break
+            with self._lock:
+                future = self._pending.popleft()
+            if status == "error":
+                future.set_exception(value)
+            else:
+                future.set_result(value)
+        with self._lock:  # the worker ended: every batch still pending fails, and every later one
+            self._dead = self._died()
+            while self._pending:
+                self._pending.popleft().set_exception(self._dead)
+
+    def _died(self) -> TransformWorkerDied:
+        code = self._process.poll() if self._process is not None else None
+        return TransformWorkerDied(
+            f"the ingest's transform worker process ended (exit status {code}: killed, or out of memory); "
+            "nothing of the batch was stored",
+            "restart the ingest: it resumes from the lake's marks",
+        )
 
     def close(self) -> None:
-        self._local = None
+        """Finish the batches queued, then end the worker."""
+        if self._local is not None:
+            self._local.shutdown(wait=True)
+            self._local = None
         process, self._process = self._process, None
+        if self._threads:
+            self._outbox.put(None)
+            for thread in self._threads:
+                thread.join()
+            self._threads = []
         for stream in (self._tx, self._rx):
             if stream is not None:
-                stream.close()
+                try:
+                    stream.close()
+                except OSError:  # the worker ended with a batch half written
+                    pass
         self._tx = self._rx = None
         if process is not None:
             try:

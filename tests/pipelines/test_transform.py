@@ -56,14 +56,37 @@ def test_the_worker_process_gives_what_the_in_process_transform_gives() -> None:
     assert "alice" not in str(b.clean.column("error_message").to_pylist())
 
 
-def test_a_worker_that_dies_fails_the_batch_with_a_clear_error() -> None:
+def test_batches_queued_together_come_back_in_order_as_in_process() -> None:
+    """The ingest queues the next batch while the worker still works on one: results keep their order."""
+    batches = [messages()[i::3] for i in range(3)]
+    local = TransformWorker(SPEC, in_process=True).start()
+    worker = TransformWorker(SPEC).start()
+    try:
+        futures = [worker.submit(b, np.ones(len(b), dtype=bool), 1_764_000_000_000_000_000) for b in batches]
+        results = [f.result(timeout=60) for f in futures]
+        expected = [local(b, np.ones(len(b), dtype=bool), 1_764_000_000_000_000_000) for b in batches]
+    finally:
+        worker.close()
+        local.close()
+    for got, want in zip(results, expected):
+        assert got.clean.equals(want.clean) and got.clean.num_rows > 0
+        assert [r.index for r in got.rejected] == [r.index for r in want.rejected]
+    ids = [r.clean["event_id"].to_pylist() for r in results]
+    assert len(set(ids[0]) | set(ids[1]) | set(ids[2])) == sum(map(len, ids))  # three different batches
+
+
+def test_a_worker_that_dies_fails_every_batch_queued_with_a_clear_error() -> None:
     worker = TransformWorker(SPEC).start()
     try:
         worker._process.kill()
         worker._process.wait()
-        with pytest.raises(TransformWorkerDied) as err:
+        futures = [worker.submit(messages(), np.ones(80, dtype=bool), 0) for _ in range(3)]
+        for future in futures:
+            with pytest.raises(TransformWorkerDied) as err:
+                future.result(timeout=30)
+            assert "restart the ingest" in str(err.value) and "nothing of the batch was stored" in str(err.value)
+        with pytest.raises(TransformWorkerDied):
             worker(messages(), np.ones(80, dtype=bool), 0)
-        assert "restart the ingest" in str(err.value) and "nothing of the batch was stored" in str(err.value)
     finally:
         worker.close()
 
