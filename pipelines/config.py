@@ -42,8 +42,19 @@ class IngestConfig:
         "parsing holds this process's interpreter lock most of the time); false: in this process.",
         True,
     )
+    switch_interval_ms: float = doc(
+        "CPython's thread switch interval while the consumer runs, ms (0: leave the interpreter's 5 ms). "
+        "Polling holds the interpreter lock; a short interval lets the threads that hand batches to the "
+        "worker process and commit them take it in time, so the worker is not left waiting.",
+        0.2,
+    )
     flush_max_events: int = doc("Buffered records that trigger a commit to the lake (bounds memory).", 100_000)
     flush_interval_s: float = doc("Longest time records wait in the buffer before a commit, seconds.", 5.0)
+    commits_in_flight: int = doc(
+        "Batches in the commit pipeline at once: while one is written to the lake, the next is decoded and "
+        "sanitized, and polling goes on (1: one batch at a time). Each holds up to flush_max_events records.",
+        2,
+    )
     max_message_bytes: int = doc("Larger messages go to dead letters as 'oversized' without being parsed.", 1_048_576)
     max_future_skew_s: float = doc(
         "Events stamped further than this ahead of the ingest clock go to dead letters as 'clock_skew'.", 3600.0

@@ -1,12 +1,14 @@
 """The ingest consumer: Kafka -> decode -> validate -> sanitize -> de-duplicate -> the lake, exactly once.
 
 One loop per process: poll a batch of records, buffer them per partition, and commit when the buffer
-holds ``flush_max_events`` records or ``flush_interval_s`` has passed. A commit (on a thread, while
-polling goes on) has the consumer's transform worker process (``pipelines.transform``) decode and
-check the whole buffer columnar (``pipelines.decode``) and sanitize the valid events (``privacy``), drops
-event ids seen recently (producer retries), and appends events and dead letters to their Delta
-tables, each commit carrying the partitions' next offsets (``pipelines.lake``). Kafka's own
-committed offsets are written afterwards for lag monitoring only: the lake is the truth.
+holds ``flush_max_events`` records or ``flush_interval_s`` has passed. A batch then goes through two
+stages, in batch order, while polling goes on: the *transform*, in the consumer's worker process
+(``pipelines.transform``), decodes and checks the whole batch columnar (``pipelines.decode``) and
+sanitizes the valid events (``privacy``); the *commit*, on a thread, drops event ids seen recently
+(producer retries) and appends events and dead letters to their Delta tables, each commit carrying
+the partitions' next offsets (``pipelines.lake``). So batch N+1 is sanitized while batch N is
+written (``commits_in_flight`` batches at once). Kafka's own committed offsets are written
+afterwards for lag monitoring only: the lake is the truth.
 
 Exactly once, step by step:
 - **restart**: each assigned partition resumes at the lower of the two tables' marks; records below
@@ -19,6 +21,9 @@ Exactly once, step by step:
   its records dropped and re-read from the new marks;
 - **producer retries** (the same ``event_id`` at a new offset): dropped against a fixed-size window
   of recent ids, warmed from the lake at start;
+- **a failed commit** (fenced, or an error) latches the pipeline: the batches behind it commit
+  nothing, since their marks would pass records that were never stored; their partitions are read
+  again from the lake's marks (after an error the process stops, and a restart does the same);
 - **a topic that was re-created** (the development broker keeps memory only, so a restarted broker
   re-creates it empty): Kafka gives the new incarnation a new topic id; its partitions start a new
   epoch at offset 0, with a clear error in the log. (The log-end offset cannot tell: the
@@ -36,6 +41,7 @@ import signal
 import socket
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -48,12 +54,13 @@ from pipelines.config import IngestConfig, LakeConfig
 from pipelines.decode import Decoder, Rejected
 from pipelines.kafka_config import BrokerUnreachableError, KafkaConfig
 from pipelines.lake import DEAD_LETTERS, EVENTS, CommitFenced, Lake, OffsetRange, RecentIds
-from pipelines.transform import TransformSpec, TransformWorker
+from pipelines.transform import Transformed, TransformSpec, TransformWorker
 from privacy.config import PrivacyConfig
 from privacy.keys import KeyRing
 from privacy.sanitize import FIELD_POLICIES, PrivacyReport
 from schemas.arrow import arrow_schema
 from schemas.records import DeadLetter
+from servelens.errors import ServelensError
 
 log = logging.getLogger("servelens.ingest")
 
@@ -123,6 +130,9 @@ class _Batch:
     owner: np.ndarray  # partition of each record
     keys: list[bytes | None]
     ranges: list[OffsetRange]
+    parts: dict[int, _Partition]  # the partitions' state when taken (the commit moves their marks)
+    fresh: np.ndarray  # record i is at or past its partition's events mark: not in the lake yet
+    received_ns: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +144,7 @@ class _Outcome:
     num_dead: int
     num_duplicates: int
     fenced: CommitFenced | None
+    dropped: bool = False  # behind a failed commit: nothing stored, the partitions are read again
 
 
 class IngestConsumer:
@@ -169,8 +180,12 @@ class IngestConsumer:
         self._announced_epoch: int | None = None
         self._rebalance_news: queue.SimpleQueue[tuple[str, list[int]]] = queue.SimpleQueue()
         self._consumer = None
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="servelens-ingest-commit")
-        self._inflight: Future | None = None
+        if ingest.commits_in_flight < 1:
+            raise ServelensError(f"ingest.commits_in_flight must be at least 1, not {ingest.commits_in_flight}",
+                                 "set it to 1 (one batch at a time) or more")
+        self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="servelens-ingest-commit")
+        self._inflight: deque[Future] = deque()  # the commits of batches in the pipeline, oldest first
+        self._latched = False  # a commit failed: the ones behind it store nothing (see _store)
         self._stop = False
         self._first_record_s: float | None = None
         self._last_compact_s = time.monotonic()
@@ -225,7 +240,7 @@ class IngestConsumer:
             finally:
                 self._consumer.close()
                 self._consumer = None
-                self._worker.shutdown(wait=True)
+                self._committer.shutdown(wait=True)
                 self.transform.close()
         return self.stats()
 
@@ -244,11 +259,15 @@ class IngestConsumer:
         previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)} if _main_thread() else {}
         for sig in previous:
             signal.signal(sig, lambda *_: self.stop())
+        switch_interval_s = sys.getswitchinterval()
+        if self.config.switch_interval_ms > 0:
+            sys.setswitchinterval(self.config.switch_interval_ms / 1000)
         last_data = time.monotonic()
         try:
             while not self._stop:
                 polled = self._consumer.poll(timeout_ms=200, max_records=self.config.poll_max_records)
                 got = self._buffer(polled)
+                self._reap()
                 self._rebalanced()
                 now = time.monotonic()
                 if got or not self.partitions:  # idle means: assigned, and nothing to read
@@ -263,10 +282,11 @@ class IngestConsumer:
                     self._report(on_status)
                 if max_records is not None and self._counts["read"] >= max_records:
                     break
-                if idle_exit_s is not None and now - last_data >= idle_exit_s and not self._buffered() and self._inflight is None:
+                if idle_exit_s is not None and now - last_data >= idle_exit_s and not self._buffered() and not self._inflight:
                     break
             return self.close()
         finally:
+            sys.setswitchinterval(switch_interval_s)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
@@ -295,24 +315,28 @@ class IngestConsumer:
     def flush(self, partitions: list[int] | None = None, *, wait: bool = True) -> None:
         """Commit the buffered records of ``partitions`` (default: all) to the lake.
 
-        The commit work (decode, sanitize, write) runs on a worker thread, one batch at a time,
-        while this thread keeps polling; ``wait=False`` returns as soon as the batch is handed over.
+        The batch is transformed and committed on the pipeline's threads while this thread keeps
+        polling; ``wait=False`` returns once it is handed over (after the oldest batch's commit, if
+        ``commits_in_flight`` are in the pipeline already), ``wait=True`` once every batch is committed.
         """
-        self._drain()
+        self._drain(keep=0 if wait else self.config.commits_in_flight - 1)
         self._last_flush_s = time.monotonic()
         batch = self._take(partitions)
-        if batch is None:
-            return
+        if batch is not None:
+            transformed = self.transform.submit(batch.values, batch.fresh, batch.received_ns)
+            self._inflight.append(self._committer.submit(self._store, batch, transformed))
         if wait:
-            self._apply(self._commit(batch))
-        else:
-            self._inflight = self._worker.submit(self._commit, batch)
+            self._drain()
 
-    def _drain(self) -> None:
-        """Wait for the batch in flight, if any, and apply its outcome."""
-        inflight, self._inflight = self._inflight, None
-        if inflight is not None:
-            self._apply(inflight.result())
+    def _drain(self, keep: int = 0) -> None:
+        """Wait for the oldest commits in the pipeline until ``keep`` remain, applying their outcomes."""
+        while len(self._inflight) > keep:
+            self._apply(self._inflight.popleft().result())
+
+    def _reap(self) -> None:
+        """Apply the outcomes of the commits that are done, oldest first, without waiting."""
+        while self._inflight and self._inflight[0].done():
+            self._apply(self._inflight.popleft().result())
 
     def _take(self, partitions: list[int] | None) -> _Batch | None:
         """Move the buffered records of ``partitions`` out of the buffer into a batch."""
@@ -321,31 +345,51 @@ class IngestConsumer:
             return None
         parts = [self.partitions[p] for p in chosen]
         records = [r for part in parts for r in part.records]
+        owner = np.repeat(np.array(chosen, dtype=np.int64), [len(part.records) for part in parts])
+        offsets = np.fromiter((r.offset for r in records), dtype=np.int64, count=len(records))
+        # records the lake holds already (read again below its events mark) are not written again;
+        # a batch still in the pipeline moves marks only below this batch's records
+        marks = np.array([part.events_mark or 0 for part in parts], dtype=np.int64)
         batch = _Batch(
             values=[r.value if r.value is not None else b"" for r in records],
-            offsets=np.fromiter((r.offset for r in records), dtype=np.int64, count=len(records)),
-            owner=np.repeat(np.array(chosen, dtype=np.int64), [len(part.records) for part in parts]),
+            offsets=offsets,
+            owner=owner,
             keys=[r.key for r in records],
             ranges=[
                 OffsetRange(self.topic, p, part.epoch, part.records[0].offset, part.records[-1].offset + 1, part.topic_id)
                 for p, part in zip(chosen, parts)
             ],
+            parts=dict(zip(chosen, parts)),
+            fresh=offsets >= marks[np.searchsorted(np.array(chosen, dtype=np.int64), owner)],
+            received_ns=time.time_ns(),
         )
         for part in parts:
             part.records = []
         return batch
 
-    def _commit(self, batch: _Batch) -> _Outcome:
-        """Decode, check, sanitize, de-duplicate and commit one batch (the worker thread's job)."""
-        now_ns = time.time_ns()
-        parts = {r.partition: self.partitions[r.partition] for r in batch.ranges}
+    def _store(self, batch: _Batch, transformed: Future) -> _Outcome:
+        """Commit one transformed batch (the commit thread's job, batches in order).
+
+        A failed commit (fenced, or an error) latches the pipeline: the batches behind it store
+        nothing, since their marks would pass records that were never stored. The polling thread
+        reads their partitions again from the lake's marks, then lifts the latch (``_apply``).
+        """
+        if self._latched:
+            return _Outcome(batch.ranges, 0, 0, 0, None, dropped=True)
+        try:
+            outcome = self._commit(batch, transformed.result())
+        except BaseException:
+            self._latched = True
+            raise
+        if outcome.fenced is not None:
+            self._latched = True
+        return outcome
+
+    def _commit(self, batch: _Batch, done: Transformed) -> _Outcome:
+        """De-duplicate a transformed batch and commit its dead letters, then its events."""
+        parts, now_ns = batch.parts, batch.received_ns
         dead_marks = {p: part.dead_mark for p, part in parts.items()}
         event_marks = {p: part.events_mark for p, part in parts.items()}
-        # events of records the lake already holds (below its mark after a crash) are not written again
-        owners = np.array(sorted(event_marks), dtype=np.int64)
-        limits = np.array([event_marks[p] or 0 for p in owners.tolist()], dtype=np.int64)
-        fresh = batch.offsets >= limits[np.searchsorted(owners, batch.owner)]
-        done = self.transform(batch.values, fresh, now_ns)  # decode, validate, sanitize: in the worker
         self._privacy = done.report
         dead_rows = self._dead_letters(done.rejected, batch, dead_marks, now_ns)
         if done.stored_ids:  # re-read below the mark (see _resolve): stored already, remembered now
@@ -372,7 +416,7 @@ class IngestConsumer:
         return _Outcome(event_ranges, clean.num_rows, dead_rows.num_rows, duplicates, None)
 
     def _maybe_compact(self) -> None:
-        """Now and then, merge the small files of closed hours (on the worker thread, between commits)."""
+        """Now and then, merge the small files of closed hours (on the commit thread, between commits)."""
         interval = self.config.compact_interval_s
         now = time.monotonic()
         if interval <= 0 or now - self._last_compact_s < interval:
@@ -389,11 +433,15 @@ class IngestConsumer:
             log.info("%s: compacted %s small files of closed hours", self.name, merged)
 
     def _apply(self, outcome: _Outcome) -> None:
-        """Account for a committed (or refused) batch; re-read fenced partitions from the lake."""
-        if outcome.fenced is not None:
-            self._counts["fenced"] += 1
-            log.warning("%s: %s; re-reading from the lake's marks", self.name, outcome.fenced.message)
+        """Account for a committed (or refused) batch; re-read fenced partitions from the lake, and
+        those of the batches behind a fenced one (they stored nothing), then lift the latch."""
+        if outcome.fenced is not None or outcome.dropped:
             self._resume([r.partition for r in outcome.ranges])
+            if outcome.fenced is not None:
+                self._counts["fenced"] += 1
+                log.warning("%s: %s; re-reading from the lake's marks", self.name, outcome.fenced.message)
+                self._drain()  # the batches behind it come back dropped
+                self._latched = False
             return
         self._counts["events"] += outcome.num_events
         self._counts["dead"] += outcome.num_dead
@@ -500,6 +548,7 @@ class IngestConsumer:
                     self._unresolved.discard(p)
             else:
                 log.info("%s: assigned partitions %s", self.name, partitions)
+                self._drain()  # nothing in the pipeline may move the marks we resume from
                 self._resume(partitions)
         if self._unresolved:
             self._resolve()

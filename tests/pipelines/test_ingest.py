@@ -204,6 +204,67 @@ def test_records_read_again_below_the_marks_never_move_them_back(broker, topic, 
     assert Lake(tmp_path / "lake").connect().execute("SELECT count(*) FROM dead_letters").fetchone() == (1,)
 
 
+def _fail_first_events_commit_behind_a_second_batch(ingest: IngestConsumer, error: Exception) -> list[int]:
+    """Make the first commit of events wait until the next batch is in the pipeline behind it, then
+    fail with ``error``, as a fenced or broken commit would; return the events commits that went
+    through (their row counts)."""
+    real, submit = ingest.lake.commit, ingest.transform.submit
+    done: list[int] = []
+    submitted = []
+
+    def counted(*args):
+        submitted.append(args)
+        return submit(*args)
+
+    def commit(name, rows, ranges, expected):
+        if name == EVENTS and not done and not getattr(commit, "failed", False):
+            deadline = time.monotonic() + 30
+            while len(submitted) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert len(submitted) >= 2, "the next batch never entered the pipeline"
+            commit.failed = True
+            raise error
+        version = real(name, rows, ranges, expected)
+        if name == EVENTS:
+            done.append(rows.num_rows)
+        return version
+
+    ingest.lake.commit, ingest.transform.submit = commit, counted
+    return done
+
+
+PIPELINED = {"flush_max_events": 1_000, "poll_max_records": 250, "flush_interval_s": 2.0, "commits_in_flight": 2}
+
+
+def test_a_fenced_commit_stops_the_batch_behind_it_and_both_are_read_again(broker, topic, tmp_path):
+    """Batch N is fenced while batch N+1 is in the pipeline: N+1 must store nothing (its marks would
+    pass N's records, never stored); both are read again from the lake's marks, each event once."""
+    from pipelines.lake import CommitFenced
+
+    produce(broker.bootstrap, topic, arrivals(0, 4_000))
+    ingest = consumer(broker.bootstrap, topic, tmp_path / "lake", **PIPELINED)
+    commits = _fail_first_events_commit_behind_a_second_batch(ingest, CommitFenced("a test's fence"))
+    stats = ingest.run(idle_exit_s=2.0)
+    assert stats.commits_fenced == 1 and stats.events_written == 4_000
+    assert sum(commits) == 4_000  # the commits that went through hold every event once
+    assert lake_counts(tmp_path / "lake") == (4_000, 4_000)
+    assert set(lake_ids(tmp_path / "lake")) == set(pseudonyms(f"e{i}" for i in range(4_000)))
+
+
+def test_a_failed_commit_stops_the_batch_behind_it_and_a_restart_stores_both(broker, topic, tmp_path):
+    """A commit that fails with an error (a full disk, say) stops the consumer; the batch behind it in
+    the pipeline stores nothing, so the restarted consumer finds every event, once."""
+    produce(broker.bootstrap, topic, arrivals(0, 4_000))
+    ingest = consumer(broker.bootstrap, topic, tmp_path / "lake", **PIPELINED)
+    commits = _fail_first_events_commit_behind_a_second_batch(ingest, OSError(28, "No space left on device"))
+    with pytest.raises(OSError, match="No space left"):
+        ingest.run(idle_exit_s=2.0)
+    ingest.close()  # commits nothing more: the pipeline stays latched after an error
+    assert commits == [] and _stored(tmp_path / "lake") == 0
+    restarted = consumer(broker.bootstrap, topic, tmp_path / "lake", name="c2", **PIPELINED).run(idle_exit_s=2.0)
+    assert restarted.events_written == 4_000 and lake_counts(tmp_path / "lake") == (4_000, 4_000)
+
+
 def test_health_is_reported_and_written_for_the_status_command(broker, topic, tmp_path):
     produce(broker.bootstrap, topic, arrivals(0, 100))
     seen = []
