@@ -21,6 +21,10 @@ a shared machine (``load_average_1min`` says what it was).
     python benchmarks/ingest.py            # 5,000,000 events
     python benchmarks/ingest.py --quick    # 200,000 events, under a minute
 
+The quick run is two commit batches (``ingest.flush_max_events`` = 100,000): the consumer's
+pipeline (batch N+1 sanitized while N is written) is mostly filling and draining, so its ingest
+rate reads low; the full run's is the figure.
+
 Targets: end-to-end >= 50% of the raw consume rate and >= 50,000 events/s for one process.
 The last line is one JSON object with the figures.
 """

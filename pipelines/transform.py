@@ -255,7 +255,10 @@ class TransformWorker:
                 self._pending.popleft().set_exception(self._dead)
 
     def _died(self) -> TransformWorkerDied:
-        code = self._process.poll() if self._process is not None else None
+        try:
+            code = self._process.wait(timeout=5) if self._process is not None else None
+        except subprocess.TimeoutExpired:  # its pipe closed, the process not ended yet
+            code = None
         return TransformWorkerDied(
             f"the ingest's transform worker process ended (exit status {code}: killed, or out of memory); "
             "nothing of the batch was stored",
@@ -267,12 +270,20 @@ class TransformWorker:
         if self._local is not None:
             self._local.shutdown(wait=True)
             self._local = None
-        process, self._process = self._process, None
+        process = self._process
         if self._threads:
-            self._outbox.put(None)
-            for thread in self._threads:
-                thread.join()
-            self._threads = []
+            self._outbox.put(None)  # the sender writes what is queued, then closes the pipe: the worker ends
+            self._threads[0].join(timeout=60)
+        if process is not None:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for thread in self._threads:  # both end now that the worker has
+            thread.join()
+        self._threads = []
+        self._process = None
         for stream in (self._tx, self._rx):
             if stream is not None:
                 try:
@@ -280,12 +291,6 @@ class TransformWorker:
                 except OSError:  # the worker ended with a batch half written
                     pass
         self._tx = self._rx = None
-        if process is not None:
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
 
 if __name__ == "__main__":
