@@ -117,8 +117,10 @@ class Decoder:
         if joined.count(b"\n") == len(candidates) - 1 and not any(s in joined for s in suspicious):  # the usual case, in C
             lengths = sizes[candidates]
             starts = np.cumsum(lengths + 1) - lengths - 1  # where each message begins in ``joined``
-            first = np.frombuffer(joined, dtype=np.uint8)[np.minimum(starts, max(len(joined) - 1, 0))] if len(joined) else lengths
-            odd = np.asarray(candidates, dtype=np.int64)[(lengths == 0) | (first != 0x7B)].tolist()
+            first = np.zeros(len(lengths), dtype=np.uint8)  # each message's first byte; none if empty
+            filled = lengths > 0
+            first[filled] = np.frombuffer(joined, dtype=np.uint8)[starts[filled]]
+            odd = np.asarray(candidates, dtype=np.int64)[first != 0x7B].tolist()
         else:
             odd = [i for i in candidates if not values[i] or values[i][0] != 0x7B or b"\n" in values[i]
                    or any(s in values[i] for s in suspicious)]

@@ -179,3 +179,5 @@ def test_time_partitions_are_those_of_each_rows_own_timestamp():
                                          "2025-11-24", "2025-11-25", "1969-12-30"]
     assert got["hour"].to_pylist()[:8] == [0, 23, 0, 0, 1, 23, 0, 23]
     assert got.schema.field("hour").type == pa.int32()
+    with_null = with_time_partitions(pa.table({"ts_ns": pa.array([hour_ns, None], pa.int64())}), "ts_ns")
+    assert with_null["dt"].to_pylist() == ["1970-01-01", None] and with_null["hour"].to_pylist() == [1, None]
