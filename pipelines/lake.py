@@ -74,24 +74,17 @@ def epoch_app_id(topic: str, topic_id: str | None = None) -> str:
     return f"epoch|{topic}" if topic_id is None else f"epoch|{topic}|{topic_id}"
 
 
-NS_PER_HOUR = 3_600_000_000_000
-
-
 def with_time_partitions(table: pa.Table, ts_column: str) -> pa.Table:
     """Add the hive partition columns ``dt`` (YYYY-MM-DD, UTC) and ``hour`` from a ns timestamp.
 
     A batch spans a few hours: each distinct hour is formatted once and taken row by row (formatting
-    every row cost more than the rest of a commit's preparation together)."""
+    every row cost more than the rest of a commit's preparation together); a null stays null."""
     column = table[ts_column]
-    if column.null_count:  # the ingest never stores one; other callers get the plain path
-        stamps = pc.cast(column, pa.timestamp("ns", tz="UTC"))
-        return table.append_column("dt", pc.strftime(stamps, format="%Y-%m-%d")).append_column(
-            "hour", pc.cast(pc.hour(stamps), pa.int32()))
-    hours, row_hour = np.unique(column.to_numpy() // NS_PER_HOUR, return_inverse=True)
-    stamps = pa.array(hours * NS_PER_HOUR, pa.timestamp("ns", tz="UTC"))
-    index = pa.array(row_hour.astype(np.int32))
-    dt = pc.strftime(stamps, format="%Y-%m-%d").take(index)
-    return table.append_column("dt", dt).append_column("hour", pc.cast(pc.hour(stamps), pa.int32()).take(index))
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    hours = pc.dictionary_encode(pc.floor_temporal(pc.cast(column, pa.timestamp("ns", tz="UTC")), unit="hour"))
+    dt = pc.strftime(hours.dictionary, format="%Y-%m-%d").take(hours.indices)
+    return table.append_column("dt", dt).append_column("hour", pc.cast(pc.hour(hours.dictionary), pa.int32()).take(hours.indices))
 
 
 def _stored_schema(name: str) -> pa.Schema:
