@@ -210,19 +210,22 @@ def _fail_first_events_commit_behind_a_second_batch(ingest: IngestConsumer, erro
     through (their row counts)."""
     real, submit = ingest.lake.commit, ingest.transform.submit
     done: list[int] = []
-    submitted = []
+    submitted = 0
+    failed = False
 
     def counted(*args):
-        submitted.append(args)
+        nonlocal submitted
+        submitted += 1
         return submit(*args)
 
     def commit(name, rows, ranges, expected):
-        if name == EVENTS and not done and not getattr(commit, "failed", False):
+        nonlocal failed
+        if name == EVENTS and not failed:
             deadline = time.monotonic() + 30
-            while len(submitted) < 2 and time.monotonic() < deadline:
+            while submitted < 2 and time.monotonic() < deadline:
                 time.sleep(0.01)
-            assert len(submitted) >= 2, "the next batch never entered the pipeline"
-            commit.failed = True
+            assert submitted >= 2, "the next batch never entered the pipeline"
+            failed = True
             raise error
         version = real(name, rows, ranges, expected)
         if name == EVENTS:
