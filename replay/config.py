@@ -5,12 +5,17 @@ units. Presets by name (``ACCELERATORS``, ``MODELS``) give published figures; ``
 assembles an instance from them, and an unknown name raises an error listing the valid ones.
 Constructors do no I/O.
 
-Published figures used by the presets (dense bf16, no sparsity):
+Published figures used by the presets (NVIDIA data sheets; dense, no sparsity; bf16 / fp8):
 
-- A100 SXM 80 GB: 312 TFLOP/s, 2.039 TB/s HBM2e, NVLink 3 600 GB/s (300 GB/s each way).
-- H100 SXM 80 GB: 989 TFLOP/s, 3.35 TB/s HBM3, NVLink 4 900 GB/s (450 GB/s each way).
-- H200 SXM 141 GB: 989 TFLOP/s, 4.8 TB/s HBM3e, NVLink 4 900 GB/s (450 GB/s each way).
-- Llama and Mistral shapes from the models' Hugging Face ``config.json``.
+- A100 SXM 80 GB: 312 TFLOP/s bf16 (no fp8), 2.039 TB/s HBM2e, NVLink 3 600 GB/s (300 GB/s each way).
+- A100 SXM 40 GB: 312 TFLOP/s bf16, 1.555 TB/s HBM2, NVLink 3.
+- H100 SXM 80 GB: 989 / 1,979 TFLOP/s, 3.35 TB/s HBM3, NVLink 4 900 GB/s (450 GB/s each way).
+- H100 PCIe 80 GB: 756 / 1,513 TFLOP/s, 2.0 TB/s HBM2e, PCIe 5 x16 (64 GB/s each way).
+- H200 SXM 141 GB: 989 / 1,979 TFLOP/s, 4.8 TB/s HBM3e, NVLink 4.
+- L40S 48 GB: 362 / 733 TFLOP/s, 864 GB/s GDDR6, PCIe 4 x16 (32 GB/s each way), no NVLink.
+- B200 180 GB (HGX): 2,250 / 4,500 TFLOP/s, 8 TB/s HBM3e, NVLink 5 1.8 TB/s (900 GB/s each way).
+- Llama and Mistral shapes from the models' Hugging Face ``config.json``; any other model through
+  ``replay.catalog`` (a ``config.json`` file or folder, or the fidelity data's ``models.csv``).
 """
 
 from __future__ import annotations
@@ -36,14 +41,19 @@ def _positive(obj: object, *names: str) -> None:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AcceleratorConfig:
-    """The accelerators of one instance (all ``tensor_parallel_size`` of them alike)."""
+    """The accelerators of one instance (all ``tensor_parallel_size`` x ``pipeline_parallel_size`` alike)."""
 
     name: str = doc("Accelerator name, e.g. 'h100-sxm'.")
     memory_bytes: int = doc("Device memory of one accelerator, bytes.")
     peak_bf16_flops: float = doc("Dense bf16 peak of one accelerator, FLOP/s.")
     memory_bandwidth_bytes_per_s: float = doc("Device memory bandwidth of one accelerator, bytes/s.")
+    peak_fp8_flops: float | None = doc(
+        "Dense fp8 peak of one accelerator, FLOP/s; None where it has no fp8 tensor cores (fp8 weights then "
+        "run weight-only: fp8 bytes, bf16 math).", None
+    )
     tensor_parallel_size: int = doc("Accelerators the model is sharded over (tensor parallelism).", 1)
-    interconnect: str = doc("Interconnect between the instance's accelerators, e.g. 'nvlink4'.", "nvlink")
+    pipeline_parallel_size: int = doc("Pipeline stages the layers are split over (each stage tensor_parallel_size wide).", 1)
+    interconnect: str = doc("Interconnect between the instance's accelerators, e.g. 'nvlink4' or 'pcie4'.", "nvlink")
     interconnect_bandwidth_bytes_per_s: float = doc(
         "Per-accelerator interconnect bandwidth in one direction, bytes/s (all-reduce cost).", 300e9
     )
@@ -53,29 +63,59 @@ class AcceleratorConfig:
     )
 
     def __post_init__(self) -> None:
-        _positive(self, "memory_bytes", "peak_bf16_flops", "memory_bandwidth_bytes_per_s", "tensor_parallel_size")
+        _positive(self, "memory_bytes", "peak_bf16_flops", "memory_bandwidth_bytes_per_s", "tensor_parallel_size",
+                  "pipeline_parallel_size")
+
+    @property
+    def num_devices(self) -> int:
+        """Accelerators of the instance: tensor x pipeline parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def peak_flops(self, dtype: str) -> float:
+        """Dense peak of one accelerator for the math in ``dtype`` ('bf16' or 'fp8'; fp8 without fp8 tensor
+        cores runs at the bf16 peak)."""
+        return self.peak_fp8_flops if dtype == "fp8" and self.peak_fp8_flops else self.peak_bf16_flops
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelConfig:
-    """The shape of a dense decoder-only transformer (Llama family)."""
+    """The shape of a decoder-only transformer, dense or mixture-of-experts (Llama, Mistral, Qwen, Mixtral)."""
 
-    name: str = doc("Model name, e.g. 'llama-3-8b'.")
+    name: str = doc("Model name, e.g. 'llama-3-8b' or a Hugging Face id.")
     num_layers: int = doc("Transformer layers.")
     hidden_size: int = doc("Hidden (embedding) dimension.")
     num_attention_heads: int = doc("Query heads.")
     num_kv_heads: int = doc("Key/value heads (grouped-query attention when fewer than query heads).")
     head_dim: int = doc("Dimension of one attention head.")
-    intermediate_size: int = doc("Inner dimension of the gated MLP.")
+    intermediate_size: int = doc("Inner dimension of the gated MLP of a dense layer.")
     vocab_size: int = doc("Vocabulary size (embedding rows, LM-head columns).")
-    bytes_per_param: int = doc("Bytes of one weight (2 for bf16).", 2)
+    bytes_per_param: int = doc("Bytes of one weight (2 for bf16/fp16, 1 for fp8).", 2)
     kv_bytes_per_element: int = doc("Bytes of one cached key or value element (2 for bf16, 1 for fp8).", 2)
+    compute_dtype: Literal["bf16", "fp8"] = doc(
+        "Precision of the linear layers' math: fp8 (W8A8, e.g. fp8-dynamic checkpoints) where the accelerator has "
+        "fp8 tensor cores, else bf16.", "bf16"
+    )
+    num_experts: int = doc("Routed experts of a mixture-of-experts layer (0: a dense model).", 0)
+    experts_per_token: int = doc("Routed experts each token uses (top-k).", 0)
+    moe_intermediate_size: int | None = doc("Inner dimension of one routed expert (None: intermediate_size).", None)
+    num_shared_experts: int = doc("Experts every token uses besides the routed ones (Llama 4, DeepSeek, Qwen-MoE).", 0)
+    shared_expert_intermediate_size: int | None = doc(
+        "Inner dimension of one shared expert (None: the routed experts').", None
+    )
+    num_moe_layers: int | None = doc("Layers whose MLP is a mixture of experts (None: all, when num_experts > 0).", None)
+    tie_word_embeddings: bool = doc("The LM head is the embedding matrix (stored once).", False)
     profile_name: str | None = doc(
         "Folder of this model in the Vidur profiles (profiles/vidur/compute/<gpu>/<name>), if any.", None
     )
 
     def __post_init__(self) -> None:
-        _positive(self, "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "head_dim")
+        _positive(self, "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "head_dim",
+                  "intermediate_size", "vocab_size")
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise ReplayError(f"{self.name}: experts_per_token must be in 1..num_experts ({self.num_experts}), "
+                              f"not {self.experts_per_token}")
+        if self.compute_dtype not in ("bf16", "fp8"):
+            raise ReplayError(f"{self.name}: compute_dtype must be bf16 or fp8, not {self.compute_dtype!r}")
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -83,23 +123,69 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_bytes_per_element
 
     @property
-    def num_layer_params(self) -> int:
-        """Weights of one layer: Q, K, V, O projections, the gated MLP, two norms."""
+    def attention_params(self) -> int:
+        """Weights of one layer's attention: the Q, K, V and O projections."""
         q = self.hidden_size * self.num_attention_heads * self.head_dim
         kv = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
-        o = self.num_attention_heads * self.head_dim * self.hidden_size
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        return q + kv + o + mlp + 2 * self.hidden_size
+        return 2 * q + kv
+
+    @property
+    def num_moe_layers_resolved(self) -> int:
+        """Layers with a mixture-of-experts MLP (0 for a dense model)."""
+        if not self.num_experts:
+            return 0
+        return self.num_layers if self.num_moe_layers is None else self.num_moe_layers
+
+    @property
+    def expert_params(self) -> int:
+        """Weights of one routed expert (a gated MLP)."""
+        return 3 * self.hidden_size * (self.moe_intermediate_size or self.intermediate_size)
+
+    @property
+    def shared_expert_params(self) -> int:
+        """Weights of a layer's shared experts, together."""
+        size = self.shared_expert_intermediate_size or self.moe_intermediate_size or self.intermediate_size
+        return self.num_shared_experts * 3 * self.hidden_size * size
+
+    @property
+    def num_layer_params(self) -> int:
+        """Weights of one dense layer: Q, K, V, O projections, the gated MLP, two norms."""
+        return self.attention_params + 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size
+
+    @property
+    def layers_params(self) -> int:
+        """Weights of all layers (every expert counted), norms included."""
+        moe = self.num_moe_layers_resolved
+        per_moe = self.num_experts * (self.expert_params + self.hidden_size) + self.shared_expert_params
+        dense_mlp = 3 * self.hidden_size * self.intermediate_size
+        return (self.num_layers * (self.attention_params + 2 * self.hidden_size)
+                + (self.num_layers - moe) * dense_mlp + moe * per_moe)
+
+    @property
+    def active_linear_params(self) -> int:
+        """Weights one token multiplies through in the layers (its top-k routed and the shared experts)."""
+        moe = self.num_moe_layers_resolved
+        per_moe = self.experts_per_token * self.expert_params + self.shared_expert_params
+        dense_mlp = 3 * self.hidden_size * self.intermediate_size
+        return self.num_layers * self.attention_params + (self.num_layers - moe) * dense_mlp + moe * per_moe
 
     @property
     def num_params(self) -> int:
-        """All weights: the layers, the embedding, the LM head (untied) and the final norm."""
-        return self.num_layers * self.num_layer_params + 2 * self.vocab_size * self.hidden_size + self.hidden_size
+        """All weights: the layers, the embedding, the LM head (unless tied) and the final norm."""
+        embeddings = (1 if self.tie_word_embeddings else 2) * self.vocab_size * self.hidden_size
+        return self.layers_params + embeddings + self.hidden_size
 
     @property
     def weight_bytes(self) -> int:
         """Bytes of all weights."""
         return self.num_params * self.bytes_per_param
+
+    def expected_experts_touched(self, num_tokens: int) -> float:
+        """Distinct routed experts a layer reads for ``num_tokens`` tokens routed uniformly, top-k each:
+        E x (1 - (1 - k/E)^tokens) (every expert once the batch is large)."""
+        if not self.num_experts or num_tokens <= 0:
+            return 0.0
+        return self.num_experts * (1.0 - (1.0 - self.experts_per_token / self.num_experts) ** num_tokens)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -132,9 +218,21 @@ class EngineConfig:
         "Vision encoder time per image token, charged to the step that schedules a multimodal request's first "
         "prefill chunk, seconds.", 0.0
     )
+    async_scheduling: bool = doc(
+        "vLLM's async scheduling: the next step is planned while the current one runs, so a request that arrives "
+        "during a busy step joins the step after next (vLLM >= 0.12 default; the shipped calibration turns it on).",
+        False,
+    )
+    cpu_kv_offload_bytes: int = doc(
+        "Host memory for a CPU tier of the prefix cache (vLLM --kv-offloading-size): cached blocks evicted from the "
+        "device are kept there and a later hit copies them back at swap_bandwidth_bytes_per_s instead of "
+        "recomputing them; 0: no CPU tier.", 0
+    )
 
     def __post_init__(self) -> None:
         _positive(self, "max_num_batched_tokens", "max_num_seqs", "block_size_tokens", "swap_bandwidth_bytes_per_s")
+        if self.cpu_kv_offload_bytes < 0:
+            raise ReplayError(f"cpu_kv_offload_bytes must be >= 0, not {self.cpu_kv_offload_bytes}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ReplayError(f"gpu_memory_utilization must be in (0, 1], not {self.gpu_memory_utilization}")
         if not 0 <= self.kv_watermark_fraction < 1:
@@ -182,16 +280,22 @@ class InstanceConfig:
         """KV cache capacity in blocks: what memory leaves after weights and activations, or the override."""
         if self.engine.num_kv_blocks_override is not None:
             return self.engine.num_kv_blocks_override
-        tp = self.accelerator.tensor_parallel_size
-        usable = int(self.accelerator.memory_bytes * self.engine.gpu_memory_utilization) * tp
+        n = self.accelerator.num_devices
+        usable = int(self.accelerator.memory_bytes * self.engine.gpu_memory_utilization) * n
         draft = self.speculative.draft.weight_bytes if self.speculative is not None else 0
-        free = usable - self.model.weight_bytes - draft - self.engine.activation_reserve_bytes * tp
+        reserve = self.engine.activation_reserve_bytes * n
+        free = usable - self.model.weight_bytes - draft - reserve
         block_bytes = self.model.kv_bytes_per_token * self.engine.block_size_tokens
         if free < block_bytes:
             raise ReplayError(
-                f"{self.model.name} does not fit on {tp} x {self.accelerator.name}: "
-                f"{self.model.weight_bytes / GIB:.1f} GiB of weights, {usable / GIB:.1f} GiB usable",
-                "use more tensor parallelism, a larger accelerator or a higher gpu_memory_utilization",
+                f"{self.model.name} does not fit on {n} x {self.accelerator.name}: "
+                f"{self.model.weight_bytes / GIB:.1f} GiB of weights"
+                + (f" + {draft / GIB:.1f} GiB of draft" if draft else "")
+                + f" + {reserve / GIB:.1f} GiB of activations, against {usable / GIB:.1f} GiB usable "
+                f"({n} x {self.accelerator.memory_bytes / GIB:.1f} GiB x gpu_memory_utilization "
+                f"{self.engine.gpu_memory_utilization:g}), leaving no room for KV cache",
+                "use more tensor parallelism (or pipeline stages), a larger accelerator, fp8 weights or a higher "
+                "gpu_memory_utilization",
             )
         return free // block_bytes
 
@@ -209,23 +313,70 @@ ACCELERATORS: dict[str, AcceleratorConfig] = {
             profile_name="a100",
         ),
         AcceleratorConfig(
+            name="a100-40g",
+            memory_bytes=40 * GIB,
+            peak_bf16_flops=312e12,
+            memory_bandwidth_bytes_per_s=1.555e12,
+            interconnect="nvlink3",
+            interconnect_bandwidth_bytes_per_s=300e9,
+        ),
+        AcceleratorConfig(
             name="h100-sxm",
             memory_bytes=80 * GIB,
             peak_bf16_flops=989e12,
+            peak_fp8_flops=1979e12,
             memory_bandwidth_bytes_per_s=3.35e12,
             interconnect="nvlink4",
             interconnect_bandwidth_bytes_per_s=450e9,
             profile_name="h100",
         ),
         AcceleratorConfig(
+            name="h100-pcie",
+            memory_bytes=80 * GIB,
+            peak_bf16_flops=756e12,
+            peak_fp8_flops=1513e12,
+            memory_bandwidth_bytes_per_s=2.0e12,
+            interconnect="pcie5",
+            interconnect_bandwidth_bytes_per_s=64e9,
+            interconnect_latency_ns=25_000,
+        ),
+        AcceleratorConfig(
             name="h200",
             memory_bytes=141 * 10**9,
             peak_bf16_flops=989e12,
+            peak_fp8_flops=1979e12,
             memory_bandwidth_bytes_per_s=4.8e12,
             interconnect="nvlink4",
             interconnect_bandwidth_bytes_per_s=450e9,
         ),
+        AcceleratorConfig(
+            name="l40s",
+            memory_bytes=48 * GIB,
+            peak_bf16_flops=362e12,
+            peak_fp8_flops=733e12,
+            memory_bandwidth_bytes_per_s=864e9,
+            interconnect="pcie4",
+            interconnect_bandwidth_bytes_per_s=32e9,
+            interconnect_latency_ns=25_000,
+        ),
+        AcceleratorConfig(
+            name="b200",
+            memory_bytes=180 * 10**9,
+            peak_bf16_flops=2250e12,
+            peak_fp8_flops=4500e12,
+            memory_bandwidth_bytes_per_s=8.0e12,
+            interconnect="nvlink5",
+            interconnect_bandwidth_bytes_per_s=900e9,
+        ),
     )
+}
+
+#: Other spellings of the accelerator names (matched case-insensitively): vendor names, memory sizes.
+ACCELERATOR_ALIASES: dict[str, str] = {
+    "h100": "h100-sxm", "h100-80g": "h100-sxm", "h100-80gb": "h100-sxm", "h100-sxm5": "h100-sxm",
+    "h100-sxm-80gb": "h100-sxm", "h100-pcie-80gb": "h100-pcie", "h200-141gb": "h200", "h200-sxm": "h200",
+    "a100": "a100-80g", "a100-80gb": "a100-80g", "a100-sxm-80gb": "a100-80g", "a100-40gb": "a100-40g",
+    "a100-sxm-40gb": "a100-40g", "l40s-48gb": "l40s", "b200-180gb": "b200",
 }
 
 MODELS: dict[str, ModelConfig] = {
@@ -278,11 +429,15 @@ MODELS: dict[str, ModelConfig] = {
 }
 
 
-def accelerator(name: str, tensor_parallel_size: int = 1) -> AcceleratorConfig:
-    """The named accelerator preset, with the instance's tensor-parallel degree."""
-    if name not in ACCELERATORS:
+def accelerator(name: str, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> AcceleratorConfig:
+    """The named accelerator preset (any case; aliases such as 'H100' or 'A100-80GB'), with the instance's
+    tensor- and pipeline-parallel degrees."""
+    key = name.lower()
+    key = ACCELERATOR_ALIASES.get(key, key)
+    if key not in ACCELERATORS:
         raise unknown_name("accelerator", name, list(ACCELERATORS))
-    return dataclasses.replace(ACCELERATORS[name], tensor_parallel_size=tensor_parallel_size)
+    return dataclasses.replace(ACCELERATORS[key], tensor_parallel_size=tensor_parallel_size,
+                               pipeline_parallel_size=pipeline_parallel_size)
 
 
 def model(name: str) -> ModelConfig:

@@ -313,46 +313,99 @@ class ConstantCostModel(CostModelBase):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RooflineConfig:
-    """Efficiency factors of the roofline model."""
+    """Efficiency factors and fixed costs of the roofline model (a calibration fits them: replay.calibration)."""
 
     compute_efficiency: float = doc("Share of peak FLOP/s a step achieves (model FLOPs utilization).", 0.6)
     memory_efficiency: float = doc("Share of peak memory bandwidth a step achieves.", 0.8)
     interconnect_efficiency: float = doc("Share of interconnect bandwidth an all-reduce achieves.", 0.7)
     step_overhead_ns: int = doc("Fixed CPU time per step (scheduling, launch, sampling), ns.", 0)
+    layer_overhead_ns: int = doc(
+        "Fixed time per layer per step beyond its roofline (kernel launch floors, norms, rotary, activation), ns.", 0
+    )
+    seq_overhead_ns: int = doc(
+        "Time per sequence in a step (input preparation, sampling, output processing), ns.", 0
+    )
+    allreduce_latency_ns: int | None = doc(
+        "Fixed latency of one all-reduce (and of a pipeline hop), ns; None: the accelerator's interconnect latency.",
+        None,
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("compute_efficiency", "memory_efficiency", "interconnect_efficiency"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ReplayError(f"RooflineConfig.{name} must be in (0, 1] (a share of the hardware's peak), not {value}")
+        for name in ("step_overhead_ns", "layer_overhead_ns", "seq_overhead_ns", "allreduce_latency_ns"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ReplayError(f"RooflineConfig.{name} must be >= 0, not {value}")
 
 
 class UnitCosts:
-    """Integer tick costs per unit of work, rounded once from the configuration."""
+    """Integer tick costs per unit of work, rounded once from the configuration.
+
+    Linear layers: 2 FLOPs per active weight per token (a mixture of experts counts its top-k experts);
+    weights are read once per step (a mixture of experts reads the experts its tokens touch, see
+    ``weights``); tensor parallelism divides work and bytes over the devices, pipeline stages run one
+    after another (same totals, plus a hop per stage boundary).
+    """
 
     __slots__ = (
-        "linear_token", "lm_head_row", "linear_decode", "attention_pair", "kv_token", "weights", "comm_fixed", "comm_token"
+        "linear_token", "lm_head_row", "linear_decode", "attention_pair", "kv_token", "dense_weights", "expert_weights",
+        "comm_fixed", "comm_token", "fixed_ns", "seq_ns", "_model", "_moe_layers", "_weights_cache",
     )
 
     def __init__(self, instance: InstanceConfig, config: RooflineConfig) -> None:
         acc, m = instance.accelerator, instance.model
         tp = acc.tensor_parallel_size
-        flops_per_tick = acc.peak_bf16_flops * tp * config.compute_efficiency / (1e9 * TICKS_PER_NS)
+        flops_per_tick = acc.peak_flops(m.compute_dtype) * tp * config.compute_efficiency / (1e9 * TICKS_PER_NS)
+        bf16_flops_per_tick = acc.peak_bf16_flops * tp * config.compute_efficiency / (1e9 * TICKS_PER_NS)
         bytes_per_tick = acc.memory_bandwidth_bytes_per_s * tp * config.memory_efficiency / (1e9 * TICKS_PER_NS)
-        linear_params = m.num_layers * (m.num_layer_params - 2 * m.hidden_size)
-        self.linear_token = round(2 * linear_params / flops_per_tick)
-        self.lm_head_row = round(2 * m.hidden_size * m.vocab_size / flops_per_tick)
+        self.linear_token = round(2 * m.active_linear_params / flops_per_tick)
+        self.lm_head_row = round(2 * m.hidden_size * m.vocab_size / bf16_flops_per_tick)
         self.linear_decode = self.linear_token + self.lm_head_row  # a decode sequence: one token, one sampled row
-        self.attention_pair = round(4 * m.num_attention_heads * m.head_dim * m.num_layers / flops_per_tick)
+        self.attention_pair = round(4 * m.num_attention_heads * m.head_dim * m.num_layers / bf16_flops_per_tick)
         self.kv_token = round(m.kv_bytes_per_token / bytes_per_tick)
-        read_params = m.num_layers * m.num_layer_params + m.vocab_size * m.hidden_size  # layers + LM head
-        self.weights = round(read_params * m.bytes_per_param / bytes_per_tick)
+        self._model = m
+        self._moe_layers = m.num_moe_layers_resolved
+        expert_bytes = m.expert_params * m.bytes_per_param / bytes_per_tick
+        routed = self._moe_layers * m.num_experts * m.expert_params
+        dense_params = m.layers_params - routed + m.vocab_size * m.hidden_size  # layers + the LM head
+        self.dense_weights = round(dense_params * m.bytes_per_param / bytes_per_tick)
+        self.expert_weights = expert_bytes * self._moe_layers  # ticks per expert touched in every MoE layer
+        self._weights_cache: dict[int, int] = {}
+        latency_ns = acc.interconnect_latency_ns if config.allreduce_latency_ns is None else config.allreduce_latency_ns
+        link = acc.interconnect_bandwidth_bytes_per_s * config.interconnect_efficiency / (1e9 * TICKS_PER_NS)
+        self.comm_token = self.comm_fixed = 0
         if tp > 1:  # two ring all-reduces per layer of (tokens x hidden) bf16 activations
-            link = acc.interconnect_bandwidth_bytes_per_s * config.interconnect_efficiency / (1e9 * TICKS_PER_NS)
             per_token_bytes = 2 * (tp - 1) / tp * m.hidden_size * 2
             self.comm_token = round(2 * m.num_layers * per_token_bytes / link)
-            self.comm_fixed = 2 * m.num_layers * acc.interconnect_latency_ns * TICKS_PER_NS
-        else:
-            self.comm_token = 0
-            self.comm_fixed = 0
+            self.comm_fixed = 2 * m.num_layers * latency_ns * TICKS_PER_NS
+        hops = acc.pipeline_parallel_size - 1
+        if hops:  # each stage boundary sends the step's activations once
+            self.comm_token += round(hops * m.hidden_size * 2 / link)
+            self.comm_fixed += hops * latency_ns * TICKS_PER_NS
+        self.fixed_ns = config.step_overhead_ns + m.num_layers * config.layer_overhead_ns
+        self.seq_ns = config.seq_overhead_ns
+
+    def weights(self, num_tokens: int) -> int:
+        """Ticks to read the weights a step of ``num_tokens`` tokens touches: every dense weight, and of each
+        mixture-of-experts layer the experts its tokens are routed to (expected distinct experts)."""
+        if not self._moe_layers:
+            return self.dense_weights
+        cached = self._weights_cache.get(num_tokens)
+        if cached is None:
+            touched = self._model.expected_experts_touched(num_tokens)
+            cached = self._weights_cache[num_tokens] = self.dense_weights + round(touched * self.expert_weights)
+        return cached
+
+    def comm_ns(self, num_tokens: int) -> int:
+        return -(-(self.comm_fixed + self.comm_token * num_tokens) // TICKS_PER_NS) if self.comm_fixed or self.comm_token else 0
 
 
 class RooflineCostModel(CostModelBase):
-    """A step takes max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth) plus all-reduces and overhead."""
+    """A step takes max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth) plus all-reduces and fixed costs:
+    per step, per layer and per sequence (``RooflineConfig``)."""
 
     name = "roofline"
 
@@ -360,11 +413,11 @@ class RooflineCostModel(CostModelBase):
         self.instance = instance
         self.config = config or RooflineConfig()
         self.units = UnitCosts(instance, self.config)
-        self._const_ns: dict[int, int] = {}  # per decode batch size: overhead + all-reduces
+        self._const_ns: dict[int, int] = {}  # per decode batch size: fixed costs + all-reduces
 
-    def _comm_ns(self, num_tokens: int) -> int:
+    def _const(self, num_seqs: int, num_tokens: int) -> int:
         u = self.units
-        return -(-(u.comm_fixed + u.comm_token * num_tokens) // TICKS_PER_NS) if u.comm_fixed else 0
+        return u.fixed_ns + u.seq_ns * num_seqs + u.comm_ns(num_tokens)
 
     def step_time_ns(self, shape: StepShape) -> int:
         u = self.units
@@ -375,21 +428,22 @@ class RooflineCostModel(CostModelBase):
             kv_tokens += o + c
         d, ctx = shape.num_decode_seqs, shape.decode_context_tokens
         num_tokens = num_prefill + d
-        compute = num_tokens * u.linear_token + (len(shape.prefill_chunks) + d) * u.lm_head_row
+        num_seqs = len(shape.prefill_chunks) + d
+        compute = num_tokens * u.linear_token + num_seqs * u.lm_head_row
         compute += (pairs + ctx) * u.attention_pair
-        memory = u.weights + (kv_tokens + ctx) * u.kv_token
-        return self.config.step_overhead_ns + self._comm_ns(num_tokens) + -(-max(compute, memory) // TICKS_PER_NS)
+        memory = u.weights(num_tokens) + (kv_tokens + ctx) * u.kv_token
+        return self._const(num_seqs, num_tokens) + -(-max(compute, memory) // TICKS_PER_NS)
 
     def _affine(self, d: int, ctx: int) -> AffineDecode:
         u = self.units
         const = self._const_ns.get(d)
         if const is None:
-            const = self._const_ns[d] = self.config.step_overhead_ns + self._comm_ns(d)
+            const = self._const_ns[d] = self._const(d, d)
         return AffineDecode(
             const,
             d * u.linear_decode + ctx * u.attention_pair,
             d * u.attention_pair,
-            u.weights + ctx * u.kv_token,
+            u.weights(d) + ctx * u.kv_token,
             d * u.kv_token,
         )
 
@@ -402,9 +456,9 @@ class RooflineCostModel(CostModelBase):
         u, d = self.units, num_decode_seqs
         const = self._const_ns.get(d)
         if const is None:
-            const = self._const_ns[d] = self.config.step_overhead_ns + self._comm_ns(d)
+            const = self._const_ns[d] = self._const(d, d)
         a1 = d * u.linear_decode + context_tokens * u.attention_pair
-        a2 = u.weights + context_tokens * u.kv_token
+        a2 = u.weights(d) + context_tokens * u.kv_token
         b1 = d * u.attention_pair
         b2 = d * u.kv_token
         if a2 >= a1 and b2 >= b1:  # memory-bound at every step of the run (the usual decode)
@@ -413,15 +467,19 @@ class RooflineCostModel(CostModelBase):
 
     def info(self) -> CostModelInfo:
         c = self.config
+        params = [
+            ("compute_efficiency", repr(c.compute_efficiency)),
+            ("memory_efficiency", repr(c.memory_efficiency)),
+            ("interconnect_efficiency", repr(c.interconnect_efficiency)),
+            ("step_overhead_ns", str(c.step_overhead_ns)),
+        ]
+        for name in ("layer_overhead_ns", "seq_overhead_ns", "allreduce_latency_ns"):  # (recorded once set)
+            if getattr(c, name):
+                params.append((name, str(getattr(c, name))))
         return CostModelInfo(
             self.name,
             "max(FLOPs / (peak x efficiency), bytes / (bandwidth x efficiency)) per step, plus all-reduces",
-            (
-                ("compute_efficiency", repr(c.compute_efficiency)),
-                ("memory_efficiency", repr(c.memory_efficiency)),
-                ("interconnect_efficiency", repr(c.interconnect_efficiency)),
-                ("step_overhead_ns", str(c.step_overhead_ns)),
-            ),
+            tuple(params),
         )
 
 

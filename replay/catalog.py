@@ -1,0 +1,222 @@
+"""Any model on any accelerator: Hugging Face ``config.json`` shapes, the fidelity data's model table, presets.
+
+A model is named by
+
+- a preset of ``replay.config.MODELS`` (``llama-3-8b``, ``llama-2-70b``, ...);
+- a path to a Hugging Face ``config.json``, or to a folder holding one (read locally, never from the hub);
+- a model of the shared data's ``fidelity/models.csv`` (every model of the fidelity experiments), by its
+  Hugging Face id (``meta-llama/Llama-3.1-8B-Instruct``) or the id's last part, in any case.
+
+``config.json`` fields read (a multimodal checkpoint's ``text_config`` first): ``num_hidden_layers``,
+``hidden_size``, ``num_attention_heads``, ``num_key_value_heads`` (default: the attention heads),
+``head_dim`` (default hidden / heads), ``intermediate_size``, ``vocab_size``, ``tie_word_embeddings``;
+for mixtures of experts ``num_local_experts`` / ``num_experts`` / ``n_routed_experts``,
+``num_experts_per_tok``, ``moe_intermediate_size``, shared experts (``n_shared_experts``,
+``shared_expert_intermediate_size``; Llama 4 has one per MoE layer), dense layers
+(``first_k_dense_replace``, Llama 4's ``interleave_moe_layer_step``); fp8 checkpoints from
+``quantization_config``. A missing required field is an error that names it.
+
+``resolve_instance("meta-llama/Llama-3.1-70B-Instruct@H100x4", engine, shared)`` assembles an instance;
+``MODEL@ACCELERATOR[xTP]`` names keep working.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from replay.config import MODELS, EngineConfig, InstanceConfig, ModelConfig, SpeculativeConfig, accelerator
+from servelens.errors import ConfigError
+
+#: The fidelity data's model table, relative to the shared data folder.
+MODELS_CSV = Path("fidelity") / "models.csv"
+
+_REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+
+
+def model_from_hf_config(config: dict[str, Any], name: str, *, where: str = "config.json") -> ModelConfig:
+    """A ``ModelConfig`` from a Hugging Face ``config.json`` mapping (see the module docstring)."""
+    cfg = {**config, **config["text_config"]} if isinstance(config.get("text_config"), dict) else dict(config)
+    missing = [k for k in _REQUIRED if cfg.get(k) is None]
+    if missing:
+        raise ConfigError(
+            f"{where}: missing field {missing[0]!r}" + (f" (and {', '.join(missing[1:])})" if missing[1:] else ""),
+            "a decoder's config.json needs num_hidden_layers, hidden_size, num_attention_heads, "
+            "intermediate_size and vocab_size",
+        )
+    layers, hidden, heads = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    model_type = str(cfg.get("model_type", ""))
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)
+    fields: dict[str, Any] = dict(
+        name=name,
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        intermediate_size=int(cfg["intermediate_size"]),
+        vocab_size=int(cfg["vocab_size"]),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+    if experts:
+        fields.update(_moe_fields(cfg, model_type, experts, layers))
+    if _is_fp8(config):
+        fields.update(bytes_per_param=1, compute_dtype="fp8")
+    return ModelConfig(**fields)
+
+
+def _moe_fields(cfg: dict[str, Any], model_type: str, experts: int, layers: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"num_experts": experts, "experts_per_token": int(cfg.get("num_experts_per_tok") or 1)}
+    if model_type.startswith("llama4"):  # routed and shared experts of intermediate_size; dense MLPs are wider
+        out.update(num_shared_experts=1, moe_intermediate_size=int(cfg["intermediate_size"]))
+        if cfg.get("intermediate_size_mlp"):
+            out["intermediate_size"] = int(cfg["intermediate_size_mlp"])
+        step = int(cfg.get("interleave_moe_layer_step") or 1)
+        out["num_moe_layers"] = layers // step
+        return out
+    if cfg.get("moe_intermediate_size"):
+        out["moe_intermediate_size"] = int(cfg["moe_intermediate_size"])
+    if cfg.get("n_shared_experts"):
+        out["num_shared_experts"] = int(cfg["n_shared_experts"])
+    elif cfg.get("shared_expert_intermediate_size"):
+        out.update(num_shared_experts=1, shared_expert_intermediate_size=int(cfg["shared_expert_intermediate_size"]))
+    if cfg.get("first_k_dense_replace"):
+        out["num_moe_layers"] = layers - int(cfg["first_k_dense_replace"])
+    return out
+
+
+def _is_fp8(config: dict[str, Any]) -> bool:
+    q = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    if not isinstance(q, dict):
+        return False
+    if q.get("quant_method") == "fp8":
+        return True
+    text = json.dumps(q).lower()
+    return q.get("quant_method") == "compressed-tensors" and ('"type": "float"' in text and '"num_bits": 8' in text)
+
+
+def read_hf_config(path: str | Path, name: str | None = None) -> ModelConfig:
+    """The model of a ``config.json`` file or of a folder that holds one."""
+    p = Path(path)
+    file = p / "config.json" if p.is_dir() else p
+    if not file.is_file():
+        raise ConfigError(f"{path}: no config.json there", "give a Hugging Face config.json or the folder holding it")
+    try:
+        config = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{file}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{file}: not a config.json (the top level is not an object)")
+    default = p.name if p.is_dir() else (p.parent.name if p.name == "config.json" else p.stem)
+    return model_from_hf_config(config, name or config.get("_name_or_path") or default, where=str(file))
+
+
+def fidelity_models(shared: Path | None) -> dict[str, ModelConfig]:
+    """The models of the shared data's ``fidelity/models.csv``, keyed by Hugging Face id."""
+    if shared is None or not (shared / MODELS_CSV).is_file():
+        return {}
+    models = {}
+    with (shared / MODELS_CSV).open(newline="") as fh:
+        for row in csv.DictReader(fh):
+            models[row["model"]] = _model_from_row(row)
+    return models
+
+
+def _model_from_row(row: dict[str, str]) -> ModelConfig:
+    """A models.csv row (the config.json fields, flattened) as a model."""
+    config: dict[str, Any] = {
+        "num_hidden_layers": row["num_layers"], "hidden_size": row["hidden_size"],
+        "num_attention_heads": row["num_attention_heads"], "num_key_value_heads": row["num_kv_heads"],
+        "head_dim": row["head_dim"], "intermediate_size": row["intermediate_size"], "vocab_size": row["vocab_size"],
+        "num_local_experts": row.get("num_experts") or None, "num_experts_per_tok": row.get("experts_per_token") or None,
+        "tie_word_embeddings": row.get("tie_word_embeddings") == "True",
+        "model_type": "llama4" if row.get("architecture", "").startswith("Llama4") else "",
+    }
+    model = model_from_hf_config(config, row["model"], where=f"models.csv row {row['model']}")
+    if row.get("serving_precision", "").upper() == "FP8":
+        model = dataclasses.replace(model, bytes_per_param=1, compute_dtype="fp8")
+    return model
+
+
+def find_model(name: str, shared: Path | None = None) -> ModelConfig:
+    """A model by preset name, ``config.json`` path, or Hugging Face id of the fidelity model table."""
+    if name in MODELS:
+        return MODELS[name]
+    p = Path(name)
+    if p.suffix == ".json" or p.is_dir() or p.is_file():
+        return read_hf_config(p)
+    known = fidelity_models(shared)
+    key = name.lower()
+    for model_id, model in known.items():
+        if key in (model_id.lower(), model_id.rsplit("/", 1)[-1].lower()):
+            return model
+    names = sorted(MODELS) + sorted(known)
+    raise ConfigError(
+        f"unknown model {name!r}",
+        f"known models: {', '.join(names)}; or give the path of a Hugging Face config.json"
+        + ("" if known else " (the fidelity model table was not found: set the shared data folder)"),
+    )
+
+
+def parse_engine_spec(spec: str) -> tuple[str, str, int]:
+    """(model, accelerator, tensor parallel) of ``MODEL@ACCELERATOR[xTP]``."""
+    model_name, sep, rest = spec.rpartition("@")
+    if not sep or not model_name or not rest:
+        raise ConfigError(
+            f"engine spec {spec!r} is not MODEL@ACCELERATOR",
+            "e.g. llama-3-8b@h100-sxm, llama-2-70b@a100-80gx2 or meta-llama/Llama-3.1-8B-Instruct@h100",
+        )
+    head, x, tail = rest.rpartition("x")
+    if x and head and tail.isdigit():
+        return model_name, head, int(tail)
+    return model_name, rest, 1
+
+
+def resolve_instance(
+    spec: str,
+    engine: EngineConfig | None = None,
+    shared: Path | None = None,
+    *,
+    tensor_parallel_size: int | None = None,
+    pipeline_parallel_size: int = 1,
+    weight_dtype: str | None = None,
+    kv_cache_dtype: str | None = None,
+    speculative: SpeculativeConfig | None = None,
+) -> InstanceConfig:
+    """An instance from ``MODEL@ACCELERATOR[xTP]`` and vLLM's settings: ``tensor_parallel_size`` overrides
+    the spec's; ``weight_dtype`` 'fp8' (vLLM --quantization fp8) or 'bf16'/'fp16'/'auto'; ``kv_cache_dtype``
+    'fp8' or 'auto'. A model that does not fit its accelerators' memory is an error with the sizes."""
+    model_name, accel_name, tp = parse_engine_spec(spec)
+    model = find_model(model_name, shared)
+    if weight_dtype == "fp8":
+        model = dataclasses.replace(model, bytes_per_param=1, compute_dtype="fp8")
+    elif weight_dtype in ("bf16", "fp16", "bfloat16", "float16"):
+        model = dataclasses.replace(model, bytes_per_param=2, compute_dtype="bf16")
+    elif weight_dtype not in (None, "auto"):
+        raise ConfigError(f"unknown weight dtype {weight_dtype!r}", "valid: auto, bf16, fp16, fp8")
+    if kv_cache_dtype in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        model = dataclasses.replace(model, kv_bytes_per_element=1)
+    elif kv_cache_dtype not in (None, "auto", "bf16", "fp16"):
+        raise ConfigError(f"unknown KV cache dtype {kv_cache_dtype!r}", "valid: auto, fp8")
+    instance = InstanceConfig(
+        accelerator=accelerator(accel_name, tensor_parallel_size or tp, pipeline_parallel_size),
+        model=model,
+        engine=engine or EngineConfig(),
+        speculative=speculative,
+    )
+    instance.num_kv_blocks  # noqa: B018 -- a model that does not fit fails here, with its sizes
+    return instance
+
+
+__all__ = [
+    "MODELS_CSV",
+    "fidelity_models",
+    "find_model",
+    "model_from_hf_config",
+    "parse_engine_spec",
+    "read_hf_config",
+    "resolve_instance",
+]

@@ -1,0 +1,301 @@
+"""inference-perf workload configs as servelens workloads: seeded, deterministic, bursts as specified.
+
+`inference-perf <https://github.com/kubernetes-sigs/inference-perf>`_ (the Kubernetes serving
+benchmark) describes a load as *stages* (a rate in requests/s for a duration, arrivals ``poisson``
+or ``constant``) and the data as a generator. Two generators are read:
+
+``shared_prefix``  ``num_unique_system_prompts`` (``num_groups``) groups of
+                   ``num_users_per_system_prompt`` (``num_prompts_per_group``) prompts: a system
+                   prompt of ``system_prompt_len`` tokens shared by its group, a question of
+                   ``question_len`` tokens of its own, ``output_len`` tokens out. inference-perf
+                   builds these prompts once and sends request ``i`` the prompt ``i mod N`` (N =
+                   groups x prompts per group), so after the first round every prompt repeats
+                   whole: its blocks are cached when prefix caching is on. With
+                   ``enable_multi_turn_chat`` the prompts are sent as chat messages; the context does
+                   not grow between rounds (measured: inference-sim H30 findings), only the chat
+                   template adds its tokens.
+``random``         prompt and output lengths drawn from ``input_distribution`` and
+                   ``output_distribution`` (``min``, ``max``, ``mean``, ``std``); no shared prefix.
+
+Lengths may be a number or a distribution (``{distribution: normal|lognormal|skew_normal|uniform,
+mean, std_dev (or std), min, max, skew}``). Both the nested layout of inference-perf's own configs
+(``data: {type: shared_prefix, shared_prefix: {...}}``) and the flat transcription of
+``../shared/fidelity/workloads`` (the generator's keys directly under ``data``) are read.
+
+Templated prompts are longer than the spec's token counts: a chat API wraps every prompt in its
+model's template (the fidelity data's Llama runs: about 27 tokens, ``chat_template_tokens``). The
+template's head is part of the shared prefix, its tail follows the question.
+
+Everything random (arrival gaps, the order prompts are dealt in, drawn lengths) comes from one
+seeded generator, so a spec and a seed give the same table byte for byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow as pa
+
+from replay.errors import ReplayError
+from replay.traces import WORKLOAD_SCHEMA
+
+Arrivals = Literal["poisson", "constant"]
+#: Tokens a chat template adds to every prompt (Llama chat template with a system and a user turn,
+#: measured on the fidelity data: ~574 real prompt tokens for a 547-token spec).
+DEFAULT_CHAT_TEMPLATE_TOKENS = 27
+#: Tokens per prefix block id in generated workloads (vLLM's default KV block size).
+PREFIX_BLOCK_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class LoadStage:
+    """One stage of a load: a rate for a duration."""
+
+    rate_per_s: float
+    duration_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Lengths:
+    """A token length: a constant (``std`` 0) or a distribution clipped to [min, max]."""
+
+    mean: float
+    std: float = 0.0
+    min: int = 1
+    max: int = 1 << 30
+    distribution: str = "normal"
+    skew: float = 0.0
+
+    def draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        if self.std <= 0:
+            return np.full(n, max(self.min, min(self.max, round(self.mean))), dtype=np.int64)
+        if self.distribution == "lognormal":
+            sigma2 = np.log(1 + (self.std / self.mean) ** 2)
+            x = rng.lognormal(np.log(self.mean) - sigma2 / 2, np.sqrt(sigma2), n)
+        elif self.distribution == "uniform":
+            half = self.std * np.sqrt(3)
+            x = rng.uniform(self.mean - half, self.mean + half, n)
+        elif self.distribution == "skew_normal":
+            from scipy.stats import skewnorm
+
+            a = self.skew
+            delta = a / np.sqrt(1 + a * a)
+            scale = self.std / np.sqrt(1 - 2 * delta * delta / np.pi)
+            loc = self.mean - scale * delta * np.sqrt(2 / np.pi)
+            x = skewnorm.rvs(a, loc=loc, scale=scale, size=n, random_state=rng)
+        else:
+            x = rng.normal(self.mean, self.std, n)
+        return np.clip(np.rint(x), self.min, self.max).astype(np.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class InferencePerfSpec:
+    """What an inference-perf config asks for (see the module docstring)."""
+
+    name: str
+    arrivals: Arrivals
+    stages: tuple[LoadStage, ...]
+    generator: Literal["shared_prefix", "random"]
+    num_groups: int
+    num_prompts_per_group: int
+    system_prompt_tokens: int
+    question_tokens: Lengths
+    output_tokens: Lengths
+    chat: bool  # prompts go through a chat template (multi-turn chat or the chat API)
+
+    @property
+    def num_requests(self) -> int:
+        return sum(round(s.rate_per_s * s.duration_s) for s in self.stages)
+
+    @property
+    def duration_s(self) -> float:
+        return sum(s.duration_s for s in self.stages)
+
+
+def read_inference_perf(path: str | Path) -> InferencePerfSpec:
+    """Read an inference-perf config (YAML); an unknown or missing key is an error that names it."""
+    import yaml
+
+    path = Path(path)
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ReplayError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("load"), dict) or not isinstance(doc.get("data"), dict):
+        raise ReplayError(f"{path}: not an inference-perf config", "it needs a `load:` with stages and a `data:` section")
+    return parse_inference_perf(doc, name=str(doc.get("profile") or path.stem), where=str(path))
+
+
+def parse_inference_perf(doc: dict[str, Any], *, name: str = "inference-perf", where: str = "config") -> InferencePerfSpec:
+    """The spec of an inference-perf config already read into a mapping."""
+    load, data = doc["load"], doc["data"]
+    arrivals = str(load.get("type", "poisson"))
+    if arrivals not in ("poisson", "constant"):
+        raise ReplayError(f"{where}: load.type {arrivals!r} is not supported", "use poisson or constant")
+    stages = tuple(
+        LoadStage(float(_need(s, "rate", where)), float(_need(s, "duration", where))) for s in load.get("stages") or ()
+    )
+    if not stages or any(s.rate_per_s <= 0 or s.duration_s <= 0 for s in stages):
+        raise ReplayError(f"{where}: load.stages needs at least one stage with a positive rate and duration")
+    kind = str(data.get("type", "shared_prefix"))
+    api = doc.get("api")
+    chat_api = (api.get("type") if isinstance(api, dict) else api) == "chat"
+    if kind == "shared_prefix":
+        g = data.get("shared_prefix") if isinstance(data.get("shared_prefix"), dict) else data
+        groups = int(g.get("num_unique_system_prompts", g.get("num_groups", 0)) or 0)
+        per_group = int(g.get("num_users_per_system_prompt", g.get("num_prompts_per_group", 0)) or 0)
+        if groups < 1 or per_group < 1:
+            raise ReplayError(f"{where}: shared_prefix needs num_unique_system_prompts and num_users_per_system_prompt >= 1")
+        return InferencePerfSpec(
+            name, arrivals, stages, "shared_prefix", groups, per_group, int(_need(g, "system_prompt_len", where)),
+            _lengths(_need(g, "question_len", where), where), _lengths(_need(g, "output_len", where), where),
+            bool(g.get("enable_multi_turn_chat", False)) or chat_api,
+        )
+    if kind == "random":
+        return InferencePerfSpec(
+            name, arrivals, stages, "random", 1, 1, 0,
+            _lengths(_need(data, "input_distribution", where), where),
+            _lengths(_need(data, "output_distribution", where), where), chat_api,
+        )
+    raise ReplayError(f"{where}: data.type {kind!r} is not supported", "supported: shared_prefix, random")
+
+
+def _need(mapping: dict[str, Any], key: str, where: str) -> Any:
+    if key not in mapping or mapping[key] is None:
+        raise ReplayError(f"{where}: missing {key!r}", "see docs/replay.md, inference-perf workloads")
+    return mapping[key]
+
+
+def _lengths(value: Any, where: str) -> Lengths:
+    if isinstance(value, (int, float)):
+        return Lengths(float(value))
+    if isinstance(value, dict):
+        try:
+            return Lengths(
+                mean=float(value["mean"]),
+                std=float(value.get("std_dev", value.get("std", 0.0)) or 0.0),
+                min=int(value.get("min", 1)),
+                max=int(value.get("max", 1 << 30)),
+                distribution=str(value.get("distribution", "normal")),
+                skew=float(value.get("skew", 0.0)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ReplayError(f"{where}: a length distribution needs a numeric mean ({exc})") from None
+    raise ReplayError(f"{where}: a length is a number or a distribution, not {value!r}")
+
+
+def arrival_times_ns(spec: InferencePerfSpec, rng: np.random.Generator) -> np.ndarray:
+    """Arrival times from 0, stage after stage: exponential gaps (poisson) or even spacing (constant)."""
+    parts = []
+    start = 0.0
+    for stage in spec.stages:
+        n = round(stage.rate_per_s * stage.duration_s)
+        if spec.arrivals == "constant":
+            offsets = np.arange(n) / stage.rate_per_s
+        else:  # exponential gaps until the stage ends (the count is Poisson with mean rate x duration)
+            offsets = np.cumsum(rng.exponential(1 / stage.rate_per_s, n + 10 * int(np.sqrt(n)) + 10))
+            offsets = offsets[offsets < stage.duration_s]
+        parts.append(np.floor((start + offsets) * 1e9).astype(np.int64))
+        start += stage.duration_s
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def inference_perf_workload(
+    spec: InferencePerfSpec,
+    seed: int = 0,
+    *,
+    chat_template_tokens: int | None = None,
+    mean_output_tokens: float | None = None,
+) -> pa.Table:
+    """The workload table of ``spec``: arrivals, templated prompt lengths, prefix block ids, outputs.
+
+    ``mean_output_tokens`` replaces the spec's output length (a run whose model stopped early, e.g.
+    the fidelity data's measured mean); ``chat_template_tokens`` (default 27 for chat prompts, 0
+    otherwise) is added to every prompt.
+    """
+    rng = np.random.default_rng(seed)
+    arrivals = arrival_times_ns(spec, rng)
+    n = len(arrivals)
+    template = chat_template_tokens if chat_template_tokens is not None else (DEFAULT_CHAT_TEMPLATE_TOKENS if spec.chat else 0)
+    num_prompts = spec.num_groups * spec.num_prompts_per_group
+    if spec.generator == "shared_prefix":
+        questions = spec.question_tokens.draw(rng, num_prompts)
+        outputs = spec.output_tokens.draw(rng, num_prompts)
+        users = rng.permutation(num_prompts)  # which group's system prompt each prompt slot is sent with
+        slot = np.arange(n) % num_prompts
+        prompt_index = slot
+        group = users[slot] // spec.num_prompts_per_group
+        question = questions[slot]
+        output = outputs[slot]
+    else:
+        prompt_index = np.arange(n)
+        group = np.full(n, -1)
+        question = spec.question_tokens.draw(rng, n)
+        output = spec.output_tokens.draw(rng, n)
+    if mean_output_tokens is not None:
+        output = _with_mean(output, mean_output_tokens)
+    head = template // 2
+    shared = (spec.system_prompt_tokens + head) if spec.generator == "shared_prefix" else 0
+    prompt = shared + question + (template - head if spec.generator == "shared_prefix" else template)
+    width = max(6, len(str(n)))
+    columns = {
+        "request_id": pa.array([f"{spec.name}-{i:0{width}d}" for i in range(n)], pa.string()),
+        "arrival_ns": pa.array(arrivals, pa.int64()),
+        "num_prompt_tokens": pa.array(prompt, pa.int64()),
+        "num_output_tokens": pa.array(output, pa.int64()),
+        "prefix_block_ids": pa.array(_prefix_block_ids(spec.name, group, prompt_index, shared, prompt), pa.list_(pa.int64())),
+        "prefix_block_size_tokens": pa.array(np.full(n, PREFIX_BLOCK_TOKENS), pa.int64()),
+        "num_branches": pa.array(np.ones(n, dtype=np.int64), pa.int64()),
+        "failed": pa.array(np.zeros(n, dtype=bool), pa.bool_()),
+    }
+    return pa.Table.from_arrays(
+        [columns[f.name] if f.name in columns else pa.nulls(n, f.type) for f in WORKLOAD_SCHEMA], schema=WORKLOAD_SCHEMA
+    )
+
+
+def _with_mean(lengths: np.ndarray, mean: float) -> np.ndarray:
+    """Lengths scaled to ``mean``, the fraction spread deterministically (request i gets ceil where
+    the running total falls short), so the table's mean is ``mean`` to within 1/n."""
+    scaled = lengths * (mean / lengths.mean()) if lengths.mean() > 0 else np.full(len(lengths), mean)
+    totals = np.floor(np.cumsum(scaled) + 0.5)
+    out = np.diff(np.concatenate([[0.0], totals])).astype(np.int64)
+    return np.maximum(out, 1)
+
+
+def _prefix_block_ids(name: str, group: np.ndarray, prompt_index: np.ndarray, shared: int, prompt: np.ndarray) -> list:
+    """Each request's block ids (computed once per distinct prompt: shared-prefix prompts repeat)."""
+    cache: dict[tuple[int, int, int], list[int]] = {}
+    out = []
+    for key in zip(group.tolist(), prompt_index.tolist(), prompt.tolist()):
+        ids = cache.get(key)
+        if ids is None:
+            ids = cache[key] = _block_ids(name, key[0], key[1], shared, key[2])
+        out.append(ids)
+    return out
+
+
+def _block_ids(name: str, group: int, prompt: int, shared_tokens: int, num_tokens: int) -> list[int]:
+    """Hash ids of a prompt's full blocks: blocks inside its group's shared prefix are named by the
+    group, the rest by the prompt (a block's content includes everything before it)."""
+    ids = []
+    for b in range(num_tokens // PREFIX_BLOCK_TOKENS):
+        owner = f"g{group}" if group >= 0 and (b + 1) * PREFIX_BLOCK_TOKENS <= shared_tokens else f"p{prompt}"
+        digest = hashlib.blake2b(f"{name}/{owner}/{b}".encode(), digest_size=8).digest()
+        ids.append(int.from_bytes(digest, "big") >> 1)
+    return ids
+
+
+__all__ = [
+    "DEFAULT_CHAT_TEMPLATE_TOKENS",
+    "InferencePerfSpec",
+    "Lengths",
+    "LoadStage",
+    "arrival_times_ns",
+    "inference_perf_workload",
+    "parse_inference_perf",
+    "read_inference_perf",
+]
