@@ -155,6 +155,12 @@ class Engine:
         self.kv_bytes_per_block = instance.model.kv_bytes_per_token * e.block_size_tokens
         self.swap_bandwidth = e.swap_bandwidth_bytes_per_s
         self.encoder_ns_per_token = e.encoder_s_per_image_token * 1e9
+        # async scheduling (vLLM's default since 0.12): step n+1 is planned when step n starts, so a request
+        # admitted after that start waits for step n+2; the start and end of the last step run are kept
+        self.async_scheduling = e.async_scheduling
+        if instance.frontend is not None:
+            writer.out_delay_ns = instance.frontend.out_delay_ns
+        self._last_start_ns = self._last_end_ns = -1
         self.pool = BlockPool(instance.num_kv_blocks)
         self.watermark_blocks = int(e.kv_watermark_fraction * self.pool.num_total)
         self.running: list[Request] = []
@@ -657,6 +663,8 @@ class Engine:
         """How many identical lockstep decode steps to advance at once, their total and last step's time."""
         lock = self._lock
         k_max = lock.first_finish() - lock.ticks
+        if self.async_scheduling and self.waiting and self._unseen_waiting(now):
+            k_max = 1  # a request the scheduler has not seen yet joins the step after this one
         if self._horizon is not None:
             h = self._horizon(self.view)
             if h is not None:
@@ -766,11 +774,23 @@ class Engine:
         self._flight = _Flight(now, end, end - last, k, lockstep, snapshot, scheduled)
         self.stats.num_steps += k
 
+    def _seen_until_ns(self, now: int) -> int | None:
+        """With async scheduling and a step that just ended while requests run, the pass planned now was
+        planned when that step started: requests admitted after its start are not in it. None: all are."""
+        if self.async_scheduling and self._last_end_ns == now and self.running:
+            return self._last_start_ns
+        return None
+
+    def _unseen_waiting(self, now: int) -> bool:
+        seen = self._seen_until_ns(now)
+        return seen is not None and any((r.admitted_ns or 0) > seen for r in self.waiting)
+
     def _plan_waiting(self, now: int, budget: int, scheduled: list) -> tuple[int, list[Request]]:
         """Admit waiting requests into the batch while they fit; returns (budget left, those admitted)."""
         waiting, running, pool, policy, view = self.waiting, self.running, self.pool, self.policy, self.view
         if not waiting:
             return budget, []
+        seen = self._seen_until_ns(now)
         bs = self.block_size
         admitted: list[Request] = []
         self._budget[0] = budget
@@ -783,6 +803,8 @@ class Engine:
                 break
             if r.state != WAITING:
                 raise ReplayError(f"policy {policy.name!r} ordered a request that is not waiting")
+            if seen is not None and (r.admitted_ns or 0) > seen:
+                continue  # async scheduling: it arrived after this step was planned
             if adapters is not None and r.adapter is not None and r.adapter not in adapters:
                 if len(adapters) >= slots:
                     continue  # no adapter slot left in this batch: later requests may still fit (vLLM's max_loras)
@@ -1046,6 +1068,7 @@ class Engine:
         self._step_index += 1
         self.stats.num_step_events += 1
         self._flight = None
+        self._last_start_ns, self._last_end_ns = f.prev_end_ns, now
         for r in handoffs:  # after the step: its KV leaves with it
             self.handoff(r, self.release(r, True))
         if self.fast:
@@ -1095,6 +1118,7 @@ class Engine:
         self._step_index += 1
         self.stats.num_step_events += 1
         self._flight = None
+        self._last_start_ns, self._last_end_ns = f.prev_end_ns, now
         self._flush_countdown -= 1
         if self._flush_countdown <= 0:
             self._flush_if_full()
