@@ -197,6 +197,7 @@ class Lake:
                     table,
                     data,
                     mode="append",
+                    schema_mode="merge",  # a newer minor version of the contract adds nullable columns
                     partition_by=list(PARTITION_COLUMNS),
                     writer_properties=WriterProperties(compression="ZSTD"),
                     commit_properties=CommitProperties(app_transactions=transactions),
@@ -261,17 +262,18 @@ class Lake:
 
     def connect(self, con: duckdb.DuckDBPyConnection | None = None) -> duckdb.DuckDBPyConnection:
         """A DuckDB connection with the views ``events``, ``dead_letters`` and ``requests``."""
-        from pipelines.tables import connect, requests_sql
+        from pipelines.tables import connect, requests_sql, with_all_columns
 
         con = con or connect(self.config.duckdb_memory_limit)
         for name in TABLE_SCHEMAS:
             files = self.files(name)
             if files:
                 listed = ", ".join("'" + f.replace("'", "''") + "'" for f in files)
-                con.execute(
-                    f"CREATE OR REPLACE VIEW {name} AS SELECT * FROM read_parquet([{listed}], "
-                    "hive_partitioning = true, hive_types = {'dt': DATE, 'hour': INTEGER}, union_by_name = true)"
-                )
+                source = (f"read_parquet([{listed}], hive_partitioning = true, "
+                          "hive_types = {'dt': DATE, 'hour': INTEGER}, union_by_name = true)")
+                if name == EVENTS:  # files written under an older minor version lack the newer fields
+                    source = with_all_columns(con, source)
+                con.execute(f"CREATE OR REPLACE VIEW {name} AS SELECT * FROM {source}")
             else:
                 empty = _stored_schema(name)
                 empty = empty.set(empty.get_field_index("dt"), pa.field("dt", pa.date32()))

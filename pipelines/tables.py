@@ -19,7 +19,7 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
-from schemas.arrow import arrow_schema
+from schemas.arrow import EVENTS_SCHEMA, arrow_schema
 from schemas.records import RequestRow
 
 EventSource = pa.Table | str | Path | Sequence[str | Path]
@@ -42,7 +42,8 @@ arr AS (
         request_id, min(ts_ns) AS arrival_ns, max(tenant) AS tenant, max(service_class) AS service_class,
         max(model) AS model, max(adapter) AS adapter, max(pool) AS pool, max(session_id) AS session_id,
         max(num_prompt_tokens) AS num_prompt_tokens, max(num_cached_prefix_tokens) AS num_cached_prefix_tokens,
-        max(max_output_tokens) AS max_output_tokens, max(num_branches) AS num_branches
+        max(max_output_tokens) AS max_output_tokens, max(num_branches) AS num_branches,
+        min(client_sent_ns) AS client_sent_ns
     FROM {source} WHERE event_type = 'request_arrived' GROUP BY request_id
 ),
 adm AS (
@@ -54,7 +55,7 @@ adm AS (
 fin AS (
     SELECT
         request_id, min(ts_ns) AS finish_ns, arg_max(outcome, (ts_ns, event_id)) AS outcome,
-        arg_max(num_output_tokens, (ts_ns, event_id)) AS finished_output_tokens
+        arg_max(num_output_tokens, (ts_ns, event_id)) AS finished_output_tokens, max(last_byte_ns) AS last_byte_ns
     FROM {source} WHERE event_type = 'request_finished' GROUP BY request_id
 ),
 can AS (
@@ -136,6 +137,9 @@ SELECT
     CASE WHEN num_output_tokens > 1
          THEN (last_token_ns - first_token_ns) / 1e9 / (num_output_tokens - 1) END AS tpot_s,
     (last_token_ns - arrival_ns) / 1e9 AS e2e_s,
+    client_sent_ns, last_byte_ns,
+    (first_byte_ns - client_sent_ns) / 1e9 AS ttft_client_s,
+    (last_byte_ns - client_sent_ns) / 1e9 AS e2e_client_s,
     coalesce(num_itl_gaps, 0) AS num_itl_gaps, itl_mean_s, itl_p50_s, itl_p99_s, itl_max_s,
     coalesce(itl_from_chunks, false) AS itl_from_chunks, num_events
 FROM req
@@ -162,13 +166,24 @@ def connect(memory_limit: str | None = None) -> duckdb.DuckDBPyConnection:
 
 
 def _source_sql(con: duckdb.DuckDBPyConnection, source: EventSource) -> str:
-    """Register the events and return the SQL relation that reads them."""
+    """Register the events and return the SQL relation that reads them (every contract column present)."""
     if isinstance(source, pa.Table):
         con.register("events_input", source)
-        return "events_input"
+        return with_all_columns(con, "events_input")
     paths = [source] if isinstance(source, (str, Path)) else list(source)
     files = ", ".join("'" + str(p).replace("'", "''") + "'" for p in paths)
-    return f"read_parquet([{files}], union_by_name = true)"
+    return with_all_columns(con, f"read_parquet([{files}], union_by_name = true)")
+
+
+def with_all_columns(con: duckdb.DuckDBPyConnection, relation: str) -> str:
+    """``relation`` with the event contract's columns it lacks added as typed nulls: events written under an
+    older minor version of the contract (fields added since) read like current ones."""
+    have = set(con.sql(f"SELECT * FROM {relation} LIMIT 0").columns)
+    missing = [f for f in EVENTS_SCHEMA if f.name not in have and f.type in _DUCKDB_TYPE]
+    if not missing:
+        return relation
+    nulls = ", ".join(f'NULL::{_DUCKDB_TYPE[f.type]} AS "{f.name}"' for f in missing)
+    return f"(SELECT *, {nulls} FROM {relation})"
 
 
 _DUCKDB_TYPE = {pa.int64(): "BIGINT", pa.float64(): "DOUBLE", pa.string(): "VARCHAR", pa.bool_(): "BOOLEAN"}

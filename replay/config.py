@@ -267,6 +267,42 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class FrontendConfig:
+    """Time outside the engine step that client-side latencies include (the API server and the network).
+
+    A client measures from sending the request to receiving each token (inference-perf, GuideLLM, AIPerf);
+    the engine sees the request after ``request_overhead_s`` and tokenization, and the client sees a token
+    ``detokenize_s_per_token + stream_delivery_s`` after the step that produced it. With a frontend, a
+    replay's arrivals are client send times, its ``request_arrived`` events are stamped when the frontend
+    received the request (``client_sent_ns`` beside), and its ``first_byte_ns`` / ``last_byte_ns`` are when
+    the client received the first and the last token (docs/calibration.md, Boundaries).
+    """
+
+    request_overhead_s: float = doc(
+        "Client to engine before tokenization: HTTP round trip, request parsing, the API server's queue, s.", 0.0
+    )
+    tokenize_s_per_token: float = doc("Prompt tokenization in the API server, s per prompt token.", 0.0)
+    detokenize_s_per_token: float = doc("Incremental detokenization of a delivered token, s.", 0.0)
+    stream_delivery_s: float = doc(
+        "Engine output to the client: the hop to the API server, stream framing and the network, s per chunk.", 0.0
+    )
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if not getattr(self, f.name) >= 0:
+                raise ReplayError(f"FrontendConfig.{f.name} must be >= 0, not {getattr(self, f.name)!r}")
+
+    def in_delay_ns(self, num_prompt_tokens: int) -> int:
+        """From the client's send to the engine's scheduler: the overhead and the prompt's tokenization."""
+        return round((self.request_overhead_s + self.tokenize_s_per_token * num_prompt_tokens) * 1e9)
+
+    @property
+    def out_delay_ns(self) -> int:
+        """From the step that produced a token to the client receiving it."""
+        return round((self.detokenize_s_per_token + self.stream_delivery_s) * 1e9)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class InstanceConfig:
     """One serving instance: a model on its accelerators, run by an engine."""
 
@@ -274,6 +310,11 @@ class InstanceConfig:
     model: ModelConfig = doc("The model.")
     engine: EngineConfig = field(default_factory=EngineConfig, metadata={"doc": "Engine settings."})
     speculative: SpeculativeConfig | None = doc("Speculative decoding with a draft model (None: off).", None)
+    frontend: FrontendConfig | None = field(
+        default=None,
+        metadata={"doc": "The API server and network around the engine (None: engine-side timestamps only).",
+                  "omit_default": True},
+    )
 
     @property
     def num_kv_blocks(self) -> int:

@@ -228,6 +228,9 @@ class EventWriter:
         self.labelled = False
         #: set by a cluster: admission decisions may carry a ``target`` (the instance a request is routed to)
         self.routed = False
+        #: set by an engine with a frontend model (``FrontendConfig``): a token reaches the client this long
+        #: after its step, which stamps ``first_byte_ns`` and ``last_byte_ns``; None: the client is not modelled
+        self.out_delay_ns: int | None = None
 
     def snapshot(self, members: tuple[Request, ...], num_seqs: int) -> Snapshot:
         """The lockstep members now, their rows appended to the member log (valid until the next flush)."""
@@ -328,11 +331,13 @@ class EventWriter:
             return None
         # (request, instance_id, num_cached_prefix_tokens)
         reqs, instance, cached = zip(*buf)
-        (arrival, prompt, max_output, branches, ttft_deadline, e2e_deadline, session, block_ids) = zip(
+        (arrival, prompt, max_output, branches, ttft_deadline, e2e_deadline, session, block_ids, sent) = zip(
             *map(_ARRIVAL_FIELDS, reqs)
         )
         cols = self._request_columns(reqs)
         cols["ts_ns"] = _ints(arrival)
+        if self.out_delay_ns is not None:
+            cols["client_sent_ns"] = pa.array(sent, pa.int64())
         cols["instance_id"] = _strings(instance)
         cols["num_prompt_tokens"] = _ints(prompt)
         cols["num_cached_prefix_tokens"] = pa.array(cached, pa.int64())
@@ -432,6 +437,8 @@ class EventWriter:
         cols = self._request_columns(reqs)
         cols["ts_ns"] = _ints(ts)
         cols["instance_id"] = _strings(instance)
+        if self.out_delay_ns is not None:
+            cols["first_byte_ns"] = pc.add(cols["ts_ns"], pa.scalar(self.out_delay_ns, pa.int64()))
         return self._request_part("first_token", cols, ":first_token")
 
     def _tokens_part(self) -> _Part | None:
@@ -504,6 +511,10 @@ class EventWriter:
         cols["num_output_tokens"] = _ints(num_output)
         cols["error_message"] = pa.array(error, pa.string())
         cols["instance_id"] = _strings(instance)
+        if self.out_delay_ns is not None:  # a completed request's last token reached the client
+            delivered = pc.and_(pc.equal(cols["outcome"], "completed"), pc.greater(cols["num_output_tokens"], 0))
+            last = pc.add(cols["ts_ns"], pa.scalar(self.out_delay_ns, pa.int64()))
+            cols["last_byte_ns"] = pc.if_else(delivered, last, pa.scalar(None, pa.int64()))
         return self._request_part("request_finished", cols, ":finished")
 
     def _states_part(self) -> _Part | None:
@@ -596,7 +607,7 @@ _LABELS = ("tenant", "service_class", "model", "adapter")
 _LABEL_FIELDS = attrgetter(*_LABELS)
 _ARRIVAL_FIELDS = attrgetter(
     "arrival_ns", "num_prompt_tokens", "max_output_tokens", "num_branches_requested", "ttft_deadline_ns", "e2e_deadline_ns",
-    "session_id", "prefix_block_ids",
+    "session_id", "prefix_block_ids", "client_sent_ns",
 )
 _DECISION_FIELDS = attrgetter(
     "decision", "reason", "retry_after_s", "predicted_output_tokens_low", "predicted_output_tokens_high"

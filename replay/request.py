@@ -43,6 +43,7 @@ class Request:
         "index",
         "request_id",
         "arrival_ns",
+        "client_sent_ns",
         "num_prompt_tokens",
         "num_branches",
         "num_branches_requested",
@@ -118,6 +119,7 @@ class Request:
         self.index = index
         self.request_id = request_id
         self.arrival_ns = arrival_ns
+        self.client_sent_ns: int | None = None  # when the client sent it (a replay with a frontend model)
         self.num_prompt_tokens = num_prompt_tokens
         self.num_branches = num_branches  # may be lowered at admission (a degrade decision's num_branches)
         self.num_branches_requested = num_branches  # what the client asked for (the arrival event's)

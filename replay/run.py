@@ -249,6 +249,8 @@ class _Feeder:
         self.progress_every = max(1, progress_every)
         self.block_size = instance.engine.block_size_tokens
         self.prefix_caching = instance.engine.enable_prefix_caching
+        # with a frontend model, workload arrivals are client sends: the engine sees each request later
+        self.frontend = instance.frontend
         self._batches = source.batches()
         self._rows: list[tuple] = []
         self._pos = 0
@@ -302,6 +304,8 @@ class _Feeder:
                 "sort the workload by arrival_ns once; the replay never reorders arrivals itself",
             )
         self._last_arrival_ns = arrival
+        if self.frontend is not None:
+            arrival += self.frontend.in_delay_ns(max(1, row[2]))
         self.kernel.schedule(max(arrival, self.kernel.now_ns), ARRIVAL, self._arrive)
 
     def _arrive(self) -> None:
@@ -313,6 +317,9 @@ class _Feeder:
             self.first_arrival_ns = arrival
         spec = self._objectives.get(cls) if cls is not None else None
         prompt = max(1, prompt)
+        sent = None
+        if self.frontend is not None:  # stamped when the frontend received it; the client sent it earlier
+            sent, arrival = arrival, arrival + round(self.frontend.request_overhead_s * 1e9)
         r = Request(
             self.num_arrived,
             rid,
@@ -332,6 +339,7 @@ class _Feeder:
             cancel_after_ns=cancel_after,
             failed=failed,
         )
+        r.client_sent_ns = sent
         if self._images is not None:
             r.num_image_tokens = self._images[self._pos - 1]
         self.num_arrived += 1

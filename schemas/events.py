@@ -6,14 +6,16 @@ nanoseconds. ``ts_ns`` is the moment the event happened at the engine:
 ========================  ==========================================================================
 event type                ``ts_ns`` means
 ========================  ==========================================================================
-``request_arrived``       the serving frontend received the complete request (before tokenization)
+``request_arrived``       the serving frontend received the complete request (before tokenization);
+                          ``client_sent_ns``: when the client sent it
 ``admission_decided``     the admission controller decided (accept/queue/route/downgrade/degrade/reject)
 ``step_executed``         the engine step ended (``end_ns``); ``start_ns`` is when it started
 ``request_preempted``     the request was preempted (recompute, swap or migrate)
 ``first_token``           the first output token was produced (``first_byte_ns``: delivered)
 ``tokens_delivered``      further output tokens were produced
 ``request_cancelled``     the client cancelled
-``request_finished``      the request left the engine, with its outcome
+``request_finished``      the request left the engine, with its outcome (``last_byte_ns``: its last
+                          token reached the client)
 ``instance_state``        an instance reported its state (capacity, residency, scaling)
 ========================  ==========================================================================
 
@@ -30,7 +32,7 @@ from typing import Any, ClassVar, Literal
 from schemas.types import doc
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 0
+SCHEMA_MINOR = 1
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 
 Decision = Literal["accept", "queue", "route", "downgrade", "degrade", "reject"]
@@ -99,6 +101,9 @@ class RequestArrived(Event):
         "Hash ids of the prompt's prefix-cache blocks in order; equal ids at equal positions "
         "mean a shared prefix.",
         None,
+    )
+    client_sent_ns: int | None = doc(
+        "When the client sent the request, where known (client-side latencies start here; since 1.1).", None
     )
 
 
@@ -204,6 +209,9 @@ class RequestFinished(Event):
     outcome: Outcome = doc("completed, cancelled, rejected, timed_out or error.")
     num_output_tokens: int = doc("Output tokens delivered to the client in total.")
     error_message: str | None = doc("Error text for outcome 'error' (scrubbed by privacy/).", None)
+    last_byte_ns: int | None = doc(
+        "When the last output token reached the client, where known (client-side E2E ends here; since 1.1).", None
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

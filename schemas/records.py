@@ -94,6 +94,12 @@ class RequestRow:
     ttft_s: float | None = doc("first_token - arrival (user-facing, not vLLM's scheduled-based).", None)
     tpot_s: float | None = doc("(last_token - first_token) / (num_output_tokens - 1).", None)
     e2e_s: float | None = doc("last_token - arrival.", None)
+    client_sent_ns: int | None = doc("request_arrived client_sent_ns: when the client sent it, where known.", None)
+    last_byte_ns: int | None = doc("request_finished last_byte_ns: when the client received the last token.", None)
+    ttft_client_s: float | None = doc(
+        "first_byte - client_sent: TTFT as the client measured it (inference-perf, GuideLLM), where known.", None
+    )
+    e2e_client_s: float | None = doc("last_byte - client_sent: E2E as the client measured it, where known.", None)
     num_itl_gaps: int = doc("Per-token gaps after the first token (a chunk of k tokens counts k).", 0)
     itl_mean_s: float | None = doc("Mean per-token gap.", None)
     itl_p50_s: float | None = doc("Median per-token gap (weighted nearest rank).", None)

@@ -50,8 +50,9 @@ def _reasons(record) -> list[tuple[str, str]]:
 def test_a_valid_record_becomes_its_typed_event():
     result = validate_record(dict(ARRIVED))
     assert result.errors == ()
-    assert result.event == RequestArrived(
-        event_id="e1", ts_ns=ARRIVED["ts_ns"], engine_id="eng", request_id="r1", num_prompt_tokens=12
+    assert result.event == RequestArrived(  # a 1.0 record stays valid under every later 1.x contract
+        event_id="e1", schema_version="1.0", ts_ns=ARRIVED["ts_ns"], engine_id="eng", request_id="r1",
+        num_prompt_tokens=12,
     )
 
 
