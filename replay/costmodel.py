@@ -316,7 +316,11 @@ class RooflineConfig:
     """Efficiency factors and fixed costs of the roofline model (a calibration fits them: replay.calibration)."""
 
     compute_efficiency: float = doc("Share of peak FLOP/s a step achieves (model FLOPs utilization).", 0.6)
-    memory_efficiency: float = doc("Share of peak memory bandwidth a step achieves.", 0.8)
+    memory_efficiency: float = doc("Share of peak memory bandwidth a step achieves reading weights.", 0.8)
+    kv_memory_efficiency: float | None = doc(
+        "Share of peak memory bandwidth attention achieves reading and writing the KV cache (paged, scattered "
+        "blocks); None: memory_efficiency.", None
+    )
     interconnect_efficiency: float = doc("Share of interconnect bandwidth an all-reduce achieves.", 0.7)
     step_overhead_ns: int = doc("Fixed CPU time per step (scheduling, launch, sampling), ns.", 0)
     layer_overhead_ns: int = doc(
@@ -326,14 +330,15 @@ class RooflineConfig:
         "Time per sequence in a step (input preparation, sampling, output processing), ns.", 0
     )
     allreduce_latency_ns: int | None = doc(
-        "Fixed latency of one all-reduce (and of a pipeline hop), ns; None: the accelerator's interconnect latency.",
+        "Latency of one all-reduce per peer device, ns: a one-shot all-reduce over tp devices waits on tp - 1 of "
+        "them (a pipeline hop: one); None: the accelerator's interconnect latency, once per all-reduce.",
         None,
     )
 
     def __post_init__(self) -> None:
-        for name in ("compute_efficiency", "memory_efficiency", "interconnect_efficiency"):
+        for name in ("compute_efficiency", "memory_efficiency", "interconnect_efficiency", "kv_memory_efficiency"):
             value = getattr(self, name)
-            if not 0 < value <= 1:
+            if value is not None and not 0 < value <= 1:
                 raise ReplayError(f"RooflineConfig.{name} must be in (0, 1] (a share of the hardware's peak), not {value}")
         for name in ("step_overhead_ns", "layer_overhead_ns", "seq_overhead_ns", "allreduce_latency_ns"):
             value = getattr(self, name)
@@ -361,11 +366,13 @@ class UnitCosts:
         flops_per_tick = acc.peak_flops(m.compute_dtype) * tp * config.compute_efficiency / (1e9 * TICKS_PER_NS)
         bf16_flops_per_tick = acc.peak_bf16_flops * tp * config.compute_efficiency / (1e9 * TICKS_PER_NS)
         bytes_per_tick = acc.memory_bandwidth_bytes_per_s * tp * config.memory_efficiency / (1e9 * TICKS_PER_NS)
+        kv_efficiency = config.memory_efficiency if config.kv_memory_efficiency is None else config.kv_memory_efficiency
+        kv_bytes_per_tick = acc.memory_bandwidth_bytes_per_s * tp * kv_efficiency / (1e9 * TICKS_PER_NS)
         self.linear_token = round(2 * m.active_linear_params / flops_per_tick)
         self.lm_head_row = round(2 * m.hidden_size * m.vocab_size / bf16_flops_per_tick)
         self.linear_decode = self.linear_token + self.lm_head_row  # a decode sequence: one token, one sampled row
         self.attention_pair = round(4 * m.num_attention_heads * m.head_dim * m.num_layers / bf16_flops_per_tick)
-        self.kv_token = round(m.kv_bytes_per_token / bytes_per_tick)
+        self.kv_token = round(m.kv_bytes_per_token / kv_bytes_per_tick)
         self._model = m
         self._moe_layers = m.num_moe_layers_resolved
         expert_bytes = m.expert_params * m.bytes_per_param / bytes_per_tick
@@ -374,17 +381,18 @@ class UnitCosts:
         self.dense_weights = round(dense_params * m.bytes_per_param / bytes_per_tick)
         self.expert_weights = expert_bytes * self._moe_layers  # ticks per expert touched in every MoE layer
         self._weights_cache: dict[int, int] = {}
-        latency_ns = acc.interconnect_latency_ns if config.allreduce_latency_ns is None else config.allreduce_latency_ns
+        per_peer = config.allreduce_latency_ns
+        allreduce_ns = acc.interconnect_latency_ns if per_peer is None else per_peer * (tp - 1)
         link = acc.interconnect_bandwidth_bytes_per_s * config.interconnect_efficiency / (1e9 * TICKS_PER_NS)
         self.comm_token = self.comm_fixed = 0
         if tp > 1:  # two ring all-reduces per layer of (tokens x hidden) bf16 activations
             per_token_bytes = 2 * (tp - 1) / tp * m.hidden_size * 2
             self.comm_token = round(2 * m.num_layers * per_token_bytes / link)
-            self.comm_fixed = 2 * m.num_layers * latency_ns * TICKS_PER_NS
+            self.comm_fixed = 2 * m.num_layers * allreduce_ns * TICKS_PER_NS
         hops = acc.pipeline_parallel_size - 1
         if hops:  # each stage boundary sends the step's activations once
             self.comm_token += round(hops * m.hidden_size * 2 / link)
-            self.comm_fixed += hops * latency_ns * TICKS_PER_NS
+            self.comm_fixed += hops * (acc.interconnect_latency_ns if per_peer is None else per_peer) * TICKS_PER_NS
         self.fixed_ns = config.step_overhead_ns + m.num_layers * config.layer_overhead_ns
         self.seq_ns = config.seq_overhead_ns
 
@@ -473,7 +481,7 @@ class RooflineCostModel(CostModelBase):
             ("interconnect_efficiency", repr(c.interconnect_efficiency)),
             ("step_overhead_ns", str(c.step_overhead_ns)),
         ]
-        for name in ("layer_overhead_ns", "seq_overhead_ns", "allreduce_latency_ns"):  # (recorded once set)
+        for name in ("kv_memory_efficiency", "layer_overhead_ns", "seq_overhead_ns", "allreduce_latency_ns"):  # once set
             if getattr(c, name):
                 params.append((name, str(getattr(c, name))))
         return CostModelInfo(
