@@ -59,6 +59,8 @@ MODELLED_COLUMNS = (
 UNMODELLED_COLUMNS = tuple(c for c in (*BASE_COLUMNS, *OPTIONAL_COLUMNS) if c not in MODELLED_COLUMNS)
 _INT_COLUMNS = ("request_id", "prefix_length", "input_tokens", "output_tokens", "deadline_us", "slo_target_us",
                 "arrival_time_us", "first_chunk_time_us", "last_chunk_time_us")
+#: How BLIS names the CSV's time unit: ``microseconds`` (blis run and replay write it), ``us`` (blis observe).
+TIME_UNITS = ("microseconds", "us")
 DEFAULT_BLOCK_TOKENS = 16  # vLLM's default KV block size, for prefix blocks when the header names none
 _STATUS_OUTCOME = {"ok": "completed", "timeout": "timed_out", "error": "error"}
 _OUTCOME_STATUS = {"completed": "ok", "timed_out": "timeout", "error": "error", "rejected": "error", "cancelled": "error"}
@@ -91,7 +93,7 @@ class BlisHeader:
     """The YAML header of a trace v2 (version 3 adds ``goodput_slo_targets``)."""
 
     trace_version: int = 2
-    time_unit: str = "us"
+    time_unit: str = "microseconds"  # or "us": both mean integer microseconds (TIME_UNITS)
     created_at: str | None = None
     mode: str = "real"  # real (blis observe), generated (blis run) or replayed (blis replay)
     warm_up_requests: int = 0
@@ -149,8 +151,9 @@ def parse_header(text: str, where: str = "header") -> BlisHeader:
                         server=server, measured_rtt_ms=network.get("measured_rtt_ms"), goodput_slo_targets=slo)
     if header.trace_version not in (2, 3):
         raise ServelensError(f"{where}: trace_version {header.trace_version} is not supported (2 or 3)")
-    if header.time_unit != "us":
-        raise ServelensError(f"{where}: time_unit {header.time_unit!r} is not supported", "trace v2 times are microseconds: 'us'")
+    if header.time_unit not in TIME_UNITS:
+        raise ServelensError(f"{where}: time_unit {header.time_unit!r} is not supported",
+                             "trace v2 times are microseconds: 'microseconds' (blis run, replay) or 'us' (blis observe)")
     return header
 
 

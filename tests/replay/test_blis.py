@@ -27,7 +27,7 @@ from servelens.errors import ServelensError
 # microseconds; sim/workload/slo.go: goodput_slo_targets). Values are invented.
 HEADER = """\
 trace_version: 3
-time_unit: us
+time_unit: microseconds
 created_at: "2026-11-01T10:00:00Z"
 mode: real
 warm_up_requests: 0
@@ -155,6 +155,16 @@ def header_dict(header: BlisHeader) -> dict:
     from replay.blis import header_yaml
 
     return yaml.safe_load(header_yaml(header))
+
+
+@pytest.mark.parametrize("unit", ["microseconds", "us"])  # blis run and replay write the first, blis observe the second
+def test_both_of_blis_s_names_for_microseconds_are_read(unit, tmp_path):
+    assert parse_header(f"trace_version: 3\ntime_unit: {unit}\nmode: replayed\n").time_unit == unit
+    (tmp_path / "t.yaml").write_text(HEADER.replace("time_unit: microseconds", f"time_unit: {unit}"))
+    (tmp_path / "t.csv").write_text(CSV)
+    trace = read_blis(tmp_path / "t.yaml", tmp_path / "t.csv")
+    assert blis_workload(trace)["arrival_ns"].to_pylist()[:2] == [1_000_000_000, 1_200_000_000]
+    assert BlisHeader().time_unit == "microseconds"  # what servelens writes, as blis run and replay do
 
 
 @pytest.mark.parametrize(
