@@ -34,10 +34,12 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import yaml
 
-from replay.traces import WORKLOAD_SCHEMA
-from schemas.arrow import EVENTS_SCHEMA, events_to_table
+from schemas.arrow import EVENTS_SCHEMA, arrow_schema, events_to_table
 from schemas.events import FirstToken, RequestArrived, RequestFinished, TokensDelivered
+from schemas.records import WorkloadRequest
 from servelens.errors import ServelensError
+
+WORKLOAD_SCHEMA = arrow_schema(WorkloadRequest)  # as replay.traces builds it (that module reads BLIS CSVs through this one)
 
 #: The base columns, in the order BLIS writes them.
 BASE_COLUMNS = (
@@ -306,18 +308,19 @@ def blis_events(trace: BlisTrace, engine_id: str = "blis") -> pa.Table:
     return events_to_table(events) if events else EVENTS_SCHEMA.empty_table()
 
 
-def to_blis(events: pa.Table, *, header: BlisHeader | None = None, carry: pa.Table | None = None) -> tuple[BlisHeader, pa.Table]:
+def to_blis(events: pa.Table, requests: pa.Table, *, header: BlisHeader | None = None,
+            carry: pa.Table | None = None) -> tuple[BlisHeader, pa.Table]:
     """Any events table as a trace v2: the header and the CSV rows (all columns as text, in order).
+
+    ``requests`` is the events' request table (``pipelines.tables.derive_requests(events)``: the
+    caller derives it, as the replay layer does not import the pipelines).
 
     Request ids stay when they are all integers, else requests are numbered in arrival order.
     Times are floored to microseconds. ``carry`` (``BlisTrace.carry``) restores the unmodelled
     columns of an imported trace; without it they get BLIS's "not recorded" values. Prefix groups
     are named after their blocks unless carried.
     """
-    from pipelines.tables import derive_requests
-
     header = header or BlisHeader()
-    requests = derive_requests(events)
     arrivals = events.filter(pc.equal(events["event_type"], "request_arrived"))
     extra = {}
     for row in arrivals.select(["request_id", "prefix_block_ids", "e2e_deadline_ns", "ttft_deadline_ns"]).to_pylist():

@@ -253,11 +253,13 @@ def trace_to_blis(events_file: Path, out: Path, mode: str, model: str | None) ->
     """
     import pyarrow.parquet as pq
 
+    from pipelines.tables import derive_requests
     from replay.blis import BlisHeader, BlisServer, to_blis, write_blis
 
     header = BlisHeader(mode=mode, created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                         server=BlisServer(model=model) if model else None)
-    header, rows = to_blis(pq.read_table(events_file), header=header)
+    events = pq.read_table(events_file)
+    header, rows = to_blis(events, derive_requests(events), header=header)
     write_blis(header, rows, out.with_suffix(".yaml"), out)
     click.echo(f"wrote {rows.num_rows:,} requests to {out} (header {out.with_suffix('.yaml')})")
 

@@ -57,6 +57,11 @@ by peer",abort,7f3e0c9a-4,
 """
 
 
+def export(events: pa.Table, **options):
+    """``to_blis`` with the events' request table derived, as the CLI does."""
+    return to_blis(events, derive_requests(events), **options)
+
+
 @pytest.fixture
 def trace_files(tmp_path):
     (tmp_path / "trace.yaml").write_text(HEADER)
@@ -97,7 +102,7 @@ def test_an_observed_trace_becomes_a_request_table_with_its_timings(trace_files)
 
 def test_round_trip_is_unchanged_in_every_modelled_field(trace_files, tmp_path):
     trace = read_blis(*trace_files)
-    header, rows = to_blis(blis_events(trace), header=trace.header)  # no carry: only what servelens models
+    header, rows = export(blis_events(trace), header=trace.header)  # no carry: only what servelens models
     original = trace_rows(trace).to_pylist()
     for before, after in zip(original, rows.to_pylist(), strict=True):
         for name in MODELLED_COLUMNS:
@@ -119,7 +124,7 @@ def test_round_trip_is_unchanged_in_every_modelled_field(trace_files, tmp_path):
 
 def test_round_trip_with_the_carried_columns_reproduces_the_files_exactly(trace_files, tmp_path):
     trace = read_blis(*trace_files)
-    header, rows = to_blis(blis_events(trace), header=trace.header, carry=trace.carry)
+    header, rows = export(blis_events(trace), header=trace.header, carry=trace.carry)
     write_blis(header, rows, tmp_path / "out.yaml", tmp_path / "out.csv")
     assert (tmp_path / "out.csv").read_text() == CSV
     assert yaml.safe_load((tmp_path / "out.yaml").read_text()) == yaml.safe_load(HEADER)
@@ -137,7 +142,7 @@ def test_a_servelens_replay_exports_and_comes_back(tmp_path):
     import pyarrow.parquet as pq
 
     events = pq.read_table(summary.events_path)
-    header, rows = to_blis(events, header=BlisHeader(mode="replayed"))
+    header, rows = export(events, header=BlisHeader(mode="replayed"))
     write_blis(header, rows, tmp_path / "r.yaml", tmp_path / "r.csv")
     back = read_blis(tmp_path / "r.yaml", tmp_path / "r.csv")
     assert back.header.mode == "replayed"
@@ -225,7 +230,7 @@ def test_an_observed_blis_trace_is_replayed_and_judged_by_the_gate(tmp_path):
     workload = make_workload(np.cumsum(rng.exponential(0.08e9, n)).astype(np.int64).tolist(), rng.integers(50, 1500, n).tolist(),
                              rng.integers(5, 300, n).tolist(), service_class=["interactive"] * n, tenant=[f"t{i % 6}" for i in range(n)])
     recorded = run_replay(workload, out_dir=tmp_path / "recorded")
-    header, rows = to_blis(pq.read_table(recorded.events_path), header=BlisHeader(mode="real"))
+    header, rows = export(pq.read_table(recorded.events_path), header=BlisHeader(mode="real"))
     write_blis(header, rows, tmp_path / "t.yaml", tmp_path / "t.csv")
     trace = read_blis(tmp_path / "t.yaml", tmp_path / "t.csv")
     (tmp_path / "observed").mkdir()
