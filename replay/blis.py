@@ -308,12 +308,41 @@ def blis_events(trace: BlisTrace, engine_id: str = "blis") -> pa.Table:
     return events_to_table(events) if events else EVENTS_SCHEMA.empty_table()
 
 
+@dataclass(frozen=True, slots=True)
+class BlisExport:
+    """A trace v2 to write (``write_blis``), and what the events did not say."""
+
+    header: BlisHeader
+    rows: pa.Table  # the CSV's rows, every column as text, in BLIS's order
+    unknown_output_ids: tuple[str, ...] = ()  # requests with no recorded output length (as exported)
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """What BLIS will replay differently from the events, one sentence each."""
+        out = []
+        if self.unknown_output_ids:
+            ids = self.unknown_output_ids
+            shown = ", ".join(ids[:3]) + (", ..." if len(ids) > 3 else "")
+            out.append(f"{len(ids):,} of {self.rows.num_rows:,} requests have no recorded output length (no "
+                       f"request_finished count, no max_output_tokens): their output_tokens is the tokens delivered "
+                       f"so far, 0 if none, so BLIS generates too few for them (request_id {shown})")
+        return tuple(out)
+
+    @property
+    def comments(self) -> tuple[str, ...]:
+        """The header's comment lines (BLIS reads the header strictly: no field can say this)."""
+        return tuple(f"servelens: warning: {w}" for w in self.warnings)
+
+
 def to_blis(events: pa.Table, requests: pa.Table, *, header: BlisHeader | None = None,
-            carry: pa.Table | None = None) -> tuple[BlisHeader, pa.Table]:
-    """Any events table as a trace v2: the header and the CSV rows (all columns as text, in order).
+            carry: pa.Table | None = None) -> BlisExport:
+    """Any events table as a trace v2: the header, the CSV rows and what the events did not say.
 
     ``requests`` is the events' request table (``pipelines.tables.derive_requests(events)``: the
-    caller derives it, as the replay layer does not import the pipelines).
+    caller derives it, as the replay layer does not import the pipelines). Output lengths: a
+    completed request's ``request_finished`` count, else its ``max_output_tokens`` (BLIS's intended
+    length: a workload's arrival events carry its lengths there); where the events hold neither,
+    the tokens delivered so far, and the request is named in ``unknown_output_ids``.
 
     Request ids stay when they are all integers, else requests are numbered in arrival order.
     Times are floored to microseconds. ``carry`` (``BlisTrace.carry``) restores the unmodelled
@@ -321,63 +350,73 @@ def to_blis(events: pa.Table, requests: pa.Table, *, header: BlisHeader | None =
     are named after their blocks unless carried.
     """
     header = header or BlisHeader()
-    arrivals = events.filter(pc.equal(events["event_type"], "request_arrived"))
     extra = {}
-    for row in arrivals.select(["request_id", "prefix_block_ids", "e2e_deadline_ns", "ttft_deadline_ns"]).to_pylist():
+    for row in events.filter(pc.equal(events["event_type"], "request_arrived")).select(
+            ["request_id", "prefix_block_ids", "e2e_deadline_ns", "ttft_deadline_ns"]).to_pylist():
         extra.setdefault(row["request_id"], row)
+    carried = {str(c["request_id"]): c for c in carry.to_pylist()} if carry is not None else {}
     rows = requests.to_pylist()
-    ids = [r["request_id"] for r in rows]
-    numbered = all(re.fullmatch(r"\d+", i) for i in ids)
-    carried = {}
-    if carry is not None:
-        carried = {str(c["request_id"]): c for c in carry.to_pylist()}
-    out = []
+    numbered = all(re.fullmatch(r"\d+", r["request_id"]) for r in rows)
+    out, unknown = [], []
     for index, r in enumerate(rows):
         rid = r["request_id"] if numbered else str(index)
-        more = extra.get(r["request_id"], {})
-        c = carried.get(r["request_id"], {})
-        blocks = more.get("prefix_block_ids") or []
-        arrival_us = (r["arrival_ns"] or 0) // 1000
-        prompt = r["num_prompt_tokens"] or 0
-        prefix_length = len(blocks) * header.block_tokens if blocks else 0
-        outcome = r["outcome"]
-        status = "incomplete" if outcome is None else _OUTCOME_STATUS[outcome]
-        message = outcome if outcome in ("rejected", "cancelled") else ""
-        e2e_deadline, ttft_deadline = more.get("e2e_deadline_ns"), more.get("ttft_deadline_ns")
-        record = {
-            "request_id": rid, "client_id": "", "tenant_id": r["tenant"] or "", "slo_class": r["service_class"] or "",
-            "vllm_priority": "0", "session_id": r["session_id"] or "", "round_index": "0",
-            "prefix_group": f"p{blocks[0] >> 14:012x}" if blocks else "", "prefix_length": str(prefix_length),
-            "streaming": "true", "input_tokens": str(prompt - prefix_length), "output_tokens": str(_output_tokens(r)),
-            "text_tokens": "0", "image_tokens": "0", "audio_tokens": "0", "video_tokens": "0", "reason_ratio": "0",
-            "model": r["model"] or "", "deadline_us": str(e2e_deadline // 1000 if e2e_deadline else 0),
-            "slo_target_us": str((ttft_deadline - r["arrival_ns"]) // 1000 if ttft_deadline and r["arrival_ns"] is not None else 0),
-            "server_input_tokens": "0", "arrival_time_us": str(arrival_us), "send_time_us": str(arrival_us),
-            "first_chunk_time_us": str(r["first_token_ns"] // 1000 if r["first_token_ns"] is not None else 0),
-            "last_chunk_time_us": str(r["last_token_ns"] // 1000 if r["last_token_ns"] is not None else 0),
-            "num_chunks": "0", "status": status, "error_message": message, "finish_reason": "",
-            "x_request_id": "", "adapter": r["adapter"] or "",
-        }
-        for name, value in c.items():  # the unmodelled columns as they were written
-            if name in UNMODELLED_COLUMNS:
-                record[name] = value
-        if "prefix_group" in c:  # the group's name and sub-block length, where the blocks still agree
-            length = int(c["prefix_length"])
-            if (length // header.block_tokens if c["prefix_group"] else 0) == len(blocks) and length <= prompt:
-                record["prefix_group"], record["prefix_length"] = c["prefix_group"], str(length)
-                record["input_tokens"] = str(prompt - length)
+        output = _output_tokens(r)
+        if output is None:
+            unknown.append(rid)
+        record = _record(r, extra.get(r["request_id"], {}), header.block_tokens, rid, output)
+        _restore(record, carried.get(r["request_id"], {}), extra.get(r["request_id"], {}), r, header.block_tokens)
         out.append(record)
     columns = _columns(out, header, carry)
     table = pa.table({name: pa.array([rec[name] for rec in out], pa.string()) for name in columns})
-    return header, table
+    return BlisExport(header, table, tuple(unknown))
 
 
-def _output_tokens(r: dict) -> int:
+def _record(r: dict, more: dict, block_tokens: int, rid: str, output: int | None) -> dict:
+    """One CSV row (text) of a request-table row and its arrival's prefix blocks and deadlines."""
+    blocks = more.get("prefix_block_ids") or []
+    arrival_us = (r["arrival_ns"] or 0) // 1000
+    prompt = r["num_prompt_tokens"] or 0
+    prefix_length = len(blocks) * block_tokens if blocks else 0
+    outcome = r["outcome"]
+    e2e_deadline, ttft_deadline = more.get("e2e_deadline_ns"), more.get("ttft_deadline_ns")
+    return {
+        "request_id": rid, "client_id": "", "tenant_id": r["tenant"] or "", "slo_class": r["service_class"] or "",
+        "vllm_priority": "0", "session_id": r["session_id"] or "", "round_index": "0",
+        "prefix_group": f"p{blocks[0] >> 14:012x}" if blocks else "", "prefix_length": str(prefix_length),
+        "streaming": "true", "input_tokens": str(prompt - prefix_length),
+        "output_tokens": str(output if output is not None else r["num_output_tokens"] or 0),
+        "text_tokens": "0", "image_tokens": "0", "audio_tokens": "0", "video_tokens": "0", "reason_ratio": "0",
+        "model": r["model"] or "", "deadline_us": str(e2e_deadline // 1000 if e2e_deadline else 0),
+        "slo_target_us": str((ttft_deadline - r["arrival_ns"]) // 1000 if ttft_deadline and r["arrival_ns"] is not None else 0),
+        "server_input_tokens": "0", "arrival_time_us": str(arrival_us), "send_time_us": str(arrival_us),
+        "first_chunk_time_us": str(r["first_token_ns"] // 1000 if r["first_token_ns"] is not None else 0),
+        "last_chunk_time_us": str(r["last_token_ns"] // 1000 if r["last_token_ns"] is not None else 0),
+        "num_chunks": "0", "status": "incomplete" if outcome is None else _OUTCOME_STATUS[outcome],
+        "error_message": outcome if outcome in ("rejected", "cancelled") else "", "finish_reason": "",
+        "x_request_id": "", "adapter": r["adapter"] or "",
+    }
+
+
+def _restore(record: dict, c: dict, more: dict, r: dict, block_tokens: int) -> None:
+    """Put back an imported trace's unmodelled columns as they were written, and its prefix group's
+    name and sub-block length where the request's blocks still agree with them."""
+    for name, value in c.items():
+        if name in UNMODELLED_COLUMNS:
+            record[name] = value
+    if "prefix_group" not in c:
+        return
+    blocks, prompt, length = more.get("prefix_block_ids") or [], r["num_prompt_tokens"] or 0, int(c["prefix_length"])
+    if (length // block_tokens if c["prefix_group"] else 0) == len(blocks) and length <= prompt:
+        record["prefix_group"], record["prefix_length"] = c["prefix_group"], str(length)
+        record["input_tokens"] = str(prompt - length)
+
+
+def _output_tokens(r: dict) -> int | None:
     """What BLIS should generate: the tokens a completed request produced; for one that did not
-    complete, its max_tokens limit where known (BLIS traces set it to the intended length)."""
-    if r["outcome"] != "completed" and r["max_output_tokens"] is not None:
-        return r["max_output_tokens"]
-    return r["num_output_tokens"] or 0
+    complete, its max_tokens limit (BLIS traces set it to the intended length); None if unknown."""
+    if r["outcome"] == "completed" and r["num_output_tokens"] is not None:
+        return r["num_output_tokens"]
+    return r["max_output_tokens"]
 
 
 def _columns(records: list[dict], header: BlisHeader, carry: pa.Table | None) -> list[str]:
@@ -397,10 +436,12 @@ def _columns(records: list[dict], header: BlisHeader, carry: pa.Table | None) ->
     return columns
 
 
-def write_blis(header: BlisHeader, rows: pa.Table, header_path: Path, data_path: Path) -> None:
-    """Write a trace v2: the header YAML and the CSV (minimal quoting, ``\\n`` line ends, as Go writes)."""
+def write_blis(header: BlisHeader, rows: pa.Table, header_path: Path, data_path: Path,
+               comments: tuple[str, ...] = ()) -> None:
+    """Write a trace v2: the header YAML (``comments`` as ``#`` lines above it) and the CSV
+    (minimal quoting, ``\\n`` line ends, as Go writes)."""
     Path(header_path).parent.mkdir(parents=True, exist_ok=True)
-    Path(header_path).write_text(header_yaml(header))
+    Path(header_path).write_text("".join(f"# {line}\n" for line in comments) + header_yaml(header))
     with Path(data_path).open("w", newline="") as fh:
         writer = csv.writer(fh, lineterminator="\n")
         writer.writerow(rows.column_names)
@@ -414,7 +455,7 @@ def trace_rows(trace: BlisTrace) -> pa.Table:
 
 
 __all__ = [
-    "BASE_COLUMNS", "BlisHeader", "BlisServer", "BlisSloTargets", "BlisTrace", "MODELLED_COLUMNS", "UNMODELLED_COLUMNS",
+    "BASE_COLUMNS", "BlisExport", "BlisHeader", "BlisServer", "BlisSloTargets", "BlisTrace", "MODELLED_COLUMNS", "UNMODELLED_COLUMNS",
     "blis_events", "blis_workload", "header_yaml", "parse_header", "read_blis", "to_blis", "trace_rows", "write_blis",
 ]
 

@@ -259,9 +259,11 @@ def trace_to_blis(events_file: Path, out: Path, mode: str, model: str | None) ->
     header = BlisHeader(mode=mode, created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                         server=BlisServer(model=model) if model else None)
     events = pq.read_table(events_file)
-    header, rows = to_blis(events, derive_requests(events), header=header)
-    write_blis(header, rows, out.with_suffix(".yaml"), out)
-    click.echo(f"wrote {rows.num_rows:,} requests to {out} (header {out.with_suffix('.yaml')})")
+    export = to_blis(events, derive_requests(events), header=header)
+    write_blis(export.header, export.rows, out.with_suffix(".yaml"), out, export.comments)
+    for warning in export.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    click.echo(f"wrote {export.rows.num_rows:,} requests to {out} (header {out.with_suffix('.yaml')})")
 
 
 @trace.command("from-blis")

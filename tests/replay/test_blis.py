@@ -20,6 +20,8 @@ from replay.blis import (
     write_blis,
 )
 from replay.traces import WORKLOAD_SCHEMA
+from schemas.arrow import events_to_table
+from schemas.events import FirstToken, RequestArrived, RequestFinished
 from servelens.errors import ServelensError
 
 # Built from inference-sim's public trace v2 description (sim/workload/tracev2.go: TraceHeader,
@@ -102,7 +104,8 @@ def test_an_observed_trace_becomes_a_request_table_with_its_timings(trace_files)
 
 def test_round_trip_is_unchanged_in_every_modelled_field(trace_files, tmp_path):
     trace = read_blis(*trace_files)
-    header, rows = export(blis_events(trace), header=trace.header)  # no carry: only what servelens models
+    exported = export(blis_events(trace), header=trace.header)  # no carry: only what servelens models
+    header, rows = exported.header, exported.rows
     original = trace_rows(trace).to_pylist()
     for before, after in zip(original, rows.to_pylist(), strict=True):
         for name in MODELLED_COLUMNS:
@@ -124,7 +127,8 @@ def test_round_trip_is_unchanged_in_every_modelled_field(trace_files, tmp_path):
 
 def test_round_trip_with_the_carried_columns_reproduces_the_files_exactly(trace_files, tmp_path):
     trace = read_blis(*trace_files)
-    header, rows = export(blis_events(trace), header=trace.header, carry=trace.carry)
+    exported = export(blis_events(trace), header=trace.header, carry=trace.carry)
+    header, rows = exported.header, exported.rows
     write_blis(header, rows, tmp_path / "out.yaml", tmp_path / "out.csv")
     assert (tmp_path / "out.csv").read_text() == CSV
     assert yaml.safe_load((tmp_path / "out.yaml").read_text()) == yaml.safe_load(HEADER)
@@ -142,7 +146,8 @@ def test_a_servelens_replay_exports_and_comes_back(tmp_path):
     import pyarrow.parquet as pq
 
     events = pq.read_table(summary.events_path)
-    header, rows = export(events, header=BlisHeader(mode="replayed"))
+    exported = export(events, header=BlisHeader(mode="replayed"))
+    header, rows = exported.header, exported.rows
     write_blis(header, rows, tmp_path / "r.yaml", tmp_path / "r.csv")
     back = read_blis(tmp_path / "r.yaml", tmp_path / "r.csv")
     assert back.header.mode == "replayed"
@@ -230,7 +235,8 @@ def test_an_observed_blis_trace_is_replayed_and_judged_by_the_gate(tmp_path):
     workload = make_workload(np.cumsum(rng.exponential(0.08e9, n)).astype(np.int64).tolist(), rng.integers(50, 1500, n).tolist(),
                              rng.integers(5, 300, n).tolist(), service_class=["interactive"] * n, tenant=[f"t{i % 6}" for i in range(n)])
     recorded = run_replay(workload, out_dir=tmp_path / "recorded")
-    header, rows = export(pq.read_table(recorded.events_path), header=BlisHeader(mode="real"))
+    exported = export(pq.read_table(recorded.events_path), header=BlisHeader(mode="real"))
+    header, rows = exported.header, exported.rows
     write_blis(header, rows, tmp_path / "t.yaml", tmp_path / "t.csv")
     trace = read_blis(tmp_path / "t.yaml", tmp_path / "t.csv")
     (tmp_path / "observed").mkdir()
@@ -243,3 +249,43 @@ def test_an_observed_blis_trace_is_replayed_and_judged_by_the_gate(tmp_path):
         assert by_name[(name, "")].status == "pass", by_name[(name, "")].reason
     # a trace's ITL is one chunk per request and it has no schedule: not comparable (docs/interop.md)
     assert by_name[("max_queue_s", "")].status != "pass"
+
+
+def _lifecycle(rid: str, arrival_ns: int, *, max_output: int | None = None, finish: tuple[str, int] | None = None,
+               first_ns: int | None = None, blocks: list[int] | None = None) -> list:
+    """Hand-made events of one request: its arrival, optionally a first token and a finish."""
+    common = {"engine_id": "e", "request_id": rid}
+    events = [RequestArrived(event_id=f"{rid}:a", ts_ns=arrival_ns, num_prompt_tokens=1000, max_output_tokens=max_output,
+                             prefix_block_ids=blocks, **common)]
+    if first_ns is not None:
+        events.append(FirstToken(event_id=f"{rid}:f", ts_ns=first_ns, **common))
+    if finish is not None:
+        events.append(RequestFinished(event_id=f"{rid}:x", ts_ns=(first_ns or arrival_ns) + 1000, outcome=finish[0],
+                                      num_output_tokens=finish[1], **common))
+    return events
+
+
+def test_output_lengths_come_from_what_the_events_record_and_the_unknown_are_counted():
+    events = events_to_table([
+        *_lifecycle("r0", 0, first_ns=5_000, finish=("completed", 7)),  # produced 7: the length
+        *_lifecycle("r1", 10_000, max_output=20, finish=("timed_out", 0)),  # its max_tokens: the intended length
+        *_lifecycle("r2", 20_000),  # in flight, no max_tokens: unknown
+        *_lifecycle("r3", 30_000, finish=("rejected", 0)),  # rejected, no max_tokens: unknown
+        *_lifecycle("r4", 40_000, max_output=9),  # in flight with max_tokens 9
+    ])
+    exported = export(events)
+    assert exported.rows["output_tokens"].to_pylist() == ["7", "20", "0", "0", "9"]
+    assert exported.unknown_output_ids == ("2", "3")  # BLIS ids: r0.. are renumbered in arrival order
+    (warning,) = exported.warnings
+    assert warning.startswith("2 of 5 requests have no recorded output length") and "request_id 2, 3" in warning
+    assert exported.comments == (f"servelens: warning: {warning}",)
+
+
+def test_a_workload_converted_to_events_keeps_its_output_lengths():
+    from replay.workload import arrival_events
+    from tests.replay.conftest import make_workload
+
+    workload = make_workload([0, 10**9, 2 * 10**9], [100, 200, 300], [11, 0, 33])
+    exported = export(arrival_events(workload, engine_id="trace:w"))
+    assert exported.rows["output_tokens"].to_pylist() == ["11", "0", "33"]
+    assert exported.warnings == ()
