@@ -26,7 +26,7 @@ import csv
 import hashlib
 import io
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -315,6 +315,7 @@ class BlisExport:
     header: BlisHeader
     rows: pa.Table  # the CSV's rows, every column as text, in BLIS's order
     unknown_output_ids: tuple[str, ...] = ()  # requests with no recorded output length (as exported)
+    assumed_block_tokens: int | None = None  # set when prefix block ids were taken to be this size, unsaid
 
     @property
     def warnings(self) -> tuple[str, ...]:
@@ -329,13 +330,22 @@ class BlisExport:
         return tuple(out)
 
     @property
+    def notes(self) -> tuple[str, ...]:
+        """What the export took as given, and how BLIS is to run it."""
+        out = []
+        if self.assumed_block_tokens:
+            out.append(f"prefix block ids taken as {self.assumed_block_tokens} tokens each (vLLM's default): give the "
+                       "block size (--block-tokens) when they name larger blocks (Mooncake: 512)")
+        return tuple(out)
+
+    @property
     def comments(self) -> tuple[str, ...]:
         """The header's comment lines (BLIS reads the header strictly: no field can say this)."""
-        return tuple(f"servelens: warning: {w}" for w in self.warnings)
+        return tuple(f"servelens: warning: {w}" for w in self.warnings) + tuple(f"servelens: {n}" for n in self.notes)
 
 
 def to_blis(events: pa.Table, requests: pa.Table, *, header: BlisHeader | None = None,
-            carry: pa.Table | None = None) -> BlisExport:
+            carry: pa.Table | None = None, block_tokens: int | None = None) -> BlisExport:
     """Any events table as a trace v2: the header, the CSV rows and what the events did not say.
 
     ``requests`` is the events' request table (``pipelines.tables.derive_requests(events)``: the
@@ -344,18 +354,24 @@ def to_blis(events: pa.Table, requests: pa.Table, *, header: BlisHeader | None =
     length: a workload's arrival events carry its lengths there); where the events hold neither,
     the tokens delivered so far, and the request is named in ``unknown_output_ids``.
 
+    Prefix block ids become BLIS prefix groups (``_shared_prefixes``) of ``block_tokens`` tokens per
+    id (Mooncake: 512; default the header's ``server.block_size``, else 16), written to the header's
+    ``server.block_size`` so that importing the trace gives the same blocks back.
+
     Request ids stay when they are all integers, else requests are numbered in arrival order.
     Times are floored to microseconds. ``carry`` (``BlisTrace.carry``) restores the unmodelled
-    columns of an imported trace; without it they get BLIS's "not recorded" values. Prefix groups
-    are named after their blocks unless carried.
+    columns of an imported trace and its prefix group names; without it they get BLIS's "not
+    recorded" values.
     """
-    header = header or BlisHeader()
+    header = _with_block_size(header or BlisHeader(), block_tokens)
     extra = {}
     for row in events.filter(pc.equal(events["event_type"], "request_arrived")).select(
             ["request_id", "prefix_block_ids", "e2e_deadline_ns", "ttft_deadline_ns"]).to_pylist():
         extra.setdefault(row["request_id"], row)
     carried = {str(c["request_id"]): c for c in carry.to_pylist()} if carry is not None else {}
     rows = requests.to_pylist()
+    blocks = [extra.get(r["request_id"], {}).get("prefix_block_ids") or [] for r in rows]
+    groups = _shared_prefixes(blocks, [r["num_prompt_tokens"] or 0 for r in rows], header.block_tokens)
     numbered = all(re.fullmatch(r"\d+", r["request_id"]) for r in rows)
     out, unknown = [], []
     for index, r in enumerate(rows):
@@ -363,27 +379,65 @@ def to_blis(events: pa.Table, requests: pa.Table, *, header: BlisHeader | None =
         output = _output_tokens(r)
         if output is None:
             unknown.append(rid)
-        record = _record(r, extra.get(r["request_id"], {}), header.block_tokens, rid, output)
-        _restore(record, carried.get(r["request_id"], {}), extra.get(r["request_id"], {}), r, header.block_tokens)
+        record = _record(r, extra.get(r["request_id"], {}), groups[index], rid, output)
+        _restore(record, carried.get(r["request_id"], {}), len(blocks[index]), r, header.block_tokens)
         out.append(record)
     columns = _columns(out, header, carry)
     table = pa.table({name: pa.array([rec[name] for rec in out], pa.string()) for name in columns})
-    return BlisExport(header, table, tuple(unknown))
+    assumed = block_tokens is None and not (header.server and header.server.block_size) and any(blocks)
+    return BlisExport(header, table, tuple(unknown), header.block_tokens if assumed else None)
 
 
-def _record(r: dict, more: dict, block_tokens: int, rid: str, output: int | None) -> dict:
-    """One CSV row (text) of a request-table row and its arrival's prefix blocks and deadlines."""
-    blocks = more.get("prefix_block_ids") or []
+def _with_block_size(header: BlisHeader, block_tokens: int | None) -> BlisHeader:
+    if block_tokens is None:
+        return header
+    return replace(header, server=replace(header.server or BlisServer(), block_size=block_tokens))
+
+
+def _shared_prefixes(blocks: list[list[int]], prompts: list[int], block_tokens: int) -> list[tuple[str, int]]:
+    """Each request's BLIS prefix group and prefix length in tokens (``("", 0)``: none).
+
+    BLIS gives a group one prefix, shared whole by its members, so groups are flat where block ids
+    form a tree: a request's group is the longest run of its leading blocks that another request
+    shares too. A shorter prefix shared only with members of a longer group is not expressed, and
+    a group of one request is no group. The length is the group's blocks in tokens, at most its
+    shortest member's prompt (a last block may be partial). Names: ``p`` and a hash of the blocks.
+    """
+    trie: dict = {}  # block id -> [requests whose blocks start with the path to it, children]
+    for ids in blocks:
+        node = trie
+        for block in ids:
+            entry = node.setdefault(block, [0, {}])
+            entry[0] += 1
+            node = entry[1]
+    members: dict[tuple[int, ...], list[int]] = {}
+    for index, ids in enumerate(blocks):
+        node, depth = trie, 0
+        while depth < len(ids) and node[ids[depth]][0] > 1:
+            node, depth = node[ids[depth]][1], depth + 1
+        if depth:
+            members.setdefault(tuple(ids[:depth]), []).append(index)
+    out = [("", 0)] * len(blocks)
+    for key, indices in members.items():
+        if len(indices) > 1:
+            name = "p" + hashlib.blake2b(",".join(map(str, key)).encode(), digest_size=6).hexdigest()
+            length = min(len(key) * block_tokens, *(prompts[i] for i in indices))
+            for i in indices:
+                out[i] = (name, length)
+    return out
+
+
+def _record(r: dict, more: dict, group: tuple[str, int], rid: str, output: int | None) -> dict:
+    """One CSV row (text) of a request-table row, its prefix group and its arrival's deadlines."""
     arrival_us = (r["arrival_ns"] or 0) // 1000
     prompt = r["num_prompt_tokens"] or 0
-    prefix_length = len(blocks) * block_tokens if blocks else 0
     outcome = r["outcome"]
     e2e_deadline, ttft_deadline = more.get("e2e_deadline_ns"), more.get("ttft_deadline_ns")
     return {
         "request_id": rid, "client_id": "", "tenant_id": r["tenant"] or "", "slo_class": r["service_class"] or "",
         "vllm_priority": "0", "session_id": r["session_id"] or "", "round_index": "0",
-        "prefix_group": f"p{blocks[0] >> 14:012x}" if blocks else "", "prefix_length": str(prefix_length),
-        "streaming": "true", "input_tokens": str(prompt - prefix_length),
+        "prefix_group": group[0], "prefix_length": str(group[1]),
+        "streaming": "true", "input_tokens": str(prompt - group[1]),
         "output_tokens": str(output if output is not None else r["num_output_tokens"] or 0),
         "text_tokens": "0", "image_tokens": "0", "audio_tokens": "0", "video_tokens": "0", "reason_ratio": "0",
         "model": r["model"] or "", "deadline_us": str(e2e_deadline // 1000 if e2e_deadline else 0),
@@ -397,16 +451,16 @@ def _record(r: dict, more: dict, block_tokens: int, rid: str, output: int | None
     }
 
 
-def _restore(record: dict, c: dict, more: dict, r: dict, block_tokens: int) -> None:
+def _restore(record: dict, c: dict, num_blocks: int, r: dict, block_tokens: int) -> None:
     """Put back an imported trace's unmodelled columns as they were written, and its prefix group's
-    name and sub-block length where the request's blocks still agree with them."""
+    name and length where the request's blocks still agree with them."""
     for name, value in c.items():
         if name in UNMODELLED_COLUMNS:
             record[name] = value
     if "prefix_group" not in c:
         return
-    blocks, prompt, length = more.get("prefix_block_ids") or [], r["num_prompt_tokens"] or 0, int(c["prefix_length"])
-    if (length // block_tokens if c["prefix_group"] else 0) == len(blocks) and length <= prompt:
+    prompt, length = r["num_prompt_tokens"] or 0, int(c["prefix_length"])
+    if (length // block_tokens if c["prefix_group"] else 0) == num_blocks and length <= prompt:
         record["prefix_group"], record["prefix_length"] = c["prefix_group"], str(length)
         record["input_tokens"] = str(prompt - length)
 

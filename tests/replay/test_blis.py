@@ -113,13 +113,14 @@ def test_round_trip_is_unchanged_in_every_modelled_field(trace_files, tmp_path):
                 continue
             assert after[name] == before[name], (before["request_id"], name)
         # a prefix is modelled as its full shared blocks (vLLM caches no partial block): the prompt
-        # stays whole, and a sub-block remainder moves from prefix_length to input_tokens
+        # stays whole, and a sub-block remainder moves from prefix_length to input_tokens. sys-b
+        # (row 3) has one request: a group of one shares nothing, so it exports as no group
         total = int(before["prefix_length"]) + int(before["input_tokens"])
         assert int(after["prefix_length"]) + int(after["input_tokens"]) == total
-        full = int(before["prefix_length"]) // 16 * 16 if before["prefix_group"] else 0
+        full = int(before["prefix_length"]) // 16 * 16 if before["prefix_group"] == "sys-a" else 0
         assert int(after["prefix_length"]) == full
     groups = [r["prefix_group"] for r in rows.to_pylist()]
-    assert groups[0] == groups[1] != groups[3] and groups[2] == groups[4] == ""
+    assert groups[0] == groups[1] != "" and groups[2] == groups[3] == groups[4] == ""
     assert header_dict(header) == yaml.safe_load(HEADER)
     for name in ("client_id", "send_time_us", "num_chunks", "finish_reason", "x_request_id"):
         assert name in UNMODELLED_COLUMNS
@@ -289,3 +290,72 @@ def test_a_workload_converted_to_events_keeps_its_output_lengths():
     exported = export(arrival_events(workload, engine_id="trace:w"))
     assert exported.rows["output_tokens"].to_pylist() == ["11", "0", "33"]
     assert exported.warnings == ()
+
+
+# A Mooncake trace (timestamps ms, 512-token hash ids) with known shared prefixes: r0, r2 and r4 share
+# blocks 1, 2, 3; r1 shares 1, 2 with them only (its group would be a group of one); r3 shares nothing.
+MOONCAKE = """\
+{"timestamp": 5000, "input_length": 1600, "output_length": 7, "hash_ids": [1, 2, 3, 10]}
+{"timestamp": 6000, "input_length": 1100, "output_length": 9, "hash_ids": [1, 2, 11]}
+{"timestamp": 6500, "input_length": 1700, "output_length": 3, "hash_ids": [1, 2, 3, 12]}
+{"timestamp": 7000, "input_length": 600, "output_length": 5, "hash_ids": [5, 6]}
+{"timestamp": 7500, "input_length": 2100, "output_length": 11, "hash_ids": [1, 2, 3, 13, 14]}
+"""
+
+
+def test_a_mooncake_trace_keeps_its_prefix_groups_block_size_and_output_lengths(tmp_path):
+    from replay.traces import MOONCAKE_BLOCK_TOKENS, read_trace
+    from replay.workload import arrival_events
+
+    (tmp_path / "mc.jsonl").write_text(MOONCAKE)
+    workload = read_trace(str(tmp_path / "mc.jsonl"))
+    exported = export(arrival_events(workload, engine_id="trace:mc"), block_tokens=MOONCAKE_BLOCK_TOKENS)
+    rows = exported.rows.to_pylist()
+    group = rows[0]["prefix_group"]
+    assert group and [r["prefix_group"] for r in rows] == [group, "", group, "", group]
+    assert [int(r["prefix_length"]) for r in rows] == [1536, 0, 1536, 0, 1536]  # 3 blocks of 512
+    assert [int(r["input_tokens"]) for r in rows] == [64, 1100, 164, 600, 564]
+    assert exported.header.server.block_size == 512 and exported.notes == () and exported.warnings == ()
+    write_blis(exported.header, exported.rows, tmp_path / "t.yaml", tmp_path / "t.csv", exported.comments)
+    back = blis_workload(read_blis(tmp_path / "t.yaml", tmp_path / "t.csv")).to_pylist()
+    assert [r["num_output_tokens"] for r in back] == [7, 9, 3, 5, 11]
+    assert [r["num_prompt_tokens"] for r in back] == [1600, 1100, 1700, 600, 2100]
+    shared = back[0]["prefix_block_ids"]
+    assert len(shared) == 3 and back[2]["prefix_block_ids"] == back[4]["prefix_block_ids"] == shared
+    assert back[1]["prefix_block_ids"] is None and back[3]["prefix_block_ids"] is None
+    assert [r["prefix_block_size_tokens"] for r in back] == [512, None, 512, None, 512]
+
+
+def test_a_group_s_prefix_is_cut_to_its_shortest_prompt_and_unsaid_block_sizes_are_noted():
+    from replay.workload import arrival_events
+    from tests.replay.conftest import make_workload
+
+    # two prompts with the same two ids, the second block partial: 700 and 600 tokens of 512-token blocks
+    workload = make_workload([0, 10], [700, 600], [1, 1], prefix_block_ids=[[8, 9], [8, 9]])
+    rows = export(arrival_events(workload, engine_id="w"), block_tokens=512).rows.to_pylist()
+    assert [(r["prefix_length"], r["input_tokens"]) for r in rows] == [("600", "100"), ("600", "0")]
+    unsaid = export(arrival_events(workload, engine_id="w"))  # no block size given, none in the header
+    assert unsaid.rows["prefix_length"].to_pylist() == ["32", "32"]  # two ids of vLLM's 16 tokens
+    (note,) = unsaid.notes
+    assert note.startswith("prefix block ids taken as 16 tokens each") and unsaid.comments == (f"servelens: {note}",)
+
+
+def test_the_bundled_mooncake_trace_keeps_its_shared_prefixes(shared):
+    from replay.traces import read_trace
+    from replay.workload import arrival_events
+
+    workload = read_trace("mooncake", shared)
+    rows = export(arrival_events(workload, engine_id="trace:mooncake"), block_tokens=512).rows.to_pylist()
+    hash_ids = workload["prefix_block_ids"].to_pylist()
+    prompts = workload["num_prompt_tokens"].to_pylist()
+    members: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+        assert int(r["prefix_length"]) + int(r["input_tokens"]) == prompts[i] and int(r["input_tokens"]) >= 0
+        if r["prefix_group"]:
+            members.setdefault(r["prefix_group"], []).append(i)
+    assert len(members) == 565  # was one group of 16-token blocks
+    for indices in members.values():
+        (length,) = {int(rows[i]["prefix_length"]) for i in indices}  # BLIS gives a group one prefix length
+        blocks = -(-length // 512)
+        assert len(indices) > 1 and len({tuple(hash_ids[i][:blocks]) for i in indices}) == 1  # shared whole
+        assert length == min([blocks * 512] + [prompts[i] for i in indices])
