@@ -68,6 +68,10 @@ _STATUS_OUTCOME = {"ok": "completed", "timeout": "timed_out", "error": "error"}
 _OUTCOME_STATUS = {"completed": "ok", "timed_out": "timeout", "error": "error", "rejected": "error", "cancelled": "error"}
 
 
+class BlisError(ServelensError):
+    """A BLIS trace that cannot be read, or events that cannot be written as one."""
+
+
 @dataclass(frozen=True, slots=True)
 class BlisServer:
     """The header's ``server`` block (what served the trace)."""
@@ -124,11 +128,11 @@ def _plain(cls, data: object, where: str):
     if data is None:
         return None
     if not isinstance(data, dict):
-        raise ServelensError(f"{where}: expected a mapping, got {type(data).__name__}")
+        raise BlisError(f"{where}: expected a mapping, got {type(data).__name__}")
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ServelensError(f"{where}: unknown key(s) {', '.join(unknown)}", f"known keys: {', '.join(sorted(known))}")
+        raise BlisError(f"{where}: unknown key(s) {', '.join(unknown)}", f"known keys: {', '.join(sorted(known))}")
     return cls(**data)
 
 
@@ -137,24 +141,24 @@ def parse_header(text: str, where: str = "header") -> BlisHeader:
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
-        raise ServelensError(f"{where}: not YAML: {exc}") from None
+        raise BlisError(f"{where}: not YAML: {exc}") from None
     if not isinstance(data, dict):
-        raise ServelensError(f"{where}: a trace header is a YAML mapping")
+        raise BlisError(f"{where}: a trace header is a YAML mapping")
     data = dict(data)
     network = data.pop("network", None) or {}
     server = _plain(BlisServer, data.pop("server", None), f"{where}: server")
     targets = data.pop("goodput_slo_targets", None) or {}
     slo = tuple((str(k), _plain(BlisSloTargets, v or {}, f"{where}: goodput_slo_targets.{k}")) for k, v in targets.items())
     if set(network) - {"measured_rtt_ms"}:
-        raise ServelensError(f"{where}: network: unknown key(s) {', '.join(sorted(set(network) - {'measured_rtt_ms'}))}")
+        raise BlisError(f"{where}: network: unknown key(s) {', '.join(sorted(set(network) - {'measured_rtt_ms'}))}")
     header = _plain(BlisHeader, data, where)
     header = BlisHeader(**{f.name: getattr(header, f.name) for f in fields(BlisHeader)
                            if f.name not in ("server", "measured_rtt_ms", "goodput_slo_targets")},
                         server=server, measured_rtt_ms=network.get("measured_rtt_ms"), goodput_slo_targets=slo)
     if header.trace_version not in (2, 3):
-        raise ServelensError(f"{where}: trace_version {header.trace_version} is not supported (2 or 3)")
+        raise BlisError(f"{where}: trace_version {header.trace_version} is not supported (2 or 3)")
     if header.time_unit not in TIME_UNITS:
-        raise ServelensError(f"{where}: time_unit {header.time_unit!r} is not supported",
+        raise BlisError(f"{where}: time_unit {header.time_unit!r} is not supported",
                              "trace v2 times are microseconds: 'microseconds' (blis run, replay) or 'us' (blis observe)")
     return header
 
@@ -192,24 +196,24 @@ def read_blis(header_path: Path, data_path: Path) -> BlisTrace:
                                convert_options=pacsv.ConvertOptions(column_types={c: pa.string() for c in columns},
                                                                     strings_can_be_null=False))
     except (StopIteration, pa.ArrowInvalid) as exc:
-        raise ServelensError(f"{data_path}: not a readable trace v2 CSV: {exc}") from None
+        raise BlisError(f"{data_path}: not a readable trace v2 CSV: {exc}") from None
     missing = [c for c in BASE_COLUMNS if c not in columns]
     if missing:
-        raise ServelensError(f"{data_path}: missing trace v2 column(s) {', '.join(missing)}")
+        raise BlisError(f"{data_path}: missing trace v2 column(s) {', '.join(missing)}")
     typed = {}
     for name in table.column_names:
         if name in _INT_COLUMNS:
             values = table[name].to_pylist()
             bad = next((i for i, v in enumerate(values) if not re.fullmatch(r"-?\d+", v.strip())), None)
             if bad is not None:
-                raise ServelensError(f"{data_path}: row {bad + 1}, column {name}: {values[bad]!r} is not an integer")
+                raise BlisError(f"{data_path}: row {bad + 1}, column {name}: {values[bad]!r} is not an integer")
             typed[name] = pa.array([int(v) for v in values], pa.int64())
         else:
             typed[name] = table[name]
     records = pa.table(typed)
     for name in ("prefix_length", "input_tokens", "output_tokens", "deadline_us"):
         if pc.any(pc.less(records[name], 0)).as_py():
-            raise ServelensError(f"{data_path}: column {name} has a negative value")
+            raise BlisError(f"{data_path}: column {name} has a negative value")
     kept = ["request_id", "prefix_group"] + [c for c in UNMODELLED_COLUMNS if c in columns]
     carry = table.select(kept).append_column("prefix_length", table["prefix_length"])
     return BlisTrace(header, records, tuple(columns), carry)
@@ -299,7 +303,7 @@ def blis_events(trace: BlisTrace, engine_id: str = "blis") -> pa.Table:
             continue
         outcome = _STATUS_OUTCOME.get(status)
         if outcome is None:
-            raise ServelensError(f"request {rid}: unknown status {status!r}", "trace v2 statuses: ok, error, timeout, incomplete")
+            raise BlisError(f"request {rid}: unknown status {status!r}", "trace v2 statuses: ok, error, timeout, incomplete")
         if status == "error" and row["error_message"] in ("rejected", "cancelled"):  # servelens's own outcomes
             outcome = row["error_message"]
         finish_us = max(last, first, row["arrival_time_us"])
@@ -314,7 +318,11 @@ class BlisExport:
 
     header: BlisHeader
     rows: pa.Table  # the CSV's rows, every column as text, in BLIS's order
+    origin_ns: int  # the events' time written as 0 (the first arrival unless given)
+    horizon_us: int  # a blis replay horizon that holds every recorded request: its default, or later
+    default_horizon_us: int  # what blis replay takes without --horizon: 2 x the last arrival (600 s if 0)
     unknown_output_ids: tuple[str, ...] = ()  # requests with no recorded output length (as exported)
+    num_without_arrival: int = 0  # requests left out: no request_arrived event
     assumed_block_tokens: int | None = None  # set when prefix block ids were taken to be this size, unsaid
 
     @property
@@ -327,12 +335,23 @@ class BlisExport:
             out.append(f"{len(ids):,} of {self.rows.num_rows:,} requests have no recorded output length (no "
                        f"request_finished count, no max_output_tokens): their output_tokens is the tokens delivered "
                        f"so far, 0 if none, so BLIS generates too few for them (request_id {shown})")
+        if self.num_without_arrival:
+            out.append(f"{self.num_without_arrival:,} requests have no request_arrived event: left out (BLIS needs "
+                       "their arrival and prompt)")
         return tuple(out)
 
     @property
     def notes(self) -> tuple[str, ...]:
         """What the export took as given, and how BLIS is to run it."""
-        out = []
+        first = pc.min(pc.cast(self.rows["arrival_time_us"], pa.int64())).as_py()
+        out = [f"times are microseconds from {'the first arrival, ' if first == 0 else ''}{self.origin_ns} ns on the "
+               "events' clock"]
+        if self.horizon_us == self.default_horizon_us:
+            out.append(f"blis replay's default horizon ({self.default_horizon_us} us, 2 x the last arrival) holds every "
+                       "recorded request: run it without --horizon")
+        else:
+            out.append(f"the recorded requests end after blis replay's default horizon ({self.default_horizon_us} us, "
+                       f"2 x the last arrival): run it with --horizon {self.horizon_us}")
         if self.assumed_block_tokens:
             out.append(f"prefix block ids taken as {self.assumed_block_tokens} tokens each (vLLM's default): give the "
                        "block size (--block-tokens) when they name larger blocks (Mooncake: 512)")
@@ -344,8 +363,8 @@ class BlisExport:
         return tuple(f"servelens: warning: {w}" for w in self.warnings) + tuple(f"servelens: {n}" for n in self.notes)
 
 
-def to_blis(events: pa.Table, requests: pa.Table, *, header: BlisHeader | None = None,
-            carry: pa.Table | None = None, block_tokens: int | None = None) -> BlisExport:
+def to_blis(events: pa.Table, requests: pa.Table, *, header: BlisHeader | None = None, carry: pa.Table | None = None,
+            block_tokens: int | None = None, origin_ns: int | None = None) -> BlisExport:
     """Any events table as a trace v2: the header, the CSV rows and what the events did not say.
 
     ``requests`` is the events' request table (``pipelines.tables.derive_requests(events)``: the
@@ -358,10 +377,13 @@ def to_blis(events: pa.Table, requests: pa.Table, *, header: BlisHeader | None =
     id (Mooncake: 512; default the header's ``server.block_size``, else 16), written to the header's
     ``server.block_size`` so that importing the trace gives the same blocks back.
 
+    Times are microseconds from ``origin_ns`` (default: the first arrival, so that ``blis replay``'s
+    default horizon, 2 x the last arrival, spans the trace and no empty time), floored; deadlines
+    and carried send times move with them. ``horizon_us`` is that default, or the end of the last
+    recorded request where it comes later. Requests without an arrival are left out (counted).
     Request ids stay when they are all integers, else requests are numbered in arrival order.
-    Times are floored to microseconds. ``carry`` (``BlisTrace.carry``) restores the unmodelled
-    columns of an imported trace and its prefix group names; without it they get BLIS's "not
-    recorded" values.
+    ``carry`` (``BlisTrace.carry``) restores the unmodelled columns of an imported trace and its
+    prefix group names; without it they get BLIS's "not recorded" values.
     """
     header = _with_block_size(header or BlisHeader(), block_tokens)
     extra = {}
@@ -369,7 +391,10 @@ def to_blis(events: pa.Table, requests: pa.Table, *, header: BlisHeader | None =
             ["request_id", "prefix_block_ids", "e2e_deadline_ns", "ttft_deadline_ns"]).to_pylist():
         extra.setdefault(row["request_id"], row)
     carried = {str(c["request_id"]): c for c in carry.to_pylist()} if carry is not None else {}
-    rows = requests.to_pylist()
+    rows = [r for r in requests.to_pylist() if r["arrival_ns"] is not None]
+    if not rows:
+        raise BlisError("no request to export: the events hold no request_arrived", "BLIS replays a trace's arrivals")
+    origin = origin_ns if origin_ns is not None else min(r["arrival_ns"] for r in rows)
     blocks = [extra.get(r["request_id"], {}).get("prefix_block_ids") or [] for r in rows]
     groups = _shared_prefixes(blocks, [r["num_prompt_tokens"] or 0 for r in rows], header.block_tokens)
     numbered = all(re.fullmatch(r"\d+", r["request_id"]) for r in rows)
@@ -379,13 +404,28 @@ def to_blis(events: pa.Table, requests: pa.Table, *, header: BlisHeader | None =
         output = _output_tokens(r)
         if output is None:
             unknown.append(rid)
-        record = _record(r, extra.get(r["request_id"], {}), groups[index], rid, output)
-        _restore(record, carried.get(r["request_id"], {}), len(blocks[index]), r, header.block_tokens)
+        record = _record(r, extra.get(r["request_id"], {}), groups[index], rid, output, origin)
+        _restore(record, carried.get(r["request_id"], {}), len(blocks[index]), r, header.block_tokens, origin)
         out.append(record)
     columns = _columns(out, header, carry)
     table = pa.table({name: pa.array([rec[name] for rec in out], pa.string()) for name in columns})
     assumed = block_tokens is None and not (header.server and header.server.block_size) and any(blocks)
-    return BlisExport(header, table, tuple(unknown), header.block_tokens if assumed else None)
+    return BlisExport(header, table, origin, *_horizons_us(rows, origin), unknown_output_ids=tuple(unknown),
+                      num_without_arrival=requests.num_rows - len(rows),
+                      assumed_block_tokens=header.block_tokens if assumed else None)
+
+
+def _horizons_us(rows: list[dict], origin_ns: int) -> tuple[int, int]:
+    """(a horizon that holds every recorded request, blis replay's default: 2 x the last arrival)."""
+    last_arrival = max(_us(r["arrival_ns"], origin_ns) for r in rows)
+    default = 2 * last_arrival if last_arrival > 0 else 600_000_000  # cmd/replay.go, computeHorizonFromMaxArrival
+    ends = [_us(t, origin_ns) + 1 for r in rows for t in (r["last_token_ns"], r["finish_ns"]) if t is not None]
+    return max([default, *ends]), default
+
+
+def _us(ns: int | None, origin_ns: int) -> int:
+    """Microseconds from the origin, floored; 0 (BLIS's "none") for an absent time."""
+    return (ns - origin_ns) // 1000 if ns is not None else 0
 
 
 def _with_block_size(header: BlisHeader, block_tokens: int | None) -> BlisHeader:
@@ -427,9 +467,9 @@ def _shared_prefixes(blocks: list[list[int]], prompts: list[int], block_tokens: 
     return out
 
 
-def _record(r: dict, more: dict, group: tuple[str, int], rid: str, output: int | None) -> dict:
+def _record(r: dict, more: dict, group: tuple[str, int], rid: str, output: int | None, origin_ns: int) -> dict:
     """One CSV row (text) of a request-table row, its prefix group and its arrival's deadlines."""
-    arrival_us = (r["arrival_ns"] or 0) // 1000
+    arrival_us = _us(r["arrival_ns"], origin_ns)
     prompt = r["num_prompt_tokens"] or 0
     outcome = r["outcome"]
     e2e_deadline, ttft_deadline = more.get("e2e_deadline_ns"), more.get("ttft_deadline_ns")
@@ -440,23 +480,25 @@ def _record(r: dict, more: dict, group: tuple[str, int], rid: str, output: int |
         "streaming": "true", "input_tokens": str(prompt - group[1]),
         "output_tokens": str(output if output is not None else r["num_output_tokens"] or 0),
         "text_tokens": "0", "image_tokens": "0", "audio_tokens": "0", "video_tokens": "0", "reason_ratio": "0",
-        "model": r["model"] or "", "deadline_us": str(e2e_deadline // 1000 if e2e_deadline else 0),
-        "slo_target_us": str((ttft_deadline - r["arrival_ns"]) // 1000 if ttft_deadline and r["arrival_ns"] is not None else 0),
+        "model": r["model"] or "", "deadline_us": str(_us(e2e_deadline, origin_ns)),
+        "slo_target_us": str(_us(ttft_deadline, r["arrival_ns"])),
         "server_input_tokens": "0", "arrival_time_us": str(arrival_us), "send_time_us": str(arrival_us),
-        "first_chunk_time_us": str(r["first_token_ns"] // 1000 if r["first_token_ns"] is not None else 0),
-        "last_chunk_time_us": str(r["last_token_ns"] // 1000 if r["last_token_ns"] is not None else 0),
+        "first_chunk_time_us": str(_us(r["first_token_ns"], origin_ns)),
+        "last_chunk_time_us": str(_us(r["last_token_ns"], origin_ns)),
         "num_chunks": "0", "status": "incomplete" if outcome is None else _OUTCOME_STATUS[outcome],
         "error_message": outcome if outcome in ("rejected", "cancelled") else "", "finish_reason": "",
         "x_request_id": "", "adapter": r["adapter"] or "",
     }
 
 
-def _restore(record: dict, c: dict, num_blocks: int, r: dict, block_tokens: int) -> None:
-    """Put back an imported trace's unmodelled columns as they were written, and its prefix group's
-    name and length where the request's blocks still agree with them."""
+def _restore(record: dict, c: dict, num_blocks: int, r: dict, block_tokens: int, origin_ns: int) -> None:
+    """Put back an imported trace's unmodelled columns as they were written (a send time moved with
+    the origin), and its prefix group's name and length where the request's blocks still agree."""
     for name, value in c.items():
         if name in UNMODELLED_COLUMNS:
             record[name] = value
+    if int(c.get("send_time_us") or 0) > 0:  # 0: not recorded (BLIS injects at the arrival)
+        record["send_time_us"] = str(max(0, int(c["send_time_us"]) - origin_ns // 1000))
     if "prefix_group" not in c:
         return
     prompt, length = r["num_prompt_tokens"] or 0, int(c["prefix_length"])
@@ -509,7 +551,7 @@ def trace_rows(trace: BlisTrace) -> pa.Table:
 
 
 __all__ = [
-    "BASE_COLUMNS", "BlisExport", "BlisHeader", "BlisServer", "BlisSloTargets", "BlisTrace", "MODELLED_COLUMNS", "UNMODELLED_COLUMNS",
+    "BASE_COLUMNS", "BlisError", "BlisExport", "BlisHeader", "BlisServer", "BlisSloTargets", "BlisTrace", "MODELLED_COLUMNS", "UNMODELLED_COLUMNS",
     "blis_events", "blis_workload", "header_yaml", "parse_header", "read_blis", "to_blis", "trace_rows", "write_blis",
 ]
 
@@ -522,7 +564,7 @@ def header_path_for(data_path: Path) -> Path:
     for candidate in candidates:
         if candidate.is_file():
             return candidate
-    raise ServelensError(f"{data_path}: no trace v2 header beside it",
+    raise BlisError(f"{data_path}: no trace v2 header beside it",
                          f"put the YAML header at {candidates[0]} (BLIS writes it with --trace-header)")
 
 

@@ -264,6 +264,8 @@ def trace_to_blis(events_file: Path, out: Path, mode: str, model: str | None) ->
     for warning in export.warnings:
         click.echo(f"warning: {warning}", err=True)
     click.echo(f"wrote {export.rows.num_rows:,} requests to {out} (header {out.with_suffix('.yaml')})")
+    for note in export.notes:
+        click.echo(f"  {note}")
 
 
 @trace.command("from-blis")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 import yaml
 
@@ -104,7 +105,8 @@ def test_an_observed_trace_becomes_a_request_table_with_its_timings(trace_files)
 
 def test_round_trip_is_unchanged_in_every_modelled_field(trace_files, tmp_path):
     trace = read_blis(*trace_files)
-    exported = export(blis_events(trace), header=trace.header)  # no carry: only what servelens models
+    # no carry: only what servelens models; on the trace's own time origin (the default is the first arrival)
+    exported = export(blis_events(trace), header=trace.header, origin_ns=0)
     header, rows = exported.header, exported.rows
     original = trace_rows(trace).to_pylist()
     for before, after in zip(original, rows.to_pylist(), strict=True):
@@ -128,7 +130,7 @@ def test_round_trip_is_unchanged_in_every_modelled_field(trace_files, tmp_path):
 
 def test_round_trip_with_the_carried_columns_reproduces_the_files_exactly(trace_files, tmp_path):
     trace = read_blis(*trace_files)
-    exported = export(blis_events(trace), header=trace.header, carry=trace.carry)
+    exported = export(blis_events(trace), header=trace.header, carry=trace.carry, origin_ns=0)
     header, rows = exported.header, exported.rows
     write_blis(header, rows, tmp_path / "out.yaml", tmp_path / "out.csv")
     assert (tmp_path / "out.csv").read_text() == CSV
@@ -279,7 +281,7 @@ def test_output_lengths_come_from_what_the_events_record_and_the_unknown_are_cou
     assert exported.unknown_output_ids == ("2", "3")  # BLIS ids: r0.. are renumbered in arrival order
     (warning,) = exported.warnings
     assert warning.startswith("2 of 5 requests have no recorded output length") and "request_id 2, 3" in warning
-    assert exported.comments == (f"servelens: warning: {warning}",)
+    assert exported.comments[0] == f"servelens: warning: {warning}"
 
 
 def test_a_workload_converted_to_events_keeps_its_output_lengths():
@@ -315,7 +317,8 @@ def test_a_mooncake_trace_keeps_its_prefix_groups_block_size_and_output_lengths(
     assert group and [r["prefix_group"] for r in rows] == [group, "", group, "", group]
     assert [int(r["prefix_length"]) for r in rows] == [1536, 0, 1536, 0, 1536]  # 3 blocks of 512
     assert [int(r["input_tokens"]) for r in rows] == [64, 1100, 164, 600, 564]
-    assert exported.header.server.block_size == 512 and exported.notes == () and exported.warnings == ()
+    assert exported.header.server.block_size == 512 and exported.warnings == ()
+    assert not any("block ids taken as" in note for note in exported.notes)
     write_blis(exported.header, exported.rows, tmp_path / "t.yaml", tmp_path / "t.csv", exported.comments)
     back = blis_workload(read_blis(tmp_path / "t.yaml", tmp_path / "t.csv")).to_pylist()
     assert [r["num_output_tokens"] for r in back] == [7, 9, 3, 5, 11]
@@ -336,8 +339,8 @@ def test_a_group_s_prefix_is_cut_to_its_shortest_prompt_and_unsaid_block_sizes_a
     assert [(r["prefix_length"], r["input_tokens"]) for r in rows] == [("600", "100"), ("600", "0")]
     unsaid = export(arrival_events(workload, engine_id="w"))  # no block size given, none in the header
     assert unsaid.rows["prefix_length"].to_pylist() == ["32", "32"]  # two ids of vLLM's 16 tokens
-    (note,) = unsaid.notes
-    assert note.startswith("prefix block ids taken as 16 tokens each") and unsaid.comments == (f"servelens: {note}",)
+    note = unsaid.notes[-1]
+    assert note.startswith("prefix block ids taken as 16 tokens each") and unsaid.comments[-1] == f"servelens: {note}"
 
 
 def test_the_bundled_mooncake_trace_keeps_its_shared_prefixes(shared):
@@ -359,3 +362,35 @@ def test_the_bundled_mooncake_trace_keeps_its_shared_prefixes(shared):
         blocks = -(-length // 512)
         assert len(indices) > 1 and len({tuple(hash_ids[i][:blocks]) for i in indices}) == 1  # shared whole
         assert length == min([blocks * 512] + [prompts[i] for i in indices])
+
+
+def test_times_start_at_the_first_arrival_and_the_horizon_holds_every_recorded_request(tmp_path):
+    t0 = 1_700_000_000 * 10**9  # wall-clock arrivals, as real telemetry has them
+    events = events_to_table([
+        *_lifecycle("r0", t0 + 2_000_000, first_ns=t0 + 2_500_000, finish=("completed", 1)),
+        *_lifecycle("r1", t0 + 3_000_000, first_ns=t0 + 9_000_000, finish=("completed", 1)),  # finished at +9.001 ms
+    ])
+    exported = export(events)
+    rows = exported.rows.to_pylist()
+    assert [r["arrival_time_us"] for r in rows] == ["0", "1000"] and [r["send_time_us"] for r in rows] == ["0", "1000"]
+    assert [r["first_chunk_time_us"] for r in rows] == ["500", "7000"]
+    assert [r["last_chunk_time_us"] for r in rows] == ["500", "7000"]
+    assert exported.origin_ns == t0 + 2_000_000
+    # blis replay's default horizon is 2 x the last arrival (2,000 us); the last request finished at 7,001 us
+    assert exported.default_horizon_us == 2000 and exported.horizon_us == 7002
+    assert exported.notes[1].endswith("run it with --horizon 7002")
+    early = export(events.filter(pc.equal(events["request_id"], "r0")))  # one request at 0: BLIS's 600 s
+    assert early.default_horizon_us == early.horizon_us == 600_000_000 and "without --horizon" in early.notes[1]
+    write_blis(exported.header, exported.rows, tmp_path / "t.yaml", tmp_path / "t.csv", exported.comments)
+    text = (tmp_path / "t.yaml").read_text()
+    assert "# servelens: the recorded requests end after blis replay's default horizon" in text
+    assert read_blis(tmp_path / "t.yaml", tmp_path / "t.csv").records["arrival_time_us"].to_pylist() == [0, 1000]
+
+
+def test_deadlines_and_carried_send_times_move_with_the_origin(trace_files):
+    trace = read_blis(*trace_files)  # first arrival 1,000,000 us; row 0's deadline 30,000,000 us
+    rows = export(blis_events(trace), header=trace.header, carry=trace.carry).rows.to_pylist()
+    assert [r["arrival_time_us"] for r in rows] == ["0", "200000", "300000", "350000", "400000"]
+    assert rows[0]["deadline_us"] == "29000000" and rows[0]["slo_target_us"] == "500000"  # relative to arrival
+    assert [r["send_time_us"] for r in rows] == ["210", "200190", "300300", "350150", "400100"]  # as carried, moved
+    assert rows[0]["first_chunk_time_us"] == "180000" and rows[2]["first_chunk_time_us"] == "0"  # 0: no token
