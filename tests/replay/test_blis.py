@@ -394,3 +394,50 @@ def test_deadlines_and_carried_send_times_move_with_the_origin(trace_files):
     assert rows[0]["deadline_us"] == "29000000" and rows[0]["slo_target_us"] == "500000"  # relative to arrival
     assert [r["send_time_us"] for r in rows] == ["210", "200190", "300300", "350150", "400100"]  # as carried, moved
     assert rows[0]["first_chunk_time_us"] == "180000" and rows[2]["first_chunk_time_us"] == "0"  # 0: no token
+
+
+def test_the_cli_exports_events_jsonl_workloads_and_traces_alike(tmp_path):
+    from click.testing import CliRunner
+
+    from servelens.cli import cli
+
+    (tmp_path / "mc.jsonl").write_text(MOONCAKE)
+    runner = CliRunner()
+    result = runner.invoke(cli, ["trace", "convert", str(tmp_path / "mc.jsonl"), "--to", "events", "--out",
+                                 str(tmp_path / "e.jsonl")])
+    assert result.exit_code == 0, result.output
+    runs = {"trace": [str(tmp_path / "mc.jsonl")],  # its block size is the trace's: 512
+            "events": [str(tmp_path / "e.jsonl"), "--block-tokens", "512"]}  # events do not record it
+    for name, args in runs.items():
+        result = runner.invoke(cli, ["trace", "to-blis", *args, "--out", str(tmp_path / name / "t.csv")])
+        assert result.exit_code == 0, result.output
+        assert result.stderr == "" and "run it without --horizon" in result.stdout
+        back = read_blis(tmp_path / name / "t.yaml", tmp_path / name / "t.csv")
+        assert back.header.time_unit == "microseconds" and back.header.block_tokens == 512
+        assert back.records["arrival_time_us"].to_pylist() == [0, 1_000_000, 1_500_000, 2_000_000, 2_500_000]
+        assert back.records["output_tokens"].to_pylist() == [7, 9, 3, 5, 11]
+        assert back.records["prefix_length"].to_pylist() == [1536, 0, 1536, 0, 1536]
+    assert (tmp_path / "trace" / "t.csv").read_text() == (tmp_path / "events" / "t.csv").read_text()
+
+
+def test_the_cli_warns_of_unknown_output_lengths_and_refuses_what_it_cannot_read(tmp_path):
+    from click.testing import CliRunner
+
+    from schemas.wire import iter_table_json, write_jsonl
+    from servelens.cli import cli
+
+    write_jsonl(iter_table_json(events_to_table([*_lifecycle("a", 0), *_lifecycle("b", 10**6)])), tmp_path / "e.jsonl")
+    runner = CliRunner()
+    result = runner.invoke(cli, ["trace", "to-blis", str(tmp_path / "e.jsonl"), "--out", str(tmp_path / "t.csv")])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.startswith("warning: 2 of 2 requests have no recorded output length")
+    assert "# servelens: warning: 2 of 2 requests have no recorded output length" in (tmp_path / "t.yaml").read_text()
+    (tmp_path / "bad.jsonl").write_text('{"event_type": "request_arrived", "ts_ns": "soon"}\n')
+    bad = runner.invoke(cli, ["trace", "to-blis", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "u.csv")])
+    assert bad.exit_code == 3 and "bad.jsonl:1:" in bad.stderr and "servelens events validate" in bad.stderr
+    (tmp_path / "odd.csv").write_text("when,what\n1,2\n")
+    odd = runner.invoke(cli, ["trace", "to-blis", str(tmp_path / "odd.csv"), "--out", str(tmp_path / "v.csv")])
+    assert odd.exit_code == 3 and "not one of the inputs a BLIS export reads" in odd.stderr
+    for refused in (bad, odd):  # a clean message, not an internal error
+        assert refused.stderr.startswith("error: ") and "Traceback" not in refused.output
+        assert "internal error" not in refused.output
