@@ -381,7 +381,8 @@ def to_blis(events: pa.Table, requests: pa.Table, *, header: BlisHeader | None =
     default horizon, 2 x the last arrival, spans the trace and no empty time), floored; deadlines
     and carried send times move with them. ``horizon_us`` is that default, or the end of the last
     recorded request where it comes later. Requests without an arrival are left out (counted).
-    Request ids stay when they are all integers, else requests are numbered in arrival order.
+    Request ids stay when they are all integers, else requests are numbered in arrival order;
+    ``round_index`` numbers each session's requests in arrival order.
     ``carry`` (``BlisTrace.carry``) restores the unmodelled columns of an imported trace and its
     prefix group names; without it they get BLIS's "not recorded" values.
     """
@@ -398,6 +399,7 @@ def to_blis(events: pa.Table, requests: pa.Table, *, header: BlisHeader | None =
     blocks = [extra.get(r["request_id"], {}).get("prefix_block_ids") or [] for r in rows]
     groups = _shared_prefixes(blocks, [r["num_prompt_tokens"] or 0 for r in rows], header.block_tokens)
     numbered = all(re.fullmatch(r"\d+", r["request_id"]) for r in rows)
+    rounds = _session_rounds([r["session_id"] for r in rows])
     out, unknown = [], []
     for index, r in enumerate(rows):
         rid = r["request_id"] if numbered else str(index)
@@ -405,6 +407,7 @@ def to_blis(events: pa.Table, requests: pa.Table, *, header: BlisHeader | None =
         if output is None:
             unknown.append(rid)
         record = _record(r, extra.get(r["request_id"], {}), groups[index], rid, output, origin)
+        record["round_index"] = str(rounds[index])
         _restore(record, carried.get(r["request_id"], {}), len(blocks[index]), r, header.block_tokens, origin)
         out.append(record)
     columns = _columns(out, header, carry)
@@ -413,6 +416,18 @@ def to_blis(events: pa.Table, requests: pa.Table, *, header: BlisHeader | None =
     return BlisExport(header, table, origin, *_horizons_us(rows, origin), unknown_output_ids=tuple(unknown),
                       num_without_arrival=requests.num_rows - len(rows),
                       assumed_block_tokens=header.block_tokens if assumed else None)
+
+
+def _session_rounds(sessions: list[str | None]) -> list[int]:
+    """Each request's round in its session, in arrival order: 0, 1, 2, ... as BLIS's closed-loop
+    replay requires them (0 outside a session)."""
+    seen: dict[str, int] = {}
+    out = []
+    for session in sessions:
+        out.append(seen.get(session, 0) if session else 0)
+        if session:
+            seen[session] = out[-1] + 1
+    return out
 
 
 def _horizons_us(rows: list[dict], origin_ns: int) -> tuple[int, int]:

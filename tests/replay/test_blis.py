@@ -441,3 +441,11 @@ def test_the_cli_warns_of_unknown_output_lengths_and_refuses_what_it_cannot_read
     for refused in (bad, odd):  # a clean message, not an internal error
         assert refused.stderr.startswith("error: ") and "Traceback" not in refused.output
         assert "internal error" not in refused.output
+
+
+def test_rounds_are_numbered_within_each_session_in_arrival_order():
+    events = events_to_table([RequestArrived(event_id=f"{i}", ts_ns=i * 1000, engine_id="e", request_id=f"r{i}",
+                                             num_prompt_tokens=10, max_output_tokens=1, session_id=session)
+                              for i, session in enumerate(["a", "b", None, "a", "b", "a"])])
+    # BLIS's closed-loop replay refuses a session whose rounds are not 0, 1, 2, ...
+    assert export(events).rows["round_index"].to_pylist() == ["0", "0", "0", "1", "1", "2"]
