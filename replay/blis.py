@@ -12,12 +12,14 @@ integer microseconds on one time origin.
 - ``blis_events``: an observed trace (modes ``real`` and ``replayed``) as lifecycle events
   (arrival, first token, the remaining tokens as one chunk, finish), so its request table can be
   judged next to a servelens replay;
-- ``to_blis``: any events table (real or replayed) as a trace v2, so BLIS can replay a workload
-  that servelens recorded.
+- ``to_blis``: any events table (real or replayed) as a trace v2 that ``blis replay`` runs as is
+  (times from the first arrival, output lengths, prefix block ids as prefix groups), so BLIS can
+  replay a workload that servelens recorded; ``BlisExport`` says what the events did not record.
 
 What maps to what, and the fields servelens does not model, are listed in ``docs/interop.md``.
 ``BlisTrace.carry`` keeps the unmodelled columns as written; passing it back to ``to_blis``
-restores them, so import then export reproduces the trace file exactly.
+restores them, so import then export (on the trace's own origin, ``origin_ns=0``) reproduces the
+trace file exactly.
 """
 
 from __future__ import annotations
@@ -159,7 +161,7 @@ def parse_header(text: str, where: str = "header") -> BlisHeader:
         raise BlisError(f"{where}: trace_version {header.trace_version} is not supported (2 or 3)")
     if header.time_unit not in TIME_UNITS:
         raise BlisError(f"{where}: time_unit {header.time_unit!r} is not supported",
-                             "trace v2 times are microseconds: 'microseconds' (blis run, replay) or 'us' (blis observe)")
+                        "trace v2 times are microseconds: 'microseconds' (blis run, replay) or 'us' (blis observe)")
     return header
 
 
