@@ -568,7 +568,8 @@ def trace_rows(trace: BlisTrace) -> pa.Table:
 
 
 __all__ = [
-    "BASE_COLUMNS", "BlisError", "BlisExport", "BlisHeader", "BlisServer", "BlisSloTargets", "BlisTrace", "MODELLED_COLUMNS", "UNMODELLED_COLUMNS",
+    "BASE_COLUMNS", "BlisError", "BlisExport", "BlisHeader", "BlisServer", "BlisSloTargets", "BlisTrace",
+    "MODELLED_COLUMNS", "TIME_UNITS", "UNMODELLED_COLUMNS",
     "blis_events", "blis_workload", "header_yaml", "parse_header", "read_blis", "to_blis", "trace_rows", "write_blis",
 ]
 
