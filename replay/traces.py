@@ -25,6 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.json as pajson
 
+from replay.blis import read_blis_workload
 from schemas.arrow import arrow_schema
 from schemas.records import WorkloadRequest
 from servelens.errors import DataNotFoundError, ServelensError
@@ -183,8 +184,6 @@ def _require(path: Path, table: pa.Table, names: list[str]) -> None:
 
 def read_blis(path: Path, prefix: str = "blis") -> pa.Table:
     """BLIS (inference-sim) trace v2: this CSV and its YAML header beside it (``replay.blis``)."""
-    from replay.blis import read_blis_workload
-
     return read_blis_workload(path, prefix)
 
 

@@ -108,7 +108,9 @@ def arrival_events(workload: pa.Table, engine_id: str) -> pa.Table:
     """One ``request_arrived`` event per workload request, columnar (``EVENTS_SCHEMA``).
 
     A trace records arrivals and token counts, not what the engine did, so arrivals are the only
-    events a trace yields on its own; a replay adds the rest.
+    events a trace yields on its own; a replay adds the rest. The recorded output length goes in
+    ``max_output_tokens`` (the length the request generates when replayed, as BLIS traces record
+    it), so the events keep it.
     """
     n = workload.num_rows
     ids = workload["request_id"]
@@ -120,6 +122,7 @@ def arrival_events(workload: pa.Table, engine_id: str) -> pa.Table:
         "engine_id": pa.array([engine_id] * n, pa.string()),
         "request_id": ids,
         "num_prompt_tokens": workload["num_prompt_tokens"],
+        "max_output_tokens": workload["num_output_tokens"],
         "num_branches": workload["num_branches"],
         "prefix_block_ids": workload["prefix_block_ids"],
     }

@@ -237,29 +237,43 @@ def trace_stats(ctx: click.Context, trace_name: str) -> None:
 
 
 @trace.command("to-blis")
-@click.argument("events_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("source", metavar="INPUT")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="The trace's CSV; its YAML header is written beside it (.yaml).")
 @click.option("--mode", type=click.Choice(["real", "replayed", "generated"]), default="real", show_default=True,
               help="The header's mode: real for recorded production traffic, replayed for a servelens replay.")
 @click.option("--model", help="The header's server.model.")
-def trace_to_blis(events_file: Path, out: Path, mode: str, model: str | None) -> None:
-    """Export EVENTS_FILE (Parquet; real or replayed) as a BLIS (inference-sim) trace v2 (docs/interop.md).
+@click.option("--block-tokens", type=click.IntRange(min=1),
+              help="Tokens per prefix block id. Default: a workload's or trace's own (Mooncake: 512); for events, "
+                   "which do not record it, 16 (vLLM's).")
+@click.pass_context
+def trace_to_blis(ctx: click.Context, source: str, out: Path, mode: str, model: str | None,
+                  block_tokens: int | None) -> None:
+    """Export INPUT as a BLIS (inference-sim) trace v2 that `blis replay` runs as is (docs/interop.md).
+
+    INPUT is events (JSONL or Parquet; real or replayed), a workload (Parquet), or a trace: a
+    bundled name (mooncake, ...) or an Azure, Mooncake, BurstGPT or BLIS file. Times start at the
+    first arrival; prefix block ids become BLIS prefix groups. Requests whose output length the
+    input does not record are counted in a warning (stderr and the header).
 
     \b
     Example:
       servelens trace to-blis out/demo/events.parquet --out blis/trace.csv --mode replayed
+      servelens trace to-blis mooncake --out blis/mooncake.csv
       blis replay --trace-header blis/trace.yaml --trace-data blis/trace.csv ...
     """
-    import pyarrow.parquet as pq
-
-    from replay.blis import BlisHeader, BlisServer, to_blis, write_blis
+    from pipelines.blis_export import export_blis
+    from replay.blis import BlisHeader, BlisServer, write_blis
 
     header = BlisHeader(mode=mode, created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                         server=BlisServer(model=model) if model else None)
-    header, rows = to_blis(pq.read_table(events_file), header=header)
-    write_blis(header, rows, out.with_suffix(".yaml"), out)
-    click.echo(f"wrote {rows.num_rows:,} requests to {out} (header {out.with_suffix('.yaml')})")
+    export = export_blis(source, _shared_or_none(ctx, source), header=header, block_tokens=block_tokens)
+    write_blis(export.header, export.rows, out.with_suffix(".yaml"), out, export.comments)
+    for warning in export.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    click.echo(f"wrote {export.rows.num_rows:,} requests to {out} (header {out.with_suffix('.yaml')})")
+    for note in export.notes:
+        click.echo(f"  {note}")
 
 
 @trace.command("from-blis")

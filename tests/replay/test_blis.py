@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 import yaml
 
@@ -20,6 +21,8 @@ from replay.blis import (
     write_blis,
 )
 from replay.traces import WORKLOAD_SCHEMA
+from schemas.arrow import events_to_table
+from schemas.events import FirstToken, RequestArrived, RequestFinished
 from servelens.errors import ServelensError
 
 # Built from inference-sim's public trace v2 description (sim/workload/tracev2.go: TraceHeader,
@@ -27,7 +30,7 @@ from servelens.errors import ServelensError
 # microseconds; sim/workload/slo.go: goodput_slo_targets). Values are invented.
 HEADER = """\
 trace_version: 3
-time_unit: us
+time_unit: microseconds
 created_at: "2026-11-01T10:00:00Z"
 mode: real
 warm_up_requests: 0
@@ -55,6 +58,11 @@ request_id,client_id,tenant_id,slo_class,vllm_priority,session_id,round_index,pr
 by peer",abort,7f3e0c9a-4,
 4,chat-c,tenant-3,critical,0,,0,,0,true,40,30,40,0,0,0,0,meta-llama/Llama-3.1-8B-Instruct,0,500000,0,1400000,1400100,1450000,1700000,7,incomplete,,,7f3e0c9a-5,
 """
+
+
+def export(events: pa.Table, **options):
+    """``to_blis`` with the events' request table derived, as the CLI does."""
+    return to_blis(events, derive_requests(events), **options)
 
 
 @pytest.fixture
@@ -97,7 +105,9 @@ def test_an_observed_trace_becomes_a_request_table_with_its_timings(trace_files)
 
 def test_round_trip_is_unchanged_in_every_modelled_field(trace_files, tmp_path):
     trace = read_blis(*trace_files)
-    header, rows = to_blis(blis_events(trace), header=trace.header)  # no carry: only what servelens models
+    # no carry: only what servelens models; on the trace's own time origin (the default is the first arrival)
+    exported = export(blis_events(trace), header=trace.header, origin_ns=0)
+    header, rows = exported.header, exported.rows
     original = trace_rows(trace).to_pylist()
     for before, after in zip(original, rows.to_pylist(), strict=True):
         for name in MODELLED_COLUMNS:
@@ -105,13 +115,14 @@ def test_round_trip_is_unchanged_in_every_modelled_field(trace_files, tmp_path):
                 continue
             assert after[name] == before[name], (before["request_id"], name)
         # a prefix is modelled as its full shared blocks (vLLM caches no partial block): the prompt
-        # stays whole, and a sub-block remainder moves from prefix_length to input_tokens
+        # stays whole, and a sub-block remainder moves from prefix_length to input_tokens. sys-b
+        # (row 3) has one request: a group of one shares nothing, so it exports as no group
         total = int(before["prefix_length"]) + int(before["input_tokens"])
         assert int(after["prefix_length"]) + int(after["input_tokens"]) == total
-        full = int(before["prefix_length"]) // 16 * 16 if before["prefix_group"] else 0
+        full = int(before["prefix_length"]) // 16 * 16 if before["prefix_group"] == "sys-a" else 0
         assert int(after["prefix_length"]) == full
     groups = [r["prefix_group"] for r in rows.to_pylist()]
-    assert groups[0] == groups[1] != groups[3] and groups[2] == groups[4] == ""
+    assert groups[0] == groups[1] != "" and groups[2] == groups[3] == groups[4] == ""
     assert header_dict(header) == yaml.safe_load(HEADER)
     for name in ("client_id", "send_time_us", "num_chunks", "finish_reason", "x_request_id"):
         assert name in UNMODELLED_COLUMNS
@@ -119,7 +130,8 @@ def test_round_trip_is_unchanged_in_every_modelled_field(trace_files, tmp_path):
 
 def test_round_trip_with_the_carried_columns_reproduces_the_files_exactly(trace_files, tmp_path):
     trace = read_blis(*trace_files)
-    header, rows = to_blis(blis_events(trace), header=trace.header, carry=trace.carry)
+    exported = export(blis_events(trace), header=trace.header, carry=trace.carry, origin_ns=0)
+    header, rows = exported.header, exported.rows
     write_blis(header, rows, tmp_path / "out.yaml", tmp_path / "out.csv")
     assert (tmp_path / "out.csv").read_text() == CSV
     assert yaml.safe_load((tmp_path / "out.yaml").read_text()) == yaml.safe_load(HEADER)
@@ -137,7 +149,8 @@ def test_a_servelens_replay_exports_and_comes_back(tmp_path):
     import pyarrow.parquet as pq
 
     events = pq.read_table(summary.events_path)
-    header, rows = to_blis(events, header=BlisHeader(mode="replayed"))
+    exported = export(events, header=BlisHeader(mode="replayed"))
+    header, rows = exported.header, exported.rows
     write_blis(header, rows, tmp_path / "r.yaml", tmp_path / "r.csv")
     back = read_blis(tmp_path / "r.yaml", tmp_path / "r.csv")
     assert back.header.mode == "replayed"
@@ -155,6 +168,16 @@ def header_dict(header: BlisHeader) -> dict:
     from replay.blis import header_yaml
 
     return yaml.safe_load(header_yaml(header))
+
+
+@pytest.mark.parametrize("unit", ["microseconds", "us"])  # blis run and replay write the first, blis observe the second
+def test_both_of_blis_s_names_for_microseconds_are_read(unit, tmp_path):
+    assert parse_header(f"trace_version: 3\ntime_unit: {unit}\nmode: replayed\n").time_unit == unit
+    (tmp_path / "t.yaml").write_text(HEADER.replace("time_unit: microseconds", f"time_unit: {unit}"))
+    (tmp_path / "t.csv").write_text(CSV)
+    trace = read_blis(tmp_path / "t.yaml", tmp_path / "t.csv")
+    assert blis_workload(trace)["arrival_ns"].to_pylist()[:2] == [1_000_000_000, 1_200_000_000]
+    assert BlisHeader().time_unit == "microseconds"  # what servelens writes, as blis run and replay do
 
 
 @pytest.mark.parametrize(
@@ -215,7 +238,8 @@ def test_an_observed_blis_trace_is_replayed_and_judged_by_the_gate(tmp_path):
     workload = make_workload(np.cumsum(rng.exponential(0.08e9, n)).astype(np.int64).tolist(), rng.integers(50, 1500, n).tolist(),
                              rng.integers(5, 300, n).tolist(), service_class=["interactive"] * n, tenant=[f"t{i % 6}" for i in range(n)])
     recorded = run_replay(workload, out_dir=tmp_path / "recorded")
-    header, rows = to_blis(pq.read_table(recorded.events_path), header=BlisHeader(mode="real"))
+    exported = export(pq.read_table(recorded.events_path), header=BlisHeader(mode="real"))
+    header, rows = exported.header, exported.rows
     write_blis(header, rows, tmp_path / "t.yaml", tmp_path / "t.csv")
     trace = read_blis(tmp_path / "t.yaml", tmp_path / "t.csv")
     (tmp_path / "observed").mkdir()
@@ -228,3 +252,200 @@ def test_an_observed_blis_trace_is_replayed_and_judged_by_the_gate(tmp_path):
         assert by_name[(name, "")].status == "pass", by_name[(name, "")].reason
     # a trace's ITL is one chunk per request and it has no schedule: not comparable (docs/interop.md)
     assert by_name[("max_queue_s", "")].status != "pass"
+
+
+def _lifecycle(rid: str, arrival_ns: int, *, max_output: int | None = None, finish: tuple[str, int] | None = None,
+               first_ns: int | None = None, blocks: list[int] | None = None) -> list:
+    """Hand-made events of one request: its arrival, optionally a first token and a finish."""
+    common = {"engine_id": "e", "request_id": rid}
+    events = [RequestArrived(event_id=f"{rid}:a", ts_ns=arrival_ns, num_prompt_tokens=1000, max_output_tokens=max_output,
+                             prefix_block_ids=blocks, **common)]
+    if first_ns is not None:
+        events.append(FirstToken(event_id=f"{rid}:f", ts_ns=first_ns, **common))
+    if finish is not None:
+        events.append(RequestFinished(event_id=f"{rid}:x", ts_ns=(first_ns or arrival_ns) + 1000, outcome=finish[0],
+                                      num_output_tokens=finish[1], **common))
+    return events
+
+
+def test_output_lengths_come_from_what_the_events_record_and_the_unknown_are_counted():
+    events = events_to_table([
+        *_lifecycle("r0", 0, first_ns=5_000, finish=("completed", 7)),  # produced 7: the length
+        *_lifecycle("r1", 10_000, max_output=20, finish=("timed_out", 0)),  # its max_tokens: the intended length
+        *_lifecycle("r2", 20_000),  # in flight, no max_tokens: unknown
+        *_lifecycle("r3", 30_000, finish=("rejected", 0)),  # rejected, no max_tokens: unknown
+        *_lifecycle("r4", 40_000, max_output=9),  # in flight with max_tokens 9
+    ])
+    exported = export(events)
+    assert exported.rows["output_tokens"].to_pylist() == ["7", "20", "0", "0", "9"]
+    assert exported.unknown_output_ids == ("2", "3")  # BLIS ids: r0.. are renumbered in arrival order
+    (warning,) = exported.warnings
+    assert warning.startswith("2 of 5 requests have no recorded output length") and "request_id 2, 3" in warning
+    assert exported.comments[0] == f"servelens: warning: {warning}"
+
+
+def test_a_workload_converted_to_events_keeps_its_output_lengths():
+    from replay.workload import arrival_events
+    from tests.replay.conftest import make_workload
+
+    workload = make_workload([0, 10**9, 2 * 10**9], [100, 200, 300], [11, 0, 33])
+    exported = export(arrival_events(workload, engine_id="trace:w"))
+    assert exported.rows["output_tokens"].to_pylist() == ["11", "0", "33"]
+    assert exported.warnings == ()
+
+
+# A Mooncake trace (timestamps ms, 512-token hash ids) with known shared prefixes: r0, r2 and r4 share
+# blocks 1, 2, 3; r1 shares 1, 2 with them only (its group would be a group of one); r3 shares nothing.
+MOONCAKE = """\
+{"timestamp": 5000, "input_length": 1600, "output_length": 7, "hash_ids": [1, 2, 3, 10]}
+{"timestamp": 6000, "input_length": 1100, "output_length": 9, "hash_ids": [1, 2, 11]}
+{"timestamp": 6500, "input_length": 1700, "output_length": 3, "hash_ids": [1, 2, 3, 12]}
+{"timestamp": 7000, "input_length": 600, "output_length": 5, "hash_ids": [5, 6]}
+{"timestamp": 7500, "input_length": 2100, "output_length": 11, "hash_ids": [1, 2, 3, 13, 14]}
+"""
+
+
+def test_a_mooncake_trace_keeps_its_prefix_groups_block_size_and_output_lengths(tmp_path):
+    from replay.traces import MOONCAKE_BLOCK_TOKENS, read_trace
+    from replay.workload import arrival_events
+
+    (tmp_path / "mc.jsonl").write_text(MOONCAKE)
+    workload = read_trace(str(tmp_path / "mc.jsonl"))
+    exported = export(arrival_events(workload, engine_id="trace:mc"), block_tokens=MOONCAKE_BLOCK_TOKENS)
+    rows = exported.rows.to_pylist()
+    group = rows[0]["prefix_group"]
+    assert group and [r["prefix_group"] for r in rows] == [group, "", group, "", group]
+    assert [int(r["prefix_length"]) for r in rows] == [1536, 0, 1536, 0, 1536]  # 3 blocks of 512
+    assert [int(r["input_tokens"]) for r in rows] == [64, 1100, 164, 600, 564]
+    assert exported.header.server.block_size == 512 and exported.warnings == ()
+    assert not any("block ids taken as" in note for note in exported.notes)
+    write_blis(exported.header, exported.rows, tmp_path / "t.yaml", tmp_path / "t.csv", exported.comments)
+    back = blis_workload(read_blis(tmp_path / "t.yaml", tmp_path / "t.csv")).to_pylist()
+    assert [r["num_output_tokens"] for r in back] == [7, 9, 3, 5, 11]
+    assert [r["num_prompt_tokens"] for r in back] == [1600, 1100, 1700, 600, 2100]
+    shared = back[0]["prefix_block_ids"]
+    assert len(shared) == 3 and back[2]["prefix_block_ids"] == back[4]["prefix_block_ids"] == shared
+    assert back[1]["prefix_block_ids"] is None and back[3]["prefix_block_ids"] is None
+    assert [r["prefix_block_size_tokens"] for r in back] == [512, None, 512, None, 512]
+
+
+def test_a_group_s_prefix_is_cut_to_its_shortest_prompt_and_unsaid_block_sizes_are_noted():
+    from replay.workload import arrival_events
+    from tests.replay.conftest import make_workload
+
+    # two prompts with the same two ids, the second block partial: 700 and 600 tokens of 512-token blocks
+    workload = make_workload([0, 10], [700, 600], [1, 1], prefix_block_ids=[[8, 9], [8, 9]])
+    rows = export(arrival_events(workload, engine_id="w"), block_tokens=512).rows.to_pylist()
+    assert [(r["prefix_length"], r["input_tokens"]) for r in rows] == [("600", "100"), ("600", "0")]
+    unsaid = export(arrival_events(workload, engine_id="w"))  # no block size given, none in the header
+    assert unsaid.rows["prefix_length"].to_pylist() == ["32", "32"]  # two ids of vLLM's 16 tokens
+    note = unsaid.notes[-1]
+    assert note.startswith("prefix block ids taken as 16 tokens each") and unsaid.comments[-1] == f"servelens: {note}"
+
+
+def test_the_bundled_mooncake_trace_keeps_its_shared_prefixes(shared):
+    from replay.traces import read_trace
+    from replay.workload import arrival_events
+
+    workload = read_trace("mooncake", shared)
+    rows = export(arrival_events(workload, engine_id="trace:mooncake"), block_tokens=512).rows.to_pylist()
+    hash_ids = workload["prefix_block_ids"].to_pylist()
+    prompts = workload["num_prompt_tokens"].to_pylist()
+    members: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+        assert int(r["prefix_length"]) + int(r["input_tokens"]) == prompts[i] and int(r["input_tokens"]) >= 0
+        if r["prefix_group"]:
+            members.setdefault(r["prefix_group"], []).append(i)
+    assert len(members) == 565  # was one group of 16-token blocks
+    for indices in members.values():
+        (length,) = {int(rows[i]["prefix_length"]) for i in indices}  # BLIS gives a group one prefix length
+        blocks = -(-length // 512)
+        assert len(indices) > 1 and len({tuple(hash_ids[i][:blocks]) for i in indices}) == 1  # shared whole
+        assert length == min([blocks * 512] + [prompts[i] for i in indices])
+
+
+def test_times_start_at_the_first_arrival_and_the_horizon_holds_every_recorded_request(tmp_path):
+    t0 = 1_700_000_000 * 10**9  # wall-clock arrivals, as real telemetry has them
+    events = events_to_table([
+        *_lifecycle("r0", t0 + 2_000_000, first_ns=t0 + 2_500_000, finish=("completed", 1)),
+        *_lifecycle("r1", t0 + 3_000_000, first_ns=t0 + 9_000_000, finish=("completed", 1)),  # finished at +9.001 ms
+    ])
+    exported = export(events)
+    rows = exported.rows.to_pylist()
+    assert [r["arrival_time_us"] for r in rows] == ["0", "1000"] and [r["send_time_us"] for r in rows] == ["0", "1000"]
+    assert [r["first_chunk_time_us"] for r in rows] == ["500", "7000"]
+    assert [r["last_chunk_time_us"] for r in rows] == ["500", "7000"]
+    assert exported.origin_ns == t0 + 2_000_000
+    # blis replay's default horizon is 2 x the last arrival (2,000 us); the last request finished at 7,001 us
+    assert exported.default_horizon_us == 2000 and exported.horizon_us == 7002
+    assert exported.notes[1].endswith("run it with --horizon 7002")
+    early = export(events.filter(pc.equal(events["request_id"], "r0")))  # one request at 0: BLIS's 600 s
+    assert early.default_horizon_us == early.horizon_us == 600_000_000 and "without --horizon" in early.notes[1]
+    write_blis(exported.header, exported.rows, tmp_path / "t.yaml", tmp_path / "t.csv", exported.comments)
+    text = (tmp_path / "t.yaml").read_text()
+    assert "# servelens: the recorded requests end after blis replay's default horizon" in text
+    assert read_blis(tmp_path / "t.yaml", tmp_path / "t.csv").records["arrival_time_us"].to_pylist() == [0, 1000]
+
+
+def test_deadlines_and_carried_send_times_move_with_the_origin(trace_files):
+    trace = read_blis(*trace_files)  # first arrival 1,000,000 us; row 0's deadline 30,000,000 us
+    rows = export(blis_events(trace), header=trace.header, carry=trace.carry).rows.to_pylist()
+    assert [r["arrival_time_us"] for r in rows] == ["0", "200000", "300000", "350000", "400000"]
+    assert rows[0]["deadline_us"] == "29000000" and rows[0]["slo_target_us"] == "500000"  # relative to arrival
+    assert [r["send_time_us"] for r in rows] == ["210", "200190", "300300", "350150", "400100"]  # as carried, moved
+    assert rows[0]["first_chunk_time_us"] == "180000" and rows[2]["first_chunk_time_us"] == "0"  # 0: no token
+
+
+def test_the_cli_exports_events_jsonl_workloads_and_traces_alike(tmp_path):
+    from click.testing import CliRunner
+
+    from servelens.cli import cli
+
+    (tmp_path / "mc.jsonl").write_text(MOONCAKE)
+    runner = CliRunner()
+    result = runner.invoke(cli, ["trace", "convert", str(tmp_path / "mc.jsonl"), "--to", "events", "--out",
+                                 str(tmp_path / "e.jsonl")])
+    assert result.exit_code == 0, result.output
+    runs = {"trace": [str(tmp_path / "mc.jsonl")],  # its block size is the trace's: 512
+            "events": [str(tmp_path / "e.jsonl"), "--block-tokens", "512"]}  # events do not record it
+    for name, args in runs.items():
+        result = runner.invoke(cli, ["trace", "to-blis", *args, "--out", str(tmp_path / name / "t.csv")])
+        assert result.exit_code == 0, result.output
+        assert result.stderr == "" and "run it without --horizon" in result.stdout
+        back = read_blis(tmp_path / name / "t.yaml", tmp_path / name / "t.csv")
+        assert back.header.time_unit == "microseconds" and back.header.block_tokens == 512
+        assert back.records["arrival_time_us"].to_pylist() == [0, 1_000_000, 1_500_000, 2_000_000, 2_500_000]
+        assert back.records["output_tokens"].to_pylist() == [7, 9, 3, 5, 11]
+        assert back.records["prefix_length"].to_pylist() == [1536, 0, 1536, 0, 1536]
+    assert (tmp_path / "trace" / "t.csv").read_text() == (tmp_path / "events" / "t.csv").read_text()
+
+
+def test_the_cli_warns_of_unknown_output_lengths_and_refuses_what_it_cannot_read(tmp_path):
+    from click.testing import CliRunner
+
+    from schemas.wire import iter_table_json, write_jsonl
+    from servelens.cli import cli
+
+    write_jsonl(iter_table_json(events_to_table([*_lifecycle("a", 0), *_lifecycle("b", 10**6)])), tmp_path / "e.jsonl")
+    runner = CliRunner()
+    result = runner.invoke(cli, ["trace", "to-blis", str(tmp_path / "e.jsonl"), "--out", str(tmp_path / "t.csv")])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.startswith("warning: 2 of 2 requests have no recorded output length")
+    assert "# servelens: warning: 2 of 2 requests have no recorded output length" in (tmp_path / "t.yaml").read_text()
+    (tmp_path / "bad.jsonl").write_text('{"event_type": "request_arrived", "ts_ns": "soon"}\n')
+    bad = runner.invoke(cli, ["trace", "to-blis", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "u.csv")])
+    assert bad.exit_code == 3 and "bad.jsonl:1:" in bad.stderr and "servelens events validate" in bad.stderr
+    (tmp_path / "odd.csv").write_text("when,what\n1,2\n")
+    odd = runner.invoke(cli, ["trace", "to-blis", str(tmp_path / "odd.csv"), "--out", str(tmp_path / "v.csv")])
+    assert odd.exit_code == 3 and "not one of the inputs a BLIS export reads" in odd.stderr
+    for refused in (bad, odd):  # a clean message, not an internal error
+        assert refused.stderr.startswith("error: ") and "Traceback" not in refused.output
+        assert "internal error" not in refused.output
+
+
+def test_rounds_are_numbered_within_each_session_in_arrival_order():
+    events = events_to_table([RequestArrived(event_id=f"{i}", ts_ns=i * 1000, engine_id="e", request_id=f"r{i}",
+                                             num_prompt_tokens=10, max_output_tokens=1, session_id=session)
+                              for i, session in enumerate(["a", "b", None, "a", "b", "a"])])
+    # BLIS's closed-loop replay refuses a session whose rounds are not 0, 1, 2, ...
+    assert export(events).rows["round_index"].to_pylist() == ["0", "0", "0", "1", "1", "2"]

@@ -1,0 +1,84 @@
+"""A BLIS (inference-sim) trace v2 from any servelens input: events, a workload or a trace.
+
+``replay.blis.to_blis`` writes events as a trace v2 given their request table. This module reads
+the input (events as JSONL or Parquet, as ``servelens events validate`` reads them; a workload
+Parquet; a bundled trace or a trace file, whose arrival events carry its output lengths), derives
+the request table (``pipelines.tables``), and takes the prefix block size where the input records
+it (a workload's ``prefix_block_size_tokens``: Mooncake's 512).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from pipelines.tables import derive_requests
+from replay.blis import BlisExport, BlisHeader, to_blis
+from replay.traces import BUNDLED_TRACES, detect_format
+from replay.workload import arrival_events, load_workload
+from schemas.arrow import EVENTS_SCHEMA
+from schemas.validate import InvalidEventsError, iter_event_tables
+from schemas.validate import detect_format as events_format
+from servelens.errors import ServelensError
+
+_INPUTS = ("events (JSONL or Parquet), a workload (Parquet), or a trace: a bundled name "
+           f"({', '.join(BUNDLED_TRACES)}) or an Azure, Mooncake, BurstGPT or BLIS file")
+
+
+class ExportInputError(ServelensError):
+    """The input of a BLIS export is not events, a workload or a trace, or holds invalid events."""
+
+
+def export_blis(source: str, shared: Path | None, *, header: BlisHeader, block_tokens: int | None = None) -> BlisExport:
+    """``source`` (events file, workload Parquet, trace file or bundled trace name) as a trace v2.
+
+    ``block_tokens`` (tokens per prefix block id) defaults to what the input records: a workload's
+    ``prefix_block_size_tokens``; events do not record it (``to_blis`` then notes its default).
+    """
+    events, recorded = export_input(source, shared)
+    return to_blis(events, derive_requests(events), header=header,
+                   block_tokens=block_tokens if block_tokens is not None else recorded)
+
+
+def export_input(source: str, shared: Path | None) -> tuple[pa.Table, int | None]:
+    """(events, the prefix block size they were recorded with, if known) of an export's input."""
+    path = Path(source)
+    if source not in BUNDLED_TRACES and path.is_file() and _is_events(path):
+        return read_events(path), None
+    workload = load_workload(source, shared).table
+    return arrival_events(workload, engine_id=f"trace:{source}"), _prefix_block_tokens(workload)
+
+
+def read_events(path: Path) -> pa.Table:
+    """Every event of a JSONL or Parquet file (``EVENTS_SCHEMA``); an invalid record is an error."""
+    try:
+        tables = list(iter_event_tables(path))
+    except InvalidEventsError as exc:
+        raise ExportInputError(str(exc), f"run `servelens events validate {path}` to see every error") from None
+    return pa.concat_tables(tables) if tables else EVENTS_SCHEMA.empty_table()
+
+
+def _is_events(path: Path) -> bool:
+    """Events (Parquet with an event_type column, or JSONL that is not a trace) rather than a workload or a trace."""
+    if events_format(path) == "parquet":
+        return "event_type" in pq.read_schema(path).names
+    try:
+        detect_format(path)
+    except ServelensError:
+        with path.open("rb") as fh:
+            if fh.read(64).lstrip().startswith(b"{"):
+                return True  # JSON lines: events, validated record by record
+        raise ExportInputError(f"{path}: not one of the inputs a BLIS export reads", f"give {_INPUTS}") from None
+    return False
+
+
+def _prefix_block_tokens(workload: pa.Table) -> int | None:
+    """The workload's one prefix block size (None without prefix blocks)."""
+    sizes = sorted(pc.unique(pc.drop_null(workload["prefix_block_size_tokens"])).to_pylist())
+    if len(sizes) > 1:
+        raise ExportInputError(f"the workload mixes prefix block sizes ({', '.join(map(str, sizes))} tokens)",
+                               "a BLIS trace has one block size: export each part on its own")
+    return sizes[0] if sizes else None
