@@ -47,8 +47,10 @@ Arrivals = Literal["poisson", "constant"]
 #: Tokens a chat template adds to every prompt (Llama chat template with a system and a user turn,
 #: measured on the fidelity data: ~574 real prompt tokens for a 547-token spec).
 DEFAULT_CHAT_TEMPLATE_TOKENS = 27
-#: Tokens per prefix block id in generated workloads (vLLM's default KV block size).
-PREFIX_BLOCK_TOKENS = 16
+#: Engine KV block size the prefix blocks are multiples of (vLLM's default), and the prefix block of a
+#: workload without shared system prompts.
+ENGINE_BLOCK_TOKENS = 16
+RANDOM_PREFIX_BLOCK_TOKENS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +201,7 @@ def arrival_times_ns(spec: InferencePerfSpec, rng: np.random.Generator) -> np.nd
         else:  # exponential gaps until the stage ends (the count is Poisson with mean rate x duration)
             offsets = np.cumsum(rng.exponential(1 / stage.rate_per_s, n + 10 * int(np.sqrt(n)) + 10))
             offsets = offsets[offsets < stage.duration_s]
-        parts.append(np.floor((start + offsets) * 1e9).astype(np.int64))
+        parts.append(np.rint((start + offsets) * 1e9).astype(np.int64))
         start += stage.duration_s
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
@@ -241,14 +243,16 @@ def inference_perf_workload(
     head = template // 2
     shared = (spec.system_prompt_tokens + head) if spec.generator == "shared_prefix" else 0
     prompt = shared + question + (template - head if spec.generator == "shared_prefix" else template)
+    block = prefix_block_tokens(shared)
     width = max(6, len(str(n)))
     columns = {
         "request_id": pa.array([f"{spec.name}-{i:0{width}d}" for i in range(n)], pa.string()),
         "arrival_ns": pa.array(arrivals, pa.int64()),
         "num_prompt_tokens": pa.array(prompt, pa.int64()),
         "num_output_tokens": pa.array(output, pa.int64()),
-        "prefix_block_ids": pa.array(_prefix_block_ids(spec.name, group, prompt_index, shared, prompt), pa.list_(pa.int64())),
-        "prefix_block_size_tokens": pa.array(np.full(n, PREFIX_BLOCK_TOKENS), pa.int64()),
+        "prefix_block_ids": pa.array(_prefix_block_ids(spec.name, group, prompt_index, block, prompt, shared),
+                                     pa.list_(pa.int64())),
+        "prefix_block_size_tokens": pa.array(np.full(n, block), pa.int64()),
         "num_branches": pa.array(np.ones(n, dtype=np.int64), pa.int64()),
         "failed": pa.array(np.zeros(n, dtype=bool), pa.bool_()),
     }
@@ -266,24 +270,34 @@ def _with_mean(lengths: np.ndarray, mean: float) -> np.ndarray:
     return np.maximum(out, 1)
 
 
-def _prefix_block_ids(name: str, group: np.ndarray, prompt_index: np.ndarray, shared: int, prompt: np.ndarray) -> list:
+def prefix_block_tokens(shared_tokens: int) -> int:
+    """Tokens per prefix block id: the engine blocks that the shared system prompt fills (a group's shared
+    part is then exactly one block id), or ``RANDOM_PREFIX_BLOCK_TOKENS`` without one. Coarser ids than
+    the engine's 16-token blocks keep lookups cheap; the cache hits are the same, as a prompt is either
+    shared up to its system prompt or repeated whole."""
+    full = shared_tokens // ENGINE_BLOCK_TOKENS * ENGINE_BLOCK_TOKENS
+    return full if full else RANDOM_PREFIX_BLOCK_TOKENS
+
+
+def _prefix_block_ids(name: str, group: np.ndarray, prompt_index: np.ndarray, block: int, prompt: np.ndarray,
+                      shared: int) -> list:
     """Each request's block ids (computed once per distinct prompt: shared-prefix prompts repeat)."""
     cache: dict[tuple[int, int, int], list[int]] = {}
     out = []
     for key in zip(group.tolist(), prompt_index.tolist(), prompt.tolist()):
         ids = cache.get(key)
         if ids is None:
-            ids = cache[key] = _block_ids(name, key[0], key[1], shared, key[2])
+            ids = cache[key] = _block_ids(name, key[0], key[1], block, shared, key[2])
         out.append(ids)
     return out
 
 
-def _block_ids(name: str, group: int, prompt: int, shared_tokens: int, num_tokens: int) -> list[int]:
-    """Hash ids of a prompt's full blocks: blocks inside its group's shared prefix are named by the
-    group, the rest by the prompt (a block's content includes everything before it)."""
+def _block_ids(name: str, group: int, prompt: int, block: int, shared_tokens: int, num_tokens: int) -> list[int]:
+    """Hash ids of a prompt's full blocks of ``block`` tokens: a block inside its group's shared prefix is
+    named by the group, the rest by the prompt (a block's content includes everything before it)."""
     ids = []
-    for b in range(num_tokens // PREFIX_BLOCK_TOKENS):
-        owner = f"g{group}" if group >= 0 and (b + 1) * PREFIX_BLOCK_TOKENS <= shared_tokens else f"p{prompt}"
+    for b in range(num_tokens // block):
+        owner = f"g{group}" if group >= 0 and (b + 1) * block <= shared_tokens else f"p{prompt}"
         digest = hashlib.blake2b(f"{name}/{owner}/{b}".encode(), digest_size=8).digest()
         ids.append(int.from_bytes(digest, "big") >> 1)
     return ids
@@ -291,11 +305,13 @@ def _block_ids(name: str, group: int, prompt: int, shared_tokens: int, num_token
 
 __all__ = [
     "DEFAULT_CHAT_TEMPLATE_TOKENS",
+    "ENGINE_BLOCK_TOKENS",
     "InferencePerfSpec",
     "Lengths",
     "LoadStage",
     "arrival_times_ns",
     "inference_perf_workload",
     "parse_inference_perf",
+    "prefix_block_tokens",
     "read_inference_perf",
 ]

@@ -392,15 +392,31 @@ def workload_from_requests(requests: pa.Table) -> pa.Table:
     )
 
 
-def load_workload(name_or_path: str, shared: Path | None, num_requests: int | None = None) -> Workload:
-    """A workload from a bundled trace name, a trace file or a workload Parquet file; tiled (copies
-    back to back, burst timing kept) to ``num_requests`` when given."""
+#: Folder of the bundled inference-perf workload specs, relative to the shared data folder.
+SPECS_DIR = Path("fidelity") / "workloads"
+
+
+def load_workload(name_or_path: str, shared: Path | None, num_requests: int | None = None, seed: int = 0) -> Workload:
+    """A workload from a bundled trace name, a trace file, a workload Parquet file, or an inference-perf
+    config (a ``.yaml`` file, or the name of a bundled spec such as ``general``: generated with ``seed``);
+    tiled (copies back to back, burst timing kept) to ``num_requests`` when given."""
     import pyarrow.parquet as pq
 
-    from replay.traces import read_trace
+    from replay.traces import BUNDLED_TRACES, read_trace
 
     path = Path(name_or_path)
-    table = pq.read_table(path) if path.suffix == ".parquet" and path.is_file() else read_trace(name_or_path, shared)
+    bundled_spec = shared / SPECS_DIR / f"{name_or_path}.yaml" if shared is not None else None
+    if path.suffix in (".yaml", ".yml") or (name_or_path not in BUNDLED_TRACES and bundled_spec and bundled_spec.is_file()):
+        from replay.inference_perf import inference_perf_workload, read_inference_perf
+
+        spec_path = path if path.suffix in (".yaml", ".yml") else bundled_spec
+        if not spec_path.is_file():
+            raise ReplayError(f"no inference-perf config {name_or_path}", "give the path of its YAML file")
+        table = inference_perf_workload(read_inference_perf(spec_path), seed)
+    elif path.suffix == ".parquet" and path.is_file():
+        table = pq.read_table(path)
+    else:
+        table = read_trace(name_or_path, shared)
     if num_requests:
         return TiledWorkload(table, -(-num_requests // table.num_rows), num_requests=num_requests, name=name_or_path)
     return TableWorkload(table, name=name_or_path)

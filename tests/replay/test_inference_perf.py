@@ -1,0 +1,95 @@
+"""inference-perf workload configs: both layouts, arrivals per stage, prompts that repeat whole, determinism."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import yaml
+
+from replay.errors import ReplayError
+from replay.inference_perf import (
+    inference_perf_workload,
+    parse_inference_perf,
+    read_inference_perf,
+)
+
+NESTED = {  # inference-perf's own layout (its examples/vllm/config-shared-prefix-multi-turn.yml, shortened)
+    "load": {"type": "constant", "stages": [{"rate": 20, "duration": 5}, {"rate": 4, "duration": 5}]},
+    "api": {"type": "completion"},
+    "data": {"type": "shared_prefix", "shared_prefix": {
+        "num_unique_system_prompts": 2, "num_users_per_system_prompt": 3, "system_prompt_len": 100,
+        "question_len": 250, "output_len": 40, "enable_multi_turn_chat": False}},
+}
+
+
+def test_the_fidelity_specs_read_as_transcribed(shared):
+    spec = read_inference_perf(shared / "fidelity" / "workloads" / "general.yaml")
+    assert (spec.name, spec.arrivals, spec.num_groups, spec.num_prompts_per_group) == ("general", "poisson", 9, 5)
+    assert [(s.rate_per_s, s.duration_s) for s in spec.stages] == [(8.0, 600.0), (20.0, 600.0)]
+    assert spec.num_requests == 16_800 and spec.chat  # multi-turn chat: templated prompts
+    w = inference_perf_workload(spec, seed=1)
+    prompts = w["num_prompt_tokens"].to_numpy()
+    assert set(prompts) == {100 + 447 + 27}  # 574: the fidelity data's measured prompt length
+    assert abs(w.num_rows - 16_800) < 4 * np.sqrt(16_800)  # Poisson counts per stage
+
+
+def test_constant_arrivals_per_stage_and_prompts_that_repeat_whole():
+    spec = parse_inference_perf(NESTED, name="nested")
+    assert not spec.chat  # the completion API, no multi-turn chat: no template tokens
+    w = inference_perf_workload(spec, seed=0)
+    arrivals = w["arrival_ns"].to_numpy()
+    assert w.num_rows == 100 + 20
+    assert np.array_equal(arrivals[:100], (np.arange(100) * 50_000_000))  # 20 req/s for 5 s: every 50 ms
+    assert np.array_equal(arrivals[100:], 5_000_000_000 + np.arange(20) * 250_000_000)
+    ids = w["prefix_block_ids"].to_pylist()
+    # prefix blocks of 96 tokens, the engine blocks (16 tokens) the 100-token system prompt fills: a
+    # 350-token prompt has 3 full ones, the first shared by the 3 prompts of its group
+    assert set(w["prefix_block_size_tokens"].to_numpy()) == {96} and all(len(b) == 3 for b in ids)
+    # request i is sent prompt i mod 6: whole prompts repeat, block for block
+    assert all(ids[i] == ids[i + 6] for i in range(len(ids) - 6))
+    assert len({tuple(b) for b in ids}) == 6
+    assert len({b[0] for b in ids}) == 2 and len({tuple(b[1:]) for b in ids}) == 6
+    assert set(w["num_output_tokens"].to_numpy()) == {40}
+
+
+def test_a_measured_mean_output_replaces_the_spec_and_the_table_is_deterministic(shared):
+    spec = read_inference_perf(shared / "fidelity" / "workloads" / "codegen.yaml")
+    a = inference_perf_workload(spec, seed=3, mean_output_tokens=195.1)
+    assert a["num_output_tokens"].to_numpy().mean() == pytest.approx(195.1, abs=1 / a.num_rows + 1e-9)
+    assert a.equals(inference_perf_workload(spec, seed=3, mean_output_tokens=195.1))
+    assert not a.equals(inference_perf_workload(spec, seed=4, mean_output_tokens=195.1))
+
+
+def test_length_distributions_and_the_random_generator():
+    doc = {"load": {"stages": [{"rate": 50, "duration": 20}]},
+           "data": {"type": "random", "input_distribution": {"min": 10, "max": 100, "mean": 50, "std": 10},
+                    "output_distribution": {"mean": 150, "std_dev": 60, "min": 1, "max": 4096,
+                                            "distribution": "lognormal"}}}
+    w = inference_perf_workload(parse_inference_perf(doc), seed=0)
+    prompts, outputs = w["num_prompt_tokens"].to_numpy(), w["num_output_tokens"].to_numpy()
+    assert prompts.min() >= 10 and prompts.max() <= 100 and abs(prompts.mean() - 50) < 2
+    assert abs(outputs.mean() - 150) < 10 and outputs.std() > 40
+    ids = [i for b in w["prefix_block_ids"].to_pylist() for i in b]
+    assert len(ids) == len(set(ids))  # nothing shared between requests
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"load": {"stages": []}}, "at least one stage"),
+        ({"load": {"type": "burst", "stages": [{"rate": 1, "duration": 1}]}}, "load.type 'burst'"),
+        ({"data": {"type": "shared_prefix", "shared_prefix": {"num_unique_system_prompts": 2}}},
+         "num_users_per_system_prompt"),
+        ({"data": {"type": "sharegpt"}}, "data.type 'sharegpt'"),
+    ],
+)
+def test_bad_configs_name_what_is_wrong(change, message):
+    with pytest.raises(ReplayError, match=message):
+        parse_inference_perf({**NESTED, **change})
+
+
+def test_a_file_that_is_not_a_config(tmp_path):
+    path = tmp_path / "w.yaml"
+    path.write_text(yaml.safe_dump({"hello": 1}))
+    with pytest.raises(ReplayError, match="not an inference-perf config"):
+        read_inference_perf(path)
