@@ -152,16 +152,16 @@ class Engine:
         self.chunked = e.enable_chunked_prefill
         self.prefix_caching = e.enable_prefix_caching
         self.swap = e.preemption_mode == "swap"
-        self.kv_bytes_per_block = instance.model.kv_bytes_per_token * e.block_size_tokens
         self.swap_bandwidth = e.swap_bandwidth_bytes_per_s
         self.encoder_ns_per_token = e.encoder_s_per_image_token * 1e9
         # async scheduling (vLLM's default since 0.12): step n+1 is planned when step n starts, so a request
         # admitted after that start waits for step n+2; the start and end of the last step run are kept
-        self.async_scheduling = e.async_scheduling
+        self.async_scheduling = bool(e.async_scheduling)
         if instance.frontend is not None:
             writer.out_delay_ns = instance.frontend.out_delay_ns
         self._last_start_ns = self._last_end_ns = -1
-        self.pool = BlockPool(instance.num_kv_blocks)
+        self.kv_bytes_per_block = instance.model.kv_bytes_per_token * e.block_size_tokens
+        self.pool = BlockPool(instance.num_kv_blocks, e.cpu_kv_offload_bytes // self.kv_bytes_per_block)
         self.watermark_blocks = int(e.kv_watermark_fraction * self.pool.num_total)
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
@@ -275,7 +275,7 @@ class Engine:
         if rerouted:
             r.state = WAITING
         else:
-            cached = self._lookup(r)[1] * self.block_size if (self.prefix_caching and r.unit_keys) else None
+            cached = sum(self._lookup(r)[1:]) * self.block_size if (self.prefix_caching and r.unit_keys) else None
             self.writer.arrived.append((r, self.instance_id, cached))
             if r.cancel_after_ns is not None:  # after the arrival (a request may reach the engine later: replay.residency)
                 self.kernel.schedule(max(now, r.arrival_ns + r.cancel_after_ns), CANCEL, lambda: self.cancel(r))
@@ -811,11 +811,11 @@ class Engine:
                 adapters.add(r.adapter)
             rv = r.view
             hits: list[Hashable] = []
-            hit_blocks = 0
+            hit_blocks = loaded = 0
             computed = r.swapped_tokens or r.moved_tokens
             if not computed and self.prefix_caching and r.unit_keys:
-                hits, hit_blocks = self._lookup(r)
-                computed = hit_blocks * bs
+                hits, hit_blocks, loaded = self._lookup(r)
+                computed = (hit_blocks + loaded) * bs
             left = r.num_tokens - computed
             if left == 1 and computed >= r.num_prompt_tokens:
                 m, cost = self._speculate(r) if r.num_speculative_tokens else (1, r.num_branches)
@@ -838,6 +838,8 @@ class Engine:
             pool.allocate(need)
             r.num_blocks = hit_blocks + need
             r.num_anon_blocks = need
+            if loaded:  # prefix blocks found in the CPU tier are copied back, not recomputed
+                self._swap_ns += -(-loaded * self.kv_bytes_per_block * 1_000_000_000 // int(self.swap_bandwidth))
             if r.swapped_tokens:
                 swap_bytes = need * self.kv_bytes_per_block
                 self._swap_ns += -(-swap_bytes * 1_000_000_000 // int(self.swap_bandwidth))
@@ -869,20 +871,24 @@ class Engine:
 
     # ------------------------------------------------------------------ prefix cache
 
-    def _lookup(self, r: Request) -> tuple[list[Hashable], int]:
-        """The cached units that cover a prefix of ``r`` (contiguous, exact size), and their blocks."""
+    def _lookup(self, r: Request) -> tuple[list[Hashable], int, int]:
+        """The cached units that cover a prefix of ``r`` (contiguous, exact size), their blocks, and the
+        blocks of the units that continue it from the CPU tier (to copy back)."""
         pool, bs = self.pool, self.block_size
         hits: list[Hashable] = []
-        covered = 0
-        for key, start, size in r.unit_keys:
-            if start != covered or pool.cached_blocks(key) != size:
-                break
-            hits.append(key)
-            covered += size
+        covered = loaded = 0
         max_blocks = (r.num_tokens - 1) // bs  # at least one token is computed, as in vLLM
-        while covered > max_blocks:
-            covered -= pool.cached_blocks(hits.pop())
-        return hits, covered
+        for key, start, size in r.unit_keys:
+            if start != covered + loaded or covered + loaded + size > max_blocks:
+                break
+            if not loaded and pool.cached_blocks(key) == size:
+                hits.append(key)
+                covered += size
+            elif pool.cpu_blocks and pool.offloaded_blocks(key) == size:
+                loaded += size
+            else:
+                break
+        return hits, covered, loaded
 
     def _register_units(self, r: Request, num_tokens: int) -> None:
         """Cache the units whose blocks are fully computed once ``num_tokens`` are (at allocation, as vLLM v1)."""

@@ -15,20 +15,25 @@ unit covers the 32 engine blocks (of 16 tokens) inside that trace block (fewer f
 partial block: only its full engine blocks); a unit is evicted as a whole. A request preempted by
 recompute also leaves its remaining full blocks as one private unit, so that, as in vLLM, its
 recomputation can hit its own blocks if they were not evicted meanwhile.
+
+A CPU tier (vLLM's native KV offloading) keeps evicted units in host memory, least recently used
+first out, up to ``cpu_blocks``: a later lookup that misses on the device can find them there
+(``offloaded_blocks``); the engine then copies them back instead of recomputing them.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Hashable
 
 
 class BlockPool:
     """Counts of used and free KV blocks, the LRU free queue and the cached units."""
 
-    __slots__ = ("num_total", "num_free", "_queue", "_units", "_stamp", "num_evictions")
+    __slots__ = ("num_total", "num_free", "_queue", "_units", "_stamp", "num_evictions", "cpu_blocks", "_cpu",
+                 "_cpu_used")
 
-    def __init__(self, num_total: int) -> None:
+    def __init__(self, num_total: int, cpu_blocks: int = 0) -> None:
         if num_total <= 0:
             raise ValueError("a block pool needs at least one block")
         self.num_total = num_total
@@ -37,6 +42,9 @@ class BlockPool:
         self._units: dict[Hashable, list[int]] = {}  # key -> [num_blocks, num_holders, stamp]
         self._stamp = 0
         self.num_evictions = 0
+        self.cpu_blocks = cpu_blocks  # capacity of the CPU tier (0: none)
+        self._cpu: OrderedDict[Hashable, int] = OrderedDict()  # evicted units kept in host memory, LRU first
+        self._cpu_used = 0
 
     @property
     def num_used(self) -> int:
@@ -67,6 +75,8 @@ class BlockPool:
             del units[key]
             self.num_evictions += 1
             size = unit[0]
+            if self.cpu_blocks:
+                self._offload(key, size)
             if size > num_blocks:
                 queue.appendleft(size - num_blocks)
                 return
@@ -113,6 +123,24 @@ class BlockPool:
             if total >= limit:
                 return total
         return total
+
+    # -------------------------------------------------------------------- the CPU tier
+
+    def _offload(self, key: Hashable, size: int) -> None:
+        """An evicted unit goes to the CPU tier (the least recently used there leave to make room)."""
+        if size > self.cpu_blocks:
+            return
+        cpu = self._cpu
+        if key in cpu:
+            self._cpu_used -= cpu.pop(key)
+        cpu[key] = size
+        self._cpu_used += size
+        while self._cpu_used > self.cpu_blocks:
+            self._cpu_used -= cpu.popitem(last=False)[1]
+
+    def offloaded_blocks(self, key: Hashable) -> int:
+        """Blocks of unit ``key`` in the CPU tier, or 0 (a query: the tier's order is by eviction time)."""
+        return self._cpu.get(key, 0)
 
     # -------------------------------------------------------------------- cached units
 

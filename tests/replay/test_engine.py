@@ -242,3 +242,60 @@ def test_random_workloads_keep_kv_invariants_and_modes_agree(case):
     cols = ["request_id", "arrival_ns", "admission_ns", "scheduled_ns", "first_token_ns", "last_token_ns",
             "cancel_ns", "finish_ns", "outcome", "num_output_tokens", "num_preemptions", "num_lost_tokens"]
     assert tables["fast"][1].select(cols).to_pylist() == tables["reference"][1].select(cols).to_pylist()
+
+
+@pytest.mark.parametrize("mode", ["fast", "reference"])
+def test_async_scheduling_puts_a_request_that_arrives_during_a_step_into_the_step_after_next(run, mode):
+    # r0 decodes from 0 (10 ms steps); r1 arrives at 25 ms, during the step [20, 30]. Synchronous scheduling
+    # plans the next step at 30 with r1 in it; async scheduling planned that step when [20, 30] began, so r1
+    # joins the step [40, 50]: its first token at 50, not 40. An idle engine takes r0 at once either way.
+    w = make_workload([0, 25 * MS], [16, 16], [20, 5])
+    sync = run(w, mode=mode, **CONSTANT, **engine(async_scheduling=False))
+    asyn = run(w, mode=mode, check_invariants=True, **CONSTANT, **engine(async_scheduling=True))
+    assert (sync.row("r1")["scheduled_ns"], sync.row("r1")["first_token_ns"]) == (30 * MS, 40 * MS)
+    assert (asyn.row("r1")["scheduled_ns"], asyn.row("r1")["first_token_ns"]) == (40 * MS, 50 * MS)
+    assert asyn.row("r0")["first_token_ns"] == sync.row("r0")["first_token_ns"] == 10 * MS
+    assert asyn.row("r0")["last_token_ns"] == sync.row("r0")["last_token_ns"] == 200 * MS
+
+
+def test_a_frontend_stamps_client_sends_and_first_and_last_bytes(run):
+    # the client sends r0 at 0 and r1 at 25 ms; the frontend takes 3 ms + 1 us per prompt token (16) to hand a
+    # request to the engine and 1 ms to deliver a token. r0 reaches the engine at 3.016 ms (idle: scheduled
+    # at once), first token at 13.016, last (20th) at 203.016; r1 reaches it at 28.016, during the step
+    # [23.016, 33.016], and async scheduling puts it into [43.016, 53.016]; its 5th token at 93.016.
+    from dataclasses import replace
+
+    from replay.config import FrontendConfig
+
+    frontend = FrontendConfig(request_overhead_s=0.003, tokenize_s_per_token=1e-6, stream_delivery_s=0.001)
+    instance = replace(instance_config(engine=EngineConfig(async_scheduling=True)), frontend=frontend)
+    out = run(make_workload([0, 25 * MS], [16, 16], [20, 5]), instance=instance, **CONSTANT)
+    r0, r1 = out.row("r0"), out.row("r1")
+    assert (r0["client_sent_ns"], r0["arrival_ns"], r0["scheduled_ns"]) == (0, 3 * MS, 3_016_000)
+    assert (r0["first_token_ns"], r0["first_byte_ns"], r0["last_byte_ns"]) == (13_016_000, 14_016_000, 204_016_000)
+    assert (r1["client_sent_ns"], r1["scheduled_ns"], r1["first_byte_ns"], r1["last_byte_ns"]) == (
+        25 * MS, 43_016_000, 54_016_000, 94_016_000)
+    assert r1["ttft_client_s"] == pytest.approx(0.029016) and r1["e2e_client_s"] == pytest.approx(0.069016)
+    assert r1["ttft_s"] == pytest.approx(0.025016)  # engine side: from the frontend's receipt
+
+
+@pytest.mark.parametrize("mode", ["fast", "reference"])
+def test_a_cpu_tier_keeps_evicted_prefix_blocks_and_a_hit_copies_them_back(run, mode):
+    # an 80-block pool (16-token blocks of llama-3-8b, 2 MiB each). r0 (1,100 tokens, trace blocks 7, 8, 9 of
+    # 512 tokens) finishes at 20 ms; r1 (1,200 unrelated tokens) needs 75 blocks at 100 ms and evicts the
+    # cached units 7 and 8 (64 blocks). r2 at 300 ms shares 7 and 8 with r0: without a CPU tier it prefills
+    # all 1,100 tokens; with one it copies the 64 blocks back (134,217,728 bytes at 50 GB/s: 2,684,355 ns,
+    # charged to its first step) and prefills 76.
+    w = make_workload([0, 100 * MS, 300 * MS], [1100, 1200, 1100], [2, 2, 2],
+                      prefix_block_ids=[[7, 8, 9], [1, 2, 3], [7, 8, 10]], prefix_block_size_tokens=[512] * 3)
+    plain = run(w, mode=mode, **CONSTANT, **engine(num_kv_blocks_override=80))
+    tier = run(w, mode=mode, check_invariants=True, **CONSTANT,
+               **engine(num_kv_blocks_override=80, cpu_kv_offload_bytes=1 << 30))
+
+    def first_step(out):
+        return [s for s in out.of_type("step_executed") if s["request_ids"] == ["r2"]][0]
+
+    assert first_step(plain)["num_prefill_tokens"] == 1100 and plain.row("r2")["num_cached_prefix_tokens"] == 0
+    assert first_step(tier)["num_prefill_tokens"] == 76 and tier.row("r2")["num_cached_prefix_tokens"] == 1024
+    assert first_step(tier)["end_ns"] - first_step(tier)["start_ns"] == 10 * MS + 2_684_355
+    assert tier.summary.num_prefix_hit_tokens == plain.summary.num_prefix_hit_tokens + 1024

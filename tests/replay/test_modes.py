@@ -29,6 +29,11 @@ CASES = {
     "azure": ("azure-conv", 2000, EngineConfig(), 3),
     "mooncake": ("mooncake", 400, EngineConfig(), 1),
     "azure-small-pool": ("azure-conv", 1500, EngineConfig(num_kv_blocks_override=600), 3),
+    # async scheduling (a request that arrives during a step waits a step more: a run stops after one step)
+    "azure-async": ("azure-conv", 2000, EngineConfig(async_scheduling=True), 3),
+    # a small pool with a CPU tier: evicted prefix units are found there and copied back
+    "mooncake-cpu-tier": ("mooncake", 400, EngineConfig(num_kv_blocks_override=10_000, cpu_kv_offload_bytes=8 << 30,
+                                                        async_scheduling=True), 1),
 }
 
 
@@ -59,5 +64,5 @@ def test_fast_and_reference_modes_agree_per_request(shared, run, case):
     assert pc.sum(f_tok["num_tokens"]).as_py() == pc.sum(r_tok["num_tokens"]).as_py()
     if case == "azure-small-pool":
         assert pc.sum(ref.requests["num_preemptions"]).as_py() > 100
-    if case == "mooncake":
+    if case.startswith("mooncake"):
         assert pc.sum(ref.requests["num_cached_prefix_tokens"]).as_py() > 0
