@@ -15,12 +15,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipelines.tables import derive_requests
+from pipelines.tables import derive_requests, read_events
 from replay.blis import BlisExport, BlisHeader, to_blis
 from replay.traces import BUNDLED_TRACES, detect_format
 from replay.workload import arrival_events, load_workload
-from schemas.arrow import EVENTS_SCHEMA
-from schemas.validate import InvalidEventsError, iter_event_tables
 from schemas.validate import detect_format as events_format
 from servelens.errors import ServelensError
 
@@ -50,15 +48,6 @@ def export_input(source: str, shared: Path | None) -> tuple[pa.Table, int | None
         return read_events(path), None
     workload = load_workload(source, shared).table
     return arrival_events(workload, engine_id=f"trace:{source}"), _prefix_block_tokens(workload)
-
-
-def read_events(path: Path) -> pa.Table:
-    """Every event of a JSONL or Parquet file (``EVENTS_SCHEMA``); an invalid record is an error."""
-    try:
-        tables = list(iter_event_tables(path))
-    except InvalidEventsError as exc:
-        raise ExportInputError(str(exc), f"run `servelens events validate {path}` to see every error") from None
-    return pa.concat_tables(tables) if tables else EVENTS_SCHEMA.empty_table()
 
 
 def _is_events(path: Path) -> bool:

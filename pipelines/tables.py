@@ -206,6 +206,19 @@ def requests_query(con: duckdb.DuckDBPyConnection, source: EventSource) -> str:
     return requests_sql(_source_sql(con, source))
 
 
+def read_events(path: Path) -> pa.Table:
+    """Every event of a JSONL or Parquet file (``EVENTS_SCHEMA``); an invalid record is an error that says
+    how to see them all."""
+    from schemas.validate import InvalidEventsError, iter_event_tables
+    from servelens.errors import ServelensError
+
+    try:
+        tables = list(iter_event_tables(path))
+    except InvalidEventsError as exc:
+        raise ServelensError(str(exc), f"run `servelens events validate {path}` to see every error") from None
+    return pa.concat_tables(tables) if tables else EVENTS_SCHEMA.empty_table()
+
+
 def derive_requests(source: EventSource, *, con: duckdb.DuckDBPyConnection | None = None) -> pa.Table:
     """One row per request (``schemas.records.RequestRow``) from events, as an Arrow table."""
     con = con or connect()

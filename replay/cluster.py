@@ -71,6 +71,7 @@ from typing import Literal
 
 import pyarrow as pa
 
+from replay.calibration import Calibration, apply_calibration, calibration_record
 from replay.config import InstanceConfig, instance_config
 from replay.costmodel import StepCostModel, make_cost_model
 from replay.emit import EventWriter, Sink
@@ -923,6 +924,21 @@ class ClusterSummary:
     num_downgrades: int = 0  # requests an instance's admission answered 'downgrade' for (served as a smaller model)
 
 
+def _calibrated(cluster: ClusterConfig, calibration: Calibration) -> ClusterConfig:
+    """Every instance configuration of ``cluster`` with ``calibration``'s frontend and engine defaults."""
+
+    def on(instance: InstanceConfig) -> InstanceConfig:
+        return apply_calibration(instance, calibration)[0]
+
+    return dataclasses.replace(
+        cluster,
+        instances=tuple(on(i) for i in cluster.instances),
+        decode_instances=tuple(on(i) for i in cluster.decode_instances),
+        scaling=tuple(dataclasses.replace(s, instance=on(s.instance)) if s.instance is not None else s
+                      for s in cluster.scaling),
+    )
+
+
 def run_cluster_replay(
     workload: pa.Table | Workload,
     cluster: ClusterConfig,
@@ -941,15 +957,20 @@ def run_cluster_replay(
     chunk_rows: int = 200_000,
     check_invariants: bool = False,
     progress_every: int = PROGRESS_EVERY,
+    calibration: Calibration | None = None,
 ) -> ClusterSummary:
     """Replay ``workload`` through a cluster; write events and a manifest (as ``run_replay`` does).
 
     Every instance runs ``policy_name`` (its own policy object); ``cost_model`` is a name, built
     once per distinct instance configuration, or one model used by every instance (then they must
-    be alike).
+    be alike). ``calibration`` applies to every instance configuration, as in ``run_replay``.
     """
     if mode not in MODES:
         raise ReplayError(f"unknown replay mode {mode!r}", "valid modes: fast, reference")
+    if calibration is not None:
+        cluster = _calibrated(cluster, calibration)
+        if cost_model == "roofline" and cost_model_config is None:
+            cost_model_config = calibration.roofline
     if cluster.residency is not None:
         cluster = _sized(cluster)
     source = as_workload(workload)
@@ -966,6 +987,8 @@ def run_cluster_replay(
     policy_cfg = make_policy(policy_name, policy_config).config
     router = make_router(cluster.router, cluster.router_config)
     manifest = _manifest(source, scenario, policy_name, policy_cfg, first, models[first], seed, mode)
+    if calibration is not None:
+        manifest["calibration"] = calibration_record(calibration, first)
     manifest["cluster"] = {
         "instances": [_plain(c) for c in cluster.instances],
         "router": {"name": cluster.router, "config": _plain(router.config)},

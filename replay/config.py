@@ -21,6 +21,8 @@ Published figures used by the presets (NVIDIA data sheets; dense, no sparsity; b
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -218,10 +220,11 @@ class EngineConfig:
         "Vision encoder time per image token, charged to the step that schedules a multimodal request's first "
         "prefill chunk, seconds.", 0.0
     )
-    async_scheduling: bool = doc(
+    async_scheduling: bool | None = doc(
         "vLLM's async scheduling: the next step is planned while the current one runs, so a request that arrives "
-        "during a busy step joins the step after next (vLLM >= 0.12 default; the shipped calibration turns it on).",
-        False,
+        "during a busy step joins the step after next. None: the engine version's default (a calibration of vLLM "
+        ">= 0.12 turns it on; without a calibration, off).",
+        None,
     )
     cpu_kv_offload_bytes: int = doc(
         "Host memory for a CPU tier of the prefix cache (vLLM --kv-offloading-size): cached blocks evicted from the "
@@ -266,6 +269,13 @@ class SpeculativeConfig:
         return sum(self.acceptance_rate**i for i in range(num_speculative_tokens + 1))
 
 
+def standard_exponential(key: str) -> float:
+    """A standard exponential variate determined by ``key`` (a request id): -ln(u), u uniform in (0, 1] from
+    the key's hash, so a request's draw is the same in every replay and in any order."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return -math.log((int.from_bytes(digest, "big") + 1) / 2**64)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FrontendConfig:
     """Time outside the engine step that client-side latencies include (the API server and the network).
@@ -286,15 +296,21 @@ class FrontendConfig:
     stream_delivery_s: float = doc(
         "Engine output to the client: the hop to the API server, stream framing and the network, s per chunk.", 0.0
     )
+    request_jitter_s: float = doc(
+        "Mean of a random wait before the engine (the API server's queue behind other requests' streams): each "
+        "request waits this mean times a standard exponential drawn from its id, s.", 0.0
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             if not getattr(self, f.name) >= 0:
                 raise ReplayError(f"FrontendConfig.{f.name} must be >= 0, not {getattr(self, f.name)!r}")
 
-    def in_delay_ns(self, num_prompt_tokens: int) -> int:
-        """From the client's send to the engine's scheduler: the overhead and the prompt's tokenization."""
-        return round((self.request_overhead_s + self.tokenize_s_per_token * num_prompt_tokens) * 1e9)
+    def in_delay_ns(self, num_prompt_tokens: int, request_id: str = "") -> int:
+        """From the client's send to the engine's scheduler: the overhead, the prompt's tokenization and the
+        request's wait in the frontend's queue."""
+        jitter = self.request_jitter_s * standard_exponential(request_id) if self.request_jitter_s else 0.0
+        return round((self.request_overhead_s + self.tokenize_s_per_token * num_prompt_tokens + jitter) * 1e9)
 
     @property
     def out_delay_ns(self) -> int:

@@ -321,6 +321,10 @@ class RooflineConfig:
         "Share of peak memory bandwidth attention achieves reading and writing the KV cache (paged, scattered "
         "blocks); None: memory_efficiency.", None
     )
+    moe_memory_efficiency: float | None = doc(
+        "Share of peak memory bandwidth a mixture of experts' grouped kernels achieve reading the routed experts' "
+        "weights; None: memory_efficiency.", None
+    )
     interconnect_efficiency: float = doc("Share of interconnect bandwidth an all-reduce achieves.", 0.7)
     step_overhead_ns: int = doc("Fixed CPU time per step (scheduling, launch, sampling), ns.", 0)
     layer_overhead_ns: int = doc(
@@ -336,7 +340,8 @@ class RooflineConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("compute_efficiency", "memory_efficiency", "interconnect_efficiency", "kv_memory_efficiency"):
+        for name in ("compute_efficiency", "memory_efficiency", "interconnect_efficiency", "kv_memory_efficiency",
+                     "moe_memory_efficiency"):
             value = getattr(self, name)
             if value is not None and not 0 < value <= 1:
                 raise ReplayError(f"RooflineConfig.{name} must be in (0, 1] (a share of the hardware's peak), not {value}")
@@ -375,7 +380,9 @@ class UnitCosts:
         self.kv_token = round(m.kv_bytes_per_token / kv_bytes_per_tick)
         self._model = m
         self._moe_layers = m.num_moe_layers_resolved
-        expert_bytes = m.expert_params * m.bytes_per_param / bytes_per_tick
+        moe_efficiency = config.memory_efficiency if config.moe_memory_efficiency is None else config.moe_memory_efficiency
+        moe_bytes_per_tick = acc.memory_bandwidth_bytes_per_s * tp * moe_efficiency / (1e9 * TICKS_PER_NS)
+        expert_bytes = m.expert_params * m.bytes_per_param / moe_bytes_per_tick
         routed = self._moe_layers * m.num_experts * m.expert_params
         dense_params = m.layers_params - routed + m.vocab_size * m.hidden_size  # layers + the LM head
         self.dense_weights = round(dense_params * m.bytes_per_param / bytes_per_tick)
@@ -481,7 +488,8 @@ class RooflineCostModel(CostModelBase):
             ("interconnect_efficiency", repr(c.interconnect_efficiency)),
             ("step_overhead_ns", str(c.step_overhead_ns)),
         ]
-        for name in ("kv_memory_efficiency", "layer_overhead_ns", "seq_overhead_ns", "allreduce_latency_ns"):  # once set
+        for name in ("kv_memory_efficiency", "moe_memory_efficiency", "layer_overhead_ns", "seq_overhead_ns",
+                     "allreduce_latency_ns"):  # recorded once set
             if getattr(c, name):
                 params.append((name, str(getattr(c, name))))
         return CostModelInfo(

@@ -27,6 +27,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from replay.calibration import Calibration, apply_calibration, calibration_record
 from replay.config import InstanceConfig, instance_config
 from replay.costmodel import StepCostModel, make_cost_model
 from replay.emit import EventChunk, EventWriter, ParquetSink, Sink
@@ -97,6 +98,7 @@ def run_replay(
     check_invariants: bool = False,
     progress_every: int = PROGRESS_EVERY,
     step_timer: Callable | None = None,
+    calibration: Calibration | None = None,
 ) -> ReplaySummary:
     """Replay ``workload`` through one modelled instance; write events and a manifest.
 
@@ -105,8 +107,14 @@ def run_replay(
     ``profile``, ``constant``; the profile model reads its tables under ``shared``) or a model.
     ``step_timer`` (``replay.measured``) makes the run a measured replay: every step is executed and
     its measured time is the clock (reference mode; the manifest's ``clock`` says what measured it).
+    ``calibration`` (``replay.calibration``) puts its frontend and engine defaults on the instance and its
+    step cost terms on the roofline model (unless ``cost_model_config`` is given); the manifest names it.
     """
     instance = instance or instance_config()
+    if calibration is not None:
+        instance, roofline = apply_calibration(instance, calibration)
+        if cost_model == "roofline" and cost_model_config is None:
+            cost_model_config = roofline
     check_clock(instance, mode, step_timer)  # before the outputs open
     source = as_workload(workload)
     scenario = scenario or Scenario()
@@ -117,6 +125,8 @@ def run_replay(
         else cost_model
     )
     manifest = _manifest(source, scenario, policy_name, policy.config, instance, model, seed, mode)
+    if calibration is not None:
+        manifest["calibration"] = calibration_record(calibration, instance)
     if step_timer is not None:
         manifest["clock"] = step_timer.info() if hasattr(step_timer, "info") else {"measured": True}
     run_id = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:12]
@@ -183,7 +193,8 @@ class _Outputs:
         self.sink(table)
 
     def writer(self, writer_class: type[EventWriter], **kwargs) -> EventWriter:
-        return writer_class(self, hash_tables=self.parquet is None, **kwargs)
+        # a sink that only reads the events back (``digest = False``: a calibration's replays) skips the hash
+        return writer_class(self, hash_tables=self.parquet is None and getattr(self.sink, "digest", True), **kwargs)
 
     def drive(self, kernel: Kernel, feeder: _Feeder, actor, writer: EventWriter) -> tuple[str, float, float]:
         """Run the replay: arrivals from ``feeder`` into ``actor`` (an engine or a cluster: ``start``,
@@ -305,7 +316,7 @@ class _Feeder:
             )
         self._last_arrival_ns = arrival
         if self.frontend is not None:
-            arrival += self.frontend.in_delay_ns(max(1, row[2]))
+            arrival += self.frontend.in_delay_ns(max(1, row[2]), row[0])
         self.kernel.schedule(max(arrival, self.kernel.now_ns), ARRIVAL, self._arrive)
 
     def _arrive(self) -> None:

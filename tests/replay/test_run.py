@@ -12,6 +12,7 @@ import pytest
 
 from pipelines.tables import derive_requests
 from replay.request import Request
+from schemas.events import SCHEMA_VERSION
 from replay.run import ReplayProgress, run_replay
 from replay.scenario import Scenario, TenantSpec
 from replay.traces import read_trace
@@ -47,7 +48,8 @@ def test_the_manifest_records_every_input(azure_slice, tmp_path):
     assert m["instance"]["model"]["name"] == "llama-3-8b" and m["instance"]["engine"]["max_num_batched_tokens"] == 2048
     assert m["num_kv_blocks"] == s.num_kv_blocks
     assert m["cost_model"]["name"] == "roofline" and m["cost_model"]["parameters"]["memory_efficiency"] == "0.8"
-    assert (m["seed"], m["mode"], m["event_schema_version"]) == (3, "fast", "1.0")
+    assert (m["seed"], m["mode"], m["event_schema_version"]) == (3, "fast", SCHEMA_VERSION)
+    assert "calibration" not in m and "frontend" not in m["instance"]  # an uncalibrated replay says nothing of them
     assert m["code_version"]["servelens"] and "git_commit" in m["code_version"]
     assert m["output"]["events_sha256"] == s.output_sha256 and m["output"]["num_events"] == s.num_events
     assert (m["run_id"], m["engine_id"], m["instance_id"]) == (s.run_id, f"replay-{s.run_id}", f"replay-{s.run_id}-i0")

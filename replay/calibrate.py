@@ -1,0 +1,160 @@
+"""Calibrations from recorded runs, with the error on data the fit never saw (what ``servelens calibrate`` runs).
+
+Three sources (docs/calibration.md):
+
+- ``calibrate_experiments``: run summaries of several runs (the fidelity data's experiments), fitted by
+  simulation (``replay.fit``); held-out error by leaving each run out in turn: each fold's search starts
+  where the full fit ended (a warm start: the replays are the cost) and goes on until it converges on
+  the fold's runs alone, and the run left out is then replayed at full length with that fold's
+  calibration;
+- ``calibrate_requests``: one recorded run's per-request telemetry (its request table), fitted by
+  simulation on top of a base calibration (one model cannot separate the weights' bandwidth share from
+  the per-step overhead: the base keeps the first); held-out: fitted on the first half of the run (by
+  arrival), judged on the second;
+- ``calibrate_steps``: one run's ``step_executed`` events, by least squares on step times
+  (``replay.stepfit``); held out likewise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from replay.calibration import Calibration
+from replay.config import InstanceConfig
+from replay.fidelity import compare, median_abs_error
+from replay.fit import (
+    ENGINE_PARAMETERS,
+    HeldOut,
+    Parameter,
+    Simulator,
+    Target,
+    as_calibration,
+    fit,
+    leave_one_out,
+    replay_target,
+)
+
+Progress = Callable[[str], None]
+#: What one recorded run can separate (the weights' bandwidth share comes from the base calibration).
+REQUEST_PARAMETERS = tuple(p for p in ENGINE_PARAMETERS if p.name in ("kv_memory_efficiency", "step_overhead_ns",
+                                                                     "seq_overhead_ns"))
+
+
+def _say(progress: Progress | None, message: str) -> None:
+    if progress is not None:
+        progress(message)
+
+
+def calibrate_experiments(targets: Sequence[Target], *, name: str, engine: str, held_out: bool = True,
+                          workers: int | None = None, seed: int = 0, max_stage_s: float | None = 150.0,
+                          max_evaluations: int = 40, progress: Progress | None = None,
+                          held: Sequence[str] | None = None) -> tuple[Calibration, list[HeldOut]]:
+    """A calibration fitted to every target and, when ``held_out``, the leave-one-out folds behind its
+    held-out error (every target, or those named in ``held``)."""
+    def step(n: int, cost: float) -> None:
+        _say(progress, f"  fit: candidate {n}, loss {cost:.4f}")
+
+    with Simulator(workers) as sim:
+        _say(progress, f"fitting {len(ENGINE_PARAMETERS)} step-cost terms and the frontend to {len(targets)} runs")
+        result = fit(targets, sim, seed=seed, max_stage_s=max_stage_s, max_evaluations=max_evaluations, progress=step)
+        folds: list[HeldOut] = []
+        if held_out and len(targets) >= 3:
+            _say(progress, f"held-out error: {len(held or targets)} folds, each fitted without its run")
+            folds = leave_one_out(targets, sim, start=result.units, seed=seed, max_stage_s=max_stage_s,
+                                  max_evaluations=max_evaluations, held=held, progress=progress)
+    accelerators = sorted({t.instance_config.accelerator.name for t in targets})
+    draft = as_calibration(result, name=name, engine=engine, accelerators=accelerators, fitted_on=[t.name for t in targets],
+                           method=f"simulation-based fit to {len(targets)} run summaries (replay.fit)")
+    in_sample = [e for t in targets for e in compare(t.name, t.recorded, replay_target(t, draft, seed))]
+    held_errors = median_abs_error([e for f in folds for e in f.errors]) if folds else None
+    notes = [f"held-out errors: leave-one-out over {len(folds)} runs, each predicted by a calibration fitted "
+             "without it" if folds else "held-out error not measured"]
+    calibration = dataclasses.replace(
+        draft, held_out_error_pct=_rounded(held_errors), in_sample_error_pct=_rounded(median_abs_error(in_sample)),
+        notes=tuple(notes),
+    )
+    return calibration, folds
+
+
+def _rounded(errors: dict[str, float] | None) -> tuple[tuple[str, float], ...]:
+    return tuple((k, round(v, 2)) for k, v in sorted((errors or {}).items()))
+
+
+def _halves(requests: pa.Table) -> tuple[pa.Table, pa.Table]:
+    """The request table split at its median arrival."""
+    ordered = requests.filter(pc.is_valid(requests["arrival_ns"])).sort_by("arrival_ns")
+    half = ordered.num_rows // 2
+    return ordered.slice(0, half), ordered.slice(half)
+
+
+def _fit_requests(target: Target, base: Calibration, sim: Simulator, parameters: Sequence[Parameter],
+                  seed: int) -> Calibration:
+    start = [p.unit(getattr(base.roofline, p.name) or p.start) for p in parameters]
+    result = fit([target], sim, start=start, base=base.roofline, parameters=parameters, seed=seed, max_stage_s=None)
+    cal = as_calibration(result, name=base.name, engine=base.engine, accelerators=(target.instance_config.accelerator.name,),
+                         method="", fitted_on=(target.name,))
+    return cal if target.client_side else dataclasses.replace(cal, frontend=base.frontend)
+
+
+def calibrate_requests(requests: pa.Table, instance: InstanceConfig, base: Calibration, *, name: str, engine: str,
+                       held_out: bool = True, workers: int | None = None, seed: int = 0,
+                       progress: Progress | None = None) -> Calibration:
+    """A calibration fitted to one recorded run's request table (``pipelines.tables``; ``base`` gives the
+    terms one run cannot separate)."""
+    held: dict[str, float] | None = None
+    with Simulator(1 if workers is None else workers) as sim:
+        if held_out:
+            first, second = _halves(requests)
+            _say(progress, f"held-out error: fitting the first {first.num_rows:,} requests, judging the other "
+                           f"{second.num_rows:,}")
+            half = _fit_requests(Target.of_requests("first half", first, instance), base, sim, REQUEST_PARAMETERS, seed)
+            judged = Target.of_requests("second half", second, instance)
+            held = median_abs_error(compare(judged.name, judged.recorded, replay_target(judged, half, seed)))
+        _say(progress, f"fitting {requests.num_rows:,} requests")
+        target = Target.of_requests("recorded run", requests, instance)
+        cal = _fit_requests(target, base, sim, REQUEST_PARAMETERS, seed)
+    in_sample = median_abs_error(compare(target.name, target.recorded, replay_target(target, cal, seed)))
+    return dataclasses.replace(
+        cal, name=name, engine=engine,
+        method=f"simulation-based fit to one run's request table ({requests.num_rows:,} requests) over {base.name}",
+        held_out_error_pct=_rounded(held), in_sample_error_pct=_rounded(in_sample),
+        notes=(f"terms one run cannot separate (weights' bandwidth share, MoE, all-reduce) from {base.name}",),
+    )
+
+
+def calibrate_steps(events: pa.Table, instance: InstanceConfig, base: Calibration, *, name: str, engine: str,
+                    held_out: bool = True, workers: int | None = None, seed: int = 0,
+                    progress: Progress | None = None) -> Calibration:
+    """A calibration fitted to one run's ``step_executed`` events (``base`` gives the frontend and the
+    terms one model's steps cannot separate)."""
+    from replay.stepfit import fit_steps, predicted_ns, step_shapes
+
+    steps = step_shapes(events)
+    held: dict[str, float] | None = None
+    if held_out:
+        half = len(steps) // 2
+        _say(progress, f"held-out error: fitting the first {half:,} steps, judging the other {len(steps) - half:,}")
+        first = fit_steps(steps[:half], instance, base.roofline)
+        from replay.costmodel import RooflineCostModel
+
+        model = RooflineCostModel(instance, first.roofline)
+        errors = [abs(predicted_ns(model, s) / s.duration_ns - 1) * 100 for s in steps[half:] if s.duration_ns > 0]
+        held = {"step_time_median": float(np.median(errors)), "step_time_p90": float(np.percentile(errors, 90))}
+    _say(progress, f"fitting {len(steps):,} steps")
+    result = fit_steps(steps, instance, base.roofline)
+    return dataclasses.replace(
+        base, name=name, engine=engine, accelerators=(instance.accelerator.name,), roofline=result.roofline,
+        method=f"least squares on {result.num_steps:,} recorded step times (replay.stepfit) over {base.name}",
+        fitted_on=(f"{len(steps):,} steps",), held_out_error_pct=_rounded(held),
+        in_sample_error_pct=_rounded({"step_time_median": result.median_abs_error_pct,
+                                      "step_time_p90": result.p90_abs_error_pct}),
+        notes=(f"frontend and the weights' bandwidth share from {base.name}",),
+    )
+
+
+__all__ = ["REQUEST_PARAMETERS", "calibrate_experiments", "calibrate_requests", "calibrate_steps"]

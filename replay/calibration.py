@@ -1,0 +1,165 @@
+"""Calibrations: the few physical parameters that make the roofline replay match a real engine.
+
+A calibration is a small JSON file: which engine (and version) and hardware it was fitted on, what it
+was fitted from, the fitted values, and the fit's held-out error per metric. It holds
+
+- the step cost (``RooflineConfig``): shares of the accelerator's peak bandwidth that weights and KV
+  reads achieve, a fixed per-step and per-sequence cost, an all-reduce latency per peer; compute
+  efficiency as configured. Every term is bounded: no efficiency above 1, no negative time, so a
+  calibrated step is never faster than the hardware's limit;
+- the frontend (``FrontendConfig``): the time outside the engine that client-side latencies include;
+- the engine's own defaults for the version it describes (vLLM >= 0.12: async scheduling).
+
+``apply_calibration`` puts a calibration on an instance; ``load_calibration`` reads a file or a shipped
+calibration by name (``SHIPPED``, in ``replay/calibrations/``; ``default_calibration`` picks the one that
+applies). Fitting lives in ``replay.fit`` (from run summaries, per-request telemetry or step events).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from replay.config import FrontendConfig, InstanceConfig
+from replay.costmodel import RooflineConfig
+from schemas.types import doc
+from servelens.errors import ConfigError
+
+CALIBRATION_VERSION = 1
+CALIBRATIONS_DIR = Path(__file__).resolve().parent / "calibrations"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Calibration:
+    """Fitted parameters of the replay for one engine on one kind of hardware, and how well they hold."""
+
+    name: str = doc("Short name, e.g. 'vllm-0.15.1-h100'.")
+    engine: str = doc("The engine and version the data came from, e.g. 'vLLM 0.15.1'.")
+    accelerators: tuple[str, ...] = doc("Accelerators the data ran on (elsewhere the calibration extrapolates).")
+    roofline: RooflineConfig = doc("The step cost model's fitted terms.")
+    frontend: FrontendConfig = doc("The time outside the engine step that client-side latencies include.")
+    async_scheduling: bool = doc("The engine's default scheduling (vLLM >= 0.12: async).", True)
+    method: str = doc("What it was fitted from and how.", "")
+    fitted_on: tuple[str, ...] = field(default=(), metadata={"doc": "The runs it was fitted on (ids)."})
+    held_out_error_pct: tuple[tuple[str, float], ...] = field(
+        default=(), metadata={"doc": "Median absolute error per metric of runs the fit never saw (leave-one-out)."}
+    )
+    in_sample_error_pct: tuple[tuple[str, float], ...] = field(
+        default=(), metadata={"doc": "Median absolute error per metric of the runs it was fitted on."}
+    )
+    notes: tuple[str, ...] = field(default=(), metadata={"doc": "What a reader should know (limits, choices)."})
+
+    def held_out(self, metric: str) -> float | None:
+        """The held-out median absolute error of ``metric`` in percent, if measured."""
+        return dict(self.held_out_error_pct).get(metric)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "calibration_version": CALIBRATION_VERSION,
+            "name": self.name,
+            "engine": self.engine,
+            "accelerators": list(self.accelerators),
+            "method": self.method,
+            "fitted_on": list(self.fitted_on),
+            "roofline": _fields(self.roofline),
+            "frontend": _fields(self.frontend),
+            "engine_defaults": {"async_scheduling": self.async_scheduling},
+            "held_out_error_pct": dict(self.held_out_error_pct),
+            "in_sample_error_pct": dict(self.in_sample_error_pct),
+            "notes": list(self.notes),
+        }
+
+
+def _fields(obj: Any) -> dict[str, Any]:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+def calibration_from_json(doc_: dict[str, Any], where: str = "calibration") -> Calibration:
+    """A calibration from its JSON form (``Calibration.as_json``); unknown or missing keys are errors."""
+    if doc_.get("calibration_version") != CALIBRATION_VERSION:
+        raise ConfigError(f"{where}: not a calibration of version {CALIBRATION_VERSION}",
+                          "write one with `servelens calibrate`")
+    try:
+        return Calibration(
+            name=str(doc_["name"]),
+            engine=str(doc_["engine"]),
+            accelerators=tuple(doc_.get("accelerators", ())),
+            roofline=RooflineConfig(**doc_["roofline"]),
+            frontend=FrontendConfig(**doc_["frontend"]),
+            async_scheduling=bool(doc_.get("engine_defaults", {}).get("async_scheduling", True)),
+            method=str(doc_.get("method", "")),
+            fitted_on=tuple(doc_.get("fitted_on", ())),
+            held_out_error_pct=tuple((k, float(v)) for k, v in doc_.get("held_out_error_pct", {}).items()),
+            in_sample_error_pct=tuple((k, float(v)) for k, v in doc_.get("in_sample_error_pct", {}).items()),
+            notes=tuple(doc_.get("notes", ())),
+        )
+    except (KeyError, TypeError) as exc:
+        raise ConfigError(f"{where}: malformed calibration ({exc})", "write one with `servelens calibrate`") from None
+
+
+def shipped_calibrations() -> dict[str, Path]:
+    """The calibrations shipped with servelens, by name."""
+    return {p.stem: p for p in sorted(CALIBRATIONS_DIR.glob("*.json"))}
+
+
+def load_calibration(name_or_path: str | Path) -> Calibration:
+    """A shipped calibration by name, or a calibration file."""
+    shipped = shipped_calibrations()
+    path = shipped.get(str(name_or_path)) or Path(name_or_path)
+    if not path.is_file():
+        raise ConfigError(f"no calibration {str(name_or_path)!r}",
+                          f"shipped: {', '.join(shipped) or 'none'}; or the path of a file from `servelens calibrate`")
+    try:
+        doc_ = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+    return calibration_from_json(doc_, str(path))
+
+
+def write_calibration(calibration: Calibration, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(calibration.as_json(), indent=2) + "\n")
+    return path
+
+
+def default_calibration() -> Calibration | None:
+    """The shipped calibration replays use when none is named (the newest engine version shipped)."""
+    shipped = shipped_calibrations()
+    return load_calibration(sorted(shipped)[-1]) if shipped else None
+
+
+def apply_calibration(instance: InstanceConfig, calibration: Calibration) -> tuple[InstanceConfig, RooflineConfig]:
+    """The instance with the calibration's frontend and engine defaults (a setting the instance gives, such as
+    ``async_scheduling``, is kept), and the calibration's step cost terms."""
+    engine = instance.engine
+    if engine.async_scheduling is None:
+        engine = dataclasses.replace(engine, async_scheduling=calibration.async_scheduling)
+    return dataclasses.replace(instance, engine=engine, frontend=calibration.frontend), calibration.roofline
+
+
+def calibration_record(calibration: Calibration, instance: InstanceConfig) -> dict[str, Any]:
+    """What a run manifest says about the calibration behind it."""
+    return {
+        "name": calibration.name,
+        "engine": calibration.engine,
+        "fitted_on_accelerators": list(calibration.accelerators),
+        "extrapolated": bool(calibration.accelerators) and instance.accelerator.name not in calibration.accelerators,
+        "held_out_error_pct": dict(calibration.held_out_error_pct),
+    }
+
+
+__all__ = [
+    "CALIBRATIONS_DIR",
+    "CALIBRATION_VERSION",
+    "Calibration",
+    "apply_calibration",
+    "calibration_from_json",
+    "calibration_record",
+    "default_calibration",
+    "load_calibration",
+    "shipped_calibrations",
+    "write_calibration",
+]

@@ -1,0 +1,418 @@
+"""How faithful the replay is: recorded runs replayed under their recorded settings, latencies compared.
+
+A *fidelity experiment* is a real run with what is needed to replay it: the model, accelerators and
+engine settings, the workload (an inference-perf spec, ``replay.inference_perf``) and the measured
+client-side latencies. ``read_experiments`` reads the fidelity data's ``experiments.csv`` (vLLM
+v0.15.1 on H100, measured with inference-perf: ``../shared/fidelity/README.md``);
+``replay_experiment`` replays one and measures the replay the way the client measured the run:
+
+- TTFT: first byte received - request sent; E2E: last byte received - request sent (client side,
+  ``replay.config.FrontendConfig``), over completed requests;
+- ITL as the fidelity data defines it: (mean E2E - mean TTFT) / (mean output tokens - 1), a ratio of
+  means (the fidelity data has no per-token gaps);
+- mean, p50, p90 and p99 (numpy's linear interpolation, as inference-perf).
+
+``compare`` turns recorded and replayed figures into signed and absolute percentage errors per
+experiment and the median absolute error across experiments per metric, the field's summary
+(``docs/calibration.md``, Fidelity). Reports: ``fidelity_report_*`` (JSON, Markdown, HTML).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from replay.catalog import resolve_instance
+from replay.config import EngineConfig, InstanceConfig
+from replay.errors import ReplayError
+from replay.inference_perf import InferencePerfSpec, LoadStage, inference_perf_workload, read_inference_perf
+from servelens.errors import DataNotFoundError
+
+#: The metrics the fidelity data records (whole-run values), in its order.
+RECORDED_METRICS = ("e2e_mean", "e2e_p90", "e2e_p99", "ttft_mean", "ttft_p90", "ttft_p99", "itl_mean")
+#: Every metric a replay reports (the recorded ones and the medians).
+METRICS = ("e2e_mean", "e2e_p50", "e2e_p90", "e2e_p99", "ttft_mean", "ttft_p50", "ttft_p90", "ttft_p99", "itl_mean")
+FIDELITY_DIR = Path("fidelity")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FidelityExperiment:
+    """A recorded run and the settings to replay it (one row of the fidelity data's experiments.csv)."""
+
+    id: str
+    model: str  # a Hugging Face id of the model table, a preset, or a config.json path
+    accelerator: str
+    tensor_parallel_size: int
+    precision: str  # FP16 / FP8 as recorded
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    num_gpu_blocks: int | None
+    cpu_kv_blocks: int
+    profile: str
+    workload_path: Path
+    mean_output_tokens: float | None  # what the run produced on average (None: the spec's length)
+    recorded: tuple[tuple[str, float], ...]  # metric -> seconds
+    #: per load stage of a run of several (stages.csv): (stage index, its metric -> seconds)
+    recorded_stages: tuple[tuple[int, tuple[tuple[str, float], ...]], ...] = ()
+
+    @property
+    def recorded_s(self) -> dict[str, float]:
+        return dict(self.recorded)
+
+    def label(self) -> str:
+        return f"{self.id} {self.model.rsplit('/', 1)[-1]} tp{self.tensor_parallel_size} {self.profile}"
+
+
+def read_experiments(folder: Path) -> list[FidelityExperiment]:
+    """The measured experiments of a fidelity folder (``experiments.csv`` + ``workloads/<profile>.yaml``)."""
+    path = folder / "experiments.csv"
+    if not path.is_file():
+        raise DataNotFoundError(f"no fidelity experiments at {path}",
+                                "set the shared data folder (SERVELENS_SHARED_DIR) or give --data FOLDER")
+    stages = _stages(folder / "stages.csv")
+    out = []
+    with path.open(newline="") as fh:
+        for row in csv.DictReader(fh):
+            if row.get("has_measurements", "yes") != "yes":
+                continue
+            exp = _experiment(row, folder)
+            out.append(dataclasses.replace(exp, recorded_stages=stages.get(exp.id, ())))
+    return out
+
+
+def _stages(path: Path) -> dict[str, tuple]:
+    """Per experiment of several load stages, each stage's recorded metrics (seconds); none when absent."""
+    if not path.is_file():
+        return {}
+    by_id: dict[str, list] = {}
+    with path.open(newline="") as fh:
+        for row in csv.DictReader(fh):
+            if int(row["stage_index"]) < 0:
+                continue
+            values = tuple((m, float(row[f"{m}_ms"]) / 1e3) for m in RECORDED_METRICS if row.get(f"{m}_ms"))
+            by_id.setdefault(row["id"], []).append((int(row["stage_index"]), values))
+    return {k: tuple(sorted(v)) for k, v in by_id.items() if len(v) > 1}
+
+
+def _experiment(row: dict[str, str], folder: Path) -> FidelityExperiment:
+    try:
+        recorded = tuple((m, float(row[f"{m}_ms"]) / 1e3) for m in RECORDED_METRICS if row.get(f"{m}_ms"))
+        return FidelityExperiment(
+            id=row["id"],
+            model=row["model"],
+            accelerator=_accelerator_name(row["gpu"]),
+            tensor_parallel_size=int(row["tp"]),
+            precision=row.get("precision", "FP16"),
+            max_num_seqs=int(row["max_num_seqs"]),
+            max_num_batched_tokens=int(row["max_num_batched_tokens"]),
+            num_gpu_blocks=int(row["total_kv_blocks"]) if row.get("total_kv_blocks") else None,
+            cpu_kv_blocks=int(row.get("cpu_kv_blocks") or 0),
+            profile=row["profile"],
+            workload_path=folder / "workloads" / f"{row['profile']}.yaml",
+            mean_output_tokens=float(row["derived_mean_output_tokens"]) if row.get("derived_mean_output_tokens") else None,
+            recorded=recorded,
+        )
+    except (KeyError, ValueError) as exc:
+        raise ReplayError(f"experiments.csv row {row.get('id', '?')}: unreadable ({exc})") from None
+
+
+def _accelerator_name(gpu: str) -> str:
+    """The fidelity data's GPU label as an accelerator preset (its README: H100 is H100 80GB SXM)."""
+    return {"H100": "h100-sxm", "A100": "a100-80g", "L40S": "l40s"}.get(gpu.strip(), gpu.strip().lower())
+
+
+def experiment_instance(exp: FidelityExperiment, shared: Path | None, engine: EngineConfig | None = None,
+                        **engine_changes: Any) -> InstanceConfig:
+    """The instance the experiment ran: its model, accelerators and recorded vLLM settings (KV blocks as
+    measured, CPU KV offload capacity as configured); ``engine`` gives the other engine settings."""
+    base = engine or EngineConfig()
+    engine = dataclasses.replace(
+        base,
+        max_num_seqs=exp.max_num_seqs,
+        max_num_batched_tokens=exp.max_num_batched_tokens,
+        num_kv_blocks_override=exp.num_gpu_blocks,
+        **engine_changes,
+    )
+    instance = resolve_instance(f"{exp.model}@{exp.accelerator}x{exp.tensor_parallel_size}", engine, shared,
+                                weight_dtype="fp8" if exp.precision.upper() == "FP8" else None)
+    if exp.cpu_kv_blocks:  # recorded in blocks of the model's size
+        kv_block = instance.model.kv_bytes_per_token * instance.engine.block_size_tokens
+        instance = dataclasses.replace(
+            instance, engine=dataclasses.replace(instance.engine, cpu_kv_offload_bytes=exp.cpu_kv_blocks * kv_block)
+        )
+    return instance
+
+
+def stage_starts_s(spec: InferencePerfSpec) -> list[float]:
+    """When each load stage of ``spec`` begins, seconds from the first arrival's stage start."""
+    starts, t = [], 0.0
+    for stage in spec.stages:
+        starts.append(t)
+        t += stage.duration_s
+    return starts
+
+
+def experiment_spec(exp: FidelityExperiment, max_stage_s: float | None = None) -> InferencePerfSpec:
+    """The experiment's workload spec; ``max_stage_s`` shortens each stage (a faster, noisier replay)."""
+    spec = read_inference_perf(exp.workload_path)
+    if max_stage_s is None:
+        return spec
+    stages = tuple(LoadStage(s.rate_per_s, min(s.duration_s, max(max_stage_s, 600 / s.rate_per_s))) for s in spec.stages)
+    return dataclasses.replace(spec, stages=stages)
+
+
+def experiment_workload(exp: FidelityExperiment, seed: int = 0, max_stage_s: float | None = None) -> pa.Table:
+    """The experiment's workload: its spec's arrivals and prompts, outputs at the run's measured mean."""
+    return inference_perf_workload(experiment_spec(exp, max_stage_s), seed, mean_output_tokens=exp.mean_output_tokens)
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+
+
+class RequestTimes:
+    """A replay sink that keeps each request's client- and engine-side times (the events are not kept)."""
+
+    _COLUMNS = ("event_type", "request_id", "ts_ns", "client_sent_ns", "first_byte_ns", "last_byte_ns", "outcome",
+                "num_output_tokens", "num_prompt_tokens")
+    _TYPES = pa.array(["request_arrived", "first_token", "request_finished"])
+    digest = False  # the replay need not hash events it only hands here
+
+    def __init__(self) -> None:
+        self._parts: list[pa.Table] = []
+
+    def __call__(self, table: pa.Table) -> None:
+        keep = pc.is_in(table["event_type"], self._TYPES)
+        self._parts.append(table.filter(keep).select(list(self._COLUMNS)))
+
+    def latencies(self) -> dict[str, np.ndarray]:
+        """Per completed request (in request-id order): ``ttft_s``, ``e2e_s`` (client side where the replay
+        modelled the client, else engine side), ``num_output_tokens`` and ``num_prompt_tokens``."""
+        t = pa.concat_tables(self._parts)
+        arrived = _by_request(t, "request_arrived", ("ts_ns", "client_sent_ns", "num_prompt_tokens"))
+        first = _by_request(t, "first_token", ("ts_ns", "first_byte_ns"))
+        done = _by_request(t, "request_finished", ("ts_ns", "last_byte_ns", "outcome", "num_output_tokens"))
+        done = done.filter(pc.equal(done["outcome"], "completed"))
+        joined = done.join(first, "request_id", right_suffix="_first").join(arrived, "request_id", right_suffix="_arr")
+        joined = joined.sort_by("request_id")
+        client = joined["client_sent_ns"].null_count == 0 and joined["first_byte_ns"].null_count == 0
+        start = joined["client_sent_ns" if client else "ts_ns_arr"].to_numpy()
+        first_ns = joined["first_byte_ns" if client else "ts_ns_first"].to_numpy()
+        last_ns = joined["last_byte_ns" if client else "ts_ns"].to_numpy()
+        return {
+            "start_s": start / 1e9,
+            "ttft_s": (first_ns - start) / 1e9,
+            "e2e_s": (last_ns - start) / 1e9,
+            "num_output_tokens": joined["num_output_tokens"].to_numpy().astype(np.float64),
+            "num_prompt_tokens": joined["num_prompt_tokens"].to_numpy().astype(np.float64),
+            "request_id": np.array(joined["request_id"].to_pylist(), dtype=object),
+            "client_side": np.array(client),
+        }
+
+
+def latencies_of_events(path: str | Path) -> dict[str, np.ndarray]:
+    """``RequestTimes.latencies`` of an events Parquet file (only the columns it needs are read)."""
+    import pyarrow.parquet as pq
+
+    times = RequestTimes()
+    columns = [c for c in RequestTimes._COLUMNS if c in pq.read_schema(path).names]
+    table = pq.read_table(path, columns=columns, filters=[("event_type", "in", list(RequestTimes._TYPES.to_pylist()))])
+    for c in RequestTimes._COLUMNS:
+        if c not in table.column_names:
+            table = table.append_column(c, pa.nulls(table.num_rows, pa.int64()))
+    times(table)
+    return times.latencies()
+
+
+def _by_request(t: pa.Table, event_type: str, columns: tuple[str, ...]) -> pa.Table:
+    return t.filter(pc.equal(t["event_type"], event_type)).select(["request_id", *columns])
+
+
+def summarize(ttft_s: np.ndarray, e2e_s: np.ndarray, num_output_tokens: np.ndarray) -> dict[str, float]:
+    """Mean and percentiles of TTFT and E2E, and ITL as a ratio of means (the fidelity data's definition)."""
+    if len(ttft_s) == 0:
+        raise ReplayError("no request completed in the replay: there is nothing to compare")
+    out = {}
+    for name, values in (("ttft", ttft_s), ("e2e", e2e_s)):
+        out[f"{name}_mean"] = float(values.mean())
+        for q in (50, 90, 99):
+            out[f"{name}_p{q}"] = float(np.percentile(values, q))
+    tokens = float(num_output_tokens.mean())
+    out["itl_mean"] = (out["e2e_mean"] - out["ttft_mean"]) / max(tokens - 1.0, 1.0)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- comparing
+
+
+@dataclass(frozen=True, slots=True)
+class MetricError:
+    """One metric of one experiment: recorded and replayed (seconds) and the error of the replay."""
+
+    experiment: str
+    metric: str
+    recorded_s: float
+    replayed_s: float
+
+    @property
+    def signed_pct(self) -> float:
+        return (self.replayed_s - self.recorded_s) / abs(self.recorded_s) * 100.0
+
+    @property
+    def abs_pct(self) -> float:
+        return abs(self.signed_pct)
+
+
+def compare(experiment: str, recorded: dict[str, float], replayed: dict[str, float]) -> list[MetricError]:
+    """The errors of every metric both sides have."""
+    return [MetricError(experiment, m, recorded[m], replayed[m]) for m in METRICS if m in recorded and m in replayed]
+
+
+def median_abs_error(errors: Sequence[MetricError]) -> dict[str, float]:
+    """Per metric, the median across experiments of the absolute percentage error (the field's metric)."""
+    by_metric: dict[str, list[float]] = {}
+    for e in errors:
+        by_metric.setdefault(e.metric, []).append(e.abs_pct)
+    return {m: float(np.median(v)) for m, v in by_metric.items() if v}
+
+
+def median_signed_error(errors: Sequence[MetricError]) -> dict[str, float]:
+    """Per metric, the median signed percentage error (the bias)."""
+    by_metric: dict[str, list[float]] = {}
+    for e in errors:
+        by_metric.setdefault(e.metric, []).append(e.signed_pct)
+    return {m: float(np.median(v)) for m, v in by_metric.items() if v}
+
+
+# ---------------------------------------------------------------------------------------------- reports
+
+
+@dataclass(frozen=True, slots=True)
+class FidelityReport:
+    """Recorded against replayed, per experiment, and the medians across experiments."""
+
+    calibration: str  # what the replay's cost model was (a calibration name, or a cost model)
+    errors: tuple[MetricError, ...]
+    labels: tuple[tuple[str, str], ...]  # experiment id -> label
+    notes: tuple[str, ...] = ()
+
+    @property
+    def median_abs_error_pct(self) -> dict[str, float]:
+        return median_abs_error(self.errors)
+
+    @property
+    def median_signed_error_pct(self) -> dict[str, float]:
+        return median_signed_error(self.errors)
+
+    def experiments(self) -> list[str]:
+        return list(dict.fromkeys(e.experiment for e in self.errors))
+
+    def as_json(self) -> dict[str, Any]:
+        rows: dict[str, dict[str, Any]] = {}
+        for e in self.errors:
+            row = rows.setdefault(e.experiment, {"label": dict(self.labels).get(e.experiment, e.experiment)})
+            row[e.metric] = {"recorded_s": e.recorded_s, "replayed_s": e.replayed_s,
+                             "signed_error_pct": round(e.signed_pct, 3), "abs_error_pct": round(e.abs_pct, 3)}
+        return {
+            "calibration": self.calibration,
+            "median_abs_error_pct": {k: round(v, 3) for k, v in self.median_abs_error_pct.items()},
+            "median_signed_error_pct": {k: round(v, 3) for k, v in self.median_signed_error_pct.items()},
+            "experiments": rows,
+            "notes": list(self.notes),
+        }
+
+
+def report_markdown(report: FidelityReport) -> str:
+    """The report as Markdown: the medians first, then one row per experiment (signed errors)."""
+    metrics = [m for m in METRICS if m in report.median_abs_error_pct]
+    lines = [f"# servelens fidelity: replay against recorded runs ({report.calibration})", ""]
+    lines += ["Median absolute error across experiments (signed median, the bias, in brackets):", ""]
+    lines += ["| metric | " + " | ".join(metrics) + " |", "|---|" + "---:|" * len(metrics)]
+    mae, bias = report.median_abs_error_pct, report.median_signed_error_pct
+    lines.append("| median abs error | " + " | ".join(f"{mae[m]:.1f}% ({bias[m]:+.1f}%)" for m in metrics) + " |")
+    lines += ["", "Per experiment, replayed vs recorded (ms) and the signed error:", ""]
+    lines += ["| experiment | " + " | ".join(metrics) + " |", "|---|" + "---:|" * len(metrics)]
+    labels = dict(report.labels)
+    cells: dict[str, dict[str, MetricError]] = {}
+    for e in report.errors:
+        cells.setdefault(e.experiment, {})[e.metric] = e
+    for exp, row in cells.items():
+        values = [f"{row[m].replayed_s * 1e3:,.1f} / {row[m].recorded_s * 1e3:,.1f} ({row[m].signed_pct:+.1f}%)"
+                  if m in row else "" for m in metrics]
+        lines.append(f"| {labels.get(exp, exp)} | " + " | ".join(values) + " |")
+    lines += [""] + [f"- {n}" for n in report.notes]
+    return "\n".join(lines) + "\n"
+
+
+def report_html(report: FidelityReport) -> str:
+    """The report as one HTML page: the Markdown tables and two charts (errors per metric, replayed vs recorded)."""
+    import html
+
+    import plotly.graph_objects as go
+
+    metrics = [m for m in METRICS if m in report.median_abs_error_pct]
+    by_metric = go.Figure()
+    for m in metrics:
+        errs = [e for e in report.errors if e.metric == m]
+        by_metric.add_trace(go.Box(y=[e.signed_pct for e in errs], name=m, boxpoints="all",
+                                   text=[dict(report.labels).get(e.experiment, e.experiment) for e in errs]))
+    by_metric.update_layout(title="Signed error per metric, replay vs recorded (%)", yaxis_title="error (%)",
+                            showlegend=False, height=420)
+    scatter = go.Figure()
+    for m in metrics:
+        errs = [e for e in report.errors if e.metric == m]
+        scatter.add_trace(go.Scatter(x=[e.recorded_s * 1e3 for e in errs], y=[e.replayed_s * 1e3 for e in errs],
+                                     mode="markers", name=m))
+    top = max((max(e.recorded_s, e.replayed_s) * 1e3 for e in report.errors), default=1.0)
+    scatter.add_trace(go.Scatter(x=[1, top], y=[1, top], mode="lines", name="equal", line={"dash": "dot"}))
+    scatter.update_layout(title="Replayed against recorded (ms, log scales)", xaxis_type="log", yaxis_type="log",
+                          xaxis_title="recorded (ms)", yaxis_title="replayed (ms)", height=480)
+    body = "\n".join([
+        f"<h1>servelens fidelity ({html.escape(report.calibration)})</h1>",
+        by_metric.to_html(full_html=False, include_plotlyjs="cdn"),
+        scatter.to_html(full_html=False, include_plotlyjs=False),
+        f"<pre>{html.escape(report_markdown(report))}</pre>",
+    ])
+    return f"<!doctype html><html><head><meta charset='utf-8'><title>servelens fidelity</title></head><body>{body}</body></html>\n"
+
+
+def write_report(report: FidelityReport, out_dir: Path) -> dict[str, Path]:
+    """fidelity.json, fidelity.md and fidelity.html under ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / "fidelity.json", "md": out_dir / "fidelity.md", "html": out_dir / "fidelity.html"}
+    paths["json"].write_text(json.dumps(report.as_json(), indent=2, sort_keys=True) + "\n")
+    paths["md"].write_text(report_markdown(report))
+    paths["html"].write_text(report_html(report))
+    return paths
+
+
+__all__ = [
+    "FIDELITY_DIR",
+    "FidelityExperiment",
+    "FidelityReport",
+    "METRICS",
+    "MetricError",
+    "RECORDED_METRICS",
+    "RequestTimes",
+    "compare",
+    "experiment_instance",
+    "experiment_spec",
+    "experiment_workload",
+    "latencies_of_events",
+    "median_abs_error",
+    "median_signed_error",
+    "read_experiments",
+    "stage_starts_s",
+    "report_html",
+    "report_markdown",
+    "summarize",
+    "write_report",
+]

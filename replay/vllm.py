@@ -1,0 +1,135 @@
+"""A vLLM server's settings by vLLM's own names, as the replay models them.
+
+``VllmSettings`` mirrors the ``vllm serve`` options the replay has a model for; every field is
+optional (None: the engine's default, ``replay.config.EngineConfig``). The command line generates its
+engine options from these fields (``--max-num-seqs``, ``--enable-prefix-caching/--no-enable-prefix-caching``,
+...), and an engine YAML file holds the same keys, with dashes or underscores, as a ``vllm serve
+--config`` file does (``read_vllm_settings``). ``vllm_instance`` assembles the instance.
+
+What is not modelled is not here: a setting vLLM has and the replay ignores would be a silent lie.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from replay.catalog import resolve_instance
+from replay.config import GIB, EngineConfig, InstanceConfig
+from schemas.types import doc
+from servelens.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VllmSettings:
+    """``vllm serve`` settings the replay models (None: the engine default)."""
+
+    tensor_parallel_size: int | None = doc("Tensor-parallel degree (overrides an xTP suffix of --engine).", None)
+    pipeline_parallel_size: int | None = doc("Pipeline stages (each tensor_parallel_size accelerators wide).", None)
+    max_num_seqs: int | None = doc("Most requests in the running batch [vLLM default 128 on most GPUs].", None)
+    max_num_batched_tokens: int | None = doc("Token budget of one step [vLLM default 2048 with chunked prefill].", None)
+    gpu_memory_utilization: float | None = doc("Share of device memory for weights, activations and KV [0.9].", None)
+    num_gpu_blocks_override: int | None = doc("Exactly this many KV blocks (e.g. as a run's log reported).", None)
+    block_size: int | None = doc("Tokens per KV cache block [16].", None)
+    enable_prefix_caching: bool | None = doc("Reuse cached KV blocks of shared prompt prefixes [on].", None)
+    enable_chunked_prefill: bool | None = doc("Split long prompts into chunks within the step budget [on].", None)
+    async_scheduling: bool | None = doc(
+        "Plan the next step while the current one runs [vLLM >= 0.12: on; the calibration's default].", None
+    )
+    kv_offloading_size: float | None = doc(
+        "CPU tier of the prefix cache, GiB (vLLM's native KV offloading): device evictions are kept there and "
+        "copied back on a hit [off].", None
+    )
+    quantization: str | None = doc("Weight quantization: fp8 (W8A8 where the GPU has fp8 tensor cores) [none].", None)
+    dtype: str | None = doc("Weight and activation dtype: auto, bf16, fp16 [auto].", None)
+    kv_cache_dtype: str | None = doc("KV cache dtype: auto or fp8 [auto].", None)
+
+    def engine(self, base: EngineConfig | None = None) -> EngineConfig:
+        """``base`` with every setting given here."""
+        changes: dict[str, Any] = {}
+        for name, field_name in _ENGINE_FIELDS.items():
+            value = getattr(self, name)
+            if value is not None:
+                changes[field_name] = value
+        if self.kv_offloading_size is not None:
+            changes["cpu_kv_offload_bytes"] = round(self.kv_offloading_size * GIB)
+        return dataclasses.replace(base or EngineConfig(), **changes)
+
+    def merged(self, other: VllmSettings) -> VllmSettings:
+        """These settings with every setting ``other`` gives (``other`` wins)."""
+        given = {f.name: getattr(other, f.name) for f in dataclasses.fields(other) if getattr(other, f.name) is not None}
+        return dataclasses.replace(self, **given)
+
+
+#: VllmSettings fields that are EngineConfig fields under another name (or the same).
+_ENGINE_FIELDS = {
+    "max_num_seqs": "max_num_seqs",
+    "max_num_batched_tokens": "max_num_batched_tokens",
+    "gpu_memory_utilization": "gpu_memory_utilization",
+    "num_gpu_blocks_override": "num_kv_blocks_override",
+    "block_size": "block_size_tokens",
+    "enable_prefix_caching": "enable_prefix_caching",
+    "enable_chunked_prefill": "enable_chunked_prefill",
+    "async_scheduling": "async_scheduling",
+}
+
+
+def read_vllm_settings(path: str | Path) -> tuple[VllmSettings, str | None]:
+    """(settings, engine spec) of an engine YAML file: ``vllm serve`` keys with dashes or underscores, and
+    optionally ``engine: MODEL@ACCELERATOR[xTP]`` (or ``model`` and ``accelerator``)."""
+    import yaml
+
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: an engine file is a mapping of vllm serve settings")
+    data = {str(k).replace("-", "_"): v for k, v in data.items()}
+    spec = data.pop("engine", None)
+    model, accel = data.pop("model", None), data.pop("accelerator", None)
+    if spec is None and model is not None:
+        if accel is None:
+            raise ConfigError(f"{path}: 'model' needs 'accelerator' (e.g. accelerator: h100-sxm)")
+        spec = f"{model}@{accel}"
+    names = {f.name: f for f in dataclasses.fields(VllmSettings)}
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise ConfigError(f"{path}: unknown setting(s) {', '.join(unknown)}",
+                          f"the replay models: engine (or model and accelerator), {', '.join(names)}")
+    return VllmSettings(**{k: _typed(path, names[k], v) for k, v in data.items()}), spec
+
+
+def _typed(path: Path, f: dataclasses.Field, value: Any) -> Any:
+    kind = str(f.type)
+    ok = (
+        ("bool" in kind and isinstance(value, bool))
+        or ("int" in kind and isinstance(value, int) and not isinstance(value, bool))
+        or ("float" in kind and isinstance(value, (int, float)) and not isinstance(value, bool))
+        or ("str" in kind and isinstance(value, str))
+    )
+    if not ok:
+        raise ConfigError(f"{path}: {f.name} must be {kind.replace(' | None', '')}, not {value!r}")
+    return float(value) if "float" in kind else value
+
+
+def vllm_instance(spec: str, settings: VllmSettings | None = None, shared: Path | None = None,
+                  base: EngineConfig | None = None) -> InstanceConfig:
+    """The instance ``MODEL@ACCELERATOR[xTP]`` run with ``settings`` (see ``replay.catalog``)."""
+    s = settings or VllmSettings()
+    weight_dtype = "fp8" if (s.quantization or "").lower() == "fp8" else s.dtype
+    if s.quantization not in (None, "fp8", "FP8", "none"):
+        raise ConfigError(f"quantization {s.quantization!r} is not modelled", "the replay models fp8 (W8A8) or none")
+    return resolve_instance(
+        spec, s.engine(base), shared,
+        tensor_parallel_size=s.tensor_parallel_size,
+        pipeline_parallel_size=s.pipeline_parallel_size or 1,
+        weight_dtype=weight_dtype,
+        kv_cache_dtype=s.kv_cache_dtype,
+    )
+
+
+__all__ = ["VllmSettings", "read_vllm_settings", "vllm_instance"]

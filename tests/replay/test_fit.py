@@ -1,0 +1,132 @@
+"""Calibrations with known answers: synthetic engines whose step costs are known are recovered.
+
+A synthetic engine is the replay itself with chosen terms (``truth``): its step events and its latencies
+are what a real engine's would be if the roofline with those terms were exactly right. The fits must
+find step costs within 2% of the truth's (the terms themselves may trade off where the data cannot
+tell them apart: a summary of latencies cannot always separate a per-step cost from a per-sequence one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from replay.calibration import Calibration, apply_calibration, calibration_from_json, load_calibration, write_calibration
+from replay.config import EngineConfig, FrontendConfig, instance_config
+from replay.costmodel import RooflineConfig, RooflineCostModel, StepShape
+from replay.fidelity import FidelityExperiment, compare, median_abs_error, median_signed_error
+from replay.fit import ENGINE_PARAMETERS, Simulator, Target, fit, simulate
+from replay.run import run_replay
+from replay.stepfit import fit_steps, step_shapes
+from replay.traces import read_trace
+
+TRUTH = RooflineConfig(compute_efficiency=0.55, memory_efficiency=0.82, kv_memory_efficiency=0.45,
+                       step_overhead_ns=900_000, seq_overhead_ns=12_000, allreduce_latency_ns=9_000)
+SHAPES = [StepShape((), d, d * ctx) for d in (1, 8, 32, 96) for ctx in (300, 1500)] + [
+    StepShape(((512, 0),), 16, 16 * 800), StepShape(((2048, 1024),), 0, 0)]
+
+
+def _step_costs_agree(instance, fitted: RooflineConfig, within: float) -> None:
+    truth, got = RooflineCostModel(instance, TRUTH), RooflineCostModel(instance, fitted)
+    for shape in SHAPES:
+        assert got.step_time_ns(shape) == pytest.approx(truth.step_time_ns(shape), rel=within), shape
+
+
+def test_step_events_give_back_the_engine_s_terms(shared, tmp_path):
+    """Least squares on a synthetic engine's step_executed events (3,000 Azure requests, fast mode: runs of
+    decode steps judged by their totals) recovers every fitted term, and so every step cost, within 2%."""
+    instance = instance_config("llama-3-8b", "h100-sxm")
+    summary = run_replay(read_trace("azure-conv", shared).slice(0, 3000), instance=instance, cost_model_config=TRUTH,
+                         out_dir=tmp_path)
+    steps = step_shapes(pq.read_table(summary.events_path))
+    assert len(steps) == summary.num_step_events and sum(s.num_steps for s in steps) == summary.num_steps
+    result = fit_steps(steps, instance, RooflineConfig(memory_efficiency=TRUTH.memory_efficiency))
+    for name in ("compute_efficiency", "kv_memory_efficiency", "step_overhead_ns", "seq_overhead_ns"):
+        assert getattr(result.roofline, name) == pytest.approx(getattr(TRUTH, name), rel=0.02), name
+    assert result.median_abs_error_pct < 0.01
+    _step_costs_agree(instance, result.roofline, 0.02)
+
+
+@pytest.fixture
+def small_spec(tmp_path):
+    spec = {"load": {"type": "poisson", "stages": [{"rate": 4, "duration": 40}, {"rate": 14, "duration": 40}]},
+            "data": {"type": "shared_prefix", "num_unique_system_prompts": 4, "num_users_per_system_prompt": 3,
+                     "system_prompt_len": 100, "question_len": 300, "output_len": 120, "enable_multi_turn_chat": True}}
+    path = tmp_path / "workloads" / "small.yaml"
+    path.parent.mkdir()
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _synthetic(shared, spec, model, tp, frontend):
+    exp = FidelityExperiment(id=f"{model}-tp{tp}", model=model, accelerator="h100-sxm", tensor_parallel_size=tp,
+                             precision="FP16", max_num_seqs=128, max_num_batched_tokens=2048, num_gpu_blocks=None,
+                             cpu_kv_blocks=0, profile="small", workload_path=spec, mean_output_tokens=None, recorded=())
+    target = Target.of_experiment(exp, shared)
+    recorded = simulate(target, TRUTH, True, 0, None).metrics(frontend)
+    return dataclasses.replace(target, recorded_items=tuple(recorded.items()))
+
+
+@pytest.mark.slow
+def test_latency_summaries_of_two_engines_give_back_their_step_costs(shared, small_spec):
+    """The simulation-based fit, from nothing but each run's TTFT/ITL/E2E summary (a 7B on one GPU, a 70B on
+    four), finds the step costs of both within 2% and the frontend's time within 0.5 ms (its parts, a fixed
+    time, tokenization and a queueing wait, add up the same on prompts of one length: only the sum is
+    determined)."""
+    frontend = (0.004, 0.0, 0.0)
+    targets = [_synthetic(shared, small_spec, "llama-2-7b", 1, frontend),
+               _synthetic(shared, small_spec, "llama-2-70b", 4, frontend)]
+    params = [p for p in ENGINE_PARAMETERS if p.name in ("memory_efficiency", "kv_memory_efficiency", "step_overhead_ns")]
+    base = dataclasses.replace(TRUTH, memory_efficiency=0.6, kv_memory_efficiency=0.6, step_overhead_ns=0)
+    with Simulator(1) as sim:
+        result = fit(targets, sim, parameters=params, base=base, max_stage_s=None, max_evaluations=40)
+    for t in targets:
+        _step_costs_agree(t.instance_config, result.roofline, 0.02)
+    prompt = 100 + 300 + 27  # system prompt, question, chat template
+    total = result.frontend[0] + result.frontend[1] * prompt + result.frontend[2]  # the wait's mean: its term
+    assert total == pytest.approx(frontend[0], abs=5e-4)
+    assert max(e.abs_pct for e in result.errors) < 2.0  # every latency of both runs
+
+
+def test_a_calibration_round_trips_and_applies(tmp_path):
+    cal = Calibration(name="c", engine="vLLM 0.15.1", accelerators=("h100-sxm",), roofline=TRUTH,
+                      frontend=FrontendConfig(request_overhead_s=0.002, tokenize_s_per_token=1e-5),
+                      held_out_error_pct=(("itl_mean", 3.2),))
+    path = write_calibration(cal, tmp_path / "c.json")
+    assert load_calibration(path) == cal
+    assert json.loads(path.read_text())["engine_defaults"] == {"async_scheduling": True}
+    instance, roofline = apply_calibration(instance_config(), cal)
+    assert roofline is TRUTH and instance.frontend == cal.frontend and instance.engine.async_scheduling is True
+    kept, _ = apply_calibration(instance_config(engine=EngineConfig(async_scheduling=False)), cal)
+    assert kept.engine.async_scheduling is False  # a setting the user gave wins over the engine default
+    with pytest.raises(Exception, match="not a calibration of version"):
+        calibration_from_json({"name": "x"})
+
+
+def test_the_shipped_calibration_is_bounded_and_says_its_held_out_error():
+    from replay.calibration import default_calibration
+
+    cal = default_calibration()
+    assert cal is not None and cal.engine.startswith("vLLM") and "h100-sxm" in cal.accelerators
+    r = cal.roofline
+    assert all(0 < getattr(r, f) <= 1 for f in ("compute_efficiency", "memory_efficiency", "kv_memory_efficiency",
+                                                "moe_memory_efficiency"))
+    assert all(getattr(r, f) >= 0 for f in ("step_overhead_ns", "seq_overhead_ns", "allreduce_latency_ns"))
+    held = dict(cal.held_out_error_pct)
+    assert {"e2e_mean", "ttft_mean", "itl_mean", "e2e_p99", "ttft_p99"} <= set(held)
+    assert len(cal.fitted_on) >= 10
+
+
+def test_errors_and_their_medians_by_hand():
+    errors = compare("a", {"ttft_mean": 0.1, "itl_mean": 0.01}, {"ttft_mean": 0.11, "itl_mean": 0.009}) + compare(
+        "b", {"ttft_mean": 0.2, "itl_mean": 0.02}, {"ttft_mean": 0.17, "itl_mean": 0.022}) + compare(
+        "c", {"ttft_mean": 0.1, "itl_mean": 0.01}, {"ttft_mean": 0.1, "itl_mean": 0.0105})
+    assert [round(e.signed_pct, 6) for e in errors if e.metric == "ttft_mean"] == [10.0, -15.0, 0.0]
+    assert median_abs_error(errors) == pytest.approx({"ttft_mean": 10.0, "itl_mean": 10.0})
+    assert median_signed_error(errors) == pytest.approx({"ttft_mean": 0.0, "itl_mean": 5.0})
+    assert np.isclose(errors[1].abs_pct, 10.0)
