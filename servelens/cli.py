@@ -20,7 +20,9 @@ import click
 
 from servelens import __version__
 from servelens.config import Config, load_config, shared_dir
+from servelens.engine_options import DEFAULT_ENGINE, ENGINE_HELP, engine_instance, vllm_options
 from servelens.errors import ServelensError
+from servelens.fidelity_cli import COMMANDS as FIDELITY_COMMANDS
 
 EXIT_INVALID = 1  # a check failed (invalid events; a failed gate)
 EXIT_ERROR = 3  # the command could not run: usage, configuration or input errors (gate: 2 is inconclusive)
@@ -301,10 +303,16 @@ def trace_from_blis(data_file: Path, out: Path) -> None:
 
 
 def _shared_or_none(ctx: click.Context, trace_name: str) -> Path | None:
-    """The shared data folder, required only when TRACE names a bundled trace."""
+    """The shared data folder, required when TRACE names a bundled trace; else wherever it is found (it
+    holds the bundled inference-perf specs)."""
     from replay.traces import BUNDLED_TRACES
 
-    return shared_dir(_config(ctx)) if trace_name in BUNDLED_TRACES else None
+    try:
+        return shared_dir(_config(ctx))
+    except ServelensError:
+        if trace_name in BUNDLED_TRACES:
+            raise
+        return None
 
 
 # ---------------------------------------------------------------------------------------------- requests
@@ -761,9 +769,11 @@ def _replay_cluster(ctx: click.Context, workload_name: str, policy_name: str, po
         weight_load_bandwidth_bytes_per_s=meta.get("weight_load_gbps", 2.0) * 1e9,
         cache_warm_s=meta.get("cache_warm_s", 10.0),
     )
-    instance, model_arg = (
-        _fitted_profile(ctx, profile_path) if profile_path is not None else (_instance(engine_spec), cost_model)
-    )
+    calibration = None
+    if profile_path is not None:
+        instance, model_arg = _fitted_profile(ctx, profile_path)
+    else:
+        (instance, calibration), model_arg = engine_instance(ctx, _config(ctx), engine_spec, cost_model), cost_model
     router = meta.get("router", "round-robin")
     router_config = load_router_config(router, meta["router_config"]) if "router_config" in meta else None
     config = cluster_config(num_instances, instance, router, router_config=router_config,
@@ -793,7 +803,7 @@ def _replay_cluster(ctx: click.Context, workload_name: str, policy_name: str, po
             autoscale_interval_s=meta.get("autoscale_interval_s", config.autoscale_interval_s),
             autoscale_window_s=meta.get("autoscale_window_s", config.autoscale_window_s),
         )
-    workload = load_workload(workload_name, _shared_or_none(ctx, workload_name), num_requests)
+    workload = load_workload(workload_name, _shared_or_none(ctx, workload_name), num_requests, seed)
     shared = shared_dir(_config(ctx)) if cost_model == "profile" and profile_path is None else None
     with click.progressbar(length=workload.num_requests or 0, label="replaying", file=sys.stderr,
                            item_show_func=lambda p: f"{p.simulated_ns / 1e9:,.0f} s simulated in {p.wall_s:,.1f} s" if p else None) as bar:
@@ -806,7 +816,8 @@ def _replay_cluster(ctx: click.Context, workload_name: str, policy_name: str, po
         policy_cfg = load_policy_config(policy_name, policy_config) if policy_config is not None else None
         summary = run_cluster_replay(workload, config, policy_name=policy_name, policy_config=policy_cfg,
                                      cost_model=model_arg, shared=shared, seed=seed, out_dir=out, mode=mode,
-                                     progress=progress, progress_every=max(1, (workload.num_requests or 100_000) // 200))
+                                     progress=progress, progress_every=max(1, (workload.num_requests or 100_000) // 200),
+                                     calibration=calibration)
     click.echo(
         f"replayed {summary.num_requests:,} requests ({summary.simulated_s:,.1f} s simulated) on "
         f"{len(summary.instances)} instances ({summary.router}) in {summary.wall_s:,.1f} s "
@@ -825,14 +836,15 @@ def _replay_cluster(ctx: click.Context, workload_name: str, policy_name: str, po
 
 @cli.command("replay")
 @click.option("--workload", "workload_name", required=True,
-              help="Bundled trace name, trace file, or workload Parquet file (from `servelens trace convert`).")
+              help="Bundled trace name, trace file, workload Parquet file (from `servelens trace convert`), or an "
+                   "inference-perf config (a YAML file, or a bundled spec: general, general-lite, codegen, roleplay, "
+                   "reasoning-lite).")
 @click.option("--policy", "policy_name", default="fcfs", show_default=True,
               help="Registered scheduling policy: fcfs, priority, decode-first, prefill-first, sarathi, vtc, deadline, "
                    "deadline-vtc (docs/policies.md).")
 @click.option("--policy-config", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="YAML file of the policy's settings (its config's fields; classes and tenants under `tenancy`).")
-@click.option("--engine", "engine_spec", default="llama-3-8b@h100-sxm", show_default=True,
-              help="MODEL@ACCELERATOR[xTP], e.g. llama-2-70b@a100-80gx2.")
+@click.option("--engine", "engine_spec", default=None, help=ENGINE_HELP + f" [default: {DEFAULT_ENGINE}]")
 @click.option("--cost-model", type=click.Choice(["roofline", "profile", "constant"]), default="roofline",
               show_default=True, help="Step cost model (profile: measured Vidur operator timings from the shared data folder).")
 @click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -846,6 +858,7 @@ def _replay_cluster(ctx: click.Context, workload_name: str, policy_name: str, po
 @click.option("--requests", "num_requests", type=int, default=None, help="Tile the workload to this many requests.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of every random choice (scenario draws).")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True, help="Output folder.")
+@vllm_options
 @_cluster_options
 @click.pass_context
 def replay_command(ctx: click.Context, workload_name: str, policy_name: str, policy_config: Path | None,
@@ -879,12 +892,12 @@ def replay_command(ctx: click.Context, workload_name: str, policy_name: str, pol
         raise ServelensError("--measured needs --profile", "profile the model first: servelens profile --model tiny --out FILE")
     if measured and mode == "fast" and ctx.get_parameter_source("mode") == click.core.ParameterSource.COMMANDLINE:
         raise ServelensError("--measured runs every step (reference mode): drop --mode fast")
-    instance, model_arg = (
-        _fitted_profile(ctx, profile_path, full_layers=not measured)
-        if profile_path is not None
-        else (_instance(engine_spec), cost_model)
-    )
-    workload = load_workload(workload_name, _shared_or_none(ctx, workload_name), num_requests)
+    calibration = None
+    if profile_path is not None:
+        instance, model_arg = _fitted_profile(ctx, profile_path, full_layers=not measured)
+    else:
+        (instance, calibration), model_arg = engine_instance(ctx, _config(ctx), engine_spec, cost_model), cost_model
+    workload = load_workload(workload_name, _shared_or_none(ctx, workload_name), num_requests, seed)
     shared = shared_dir(_config(ctx)) if cost_model == "profile" and profile_path is None else None
     if measured:
         from replay.measured.measured import run_measured_replay
@@ -913,19 +926,37 @@ def replay_command(ctx: click.Context, workload_name: str, policy_name: str, pol
         config = load_policy_config(policy_name, policy_config) if policy_config is not None else None
         summary = run_replay(workload, policy_name=policy_name, policy_config=config, instance=instance,
                              cost_model=model_arg, shared=shared, seed=seed, out_dir=out, mode=mode,
-                             progress=progress, progress_every=max(1, (workload.num_requests or 100_000) // 200))
+                             progress=progress, progress_every=max(1, (workload.num_requests or 100_000) // 200),
+                             calibration=calibration)
     click.echo(
         f"replayed {summary.num_requests:,} requests ({summary.simulated_s:,.1f} s simulated) in {summary.wall_s:,.1f} s "
         f"({summary.requests_per_wall_s:,.0f} requests/s): {summary.num_events:,} events, "
-        f"{summary.num_steps:,} engine steps, {summary.num_preemptions:,} preemptions\n"
-        f"events:   {summary.events_path}\nmanifest: {summary.manifest_path} (run {summary.run_id})"
+        f"{summary.num_steps:,} engine steps, {summary.num_preemptions:,} preemptions"
     )
+    _echo_latencies(summary.events_path, calibration, instance)
+    click.echo(f"events:   {summary.events_path}\nmanifest: {summary.manifest_path} (run {summary.run_id})")
 
 
-def _instance(engine_spec: str):
-    from replay.config import parse_instance
+def _echo_latencies(events_path: Path | None, calibration, instance) -> None:
+    """The replay's latency percentiles (client side when a calibration modelled the frontend) and the
+    calibration behind them."""
+    from replay.fidelity import latencies_of_events, summarize
 
-    return parse_instance(engine_spec)
+    if events_path is None:
+        return
+    lat = latencies_of_events(events_path)
+    if len(lat["ttft_s"]):
+        side = "client side" if bool(lat["client_side"]) else "engine side"
+        m = {k: v * 1e3 for k, v in summarize(lat["ttft_s"], lat["e2e_s"], lat["num_output_tokens"]).items()}
+        click.echo(f"latency ({side}, ms, p50 / p90 / p99): "
+                   f"TTFT {m['ttft_p50']:,.1f} / {m['ttft_p90']:,.1f} / {m['ttft_p99']:,.1f}; "
+                   f"E2E {m['e2e_p50']:,.0f} / {m['e2e_p90']:,.0f} / {m['e2e_p99']:,.0f}; ITL mean {m['itl_mean']:,.2f}")
+    if calibration is not None:
+        where = "" if instance.accelerator.name in calibration.accelerators else (
+            f", extrapolated from {', '.join(calibration.accelerators)} to {instance.accelerator.name}")
+        held = ", ".join(f"{k} {v:.1f}%" for k, v in calibration.held_out_error_pct if k in ("ttft_mean", "e2e_mean", "itl_mean"))
+        click.echo(f"calibration {calibration.name} ({calibration.engine}{where}; median held-out error "
+                   f"{held or 'not measured'})")
 
 
 def _fitted_profile(ctx: click.Context, profile_path: Path, *, full_layers: bool = True):
@@ -1284,6 +1315,10 @@ def dashboard_command(ctx: click.Context, port: int | None, host: str | None, ru
         pass
     finally:
         _stop(process)
+
+
+for _command in FIDELITY_COMMANDS:  # servelens fidelity, servelens calibrate (servelens/fidelity_cli.py)
+    cli.add_command(_command)
 
 
 def main() -> None:

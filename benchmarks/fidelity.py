@@ -1,0 +1,121 @@
+"""Benchmark: how faithful the calibrated replay is to real vLLM runs it never saw (leave-one-out).
+
+Every measured experiment of ``../shared/fidelity`` (vLLM v0.15.1 on H100, client-side latencies from
+inference-perf) is predicted by a calibration fitted on all the *other* experiments (``servelens
+calibrate``'s fit: ``replay.calibrate``), then replayed at full length under its recorded settings and
+its workload spec, with the calibration applied exactly as ``servelens replay`` applies it. Reported
+per experiment and as the field's summary, the median across experiments of the absolute percentage
+error, per metric (E2E and TTFT mean/p90/p99, ITL mean). Targets: E2E <= 5%, TTFT <= 10%, ITL <= 5%.
+
+The all-data fit is the calibration servelens ships (``--write-calibration`` writes it, with these
+held-out errors, to replay/calibrations/).
+
+    python benchmarks/fidelity.py                 # every experiment left out in turn (about 30 min, 2 cores)
+    python benchmarks/fidelity.py --quick         # under a minute: the shipped calibration on every experiment
+                                                  # (in sample) and one shortened leave-one-out fold
+    python benchmarks/fidelity.py --write-calibration replay/calibrations/vllm-0.15.1-h100.json
+
+The last line of output is one JSON object: ``median_abs_error_pct`` (per metric), ``experiments``
+(per experiment, signed errors in percent) and whether the targets hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+TARGETS_PCT = {"e2e_mean": 5, "e2e_p90": 5, "e2e_p99": 5, "ttft_mean": 10, "ttft_p90": 10, "ttft_p99": 10, "itl_mean": 5}
+
+
+def _targets():
+    from replay.fidelity import FIDELITY_DIR, read_experiments
+    from replay.fit import Target
+    from servelens.config import load_config, shared_dir
+
+    shared = shared_dir(load_config())
+    return [Target.of_experiment(e, shared) for e in read_experiments(shared / FIDELITY_DIR)]
+
+
+def _table(rows: dict[str, dict[str, float]], medians: dict[str, float]) -> str:
+    metrics = list(TARGETS_PCT)
+    lines = ["| experiment | " + " | ".join(metrics) + " |", "|---|" + "---:|" * len(metrics)]
+    for label, errs in rows.items():
+        lines.append(f"| {label} | " + " | ".join(f"{errs[m]:+.1f}%" for m in metrics) + " |")
+    lines.append("| **median abs error** | " + " | ".join(f"**{medians[m]:.1f}%**" for m in metrics) + " |")
+    lines.append("| target | " + " | ".join(f"<= {TARGETS_PCT[m]}%" for m in metrics) + " |")
+    return "\n".join(lines)
+
+
+def leave_one_out(args: argparse.Namespace) -> dict:
+    from replay.calibrate import calibrate_experiments
+    from replay.calibration import write_calibration
+    from replay.fidelity import median_abs_error
+
+    targets = _targets()
+    held = None if not args.quick else [targets[len(targets) // 2].name]
+    calibration, folds = calibrate_experiments(
+        targets, name="vllm-0.15.1-h100", engine="vLLM 0.15.1", held=held, workers=args.workers,
+        max_stage_s=60.0 if args.quick else 150.0, max_evaluations=3 if args.quick else 40,
+        progress=lambda m: print(m, file=sys.stderr, flush=True),
+    )
+    if args.write_calibration:
+        write_calibration(calibration, Path(args.write_calibration))
+        print(f"calibration written to {args.write_calibration}", file=sys.stderr)
+    errors = [e for f in folds for e in f.errors]
+    rows = {f.target.experiment.label(): {e.metric: e.signed_pct for e in f.errors} for f in folds}
+    return {"mode": "leave-one-out", "median_abs_error_pct": median_abs_error(errors), "rows": rows,
+            "calibration": calibration}
+
+
+def shipped_in_sample() -> dict:
+    """The shipped calibration on every experiment (it was fitted on them: in sample)."""
+    from replay.calibration import default_calibration
+    from replay.fidelity import compare, median_abs_error
+    from replay.fit import replay_target
+
+    calibration = default_calibration()
+    rows, errors = {}, []
+    for t in _targets():
+        errs = compare(t.name, t.recorded, replay_target(t, calibration))
+        errors += errs
+        rows[t.experiment.label()] = {e.metric: e.signed_pct for e in errs}
+    return {"mode": "shipped calibration, in sample", "median_abs_error_pct": median_abs_error(errors), "rows": rows,
+            "calibration": calibration}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="under a minute: see the module docstring")
+    parser.add_argument("--workers", type=int, default=None, help="replays in parallel [default: CPUs, at most 4]")
+    parser.add_argument("--write-calibration", default=None, help="write the all-data fit here (JSON)")
+    args = parser.parse_args()
+    t0 = time.perf_counter()
+    runs = [shipped_in_sample(), leave_one_out(args)] if args.quick else [leave_one_out(args)]
+    for run in runs:
+        print(f"\n{run['mode']} ({run['calibration'].name}):\n")
+        print(_table(run["rows"], run["median_abs_error_pct"]))
+    main_run = runs[-1]
+    medians = main_run["median_abs_error_pct"]
+    result = {
+        "mode": main_run["mode"] + (" (quick: one fold, shortened fits)" if args.quick else ""),
+        "median_abs_error_pct": {k: round(v, 2) for k, v in medians.items()},
+        "targets_pct": TARGETS_PCT,
+        "meets_targets": all(medians[m] <= t for m, t in TARGETS_PCT.items()) if not args.quick else None,
+        "experiments": {label: {m: round(v, 2) for m, v in errs.items()} for label, errs in main_run["rows"].items()},
+        "fitted_terms": {f: getattr(main_run["calibration"].roofline, f) for f in (
+            "memory_efficiency", "kv_memory_efficiency", "moe_memory_efficiency", "step_overhead_ns",
+            "seq_overhead_ns", "allreduce_latency_ns")},
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    if args.quick:
+        result["shipped_in_sample_median_abs_error_pct"] = {k: round(v, 2) for k, v in runs[0]["median_abs_error_pct"].items()}
+    print(json.dumps(result, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()

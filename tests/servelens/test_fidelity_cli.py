@@ -1,0 +1,101 @@
+"""servelens replay with vLLM's settings and a calibration, servelens fidelity and servelens calibrate, run as
+users run them: real processes, reports on disk, clean errors (exit 3) on bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+
+from tests.servelens.test_cli import servelens
+
+
+def test_replay_takes_vllm_settings_an_inference_perf_spec_and_the_shipped_calibration(tmp_path, shared):
+    engine_file = tmp_path / "engine.yaml"
+    engine_file.write_text("engine: meta-llama/Llama-3.1-8B-Instruct@H100\nmax-num-seqs: 64\nenable_prefix_caching: true\n")
+    out = tmp_path / "run"
+    done = servelens("replay", "--workload", str(shared / "fidelity/workloads/general-lite.yaml"), "--engine-config",
+                     str(engine_file), "--max-num-seqs", "32", "--num-gpu-blocks-override", "20000", "--out", str(out),
+                     env={"SERVELENS_SHARED_DIR": str(shared)})
+    assert done.returncode == 0, done.stderr
+    assert "latency (client side" in done.stdout and "calibration vllm-0.15.1-h100" in done.stdout
+    manifest = json.loads((out / "manifest.json").read_text())
+    engine = manifest["instance"]["engine"]
+    assert (engine["max_num_seqs"], engine["num_kv_blocks_override"], engine["async_scheduling"]) == (32, 20000, True)
+    assert manifest["instance"]["model"]["name"] == "meta-llama/Llama-3.1-8B-Instruct"
+    assert manifest["calibration"]["name"] == "vllm-0.15.1-h100" and not manifest["calibration"]["extrapolated"]
+    assert manifest["instance"]["frontend"]["tokenize_s_per_token"] > 0
+    events = pq.read_table(out / "events.parquet", columns=["event_type", "client_sent_ns", "first_byte_ns"])
+    arrived = events.filter(events["event_type"] == "request_arrived")
+    assert arrived["client_sent_ns"].null_count == 0 and arrived.num_rows > 4000
+    raw = servelens("replay", "--workload", "general-lite", "--engine", "llama-3-8b@h100", "--calibration", "none",
+                    "--requests", "300", "--out", str(tmp_path / "raw"), env={"SERVELENS_SHARED_DIR": str(shared)})
+    assert raw.returncode == 0, raw.stderr
+    assert "latency (engine side" in raw.stdout and "calibration" not in json.loads((tmp_path / "raw/manifest.json").read_text())
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--engine", "gpt-5@h100"], "unknown model 'gpt-5'"),
+        (["--engine", "llama-3-8b@tpu-v5"], "unknown accelerator 'tpu-v5'"),
+        (["--engine", "llama-2-70b@l40s"], "does not fit on 1 x l40s: 128.5 GiB of weights"),
+        (["--engine", "{config}@h100"], "missing field 'num_attention_heads'"),
+        (["--quantization", "int4"], "quantization 'int4' is not modelled"),
+        (["--calibration", "nowhere.json"], "no calibration 'nowhere.json'"),
+        (["--cost-model", "constant", "--calibration", "vllm-0.15.1-h100"], "calibrates the roofline cost model"),
+    ],
+)
+def test_bad_engines_are_clean_errors_that_name_the_problem(tmp_path, shared, args, message):
+    config = tmp_path / "model"
+    config.mkdir()
+    (config / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+                                                    "vocab_size": 100}))
+    args = [a.replace("{config}", str(config)) for a in args]
+    done = servelens("replay", "--workload", "azure-conv", "--requests", "10", *args, "--out", str(tmp_path / "o"),
+                     env={"SERVELENS_SHARED_DIR": str(shared)})
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_fidelity_reports_recorded_against_replayed(tmp_path, shared):
+    out = tmp_path / "fidelity"
+    done = servelens("fidelity", "--experiments", "62,64", "--out", str(out), env={"SERVELENS_SHARED_DIR": str(shared)})
+    assert done.returncode == 0, done.stderr
+    report = json.loads((out / "fidelity.json").read_text())
+    assert set(report["experiments"]) == {"62", "64"} and report["calibration"] == "vllm-0.15.1-h100"
+    row = report["experiments"]["64"]["ttft_mean"]
+    assert row["recorded_s"] == pytest.approx(0.026716193809794884)  # experiments.csv, ms -> s
+    assert row["signed_error_pct"] == pytest.approx((row["replayed_s"] / row["recorded_s"] - 1) * 100, abs=1e-3)
+    assert set(report["median_abs_error_pct"]) == {"e2e_mean", "e2e_p90", "e2e_p99", "ttft_mean", "ttft_p90",
+                                                   "ttft_p99", "itl_mean"}
+    assert "median absolute error across runs" in done.stdout
+    assert "| median abs error |" in (out / "fidelity.md").read_text()
+    assert "plotly" in (out / "fidelity.html").read_text()
+    bad = servelens("fidelity", "--experiments", "60,nope", "--out", str(out), env={"SERVELENS_SHARED_DIR": str(shared)})
+    assert bad.returncode == 3 and "unknown experiment(s) nope" in bad.stderr
+
+
+def test_calibrate_from_a_recorded_run_s_steps_and_replay_with_it(tmp_path, shared):
+    """A run recorded by a synthetic engine (the replay with known terms) is calibrated from its step events;
+    the file says what it was fitted on and its held-out error, and replays use it."""
+    rec = tmp_path / "recorded"
+    done = servelens("replay", "--workload", "azure-conv", "--requests", "1500", "--engine", "llama-3-8b@h100",
+                     "--calibration", "none", "--out", str(rec), env={"SERVELENS_SHARED_DIR": str(shared)})
+    assert done.returncode == 0, done.stderr
+    cal = tmp_path / "mine.json"
+    done = servelens("calibrate", "--from", "steps", "--events", str(rec / "events.parquet"), "--engine",
+                     "llama-3-8b@h100", "--out", str(cal), env={"SERVELENS_SHARED_DIR": str(shared)})
+    assert done.returncode == 0, done.stderr
+    written = json.loads(cal.read_text())
+    # the recording engine was the uncalibrated roofline (compute at 0.6 of peak): prefill steps tell it; the
+    # steps the fit never saw (the run's second half) are predicted within 1% (the weights' share comes from
+    # the shipped calibration, the step overhead takes up the difference: one model cannot separate them)
+    assert written["roofline"]["compute_efficiency"] == pytest.approx(0.6, rel=0.02)
+    assert written["held_out_error_pct"]["step_time_median"] < 1 and "steps" in written["method"]
+    again = servelens("replay", "--workload", "azure-conv", "--requests", "200", "--calibration", str(cal), "--out",
+                      str(tmp_path / "again"), env={"SERVELENS_SHARED_DIR": str(shared)})
+    assert again.returncode == 0, again.stderr and "calibration mine" in again.stdout
+    missing = servelens("calibrate", "--from", "steps", "--engine", "llama-3-8b@h100", "--out", str(cal))
+    assert missing.returncode == 3 and "--from steps needs --events" in missing.stderr
