@@ -3,7 +3,8 @@
 1. Throughput. The Azure conversation trace, tiled into time-shifted copies laid back to back (same
    load per instance, a longer trace: ``replay.workload.TiledWorkload``), is replayed in the default
    fast mode to Parquet at 10,000, 100,000 and 1,000,000 requests, each size in a fresh process of
-   its own, which reports its wall time and peak memory (max RSS). Cost should grow linearly (flat
+   its own, which reports its wall time and peak memory (max RSS); the largest size again with the
+   shipped calibration (async scheduling, the frontend: ``servelens replay``'s default). Cost should grow linearly (flat
    requests/s) and memory should stay flat: it follows the requests in flight, not the trace length.
 2. Fast vs reference. The full Azure and Mooncake traces are replayed in both modes; the request
    tables' timestamps are compared (largest relative difference) and the speed ratio is reported.
@@ -38,8 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 TIMESTAMPS = ["arrival_ns", "admission_ns", "scheduled_ns", "first_token_ns", "last_token_ns", "cancel_ns", "finish_ns"]
 
 
-def replay_tiled(num_requests: int, out_dir: Path) -> dict:
-    """Replay the tiled Azure trace in this process; report speed and peak memory."""
+def replay_tiled(num_requests: int, out_dir: Path, calibrated: bool = False) -> dict:
+    """Replay the tiled Azure trace in this process; report speed and peak memory (``calibrated``: with the
+    shipped calibration, as ``servelens replay`` replays by default)."""
     from replay.run import run_replay
     from replay.traces import read_trace
     from replay.workload import TiledWorkload
@@ -49,9 +51,12 @@ def replay_tiled(num_requests: int, out_dir: Path) -> dict:
     workload = TiledWorkload(base, -(-num_requests // base.num_rows), num_requests=num_requests, name="azure-conv-tiled")
     rss_before_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     cpu0 = time.process_time()
-    summary = run_replay(workload, out_dir=out_dir)
+    from replay.calibration import default_calibration
+
+    summary = run_replay(workload, out_dir=out_dir, calibration=default_calibration() if calibrated else None)
     cpu_s = time.process_time() - cpu0
     return {
+        "calibrated": calibrated,
         "requests": summary.num_requests,
         "events": summary.num_events,
         "steps": summary.num_steps,
@@ -167,10 +172,15 @@ def main() -> None:
     parser.add_argument("--cluster", action="store_true", help="only the cluster case and its single-instance baseline")
     parser.add_argument("--one", type=int, metavar="N", help=argparse.SUPPRESS)  # child: replay N requests
     parser.add_argument("--one-cluster", type=int, metavar="N", help=argparse.SUPPRESS)  # child: the cluster case
+    parser.add_argument("--one-calibrated", type=int, metavar="N", help=argparse.SUPPRESS)  # child: calibrated
     args = parser.parse_args()
     if args.one:
         with tempfile.TemporaryDirectory() as tmp:
             print(json.dumps(replay_tiled(args.one, Path(tmp))))
+        return
+    if args.one_calibrated:
+        with tempfile.TemporaryDirectory() as tmp:
+            print(json.dumps(replay_tiled(args.one_calibrated, Path(tmp), calibrated=True)))
         return
     if args.one_cluster:
         with tempfile.TemporaryDirectory() as tmp:
@@ -189,6 +199,8 @@ def main() -> None:
         result = _child("--one", n)
         print(f"tiled azure-conv, {n:,} requests: {result}", file=sys.stderr)
         throughput.append(result)
+    calibrated = _child("--one-calibrated", sizes[-1])
+    print(f"tiled azure-conv, {sizes[-1]:,} requests, calibrated: {calibrated}", file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
         modes = [
             compare_modes("azure-conv", 3_000 if args.quick else None, Path(tmp)),
@@ -202,6 +214,7 @@ def main() -> None:
         "throughput": throughput,
         "requests_per_s_at_largest": largest["requests_per_s"],
         "largest_requests": largest["requests"],
+        "calibrated_requests_per_s_at_largest": calibrated["requests_per_s"],
         "target_requests_per_s": 20_000,
         "peak_rss_mb_by_size": {str(t["requests"]): t["peak_rss_mb"] for t in throughput},
         "modes": modes,

@@ -82,7 +82,6 @@ class Parameter:
 
 
 ENGINE_PARAMETERS = (
-    Parameter("compute_efficiency", 0.2, 1.0, 0.6),
     Parameter("memory_efficiency", 0.3, 1.0, 0.85),
     Parameter("kv_memory_efficiency", 0.15, 1.0, 0.5),
     Parameter("moe_memory_efficiency", 0.1, 1.0, 0.5),
