@@ -87,7 +87,8 @@ def window_stats(r: Requests, rows: np.ndarray, steps: Steps | None, num_windows
     backlogged = np.zeros((num_windows, len(tenants)), dtype=bool)
     backlogged[w, t_index] = True
     gap = np.where(backlogged.sum(1) >= 2,
-                   np.where(backlogged, service, -np.inf).max(1) - np.where(backlogged, service, np.inf).min(1), -np.inf)
+                   np.where(backlogged, service, -np.inf).max(1, initial=-np.inf)
+                   - np.where(backlogged, service, np.inf).min(1, initial=np.inf), -np.inf)  # no tenant at all: none
     busy = np.zeros(num_windows)
     if steps is not None and len(steps.start_s):
         sw = np.clip(np.floor(steps.start_s / config.window_s).astype(np.int64), 0, num_windows - 1)

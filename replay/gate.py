@@ -223,8 +223,7 @@ def _metric_verdicts(diffs: _Differences, config: GateConfig, errors: dict[str, 
     out = []
     for spec in config.metrics:
         for group in ["", *diffs.grid.classes] if spec.per_class else [""]:
-            need = needs(spec, config, 0, diffs.grid.boot.num_windows)
-            used = diffs.windows_used(spec.name, group, need.window_requests)
+            used = diffs.windows_used(spec.name, group, spec.min_window_requests or config.min_window_requests)
             need = needs(spec, config, used, diffs.grid.boot.num_windows)
             out.append(judge_metric(diffs(spec.name, group), spec, need, errors.get(spec.name)))
     return out
@@ -235,8 +234,7 @@ def _condition_verdicts(diffs: _Differences, config: GateConfig, errors: dict[st
     out = []
     for cond in config.conditions:
         for group in diffs.grid.classes if cond.service_class == EACH_CLASS else [cond.service_class]:
-            per_window = needs(None, config, 0, 0).window_requests
-            need_c, need_b = (needs(None, config, diffs.windows_used(cond.metric, group, per_window, side),
+            need_c, need_b = (needs(None, config, diffs.windows_used(cond.metric, group, config.min_window_requests, side),
                                     diffs.grid.boot.num_windows) for side in ("candidate", "baseline"))
             out.append(judge_condition(diffs(cond.metric, group), cond, need_c, errors.get(cond.metric), need_b))
     return out

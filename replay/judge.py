@@ -400,8 +400,10 @@ def decide(verdict: Verdict, previous_config: str | None) -> Decision:
                     verdict.wait_minutes if verdict.status == INCONCLUSIVE else None)
 
 
-def _minutes(wait: float | None) -> str:
-    return "more data (no estimate of how much)" if wait is None else f"{wait:,.0f} more minutes"
+def _wait(live: bool, wait: float | None) -> str:
+    if live:
+        return "continue (no estimate of how long)" if wait is None else f"continue {wait:,.0f} more minutes"
+    return "replay more traffic (no estimate of how much)" if wait is None else f"replay {wait:,.0f} more minutes of traffic"
 
 
 def action_words(status: str, decision: str | None, wait_minutes: float | None, rollback_on: str = "fail") -> str:
@@ -412,9 +414,9 @@ def action_words(status: str, decision: str | None, wait_minutes: float | None, 
     if decision == "rollback":
         return "roll back"
     if decision == "continue":
-        return "continue " + _minutes(wait_minutes) if status == INCONCLUSIVE else f"keep watching (rollback_on: {rollback_on})"
+        return _wait(True, wait_minutes) if status == INCONCLUSIVE else f"keep watching (rollback_on: {rollback_on})"
     return {PASS: "ready for a canary", FAIL: "do not ship the candidate",
-            INCONCLUSIVE: "replay " + _minutes(wait_minutes) + " of traffic"}.get(status, "see the reasons")
+            INCONCLUSIVE: _wait(False, wait_minutes)}.get(status, "see the reasons")
 
 
 def headline(verdict: Verdict, decision: Decision | None = None) -> str:

@@ -182,7 +182,7 @@ def _latency_figure(rb, rc):
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    classes = sorted(set(rb.service_class.tolist()) | set(rc.service_class.tolist()))
+    classes = sorted(set(rb.service_class.tolist()) | set(rc.service_class.tolist())) or ["no requests"]
     fig = make_subplots(rows=len(classes), cols=len(_LATENCIES), subplot_titles=[
         f"{title} ({name})" for name in classes for _, title in _LATENCIES])
     for row, name in enumerate(classes, start=1):

@@ -95,6 +95,19 @@ def test_too_few_requests_or_windows_is_not_enough_data_with_the_time_it_would_t
     assert "7 of 7 windows hold 5+ of its requests on each side; 30 needed" in _by(short, "ttft_p99_s").reason
 
 
+def test_runs_without_requests_are_undecided_and_reported_not_a_crash(tmp_path):
+    """Two empty request tables once crashed the comparison (a maximum over no tenants)."""
+    from replay.gate import headline
+    from replay.report import write_reports
+
+    empty = synthetic_requests(num_requests=10).slice(0, 0)
+    base, cand = Run("b", empty, None, "b", None, None), Run("c", empty, None, "c", None, None)
+    verdict = compare_runs(base, cand, GATE)
+    assert verdict.status == INCONCLUSIVE and verdict.wait_minutes is None and verdict.score is None
+    assert headline(verdict) == "INCONCLUSIVE: replay more traffic (no estimate of how much)"
+    assert json.loads(write_reports(verdict, base, cand, tmp_path)["json"].read_text())["status"] == INCONCLUSIVE
+
+
 def test_a_baseline_without_data_for_a_class_is_undecided_with_that_reason():
     baseline = Run("b", synthetic_requests(classes=("batch",)), None, "b", None, None)
     candidate = Run("c", synthetic_requests(classes=("batch", "interactive")), None, "c", None, None)
