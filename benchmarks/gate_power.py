@@ -30,7 +30,7 @@ N one-minute windows of its runs). Targets (defaults): A/A false fail at most 5%
 least 90% at every length with the evidence minimums met (``min_windows``); below them the gate
 says "not enough data" (inconclusive), by design.
 
-    python benchmarks/gate_power.py            # 200 trials per design, 10/20/30/45 windows (README figures)
+    python benchmarks/gate_power.py            # 200 trials per design, 10/20/30/45 windows; rewrites docs/gate.md's table
     python benchmarks/gate_power.py --quick    # 8 trials, split design, 30 windows: under a minute
 
 The last line of output is one JSON object with the figures (``aa_false_fail_rate``,
@@ -62,6 +62,7 @@ WINDOW_NS = 60 * 1_000_000_000
 EFFECTS = ("itl_x1.25", "itl_x1.5", "itl_x2", "ttft_tail_x2", "goodput_-10%", "goodput_-25%")
 CRITICAL_SIZE = ("itl_x1.5", "itl_x2", "ttft_tail_x2", "goodput_-25%")
 DETECTION_WINDOWS = 30  # the target holds from this run length on
+BEGIN, END = "<!-- gate-power:begin -->", "<!-- gate-power:end -->"
 #: The metric each injected effect is read on (its measured effect is reported beside the rates).
 PRIMARY = {"itl_x1.25": "itl_p99_p99_s", "itl_x1.5": "itl_p99_p99_s", "itl_x2": "itl_p99_p99_s",
            "ttft_tail_x2": "ttft_p99_s", "goodput_-10%": "goodput_rps", "goodput_-25%": "goodput_rps"}
@@ -242,6 +243,46 @@ def summarize(rows: list[dict], designs: tuple[str, ...], lengths: tuple[int, ..
     }
 
 
+def _pct(rate: float | None) -> str:
+    return "n/a" if rate is None else f"{100 * rate:.0f}%" if rate in (0, 1) else f"{100 * rate:.1f}%"
+
+
+def render_table(figures: dict) -> str:
+    """The measured rates as Markdown (docs/gate.md, Measured error rates)."""
+    designs, windows = figures["designs"], [str(n) for n in figures["windows"]]
+    head = "| | " + " | ".join(f"{d}, {n} windows" for d in designs for n in windows) + " |"
+    lines = [head, "|---|" + "---:|" * (len(designs) * len(windows))]
+
+    def row(label: str, table: dict) -> str:
+        return f"| {label} | " + " | ".join(_pct(table[d][n]) for d in designs for n in windows) + " |"
+
+    lines.append(row("A/A: FAIL (false fail)", figures["aa_false_fail_rate_by_windows"]))
+    lines.append(row("A/A: PASS", figures["aa_pass_rate_by_windows"]))
+    lines.append(row("A/A: INCONCLUSIVE", figures["aa_inconclusive_rate_by_windows"]))
+    for effect in EFFECTS:
+        size = "critical-size" if effect in CRITICAL_SIZE else "threshold-sized"
+        lines.append(row(f"{effect} ({size}; bad effect read {_signed(figures['measured_effect_median'].get(effect))}): FAIL",
+                         figures["detection_rate_by_windows"][effect]))
+        lines.append(row(f"{effect}: PASS (false pass)", figures["ab_pass_rate_by_windows"][effect]))
+    held = ", ".join(f"{m} ({n})" for m, n in list(figures["aa_inconclusive_held_by"].items())[:5]) or "none"
+    lines += ["", f"{figures['trials_per_design']} trials per design, {figures['seconds']:.0f} s. A/A runs held "
+              f"inconclusive at {figures['min_windows']}+ windows, by the metric that held them (runs): {held}."]
+    return "\n".join(lines)
+
+
+def _signed(effect: float | None) -> str:
+    return "n/a" if effect is None else f"{100 * effect:+.1f}%"
+
+
+def write_docs(markdown: str) -> None:
+    """Rewrite the block between the markers of docs/gate.md."""
+    path = Path(__file__).resolve().parents[1] / "docs" / "gate.md"
+    text = path.read_text()
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        path.write_text(head + f"{BEGIN}\n{markdown}\n{END}" + rest.split(END, 1)[1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="8 trials, split design, 30 windows: under a minute")
@@ -249,6 +290,7 @@ def main() -> None:
     parser.add_argument("--windows", default=None, help="run lengths in windows, comma-separated [default: 10,20,30,45]")
     parser.add_argument("--designs", default=None, help="A/A designs: seed,split [default: both; quick: split]")
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="processes [default: 2]")
+    parser.add_argument("--no-docs", action="store_true", help="do not rewrite the table in docs/gate.md (a full run does)")
     args = parser.parse_args()
     from replay.gate import default_config
 
@@ -267,6 +309,10 @@ def main() -> None:
                "min_windows": default_config().min_windows, "engine": ENGINE, "trace": TRACE}
     figures |= summarize(rows, designs, lengths, default_config().min_windows)
     figures["seconds"] = round(time.perf_counter() - started, 1)
+    table = render_table(figures)
+    print(table, file=sys.stderr)
+    if not (args.quick or args.no_docs or args.trials or args.windows or args.designs):
+        write_docs(table)
     print(json.dumps(figures))
 
 
