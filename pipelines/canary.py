@@ -38,20 +38,20 @@ def pool_counts(con, since_ns: int | None = None, until_ns: int | None = None) -
     return {pool: int(n) for pool, n in rows}
 
 
-def _check_pools(counts: dict[str | None, int], pools: tuple[str, str], lake_root: str) -> None:
+def _check_pools(counts: dict[str | None, int], pools: tuple[str, str], lake_root: str, period: str) -> None:
     labelled = {p: n for p, n in counts.items() if p is not None}
     total = sum(counts.values())
     if not total:
-        raise DataNotFoundError(f"the lake {lake_root} holds no requests (in the period asked) for the live gate",
+        raise DataNotFoundError(f"the lake {lake_root} holds no requests{period} for the live gate",
                                 "ingest the engines' events first (`servelens ingest`), or widen --since")
     if not labelled:
         raise DataNotFoundError(
-            f"the live gate needs the `pool` label, and none of the {total:,} requests in the lake {lake_root} "
-            "(in the period asked) carries one, so the canary cannot be told from the baseline", POOL_HINT)
+            f"the live gate needs the `pool` label, and none of the {total:,} requests in the lake {lake_root}{period} "
+            "carries one, so the canary cannot be told from the baseline", POOL_HINT)
     for pool in pools:
         if not labelled.get(pool):
             found = ", ".join(f"{p!r} ({n:,} requests)" for p, n in sorted(labelled.items()))
-            raise DataNotFoundError(f"pool {pool!r} has no requests in the lake {lake_root} (in the period asked); "
+            raise DataNotFoundError(f"pool {pool!r} has no requests in the lake {lake_root}{period}; "
                                     f"pools found: {found}",
                                     "name the pools with --baseline-pool and --candidate-pool, widen --since, or " + POOL_HINT)
 
@@ -61,7 +61,8 @@ def lake_pools(lake_root: str, baseline_pool: str, candidate_pool: str, since_ns
     """Two live pools from the lake over the same period (by the events' ``pool`` label); both
     ``measured`` (the replay model's error does not apply)."""
     con = Lake(lake_root).connect()
-    _check_pools(pool_counts(con, since_ns, until_ns), (baseline_pool, candidate_pool), lake_root)
+    period = "" if since_ns is None and until_ns is None else " in the period asked"
+    _check_pools(pool_counts(con, since_ns, until_ns), (baseline_pool, candidate_pool), lake_root, period)
     runs = []
     for label, pool in (("baseline", baseline_pool), ("candidate", candidate_pool)):
         clauses, params = _window(since_ns, until_ns)
