@@ -16,6 +16,7 @@ run) by one rule: any metric not marked ``informative`` fails the run on a criti
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -163,6 +164,13 @@ def model_errors(config: GateConfig) -> dict[str, tuple[float, str]]:
         elif item.error > direct.get(item.metric, (-1.0, ""))[0]:
             direct[item.metric] = (item.error, item.metric)
     return via | direct
+
+
+def with_model_error(config: GateConfig, errors: Mapping[str, float]) -> GateConfig:
+    """``config`` with the replay model's known errors added (a fidelity report's figures, e.g.
+    ``{"itl_mean": 0.05}``), validated: the hook a ``servelens fidelity`` report plugs into."""
+    added = tuple(ModelError(metric=name, error=float(error)) for name, error in errors.items())
+    return validate(replace(config, model_error=config.model_error + added))
 
 
 def parse_model_error(text: str) -> ModelError:

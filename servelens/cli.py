@@ -8,7 +8,6 @@ Nothing prints a traceback unless ``SERVELENS_DEBUG=1``.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -1109,7 +1108,7 @@ def gate(ctx: click.Context, baseline: Path | None, candidate: Path | None, gate
       servelens gate --list-metrics
     """
     from replay.gate import compare_runs, config_yaml, decide, default_config, headline, load_config, parse_model_error
-    from replay.gate_config import describe_metrics, validate
+    from replay.gate_config import describe_metrics, with_model_error
     from replay.report import write_reports
 
     if write_default_config is not None:
@@ -1118,7 +1117,7 @@ def gate(ctx: click.Context, baseline: Path | None, candidate: Path | None, gate
         return
     config = load_config(gate_config)
     if model_error:
-        config = validate(dataclasses.replace(config, model_error=config.model_error + tuple(map(parse_model_error, model_error))))
+        config = with_model_error(config, {e.metric: e.error for e in map(parse_model_error, model_error)})
     if list_metrics:
         click.echo("\n".join(describe_metrics(config)))
         return

@@ -17,6 +17,7 @@ from replay.gate_config import (
     load_config,
     model_errors,
     parse_model_error,
+    with_model_error,
 )
 from replay.metrics import MetricsConfig
 from servelens.errors import ConfigError
@@ -99,3 +100,11 @@ def test_model_error_names_a_gate_metric_or_a_fidelity_figure_and_the_largest_er
     for bad in ("itl_mean", "itl_mean=five", "=0.1"):
         with pytest.raises(ConfigError, match="NAME=FRACTION"):
             parse_model_error(bad)
+
+
+def test_a_fidelity_reports_figures_plug_into_a_configuration_validated():
+    config = with_model_error(default_config(), {"itl_mean": 0.05, "ttft_p99": 0.1})
+    assert model_errors(config)["itl_p99_p99_s"] == (0.05, "itl_mean") and model_errors(config)["ttft_p99_s"][0] == 0.1
+    assert config.metrics == default_config().metrics  # nothing else moves
+    with pytest.raises(ConfigError, match="unknown metric 'itl_median' in model_error"):
+        with_model_error(default_config(), {"itl_median": 0.05})
