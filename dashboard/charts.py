@@ -198,23 +198,35 @@ def sweep_figure(series: Sequence[str], load: Sequence[float], values: Sequence[
     return _layout(fig, f"Load sweep: {metric_label} against load", xaxis="load factor", yaxis=metric_label)
 
 
-def effects_figure(metrics: pa.Table) -> go.Figure:
-    """Each judged metric's bad effect with its interval, against its allowed effect (percent for
-    relative effects), coloured by status."""
-    rows = [r for r in metrics.to_pylist() if r["effect"] is not None]
+def _effect_traces(fig: go.Figure, rows: list[dict], col: int, scale: float) -> None:
     labels = [plot_text(r["metric"] + (f" ({r['group']})" if r["group"] else "")) for r in rows]
-    scale = [100.0 if r["effect_kind"] == "relative" else 1.0 for r in rows]
-    x = [r["effect"] * s for r, s in zip(rows, scale)]
-    plus = [((r["effect_high"] - r["effect"]) * s) if r["effect_high"] is not None else 0 for r, s in zip(rows, scale)]
-    minus = [((r["effect"] - r["effect_low"]) * s) if r["effect_low"] is not None else 0 for r, s in zip(rows, scale)]
-    fig = go.Figure()
-    fig.add_trace(go.Scatter(x=x, y=labels, mode="markers", name="bad effect",
+    plus = [((r["effect_high"] - r["effect"]) * scale) if r["effect_high"] is not None else 0 for r in rows]
+    minus = [((r["effect"] - r["effect_low"]) * scale) if r["effect_low"] is not None else 0 for r in rows]
+    fig.add_trace(go.Scatter(x=[r["effect"] * scale for r in rows], y=labels, mode="markers", name="bad effect",
+                             showlegend=col == 1,
                              marker={"size": 10, "color": [STATUS_COLOR.get(r["status"], "#6e7781") for r in rows]},
-                             error_x={"type": "data", "symmetric": False, "array": plus, "arrayminus": minus}))
-    fig.add_trace(go.Scatter(x=[(r["allowed"] or 0) * s for r, s in zip(rows, scale)], y=labels, mode="markers",
-                             name="allowed", marker={"symbol": "line-ns-open", "size": 14, "color": "#6e7781"}))
-    return _layout(fig, "Bad effect of each metric with its interval against the allowed effect (relative: %)",
-                   height=max(300, 26 * len(rows) + 140), xaxis="bad effect (positive is worse)")
+                             error_x={"type": "data", "symmetric": False, "array": plus, "arrayminus": minus}), row=1, col=col)
+    for name, key, symbol in (("allowed", "allowed", "line-ns-open"), ("critical", "critical_effect", "x-thin-open")):
+        fig.add_trace(go.Scatter(x=[(r[key] or 0) * scale for r in rows], y=labels, mode="markers", name=name,
+                                 showlegend=col == 1, marker={"symbol": symbol, "size": 14, "color": "#6e7781"}),
+                      row=1, col=col)
+
+
+def effects_figure(metrics: pa.Table) -> go.Figure:
+    """Each judged metric's bad effect with its interval, against its allowed and critical effects,
+    coloured by status: relative effects (percent) and absolute ones (each metric's unit) on
+    separate axes."""
+    rows = [r for r in metrics.to_pylist() if r["effect"] is not None]
+    relative = [r for r in rows if r["effect_kind"] == "relative"]
+    absolute = [r for r in rows if r["effect_kind"] != "relative"]
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.3,
+                        subplot_titles=("relative effects, % of the baseline", "absolute effects, in each metric's unit"))
+    _effect_traces(fig, relative, 1, 100.0)
+    _effect_traces(fig, absolute, 2, 1.0)
+    fig.update_xaxes(title_text="bad effect, % (positive is worse)", row=1, col=1)
+    fig.update_xaxes(title_text="bad effect (positive is worse)", row=1, col=2)
+    return _layout(fig, "Bad effect of each metric with its interval against its allowed and critical effects",
+                   height=max(300, 26 * max(len(relative), len(absolute), 1) + 140))
 
 
 def timeline_figure(arrival_ns: int, lanes: Sequence[tuple[str, int, int, str, str]],

@@ -264,13 +264,15 @@ def comparison_table(runs: tuple[RunInfo, ...], values: tuple[pa.Table, ...], gr
 
 @dataclass(frozen=True, slots=True)
 class GateMetric:
-    """One metric's verdict and its statistics, flat."""
+    """One metric's verdict, its statistics and the evidence behind its interval, flat."""
 
     metric: str
     group: str
     status: str
     critical: bool
-    critical_flag: bool
+    informative: bool
+    undecided: str  # why it is undecided ('' when decided): not enough data, interval straddles the limit, ...
+    critical_possible: bool
     reason: str
     bad: str
     effect_kind: str
@@ -279,10 +281,15 @@ class GateMetric:
     effect_high: float | None
     allowed: float | None
     critical_effect: float | None
+    model_error: float | None
     baseline: float | None
     candidate: float | None
     num_baseline: int
     num_candidate: int
+    num_windows_used: int
+    num_windows: int
+    min_windows: int
+    num_resamples: int
     confidence: float | None
     mann_whitney_u: float | None
     mann_whitney_p: float | None
@@ -292,11 +299,30 @@ class GateMetric:
 
 
 @dataclass(frozen=True, slots=True)
+class GateCondition:
+    """An absolute condition: the candidate's standing, and the baseline's."""
+
+    metric: str
+    group: str
+    bound: str
+    status: str
+    reason: str
+    baseline_status: str
+    baseline_reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class GateReport:
     """A gate report (``<gate_dir>/gate.json``) and the files beside it."""
 
     folder: str
     status: str  # pass, fail, inconclusive (anything else is shown as 'unknown')
+    headline: str  # the verdict and the action: 'FAIL: roll back', 'INCONCLUSIVE: continue 12 more minutes'
+    rollback_on: str  # the configuration's rollback_on (what 'continue' after a failure means)
+    failed: tuple[str, ...]  # each failed metric once, its classes after it
+    undecided: tuple[str, ...]  # what holds the run, with why
+    notes: tuple[str, ...]  # a baseline out of SLO, unequal pools, model error
+    wait_minutes: float | None
     score: float | None
     reasons: tuple[str, ...]
     baseline: str
@@ -307,6 +333,7 @@ class GateReport:
     decision_restore: str | None
     decision_reason: str | None
     metrics: tuple[GateMetric, ...]
+    conditions: tuple[GateCondition, ...]
     report_files: tuple[str, ...]  # gate.json, gate.md, gate.html present in the folder
     written_ns: int
 
@@ -343,49 +370,64 @@ def _text(value: Any) -> str:
     return "" if value is None else str(value)
 
 
+def _gate_metric(m: Mapping) -> GateMetric:
+    d = m.get("difference") or {}
+    tests = d.get("rank_tests") or {}
+    ci = m.get("effect_ci") or [None, None]
+    return GateMetric(
+        metric=_text(m.get("metric")), group=_text(m.get("group")), status=_text(m.get("status")),
+        critical=bool(m.get("critical")), informative=bool(m.get("informative")), undecided=_text(m.get("undecided")),
+        critical_possible=bool(m.get("critical_possible")), reason=_text(m.get("reason")),
+        bad=_text(m.get("bad")), effect_kind=_text(m.get("effect_kind")), effect=_num(m.get("effect")),
+        effect_low=_num(ci[0]), effect_high=_num(ci[1]), allowed=_num(m.get("allowed")),
+        critical_effect=_num(m.get("critical_effect")), model_error=_num(m.get("model_error")),
+        baseline=_num(d.get("baseline")), candidate=_num(d.get("candidate")),
+        num_baseline=int(d.get("num_baseline") or 0), num_candidate=int(d.get("num_candidate") or 0),
+        num_windows_used=int(m.get("num_windows_used") or 0), num_windows=int(d.get("num_windows") or 0),
+        min_windows=int(m.get("min_windows") or 0), num_resamples=int(d.get("num_resamples") or 0),
+        confidence=_num(d.get("confidence")),
+        mann_whitney_u=_num(tests.get("mann_whitney_u")), mann_whitney_p=_num(tests.get("mann_whitney_p")),
+        hodges_lehmann_s=_num(tests.get("hodges_lehmann_s")),
+        brown_forsythe_stat=_num(tests.get("brown_forsythe_stat")),
+        brown_forsythe_p=_num(tests.get("brown_forsythe_p")),
+    )
+
+
+def _rollback_on(value: Any) -> str:
+    return value if value in ("fail", "critical", "never") else "fail"
+
+
+def _gate_condition(c: Mapping) -> GateCondition:
+    return GateCondition(metric=_text(c.get("metric")), group=_text(c.get("group")), bound=_text(c.get("bound")),
+                         status=_text(c.get("status")), reason=_text(c.get("reason")),
+                         baseline_status=_text(c.get("baseline_status")), baseline_reason=_text(c.get("baseline_reason")))
+
+
 def read_gate_report(gate_dir: str | Path) -> GateReport | None:
     """The report in ``gate_dir`` (None when there is none; ``GateReportError`` when gate.json is
-    not one)."""
+    not one). Reports written before the gate said its action read as their status alone."""
     folder = Path(gate_dir)
     path = folder / "gate.json"
     if not path.is_file():
         return None
     try:
         data = json.loads(path.read_text())
-        metrics = []
-        for m in data.get("metrics") or []:
-            d = m.get("difference") or {}
-            tests = d.get("rank_tests") or {}
-            ci = m.get("effect_ci") or [None, None]
-            metrics.append(GateMetric(
-                metric=_text(m.get("metric")), group=_text(m.get("group")), status=_text(m.get("status")),
-                critical=bool(m.get("critical")), critical_flag=bool(m.get("critical_flag")), reason=_text(m.get("reason")),
-                bad=_text(m.get("bad")), effect_kind=_text(m.get("effect_kind")), effect=_num(m.get("effect")),
-                effect_low=_num(ci[0]), effect_high=_num(ci[1]), allowed=_num(m.get("allowed")),
-                critical_effect=_num(m.get("critical_effect")), baseline=_num(d.get("baseline")),
-                candidate=_num(d.get("candidate")), num_baseline=int(d.get("num_baseline") or 0),
-                num_candidate=int(d.get("num_candidate") or 0), confidence=_num(d.get("confidence")),
-                mann_whitney_u=_num(tests.get("mann_whitney_u")), mann_whitney_p=_num(tests.get("mann_whitney_p")),
-                hodges_lehmann_s=_num(tests.get("hodges_lehmann_s")),
-                brown_forsythe_stat=_num(tests.get("brown_forsythe_stat")),
-                brown_forsythe_p=_num(tests.get("brown_forsythe_p")),
-            ))
         decision = data.get("decision") or {}
         baseline, candidate = data.get("baseline") or {}, data.get("candidate") or {}
         status = _text(data.get("status"))
+        status = status if status in ("pass", "fail", "inconclusive") else "unknown"
+        strings = lambda key: tuple(_text(r) for r in data.get(key) or [])  # noqa: E731
         return GateReport(
-            folder=str(folder),
-            status=status if status in ("pass", "fail", "inconclusive") else "unknown",
-            score=_num(data.get("score")),
-            reasons=tuple(_text(r) for r in data.get("reasons") or []),
-            baseline=_text(baseline.get("source")),
-            baseline_manifest=baseline.get("manifest"),
-            candidate=_text(candidate.get("source")),
-            candidate_manifest=candidate.get("manifest"),
-            decision=decision.get("action"),
-            decision_restore=decision.get("restore"),
+            folder=str(folder), status=status, headline=_text(data.get("headline")) or status.upper(),
+            rollback_on=_rollback_on((data.get("config") or {}).get("rollback_on")),
+            failed=strings("failed"), undecided=strings("undecided"), notes=strings("notes"),
+            wait_minutes=_num(data.get("wait_minutes")), score=_num(data.get("score")), reasons=strings("reasons"),
+            baseline=_text(baseline.get("source")), baseline_manifest=baseline.get("manifest"),
+            candidate=_text(candidate.get("source")), candidate_manifest=candidate.get("manifest"),
+            decision=decision.get("action"), decision_restore=decision.get("restore"),
             decision_reason=decision.get("reason"),
-            metrics=tuple(metrics),
+            metrics=tuple(_gate_metric(m) for m in data.get("metrics") or []),
+            conditions=tuple(_gate_condition(c) for c in data.get("conditions") or []),
             report_files=tuple(str(folder / n) for n in ("gate.json", "gate.md", "gate.html") if (folder / n).is_file()),
             written_ns=path.stat().st_mtime_ns,
         )
@@ -393,8 +435,16 @@ def read_gate_report(gate_dir: str | Path) -> GateReport | None:
         raise GateReportError(f"{path} is not a gate report ({type(exc).__name__}: {exc})") from None
 
 
+def _records_table(records: tuple, fields) -> pa.Table:
+    return pa.table({name: [getattr(r, name) for r in records] for name in fields}) if records else pa.table(
+        {name: pa.array([], pa.string()) for name in fields})
+
+
 def gate_metrics_table(report: GateReport) -> pa.Table:
     """The per-metric verdicts as a table (the Gate page's main table)."""
-    fields = GateMetric.__dataclass_fields__
-    return pa.table({name: [getattr(m, name) for m in report.metrics] for name in fields}) if report.metrics else pa.table(
-        {name: pa.array([], pa.string()) for name in fields})
+    return _records_table(report.metrics, GateMetric.__dataclass_fields__)
+
+
+def gate_conditions_table(report: GateReport) -> pa.Table:
+    """The absolute conditions as a table (candidate and baseline standing)."""
+    return _records_table(report.conditions, GateCondition.__dataclass_fields__)

@@ -18,8 +18,9 @@ spread; they treat requests as independent, so they describe, and the bootstrap 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -35,11 +36,13 @@ class WindowStats:
     window_s: float
     n: np.ndarray
     sums: dict[str, np.ndarray]  # additive per-window figures
-    hists: dict[str, np.ndarray]  # distribution name -> [windows, bins] counts
+    hists: dict[str, np.ndarray]  # distribution name -> [windows, filled bins] counts
+    hist_bins: dict[str, np.ndarray]  # distribution name -> the HIST_EDGES_S bin of each column of hists
     maxima: dict[str, np.ndarray]  # per-window maxima (-inf where empty)
     tenant_service: np.ndarray  # [windows, tenants] delivered service / weight
     num_instances: int
     has_steps: bool  # engine steps were given (cost and idle share need them)
+    resampled: dict = field(default_factory=dict)  # distribution -> (counts, resampled histograms), the last
 
 
 def window_stats(r: Requests, rows: np.ndarray, steps: Steps | None, num_windows: int, config: MetricsConfig,
@@ -71,14 +74,7 @@ def window_stats(r: Requests, rows: np.ndarray, steps: Steps | None, num_windows
     }
     for outcome in ("rejected", "cancelled", "timed_out", "error"):
         sums[outcome] = total(sub["outcome"] == outcome)
-    hists = {}
-    for name, column in _DISTRIBUTIONS.items():
-        values = getattr(r, column)[rows]
-        ok = ~np.isnan(values)
-        bins = np.clip(np.searchsorted(HIST_EDGES_S, values[ok]), 0, len(HIST_EDGES_S))
-        hist = np.zeros((num_windows, len(HIST_EDGES_S) + 1))
-        np.add.at(hist, (w[ok], bins), 1)
-        hists[name] = hist
+    hists, hist_bins = _histograms(r, rows, w, num_windows)
     queue = np.where(np.isnan(sub["queue_s"]), -np.inf, sub["queue_s"])
     qmax = np.full(num_windows, -np.inf)
     np.maximum.at(qmax, w, queue)
@@ -91,7 +87,8 @@ def window_stats(r: Requests, rows: np.ndarray, steps: Steps | None, num_windows
     backlogged = np.zeros((num_windows, len(tenants)), dtype=bool)
     backlogged[w, t_index] = True
     gap = np.where(backlogged.sum(1) >= 2,
-                   np.where(backlogged, service, -np.inf).max(1) - np.where(backlogged, service, np.inf).min(1), -np.inf)
+                   np.where(backlogged, service, -np.inf).max(1, initial=-np.inf)
+                   - np.where(backlogged, service, np.inf).min(1, initial=np.inf), -np.inf)  # no tenant at all: none
     busy = np.zeros(num_windows)
     if steps is not None and len(steps.start_s):
         sw = np.clip(np.floor(steps.start_s / config.window_s).astype(np.int64), 0, num_windows - 1)
@@ -102,11 +99,29 @@ def window_stats(r: Requests, rows: np.ndarray, steps: Steps | None, num_windows
         n=total(np.ones(len(w))),
         sums=sums,
         hists=hists,
+        hist_bins=hist_bins,
         maxima={"queue_s": qmax, "service_gap": gap},
         tenant_service=service,
         num_instances=max(steps.num_instances, 1) if steps is not None else 1,
         has_steps=steps is not None and len(steps.start_s) > 0,
     )
+
+
+def _histograms(r: Requests, rows: np.ndarray, w: np.ndarray, num_windows: int,
+                ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Per distribution, [windows, bins] counts over only the bins some request fills (a few hundred
+    columns instead of ~1,850: empty bins move no cumulative count, so every quantile is the same),
+    and the HIST_EDGES_S bin of each column."""
+    hists, hist_bins = {}, {}
+    for name, column in _DISTRIBUTIONS.items():
+        values = getattr(r, column)[rows]
+        ok = ~np.isnan(values)
+        filled, col = np.unique(np.clip(np.searchsorted(HIST_EDGES_S, values[ok]), 0, len(HIST_EDGES_S)),
+                                return_inverse=True)
+        hist = np.zeros((num_windows, len(filled)))
+        np.add.at(hist, (w[ok], col), 1)
+        hists[name], hist_bins[name] = hist, filled
+    return hists, hist_bins
 
 
 def _flaps_per_window(arrival_s: np.ndarray, rejected: np.ndarray, window_s: float, num_windows: int) -> np.ndarray:
@@ -123,14 +138,33 @@ def _flaps_per_window(arrival_s: np.ndarray, rejected: np.ndarray, window_s: flo
     return out
 
 
-def _quantile(hist: np.ndarray, q: float) -> np.ndarray:
-    """Quantile (0-1) of histogram rows [R, bins] on the log bins (upper edge of the bin reached)."""
+_EDGES = np.append(HIST_EDGES_S, HIST_EDGES_S[-1])  # the upper edge of each bin (the last one open)
+
+
+def _quantile(hist: np.ndarray, q: float, bins: np.ndarray | None = None) -> np.ndarray:
+    """Quantile (0-1) of histogram rows [R, bins] on the log bins (upper edge of the bin reached).
+    ``bins``: the bin index of each column when ``hist`` holds only some bins (the others empty)."""
     cum = np.cumsum(hist, axis=1)
     total = cum[:, -1:]
-    idx = (cum < q * total).sum(axis=1)
-    edges = np.append(HIST_EDGES_S, HIST_EDGES_S[-1])
-    out = edges[np.clip(idx, 0, len(edges) - 1)]
+    idx = np.minimum((cum < q * total).sum(axis=1), hist.shape[1] - 1)
+    idx = idx if bins is None else bins[idx]
+    out = _EDGES[np.clip(idx, 0, len(_EDGES) - 1)]
     return np.where(total[:, 0] > 0, out, np.nan)
+
+
+def _resampled_quantiles(s: "WindowStats", c: np.ndarray, dist: str, *qs: float) -> list[np.ndarray]:
+    """Quantiles of each resample's histogram (over the bins the run fills). The resampled
+    histograms are kept for the resampling they came from: p50, p99 and spread share them."""
+    if not s.hists[dist].shape[1]:
+        return [np.full(len(c), np.nan) for _ in qs]
+    kept = s.resampled.get(dist)
+    if kept is not None and kept[0] is c:
+        summed = kept[1]
+    else:
+        summed = c @ s.hists[dist]
+        if len(c) > 1:  # the resampling, not a whole-run figure
+            s.resampled[dist] = (c, summed)  # holding c: its identity stays unique while it is kept
+    return [_quantile(summed, q, s.hist_bins[dist]) for q in qs]
 
 
 def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
@@ -152,6 +186,7 @@ def _costed(s: WindowStats, values: np.ndarray) -> np.ndarray:
 Evaluator = Callable[[WindowStats, np.ndarray], np.ndarray]
 
 
+@functools.lru_cache(maxsize=8)
 def _evaluators(price_per_s: float) -> dict[str, Evaluator]:
     def span(s: WindowStats, c: np.ndarray) -> np.ndarray:
         return c.sum(1) * s.window_s
@@ -163,7 +198,13 @@ def _evaluators(price_per_s: float) -> dict[str, Evaluator]:
         return lambda s, c: _ratio(c @ s.sums[key], c @ (s.n if den is None else s.sums[den]))
 
     def quantile(dist: str, q: float) -> Evaluator:
-        return lambda s, c: _quantile(c @ s.hists[dist], q)
+        return lambda s, c: _resampled_quantiles(s, c, dist, q)[0]
+
+    def spread(dist: str) -> Evaluator:
+        def evaluate(s: WindowStats, c: np.ndarray) -> np.ndarray:
+            p50, p99 = _resampled_quantiles(s, c, dist, 0.5, 0.99)
+            return p99 - p50
+        return evaluate
 
     def maximum(key: str) -> Evaluator:
         return lambda s, c: np.where(c > 0, s.maxima[key], -np.inf).max(1)
@@ -196,8 +237,67 @@ def _evaluators(price_per_s: float) -> dict[str, Evaluator]:
     for dist in _DISTRIBUTIONS:
         for q in (50, 90, 99):
             found[f"{dist}_p{q}_s"] = quantile(dist, q / 100)
-        found[f"{dist}_spread_s"] = (lambda d: lambda s, c: _quantile(c @ s.hists[d], 0.99) - _quantile(c @ s.hists[d], 0.5))(dist)
+        found[f"{dist}_spread_s"] = spread(dist)
     return found
+
+
+@dataclass(frozen=True, slots=True)
+class MetricInfo:
+    """What a metric means (``servelens gate --list-metrics``; ``docs/metrics.md`` defines each)."""
+
+    name: str
+    unit: str
+    worse: str  # the direction that is worse: 'increase' or 'decrease'
+    meaning: str
+
+
+_DIST_MEANING = {
+    "ttft": "time to first token, from arrival (user-facing)",
+    "itl_p99": "each request's p99 inter-token gap",
+    "tpot": "each request's mean inter-token gap (TPOT: the mean ITL)",
+    "e2e": "end-to-end latency, arrival to last token",
+    "queue": "queue time, arrival to first batch membership",
+}
+
+_INFO: tuple[tuple[str, str, str, str], ...] = (
+    ("goodput_rps", "requests/s", "decrease", "requests per second that completed within every objective of their class"),
+    ("goodput_tokens_per_s", "tokens/s", "decrease", "output tokens per second of the requests that met every objective"),
+    ("throughput_rps", "requests/s", "decrease", "completed requests per second, good or not"),
+    ("attainment", "share", "decrease", "share of arrived requests that met every objective (a rejection is a miss)"),
+    ("attainment_ttft", "share", "decrease", "share of arrived requests that completed within the TTFT objective"),
+    ("attainment_itl", "share", "decrease", "share of arrived requests that completed within the ITL objective"),
+    ("attainment_e2e", "share", "decrease", "share of arrived requests that completed within the E2E objective"),
+    ("rejected_share", "share", "increase", "share of arrived requests rejected by admission control"),
+    ("cancelled_share", "share", "increase", "share of arrived requests the client cancelled"),
+    ("timed_out_share", "share", "increase", "share of arrived requests that timed out"),
+    ("error_share", "share", "increase", "share of arrived requests that ended in an error"),
+    ("past_queue_limit_share", "share", "increase", "starvation: share of requests queued longer than their class's max_queue_s"),
+    ("preemptions_per_request", "preemptions/request", "increase", "recompute and swap preemptions per request (moves not counted)"),
+    ("wasted_token_share", "share", "increase", "recomputed (lost) tokens over all tokens processed"),
+    ("oscillating_share", "share", "increase", "oscillation: share of requests preempted twice or more"),
+    ("migrations_per_request", "migrations/request", "increase", "moves to another instance with the KV, per request"),
+    ("admission_flaps_per_hour", "switches/hour", "increase", "oscillation of admission: switches between rejecting and not, by 1 s"),
+    ("max_queue_s", "s", "increase", "starvation: the longest queue residence of any request"),
+    ("max_backlogged_service_gap", "service/weight", "increase", "fairness: largest service gap between tenants backlogged together"),
+    ("jain_index", "index", "decrease", "fairness: Jain's index of delivered service over entitlement (1: equal)"),
+    ("idle_share", "share", "increase", "share of accelerator time with no step running (needs engine steps)"),
+    ("cost_per_1k_goodput_tokens", "currency", "increase", "accelerator cost per 1,000 goodput tokens (needs engine steps)"),
+)
+
+
+def metric_info(name: str) -> MetricInfo:
+    """The meaning, unit and worse direction of a metric (KeyError for an unknown one)."""
+    for known, unit, worse, meaning in _INFO:
+        if known == name:
+            return MetricInfo(name, unit, worse, meaning)
+    for dist, meaning in _DIST_MEANING.items():
+        if name.startswith(dist + "_") and name.endswith("_s"):
+            stat = name[len(dist) + 1:-2]
+            if stat == "spread":
+                return MetricInfo(name, "s", "increase", f"variance: p99 - p50 over requests of {meaning}")
+            if stat in ("p50", "p90", "p99"):
+                return MetricInfo(name, "s", "increase", f"{stat} over requests of {meaning}")
+    raise KeyError(name)
 
 
 def metric_names(config: MetricsConfig) -> list[str]:
@@ -257,8 +357,32 @@ def rank_tests(baseline: np.ndarray, candidate: np.ndarray, rng: np.random.Gener
 
 
 @dataclass(frozen=True, slots=True)
+class Resampling:
+    """The paired block bootstrap of a comparison: which windows each resample holds, and how."""
+
+    counts: np.ndarray  # [resamples, windows]: how often each window appears in each resample
+    block_windows: int  # consecutive windows per block
+    num_blocks: int  # blocks per resample
+
+    @property
+    def num_windows(self) -> int:
+        return self.counts.shape[1]
+
+    @property
+    def num_resamples(self) -> int:
+        return self.counts.shape[0]
+
+
+def resampling(num_windows: int, resamples: int, block_windows: int, rng: np.random.Generator) -> Resampling:
+    """``resamples`` circular moving-block resamples of ``num_windows`` windows (``block_windows``
+    0: ``default_block_windows``)."""
+    block = min(block_windows or default_block_windows(num_windows), num_windows)
+    return Resampling(block_counts(num_windows, resamples, block, rng), block, -(-num_windows // block))
+
+
+@dataclass(frozen=True, slots=True)
 class Difference:
-    """A metric in both runs and their paired bootstrap difference."""
+    """A metric in both runs, their paired bootstrap difference, and the evidence behind it."""
 
     metric: str
     group: str  # "" for the whole run, else the class
@@ -272,13 +396,27 @@ class Difference:
     relative_ci: tuple[float, float] | None
     confidence: float
     rank_tests: RankTests | None
+    baseline_ci: tuple[float, float] | None = None  # each side's own interval (absolute conditions)
+    candidate_ci: tuple[float, float] | None = None
+    num_windows: int = 0  # windows of the common grid
+    block_windows: int = 0  # windows per bootstrap block
+    num_blocks: int = 0  # blocks per resample
+    num_resamples: int = 0  # resamples with a finite figure on both sides (the interval's)
 
 
-def _points(metric: str, s: WindowStats) -> int:
+def _points_per_window(metric: str, s: WindowStats) -> np.ndarray:
+    """Requests behind ``metric`` in each window: those with a value for a latency distribution,
+    else every request of the group."""
     for dist in _DISTRIBUTIONS:
         if metric.startswith(dist + "_p") or metric.startswith(dist + "_spread"):
-            return int(s.hists[dist].sum())
-    return int(s.n.sum())
+            return s.hists[dist].sum(axis=1)
+    return s.n
+
+
+def windows_with(metric: str, base: WindowStats, cand: WindowStats, min_requests: int) -> int:
+    """Windows in which both sides hold at least ``min_requests`` requests behind ``metric``."""
+    return int(np.count_nonzero((_points_per_window(metric, base) >= min_requests)
+                                & (_points_per_window(metric, cand) >= min_requests)))
 
 
 def _interval(resampled: np.ndarray, estimate: float, confidence: float, num_blocks: int) -> tuple[float, float]:
@@ -294,36 +432,52 @@ def _interval(resampled: np.ndarray, estimate: float, confidence: float, num_blo
     return estimate + widen * (float(lo) - centre), estimate + widen * (float(hi) - centre)
 
 
+def _own_interval(metric: str, values: np.ndarray, estimate: float | None, confidence: float, num_blocks: int,
+                  ) -> tuple[float, float] | None:
+    """One run's interval of its own figure, within what the metric can be (every metric is at
+    least 0; shares and indices at most 1)."""
+    ok = np.isfinite(values)
+    if estimate is None or ok.sum() < 10:
+        return None
+    lo, hi = _interval(values[ok], estimate, confidence, num_blocks)
+    top = 1.0 if metric_info(metric).unit in ("share", "index") else np.inf
+    return max(lo, 0.0), min(hi, top)
+
+
+def _finite(value: float) -> float | None:
+    return value if np.isfinite(value) else None
+
+
 def compare_stats(
     metric: str,
     group: str,
     base: WindowStats,
     cand: WindowStats,
-    counts: np.ndarray,
+    boot: Resampling,
     confidence: float,
     evaluator: Evaluator,
     tests: RankTests | None,
-    num_blocks: int,
 ) -> Difference:
-    """Point estimates and the paired bootstrap interval of one metric (``counts`` are the
-    resamples, each made of ``num_blocks`` blocks)."""
+    """Point estimates, each side's interval and the paired bootstrap interval of one metric."""
     whole = np.ones((1, len(base.n)))
-    b0, c0 = float(evaluator(base, whole)[0]), float(evaluator(cand, whole)[0])
-    b0 = None if not np.isfinite(b0) else b0
-    c0 = None if not np.isfinite(c0) else c0
+    b0, c0 = _finite(float(evaluator(base, whole)[0])), _finite(float(evaluator(cand, whole)[0]))
+    bs, cs = evaluator(base, boot.counts), evaluator(cand, boot.counts)
     absolute = relative = absolute_ci = relative_ci = None
+    ok = np.isfinite(bs) & np.isfinite(cs)
     if b0 is not None and c0 is not None:
         absolute = c0 - b0
         relative = absolute / abs(b0) if b0 != 0 else None
-        bs, cs = evaluator(base, counts), evaluator(cand, counts)
-        ok = np.isfinite(bs) & np.isfinite(cs)
         if ok.sum() >= 10:
-            absolute_ci = _interval(cs[ok] - bs[ok], absolute, confidence, num_blocks)
+            absolute_ci = _interval(cs[ok] - bs[ok], absolute, confidence, boot.num_blocks)
             nonzero = ok & (bs != 0)
             if nonzero.sum() >= 10 and relative is not None:
-                relative_ci = _interval((cs[nonzero] - bs[nonzero]) / np.abs(bs[nonzero]), relative, confidence, num_blocks)
-    return Difference(metric, group, b0, c0, _points(metric, base), _points(metric, cand), absolute, relative,
-                      absolute_ci, relative_ci, confidence, tests)
+                relative_ci = _interval((cs[nonzero] - bs[nonzero]) / np.abs(bs[nonzero]), relative, confidence,
+                                        boot.num_blocks)
+    return Difference(metric, group, b0, c0, int(_points_per_window(metric, base).sum()),
+                      int(_points_per_window(metric, cand).sum()), absolute, relative, absolute_ci, relative_ci,
+                      confidence, tests, _own_interval(metric, bs, b0, confidence, boot.num_blocks),
+                      _own_interval(metric, cs, c0, confidence, boot.num_blocks), boot.num_windows, boot.block_windows,
+                      boot.num_blocks, int(ok.sum()))
 
 
 def distribution_of(metric: str) -> str | None:
@@ -343,13 +497,18 @@ def evaluator(metric: str, config: MetricsConfig) -> Evaluator:
 
 __all__: Sequence[str] = (
     "Difference",
+    "MetricInfo",
     "RankTests",
+    "Resampling",
     "WindowStats",
     "block_counts",
     "compare_stats",
     "distribution_of",
     "evaluator",
+    "metric_info",
     "metric_names",
     "rank_tests",
+    "resampling",
     "window_stats",
+    "windows_with",
 )

@@ -1121,33 +1121,39 @@ def compare_measured_command(ctx: click.Context, workload_name: str, profile_pat
 @click.option("--candidate", type=click.Path(exists=True, path_type=Path), help="Candidate run, likewise.")
 @click.option("--config", "gate_config", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Gate configuration (YAML) [default: the built-in one].")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None, help="Report folder [default: <out_dir>/gate].")
-@click.option("--live", is_flag=True, help="Judge two live pools from the lake instead of two runs.")
+@click.option("--live", is_flag=True, help="Judge two live pools from the lake (by the events' pool label) instead of two runs.")
 @click.option("--baseline-pool", default="baseline", show_default=True, help="With --live: the baseline pool label.")
 @click.option("--candidate-pool", default="canary", show_default=True, help="With --live: the canary (or shadow) pool label.")
 @click.option("--since", "since_s", type=float, default=None, help="With --live: only requests from the last this many seconds.")
 @click.option("--previous-config", default=None, help="With --live: the configuration to restore on rollback (named in the decision).")
+@click.option("--model-error", "model_error", multiple=True, metavar="NAME=FRACTION",
+              help="The replay model's known error on a metric or fidelity figure (e.g. itl_mean=0.05): a pass by "
+                   "a smaller margin is undecided. Repeatable; adds to the configuration's model_error; replays only.")
 @click.option("--write-default-config", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the built-in configuration as YAML and stop.")
-@click.option("--list-metrics", is_flag=True, help="List the metrics a configuration can judge and stop.")
+@click.option("--list-metrics", is_flag=True, help="List every metric: unit, worse direction, thresholds, meaning; then stop.")
 @click.pass_context
 def gate(ctx: click.Context, baseline: Path | None, candidate: Path | None, gate_config: Path | None, out: Path | None,
          live: bool, baseline_pool: str, candidate_pool: str, since_s: float | None, previous_config: str | None,
-         write_default_config: Path | None, list_metrics: bool) -> None:
+         model_error: tuple[str, ...], write_default_config: Path | None, list_metrics: bool) -> None:
     """Judge a candidate against a baseline: pass (exit 0), fail (1) or inconclusive (2).
 
-    Writes gate.json, gate.md (a pull-request comment) and gate.html (charts and the per-metric
-    table) and prints the verdict with its reasons. With --live, the two pools are read from the
-    lake (by the events' pool label) and the verdict becomes a decision: promote, continue, or
-    roll back to --previous-config. Errors exit 3.
+    Prints the verdict and the action first (FAIL: roll back / PASS: promote / INCONCLUSIVE:
+    continue N more minutes, or the offline equivalents), then what failed and what is undecided.
+    Any metric not marked informative that fails critically fails the run, and so does a candidate
+    that misses an absolute condition (attainment per class, by default); a metric with too few
+    windows of data is "not enough data". Writes gate.json, gate.md and gate.html. With --live the
+    two pools come from the lake (the events' pool label) and the verdict becomes a decision:
+    promote, continue, or roll back to --previous-config. Errors exit 3 (docs/gate.md).
 
     \b
     Example:
       servelens gate --baseline out/replay/fcfs --candidate out/replay/deadline --config gate.yaml
       servelens gate --live --candidate-pool canary --since 3600 --previous-config policy=fcfs@v12
-      servelens gate --write-default-config gate.yaml
+      servelens gate --baseline a --candidate b --model-error itl_mean=0.05
+      servelens gate --list-metrics
     """
-    from replay.compare import metric_names
-    from replay.gate import config_yaml, decide, default_config, lake_pools, load_config, load_run
-    from replay.gate import compare_runs
+    from replay.gate import compare_runs, config_yaml, decide, default_config, headline, load_config, parse_model_error
+    from replay.gate_config import describe_metrics, with_model_error
     from replay.report import write_reports
 
     if write_default_config is not None:
@@ -1155,30 +1161,36 @@ def gate(ctx: click.Context, baseline: Path | None, candidate: Path | None, gate
         click.echo(f"wrote the default gate configuration to {write_default_config}")
         return
     config = load_config(gate_config)
+    if model_error:
+        config = with_model_error(config, {e.metric: e.error for e in map(parse_model_error, model_error)})
     if list_metrics:
-        click.echo("\n".join(metric_names(config.metrics_config())))
+        click.echo("\n".join(describe_metrics(config)))
         return
-    if live:
-        root = _config(ctx).lake.root
-        since_ns = None if since_s is None else time.time_ns() - int(since_s * 1e9)
-        base_run, cand_run = lake_pools(root, baseline_pool, candidate_pool, since_ns, None)
-    else:
-        if baseline is None or candidate is None:
-            raise ServelensError("--baseline and --candidate are both needed", "or use --live to judge two pools of the lake")
-        limit = _config(ctx).lake.duckdb_memory_limit
-        base_run = load_run(baseline, "baseline", memory_limit=limit)
-        cand_run = load_run(candidate, "candidate", memory_limit=limit)
+    base_run, cand_run = _gate_runs(ctx, baseline, candidate, live, baseline_pool, candidate_pool, since_s)
     verdict = compare_runs(base_run, cand_run, config)
     decision = decide(verdict, previous_config) if live else None
     paths = write_reports(verdict, base_run, cand_run, out or Path(_config(ctx).paths.out_dir) / "gate", decision)
-    score = "" if verdict.score is None else f" (score {verdict.score:.0f})"
-    click.echo(f"gate: {verdict.status.upper()}{score}")
-    for reason in verdict.reasons:
-        click.echo(f"  - {reason}")
-    if decision is not None:
-        click.echo(f"decision: {decision.action}" + (f", restore {decision.restore}" if decision.restore else ""))
+    click.echo(f"gate: {headline(verdict, decision)}")
+    for line in (*verdict.notes, *verdict.reasons):
+        click.echo(f"  - {line}")
     click.echo(f"reports: {paths['json']}, {paths['markdown']}, {paths['html']}")
     sys.exit(verdict.exit_code)
+
+
+def _gate_runs(ctx: click.Context, baseline: Path | None, candidate: Path | None, live: bool, baseline_pool: str,
+               candidate_pool: str, since_s: float | None):
+    """The two sides: live pools from the lake, or two runs from files."""
+    from replay.gate import load_run
+
+    if live:
+        from pipelines.canary import lake_pools
+
+        since_ns = None if since_s is None else time.time_ns() - int(since_s * 1e9)
+        return lake_pools(_config(ctx).lake.root, baseline_pool, candidate_pool, since_ns, None)
+    if baseline is None or candidate is None:
+        raise ServelensError("--baseline and --candidate are both needed", "or use --live to judge two pools of the lake")
+    limit = _config(ctx).lake.duckdb_memory_limit
+    return load_run(baseline, "baseline", memory_limit=limit), load_run(candidate, "candidate", memory_limit=limit)
 
 
 # ---------------------------------------------------------------------------------------------- demo

@@ -10,7 +10,8 @@ import pyarrow.compute as pc
 import streamlit as st
 
 from dashboard import charts, ui
-from dashboard.runs import GateReportError, gate_metrics_table
+from dashboard.runs import GateReportError, gate_conditions_table, gate_metrics_table
+from replay.judge import action_words
 
 s = ui.page("Gate", "The verdicts of `servelens gate` and of the nightly comparisons: pass, fail or inconclusive, with "
             "the reason and the statistics of every metric (inconclusive is never a pass).")
@@ -41,9 +42,20 @@ if report is None:
 if ref.name:
     st.text(f"report: {ref.name}")
 
-score = "" if report.score is None else f" (score {report.score:.0f})"
-headline = {"pass": st.success, "fail": st.error, "inconclusive": st.warning}.get(report.status, st.info)
-headline(f"Verdict: {report.status.upper()}{score}")
+alert = {"pass": st.success, "fail": st.error, "inconclusive": st.warning}.get(report.status, st.info)
+decision = report.decision if report.decision in ("promote", "continue", "rollback") else None
+wait = report.wait_minutes if report.wait_minutes is not None and report.wait_minutes >= 0 else None
+# the alert carries only the dashboard's own words; the report's own headline (it may name a configuration) is text
+alert(f"{report.status.upper()}: {action_words(report.status, decision, wait, report.rollback_on)}")
+st.text(f"verdict: {report.headline}")
+if report.failed:
+    st.text("Failed: " + "; ".join(report.failed))
+if report.undecided:
+    st.text("Undecided: " + "; ".join(report.undecided))
+if any(note.startswith("baseline itself out of SLO") for note in report.notes):
+    st.warning("The baseline itself is out of SLO: the candidate is judged on its own against the absolute conditions.")
+for note in report.notes:
+    st.text(note)
 if report.decision in ("promote", "continue", "rollback"):
     st.info(f"Live canary decision: {report.decision}")
     if report.decision_restore:
@@ -53,6 +65,9 @@ if report.decision in ("promote", "continue", "rollback"):
 st.subheader("Why")
 for reason in report.reasons:
     st.text(f"- {reason}")
+if report.score is not None:
+    st.caption(f"Score {report.score:.0f}: Kayenta's share of decided metrics that passed (undecided and informative "
+               "metrics not counted). The verdict's rule is above: any critical failure or missed condition fails the run.")
 st.caption("Written " + dt.datetime.fromtimestamp(report.written_ns / 1e9, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"))
 
 st.subheader("Runs compared")
@@ -85,10 +100,18 @@ statuses = st.multiselect("Status", ["fail", "inconclusive", "pass", "skipped"],
 if table.num_rows:
     table = table.filter(pc.is_in(table["status"], pa.array(statuses)))
 ui.show_figure(charts.effects_figure(table), "effects")
-ui.show_table(table.select(["metric", "group", "status", "critical", "baseline", "candidate", "effect_kind", "effect",
-                            "effect_low", "effect_high", "allowed", "critical_effect", "num_baseline", "num_candidate",
-                            "mann_whitney_u", "mann_whitney_p", "hodges_lehmann_s", "brown_forsythe_stat",
-                            "brown_forsythe_p", "reason"]) if table.num_rows else table)
+ui.show_table(table.select(["metric", "group", "status", "critical", "undecided", "informative", "baseline", "candidate",
+                            "effect_kind", "effect", "effect_low", "effect_high", "allowed", "critical_effect",
+                            "model_error", "num_windows_used", "num_windows", "min_windows", "num_baseline",
+                            "num_candidate", "num_resamples", "mann_whitney_u", "mann_whitney_p", "hodges_lehmann_s",
+                            "brown_forsythe_stat", "brown_forsythe_p", "reason"]) if table.num_rows else table)
 st.caption("Effects are bad effects (positive is worse), relative or absolute as configured, with their block-bootstrap "
-           "interval. Mann-Whitney U, the Hodges-Lehmann shift and Brown-Forsythe treat requests as independent: they "
-           "describe, the bootstrap decides. See docs/gate.md.")
+           "interval over num_windows windows (num_windows_used of them hold enough requests on both sides; min_windows "
+           "are needed before a metric is decided). Mann-Whitney U, the Hodges-Lehmann shift and Brown-Forsythe treat "
+           "requests as independent: they describe, the bootstrap decides. See docs/gate.md.")
+st.subheader("Absolute conditions (the candidate alone)")
+conditions = gate_conditions_table(report)
+if conditions.num_rows:
+    ui.show_table(conditions)
+else:
+    st.text("none configured")

@@ -87,12 +87,18 @@ def test_every_page_renders_the_sample_lake(sample, app, page):
         assert len(at.get("download_button")) == 4
     elif page == "gate":
         report = json.loads((sample.root / "gate" / "gate.json").read_text())
-        headline = (at.success or at.warning)[0].value
-        assert headline.startswith(f"Verdict: {report['status'].upper()}")
+        alert = {"pass": at.success, "fail": at.error, "inconclusive": at.warning}[report["status"]]
+        assert alert[0].value == report["headline"]  # the verdict and the action first (offline: no decision)
+        assert f"verdict: {report['headline']}" in _texts(at)
+        if report["undecided"]:
+            assert "Undecided: " + "; ".join(report["undecided"]) in _texts(at)
         assert [t for t in _texts(at) if t.startswith("- ")] == [f"- {r}" for r in report["reasons"]]
         assert len(at.dataframe[0].value) == len(report["metrics"])
+        assert len(at.dataframe[1].value) == len(report["conditions"])
         assert len(at.get("download_button")) == 5  # three reports, two manifests
-        assert any("Bad effect" in c["layout"]["title"]["text"] for c in charts)
+        (effects,) = [c for c in charts if "Bad effect" in c["layout"]["title"]["text"]]
+        assert [a["text"] for a in effects["layout"]["annotations"]] == [
+            "relative effects, % of the baseline", "absolute effects, in each metric's unit"]
     elif page == "request_explorer":
         assert at.selectbox[0].options[0] == "the lake"
         assert "Queue, s (arrival -> scheduled)" in metrics

@@ -91,12 +91,20 @@ def test_the_gate_report_is_read_whole_and_a_broken_one_is_an_error(sample, tmp_
     judged = [m for m in report.metrics if m.effect is not None and m.effect_low is not None]
     assert judged and all(m.effect_low <= m.effect_high for m in judged)
     assert runs.gate_metrics_table(report).num_rows == len(report.metrics)
+    assert report.headline == raw["headline"] and report.undecided == tuple(raw["undecided"])
+    assert runs.gate_conditions_table(report).num_rows == len(raw["conditions"]) > 0
+    by_name = {(m.metric, m.group): m for m in report.metrics}
+    for m in raw["metrics"]:
+        read = by_name[(m["metric"], m["group"])]
+        assert (read.num_windows, read.num_windows_used, read.informative, read.undecided) == (
+            m["difference"]["num_windows"], m["num_windows_used"], m["informative"], m["undecided"])
     assert runs.read_gate_report(tmp_path) is None
     (tmp_path / "gate.json").write_text('{"metrics": [1, 2]}')
     with pytest.raises(runs.GateReportError, match="is not a gate report"):
         runs.read_gate_report(tmp_path)
     (tmp_path / "gate.json").write_text('{"status": "<b>odd</b>", "metrics": []}')
-    assert runs.read_gate_report(tmp_path).status == "unknown"
+    odd = runs.read_gate_report(tmp_path)
+    assert odd.status == "unknown" and odd.headline == "UNKNOWN" and odd.conditions == ()  # a report of an older gate
 
 
 def test_nightly_layouts_are_found_runs_by_day_and_load_reports_newest_first(sample, tmp_path):

@@ -2,7 +2,8 @@
 
 Arrivals follow a Poisson process; TTFT is lognormal around ``ttft_median_s`` with an AR(1) drift
 between 60 s windows (so requests close in time are correlated, as in a real queue); a chosen share
-of requests is rejected. The table has the request-table schema, so it goes through the same code
+of requests is rejected; a class's TTFT or inter-token gaps can be scaled (``ttft_factor``,
+``itl_factor``). The table has the request-table schema, so it goes through the same code
 as real or replayed data.
 """
 
@@ -23,6 +24,7 @@ def synthetic_requests(
     rate_per_s: float = 10.0,
     ttft_median_s: float = 0.2,
     ttft_factor: dict[str, float] | None = None,
+    itl_factor: dict[str, float] | None = None,
     reject_share: float = 0.0,
     classes: tuple[str, ...] = ("interactive", "batch"),
     tenants: int = 8,
@@ -40,6 +42,8 @@ def synthetic_requests(
         ttft[klass == name] *= factor
     out = rng.integers(20, 400, num_requests)
     tpot = rng.uniform(0.02, 0.05, num_requests)
+    for name, factor in (itl_factor or {}).items():  # a slower decode: every gap of the class x factor
+        tpot[klass == name] *= factor
     rejected = rng.random(num_requests) < reject_share
     first = arrival + (ttft * 1e9).astype(np.int64)
     last = first + (tpot * (out - 1) * 1e9).astype(np.int64)

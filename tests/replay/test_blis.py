@@ -226,6 +226,8 @@ def test_the_cli_exports_and_imports_and_trace_readers_know_the_format(trace_fil
 
 def test_an_observed_blis_trace_is_replayed_and_judged_by_the_gate(tmp_path):
     """servelens run -> BLIS trace (observed timings) -> baseline; its workload replayed -> candidate."""
+    import dataclasses
+
     import numpy as np
     import pyarrow.parquet as pq
 
@@ -245,8 +247,9 @@ def test_an_observed_blis_trace_is_replayed_and_judged_by_the_gate(tmp_path):
     (tmp_path / "observed").mkdir()
     pq.write_table(blis_events(trace), tmp_path / "observed" / "events.parquet")
     run_replay(blis_workload(trace), out_dir=tmp_path / "replayed")
-    verdict = compare_runs(load_run(tmp_path / "observed", "baseline"), load_run(tmp_path / "replayed", "candidate"),
-                           default_config())
+    # ten seconds of traffic: quarter-second windows, so the gate has the 30 windows it needs to decide
+    config = dataclasses.replace(default_config(), window_s=0.25, min_window_requests=1)
+    verdict = compare_runs(load_run(tmp_path / "observed", "baseline"), load_run(tmp_path / "replayed", "candidate"), config)
     by_name = {(m.metric, m.group): m for m in verdict.metrics}
     for name in ("ttft_p99_s", "e2e_p99_s", "goodput_rps", "attainment"):  # the same workload, the same timings
         assert by_name[(name, "")].status == "pass", by_name[(name, "")].reason

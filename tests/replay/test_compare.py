@@ -5,7 +5,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from replay.compare import block_counts, compare_stats, default_block_windows, evaluator, rank_tests, window_stats
+from replay.compare import (
+    Resampling,
+    block_counts,
+    compare_stats,
+    default_block_windows,
+    evaluator,
+    metric_names,
+    rank_tests,
+    resampling,
+    window_stats,
+)
+from replay.metrics import HIST_EDGES_S
 from replay.metrics import MetricsConfig, Requests
 
 CONFIG = MetricsConfig(window_s=10.0)
@@ -48,8 +59,8 @@ def test_ninety_percent_intervals_cover_the_true_difference_on_autocorrelated_da
         base, cand = _autocorrelated_run(rng, windows, 0.20), _autocorrelated_run(rng, windows, 0.25)
         sb = window_stats(base, np.ones(base.size, bool), None, windows, CONFIG, tenants)
         sc = window_stats(cand, np.ones(cand.size, bool), None, windows, CONFIG, tenants)
-        counts = block_counts(windows, 1000, block, rng)
-        lo, hi = compare_stats("rejected_share", "", sb, sc, counts, 0.90, metric, None, -(-windows // block)).absolute_ci
+        boot = Resampling(block_counts(windows, 1000, block, rng), block, -(-windows // block))
+        lo, hi = compare_stats("rejected_share", "", sb, sc, boot, 0.90, metric, None).absolute_ci
         covered += lo <= 0.05 <= hi
     assert 0.85 <= covered / trials <= 0.95, covered / trials
 
@@ -69,3 +80,50 @@ def test_rank_tests_see_a_shift_and_a_change_in_spread():
     assert wider.brown_forsythe_p < 1e-6
     same = rank_tests(base, base.copy(), rng)
     assert same.mann_whitney_p > 0.5 and abs(same.hodges_lehmann_s) < 0.03  # HL is estimated on subsamples
+
+
+def _latency_run(rng: np.random.Generator, windows: int, per_window: int = 60) -> Requests:
+    run = _autocorrelated_run(rng, windows, 0.0, per_window)
+    n = run.size
+    ttft = rng.lognormal(-1.5, 0.8, n)
+    return Requests(**{**run.__dict__, "ttft_s": ttft, "e2e_s": ttft + rng.uniform(1, 20, n),
+                       "queue_s": ttft * 0.3, "itl_p99_s": rng.uniform(0.02, 0.2, n), "tpot_s": rng.uniform(0.01, 0.05, n)})
+
+
+def test_resampled_quantiles_over_the_filled_bins_equal_those_over_every_bin():
+    """The histograms keep only the bins some request fills; each resample's quantile must be the
+    one a full histogram of HIST_EDGES_S gives (the upper edge of the bin the quantile reaches)."""
+    rng = np.random.default_rng(11)
+    windows = 12
+    run = _latency_run(rng, windows)
+    stats = window_stats(run, np.ones(run.size, bool), None, windows, CONFIG, np.array(["t"], dtype=object))
+    boot = resampling(windows, 50, 0, rng)
+    got = evaluator("ttft_p99_s", CONFIG)(stats, boot.counts)
+    window = np.clip(np.floor(run.arrival_s / CONFIG.window_s).astype(int), 0, windows - 1)
+    edges = np.append(HIST_EDGES_S, HIST_EDGES_S[-1])
+    for r in range(len(boot.counts)):
+        weights = boot.counts[r][window]  # each request counted as often as its window was drawn
+        full = np.bincount(np.searchsorted(HIST_EDGES_S, run.ttft_s), weights=weights, minlength=len(edges))
+        expected = edges[np.searchsorted(np.cumsum(full), 0.99 * full.sum())]
+        assert got[r] == expected
+
+
+def test_a_difference_carries_each_sides_interval_and_the_evidence_behind_it():
+    rng = np.random.default_rng(12)
+    windows = 40
+    base, cand = _latency_run(rng, windows), _latency_run(rng, windows)
+    tenants = np.array(["t"], dtype=object)
+    sb = window_stats(base, np.ones(base.size, bool), None, windows, CONFIG, tenants)
+    sc = window_stats(cand, np.ones(cand.size, bool), None, windows, CONFIG, tenants)
+    boot = resampling(windows, 400, 0, rng)
+    d = compare_stats("ttft_p50_s", "", sb, sc, boot, 0.9, evaluator("ttft_p50_s", CONFIG), None)
+    assert (d.num_windows, d.block_windows, d.num_blocks, d.num_resamples) == (40, boot.block_windows, boot.num_blocks, 400)
+    assert d.num_baseline == base.size and d.candidate_ci[0] <= d.candidate <= d.candidate_ci[1]
+    assert d.baseline_ci[0] <= d.baseline <= d.baseline_ci[1]
+    rare = np.zeros(cand.size, bool)
+    rare[:3] = True  # three rejections, all in the first window: the re-centred interval would reach below 0
+    cand = Requests(**{**cand.__dict__, "rejected": rare, "outcome": np.where(rare, "rejected", "completed").astype(object)})
+    sc = window_stats(cand, np.ones(cand.size, bool), None, windows, CONFIG, tenants)
+    share = compare_stats("rejected_share", "", sb, sc, boot, 0.9, evaluator("rejected_share", CONFIG), None)
+    assert share.candidate == pytest.approx(3 / cand.size) and share.candidate_ci[0] == 0.0  # a share stays in [0, 1]
+    assert set(metric_names(CONFIG)) >= {"ttft_p50_s", "tpot_p50_s", "itl_p99_p99_s"}

@@ -1,4 +1,5 @@
-"""The gate: known answers, configuration errors, live canaries, and the command's exit codes."""
+"""The gate end to end: known answers on synthetic request tables and on real replays, the model
+error hook, the command's exit codes and its reports."""
 
 from __future__ import annotations
 
@@ -8,14 +9,18 @@ import os
 import subprocess
 import sys
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from replay.compare import default_block_windows
 from replay.gate import (
     FAIL,
     INCONCLUSIVE,
     PASS,
     GateConfig,
+    ModelError,
     Run,
     compare_runs,
     config_yaml,
@@ -23,9 +28,13 @@ from replay.gate import (
     default_config,
     load_config,
 )
+from replay.judge import MODEL_ERROR, NOT_ENOUGH_DATA, failed_names
 from replay.metrics import ClassObjectives
-from servelens.errors import ConfigError
 from tests.replay.gate_data import synthetic_requests
+
+#: The defaults on 10 s windows: a synthetic run of 4,000 requests at 10/s holds 40 windows.
+GATE = dataclasses.replace(default_config(), window_s=10.0)
+MINUTE_NS = 60 * 1_000_000_000
 
 
 def _run(label: str, **kw) -> Run:
@@ -38,23 +47,34 @@ def _by(verdict, metric: str, group: str = ""):
 
 
 def test_identical_runs_pass():
-    verdict = compare_runs(_run("b", seed=1), _run("c", seed=1), default_config())
+    verdict = compare_runs(_run("b", seed=1), _run("c", seed=1), GATE)
     assert verdict.status == PASS and verdict.exit_code == 0 and verdict.score == 100
+    assert all(c.status == PASS for c in verdict.conditions) and {c.group for c in verdict.conditions} == {"batch", "interactive"}
 
 
-def test_a_thirty_percent_worse_p99_ttft_in_one_class_fails_and_names_it():
-    verdict = compare_runs(_run("b", seed=1), _run("c", seed=1, ttft_factor={"interactive": 1.3}), default_config())
+def test_a_thirty_percent_worse_ttft_in_one_class_fails_and_names_it():
+    verdict = compare_runs(_run("b", seed=1), _run("c", seed=1, ttft_factor={"interactive": 1.3}), GATE)
     assert verdict.status == FAIL and verdict.exit_code == 1
     failed = _by(verdict, "ttft_p99_s", "interactive")
     assert failed.status == FAIL and failed.critical
-    assert any("ttft_p99_s (interactive)" in r and "critical failure" in r for r in verdict.reasons)
+    assert any(r.startswith("critical failure: ttft_p99_s (interactive)") for r in verdict.reasons)
     assert _by(verdict, "ttft_p99_s", "batch").status == PASS  # the other class is untouched
+    assert failed_names(verdict)[0].startswith("ttft_")
+
+
+def test_a_slower_decode_fails_the_run_on_itl_and_a_live_canary_rolls_back():
+    """ITL was once a metric whose critical failure could not fail a run (+100% was 'inconclusive')."""
+    verdict = compare_runs(_run("b", seed=4), _run("c", seed=4, itl_factor={"interactive": 2.0, "batch": 2.0}), GATE)
+    itl = _by(verdict, "itl_p99_p99_s")
+    assert itl.critical and itl.effect == pytest.approx(1.0, abs=0.03)
+    assert verdict.status == FAIL and failed_names(verdict)[0].startswith(("itl_p99_p99_s", "tpot_p50_s"))
+    assert decide(verdict, "policy=fcfs@v12").action == "rollback"
 
 
 def test_winning_goodput_by_rejecting_a_fifth_of_requests_is_not_a_pass():
     """The baseline admits everything and misses TTFT for many; the candidate rejects 20% and meets
     TTFT for the rest: more goodput, but the rejections are judged and fail the run."""
-    config = dataclasses.replace(default_config(), classes=(ClassObjectives(name="default", ttft_s=0.3),))
+    config = dataclasses.replace(GATE, classes=(ClassObjectives(name="default", ttft_s=0.3),), conditions=())
     baseline = _run("b", seed=2, ttft_median_s=0.3, classes=("default",))
     candidate = _run("c", seed=2, ttft_median_s=0.1, reject_share=0.2, classes=("default",))
     verdict = compare_runs(baseline, candidate, config)
@@ -65,77 +85,54 @@ def test_winning_goodput_by_rejecting_a_fifth_of_requests_is_not_a_pass():
     assert any(r.startswith("critical failure: rejected_share") for r in verdict.reasons)
 
 
-def test_ten_requests_are_inconclusive():
-    verdict = compare_runs(_run("b", num_requests=10), _run("c", num_requests=10, seed=3), default_config())
-    assert verdict.status == INCONCLUSIVE and verdict.exit_code == 2
-    assert "too little data" in _by(verdict, "goodput_rps").reason
+def test_too_few_requests_or_windows_is_not_enough_data_with_the_time_it_would_take():
+    tiny = compare_runs(_run("b", num_requests=10), _run("c", num_requests=10, seed=3), GATE)
+    assert tiny.status == INCONCLUSIVE and tiny.exit_code == 2
+    assert _by(tiny, "goodput_rps").undecided == NOT_ENOUGH_DATA
+    # 400 s of traffic on the default 60 s windows: 7 windows, 30 needed
+    short = compare_runs(_run("b", seed=1), _run("c", seed=1), default_config())
+    assert short.status == INCONCLUSIVE and short.wait_minutes == 23
+    assert "7 of 7 windows hold 5+ of its requests on each side; 30 needed" in _by(short, "ttft_p99_s").reason
 
 
-def test_a_baseline_without_data_for_a_metric_is_inconclusive_with_that_reason():
+def test_runs_without_requests_are_undecided_and_reported_not_a_crash(tmp_path):
+    """Two empty request tables once crashed the comparison (a maximum over no tenants)."""
+    from replay.gate import headline
+    from replay.report import write_reports
+
+    empty = synthetic_requests(num_requests=10).slice(0, 0)
+    base, cand = Run("b", empty, None, "b", None, None), Run("c", empty, None, "c", None, None)
+    verdict = compare_runs(base, cand, GATE)
+    assert verdict.status == INCONCLUSIVE and verdict.wait_minutes is None and verdict.score is None
+    assert headline(verdict) == "INCONCLUSIVE: replay more traffic (no estimate of how much)"
+    assert json.loads(write_reports(verdict, base, cand, tmp_path)["json"].read_text())["status"] == INCONCLUSIVE
+
+
+def test_a_baseline_without_data_for_a_class_is_undecided_with_that_reason():
     baseline = Run("b", synthetic_requests(classes=("batch",)), None, "b", None, None)
     candidate = Run("c", synthetic_requests(classes=("batch", "interactive")), None, "c", None, None)
-    verdict = compare_runs(baseline, candidate, default_config())
+    verdict = compare_runs(baseline, candidate, GATE)
     interactive = _by(verdict, "ttft_p99_s", "interactive")
-    assert interactive.status == INCONCLUSIVE and "baseline 0" in interactive.reason
+    assert interactive.status == INCONCLUSIVE and "0 baseline" in interactive.reason
     assert verdict.status != PASS
 
 
-def test_the_configuration_round_trips_and_bad_ones_are_named(tmp_path):
-    path = tmp_path / "gate.yaml"
-    path.write_text(config_yaml(default_config()))
-    assert load_config(path) == default_config()
-    path.write_text("metrics:\n  - {name: p99_latency, bad: increase, allowed: 0.1, critical: 0.2}\n")
-    with pytest.raises(ConfigError, match="unknown metric 'p99_latency'") as err:
-        load_config(path)
-    assert "ttft_p99_s" in err.value.hint
-    path.write_text("metrics:\n  - {name: ttft_p99_s, bad: up, allowed: 0.1, critical: 0.2}\n")
-    with pytest.raises(ConfigError, match="bad must be 'increase' or 'decrease'"):
-        load_config(path)
-    path.write_text("metrics:\n  - {name: ttft_p99_s, bad: increase, allowed: 0.3, critical: 0.2}\n")
-    with pytest.raises(ConfigError, match="allowed"):
-        load_config(path)
-    path.write_text("windows_s: 60\n")
-    with pytest.raises(ConfigError, match="unknown config key windows_s"):
-        load_config(path)
-    path.write_text("score: {pass: 80, marginal: 60}\n")
-    assert load_config(path).score.pass_ == 80
+def test_the_replay_models_known_error_turns_a_narrow_pass_undecided_and_never_applies_to_live_pools():
+    base, cand = _run("b", seed=5), _run("c", seed=5, itl_factor={"interactive": 1.06, "batch": 1.06})
+    plain = compare_runs(base, cand, GATE)
+    assert _by(plain, "tpot_p50_s").status == PASS and plain.status == PASS
+    config = dataclasses.replace(GATE, model_error=(ModelError(metric="itl_mean", error=0.2),))
+    held = compare_runs(base, cand, config)
+    tpot = _by(held, "tpot_p50_s")
+    assert tpot.status == INCONCLUSIVE and tpot.undecided == MODEL_ERROR and tpot.critical_possible
+    assert "replay model's known error on it (itl_mean 20.0%)" in tpot.reason
+    assert held.status == INCONCLUSIVE and "replay model error applied to passes: itl_mean 20.0%" in held.notes
+    assert _by(held, "ttft_p99_s").model_error is None  # itl_mean bounds ITL metrics only
+    live = compare_runs(dataclasses.replace(base, measured=True), dataclasses.replace(cand, measured=True), config)
+    assert live.status == PASS and "model_error not applied: live pools are measured, not modelled" in live.notes
 
 
-def test_a_failed_live_canary_rolls_back_to_the_named_configuration():
-    failing = compare_runs(_run("b", seed=1), _run("c", seed=1, ttft_factor={"interactive": 1.5}), default_config())
-    decision = decide(failing, "policy=fcfs@v12")
-    assert decision.action == "rollback" and decision.restore == "policy=fcfs@v12"
-    assert decide(compare_runs(_run("b"), _run("c"), default_config()), None).action == "promote"
-    watching = decide(compare_runs(_run("b", num_requests=10), _run("c", num_requests=10), default_config()), None)
-    assert watching.action == "continue"
-    never = dataclasses.replace(failing, config=dataclasses.replace(failing.config, rollback_on="never"))
-    assert decide(never, "x").action == "continue"
-
-
-def test_live_pools_are_read_from_the_lake(tmp_path):
-    """Two pools over the same period, from sanitized events in the lake."""
-    from pipelines.lake import EVENTS, Lake, OffsetRange
-    from privacy.keys import KeyRing
-    from privacy.sanitize import Sanitizer
-    from replay.gate import lake_pools
-    from schemas.arrow import events_to_table
-    from schemas.events import FirstToken, RequestArrived, RequestFinished
-
-    events = []
-    for i in range(300):
-        pool = "canary" if i % 2 else "baseline"
-        env = {"engine_id": f"eng-{pool}", "request_id": f"r{i}", "pool": pool, "service_class": "interactive"}
-        t = 1_764_000_000_000_000_000 + i * 100_000_000
-        ttft = 200_000_000 if pool == "baseline" else 600_000_000  # the canary is 3x slower to first token
-        events += [RequestArrived(event_id=f"a{i}", ts_ns=t, num_prompt_tokens=10, **env),
-                   FirstToken(event_id=f"f{i}", ts_ns=t + ttft, **env),
-                   RequestFinished(event_id=f"z{i}", ts_ns=t + ttft, outcome="completed", num_output_tokens=1, **env)]
-    clean = Sanitizer(KeyRing("k", {"k": bytes(32)})).sanitize(events_to_table(events))
-    Lake(tmp_path / "lake").commit(EVENTS, clean, [OffsetRange("t", 0, 0, 0, 1)], {("t", 0, 0): None})
-    base, cand = lake_pools(str(tmp_path / "lake"), "baseline", "canary", None, None)
-    assert base.requests.num_rows == cand.requests.num_rows == 150
-    verdict = compare_runs(base, cand, dataclasses.replace(default_config(), window_s=5.0, min_points=20))
-    assert _by(verdict, "ttft_p99_s").status == FAIL and verdict.status == FAIL
+# ------------------------------------------------------------------ real replays, through the command
 
 
 def _gate(*args, env=None):
@@ -143,30 +140,132 @@ def _gate(*args, env=None):
                           env={**os.environ, **(env or {})})
 
 
+@pytest.fixture(scope="module")
+def azure_31_minutes():
+    """The Azure conversation trace's first 31 minutes (31 one-minute windows of the gate)."""
+    from replay.traces import read_trace
+    from replay.workload import trim
+    from servelens.config import load_config as servelens_config, shared_dir
+
+    trace = read_trace("azure-conv", shared_dir(servelens_config()))
+    t0 = int(trace["arrival_ns"][0].as_py())
+    return trim(trace, t0, t0 + 31 * MINUTE_NS)
+
+
+def _replay(workload: pa.Table, engine: str, out, seed: int = 0):
+    from replay.config import parse_instance
+    from replay.run import run_replay
+    from replay.workload import TableWorkload
+    from servelens.demo import DEMO_SCENARIO
+
+    run_replay(TableWorkload(workload, name="azure-31min"), scenario=DEMO_SCENARIO, instance=parse_instance(engine),
+               seed=seed, out_dir=out)
+    return out
+
+
+def test_the_same_workload_on_an_a100_fails_on_itl_and_the_report_names_it_first(azure_31_minutes, tmp_path):
+    """Baseline llama-3-8b on an H100, candidate on an A100 (slower decode), every other request of
+    the trace: the candidate's prefill is slower too, but the report leads with ITL, its most
+    certain failure."""
+    half = azure_31_minutes.filter(pa.array(np.arange(azure_31_minutes.num_rows) % 2 == 0))
+    base = _replay(half, "llama-3-8b@h100-sxm", tmp_path / "h100")
+    cand = _replay(half, "llama-3-8b@a100-80g", tmp_path / "a100")
+    proc = _gate("--baseline", str(base), "--candidate", str(cand), "--out", str(tmp_path / "gate"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "gate: FAIL: do not ship the candidate"
+    assert lines[1].startswith("  - critical failure: itl_p99_p99_s rose +")
+    report = json.loads((tmp_path / "gate" / "gate.json").read_text())
+    assert report["failed"][0] == "itl_p99_p99_s (all, batch, interactive)"
+    markdown = (tmp_path / "gate" / "gate.md").read_text().splitlines()
+    assert markdown[0] == "## servelens gate: **FAIL: do not ship the candidate**"
+    assert markdown[2].startswith("- Failed: itl\\_p99\\_p99\\_s (all, batch, interactive)")
+    itl = next(m for m in report["metrics"] if m["metric"] == "itl_p99_p99_s" and m["group"] == "")
+    assert itl["num_windows_used"] == 31 and itl["difference"]["num_windows"] == 31
+    block = default_block_windows(31)
+    assert (itl["difference"]["block_windows"], itl["difference"]["num_blocks"]) == (block, -(-31 // block))
+    assert itl["difference"]["num_resamples"] == 1000
+
+
+def test_two_runs_far_out_of_slo_fail_on_the_absolute_conditions(azure_31_minutes, tmp_path):
+    """llama-2-70b on two A100s cannot serve the trace: both replays (seeds 0 and 1) meet their SLO
+    for well under 1% of requests. Relative to each other they look alike; the conditions fail the
+    candidate, and the report says first that the baseline itself is out of SLO."""
+    base = _replay(azure_31_minutes, "llama-2-70b@a100-80gx2", tmp_path / "b", seed=0)
+    cand = _replay(azure_31_minutes, "llama-2-70b@a100-80gx2", tmp_path / "c", seed=1)
+    proc = _gate("--baseline", str(base), "--candidate", str(cand), "--out", str(tmp_path / "gate"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "gate" / "gate.json").read_text())
+    missed = [c for c in report["conditions"] if c["status"] == FAIL]
+    assert {c["group"] for c in missed} == {"batch", "interactive"}
+    assert all(c["difference"]["candidate"] < 0.01 and c["baseline_status"] == FAIL for c in missed)
+    assert report["notes"][0].startswith("baseline itself out of SLO: attainment (batch)")
+    assert any(r.startswith("missed condition: attainment (batch)") for r in report["reasons"])
+    markdown = (tmp_path / "gate" / "gate.md").read_text()
+    assert markdown.index("baseline itself out of SLO") < markdown.index("### Absolute conditions")
+
+
+def test_a_one_window_replay_pair_is_inconclusive_for_lack_of_data(azure_31_minutes, tmp_path):
+    """The trace's first minute (one window, a few hundred requests): no interval of zero width is
+    taken for a decision."""
+    from replay.workload import trim
+
+    t0 = int(azure_31_minutes["arrival_ns"][0].as_py())
+    first = trim(azure_31_minutes, t0, t0 + MINUTE_NS)
+    base = _replay(first, "llama-3-8b@h100-sxm", tmp_path / "b", seed=0)
+    cand = _replay(first, "llama-3-8b@h100-sxm", tmp_path / "c", seed=1)
+    proc = _gate("--baseline", str(base), "--candidate", str(cand), "--out", str(tmp_path / "gate"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[0] == "gate: INCONCLUSIVE: replay 29 more minutes of traffic"
+    report = json.loads((tmp_path / "gate" / "gate.json").read_text())
+    assert report["wait_minutes"] == 29 and report["score"] is None
+    judged = [m for m in report["metrics"] if not m["informative"] and m["status"] != "skipped"]
+    assert judged and all(m["undecided"] == NOT_ENOUGH_DATA and m["difference"]["num_windows"] == 1 for m in judged)
+
+
 def test_the_gate_command_exits_0_1_2_and_3_and_writes_its_reports(tmp_path):
+    config = tmp_path / "gate.yaml"
+    config.write_text(config_yaml(GATE))
     paths = {}
     for name, kw in {"base": {"seed": 1}, "same": {"seed": 1}, "worse": {"seed": 1, "ttft_factor": {"interactive": 1.3}},
                      "tiny": {"num_requests": 10}}.items():
         paths[name] = tmp_path / f"{name}.parquet"
         pq.write_table(synthetic_requests(**kw), paths[name])
-    passed = _gate("--baseline", str(paths["base"]), "--candidate", str(paths["same"]), "--out", str(tmp_path / "pass"))
-    assert passed.returncode == 0 and "gate: PASS" in passed.stdout, passed.stderr
-    failed = _gate("--baseline", str(paths["base"]), "--candidate", str(paths["worse"]), "--out", str(tmp_path / "fail"))
+    common = ("--config", str(config))
+    passed = _gate("--baseline", str(paths["base"]), "--candidate", str(paths["same"]), "--out", str(tmp_path / "pass"), *common)
+    assert passed.returncode == 0 and passed.stdout.startswith("gate: PASS: ready for a canary"), passed.stderr
+    failed = _gate("--baseline", str(paths["base"]), "--candidate", str(paths["worse"]), "--out", str(tmp_path / "fail"), *common)
     assert failed.returncode == 1 and "ttft_p99_s (interactive)" in failed.stdout
     report = json.loads((tmp_path / "fail" / "gate.json").read_text())
-    assert report["status"] == "fail" and any(m["metric"] == "ttft_p99_s" and m["status"] == "fail" for m in report["metrics"])
+    assert report["status"] == "fail" and report["headline"] == "FAIL: do not ship the candidate"
+    assert any(m["metric"] == "ttft_p99_s" and m["status"] == "fail" for m in report["metrics"])
     assert "| ttft\\_p99\\_s | interactive |" in (tmp_path / "fail" / "gate.md").read_text()
-    unsure = _gate("--baseline", str(paths["tiny"]), "--candidate", str(paths["tiny"]), "--out", str(tmp_path / "unsure"))
-    assert unsure.returncode == 2 and "gate: INCONCLUSIVE" in unsure.stdout
+    unsure = _gate("--baseline", str(paths["tiny"]), "--candidate", str(paths["tiny"]), "--out", str(tmp_path / "unsure"), *common)
+    assert unsure.returncode == 2 and unsure.stdout.startswith("gate: INCONCLUSIVE: replay ")
     bad = tmp_path / "bad.yaml"
     bad.write_text("metrics: [{name: nope, bad: increase, allowed: 0, critical: 1}]\n")
     error = _gate("--baseline", str(paths["base"]), "--candidate", str(paths["same"]), "--config", str(bad))
     assert error.returncode == 3 and "unknown metric 'nope'" in error.stderr and "Traceback" not in error.stderr
-    usage = _gate("--no-such-option")
-    assert usage.returncode == 3
+    assert _gate("--no-such-option").returncode == 3
+    assert _gate("--model-error", "itl_mean", "--list-metrics").returncode == 3
     written = tmp_path / "default.yaml"
     assert _gate("--write-default-config", str(written)).returncode == 0
     assert load_config(written) == default_config() and isinstance(load_config(written), GateConfig)
+    listed = _gate("--list-metrics")
+    assert listed.returncode == 0 and "time to first token" in listed.stdout and "10% / 25% relative" in listed.stdout
+
+
+def test_a_model_error_given_on_the_command_line_holds_a_narrow_pass(tmp_path):
+    config = tmp_path / "gate.yaml"
+    config.write_text(config_yaml(GATE))
+    for name, kw in {"base": {"seed": 5}, "cand": {"seed": 5, "itl_factor": {"interactive": 1.06, "batch": 1.06}}}.items():
+        pq.write_table(synthetic_requests(**kw), tmp_path / f"{name}.parquet")
+    args = ("--baseline", str(tmp_path / "base.parquet"), "--candidate", str(tmp_path / "cand.parquet"), "--config", str(config))
+    assert _gate(*args, "--out", str(tmp_path / "plain")).returncode == 0
+    held = _gate(*args, "--out", str(tmp_path / "held"), "--model-error", "itl_mean=0.2")
+    assert held.returncode == 2 and "replay model error applied to passes: itl_mean 20.0%" in held.stdout
+    report = json.loads((tmp_path / "held" / "gate.json").read_text())
+    assert {m["metric"] for m in report["metrics"] if m["undecided"] == MODEL_ERROR} >= {"tpot_p50_s", "itl_p99_p99_s"}
 
 
 # ------------------------------------------------------------------ moves are not preemptions
@@ -212,7 +311,7 @@ def test_the_gate_does_not_fail_preemptions_for_the_hand_offs_of_a_disaggregated
     judged = {"preemptions_per_request", "oscillating_share", "migrations_per_request"}
     specs = [s for s in DEFAULT_METRICS if s.name in judged]
     specs.append(dataclasses.replace(specs[0], name="migrations_per_request"))
-    config = GateConfig(window_s=0.25, min_points=20, resamples=200, metrics=tuple(specs))
+    config = GateConfig(window_s=0.1, min_points=20, min_windows=10, resamples=200, metrics=tuple(specs))
     verdict = compare_runs(load_run(agg.events_path.parent, "baseline"), load_run(dis.events_path.parent, "candidate"),
                            config)
     pre, osc = _by(verdict, "preemptions_per_request"), _by(verdict, "oscillating_share")
