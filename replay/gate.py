@@ -41,6 +41,7 @@ from replay.gate_config import (  # noqa: F401  (the gate's public names, re-exp
     DEFAULT_CONDITIONS,
     DEFAULT_METRICS,
     EACH_CLASS,
+    FIDELITY_FIGURES,
     Condition,
     GateConfig,
     MetricSpec,
@@ -51,6 +52,7 @@ from replay.gate_config import (  # noqa: F401  (the gate's public names, re-exp
     load_config,
     model_errors,
     parse_model_error,
+    with_model_error,
 )
 from replay.judge import (  # noqa: F401
     EXIT_CODES,
@@ -240,16 +242,46 @@ def _condition_verdicts(diffs: _Differences, config: GateConfig, errors: dict[st
     return out
 
 
+def calibration_errors(*runs: Run) -> tuple[dict[str, float], list[str]]:
+    """The held-out errors (fractions, the larger of the runs' per figure) of the calibrations the runs'
+    manifests name, and a line per calibration for the report."""
+    import json
+
+    errors: dict[str, float] = {}
+    lines = []
+    for run in runs:
+        if run.manifest_path is None:
+            continue
+        record = json.loads(Path(run.manifest_path).read_text()).get("calibration")
+        if not record:
+            continue
+        held = record.get("held_out_error_pct") or {}
+        for figure, pct in held.items():
+            errors[figure] = max(errors.get(figure, 0.0), pct / 100)
+        line = (f"replay model: calibration {record['name']} ({record.get('engine', '')}"
+                + (", extrapolated to this accelerator" if record.get("extrapolated") else "") + "), held-out error "
+                + (", ".join(f"{k} {v:.1f}%" for k, v in sorted(held.items())) or "not measured"))
+        if line not in lines:
+            lines.append(line)
+    return errors, lines
+
+
 def compare_runs(baseline: Run, candidate: Run, config: GateConfig) -> Verdict:
     """Compare two runs on every configured metric and condition and reach the verdict."""
     grid = _grid(baseline, candidate, config)
     diffs = _Differences(grid, config)
     modelled = not (baseline.measured or candidate.measured)
+    fidelity: list[str] = []
+    if modelled and config.calibration_error:
+        found, fidelity = calibration_errors(baseline, candidate)
+        known = {figure: e for figure, e in found.items() if figure in FIDELITY_FIGURES}
+        if known:
+            config = with_model_error(config, known)
     errors = model_errors(config) if modelled else {}
     metrics = _metric_verdicts(diffs, config, errors)
     conditions = _condition_verdicts(diffs, config, errors)
     run = judge_run(metrics, conditions, config)
-    notes = _notes(grid, conditions, config, modelled)
+    notes = fidelity + _notes(grid, conditions, config, modelled)
     wait = None if run.wait_windows is None else float(np.ceil(run.wait_windows * config.window_s / 60))
     return Verdict(run.status, run.score, run.reasons, tuple(metrics), baseline.source, candidate.source,
                    baseline.manifest_path, candidate.manifest_path, config, tuple(conditions), tuple(notes), wait)

@@ -96,6 +96,10 @@ class GateConfig:
     rollback_on: str = doc("Live canaries roll back on 'fail', on 'critical' failures only, or 'never'.", "fail")
     conditions: tuple[Condition, ...] = doc("Absolute objectives judged on the candidate alone (Argo-style).", ())
     model_error: tuple[ModelError, ...] = doc("The replay model's known error per metric (replays only).", ())
+    calibration_error: bool = doc(
+        "Apply the held-out errors of the calibration the replays' manifests name (servelens calibrate) as "
+        "model_error, beside any given here (the larger counts).", True
+    )
     metrics: tuple[MetricSpec, ...] = doc("The metrics judged.", ())
 
     def metrics_config(self) -> MetricsConfig:

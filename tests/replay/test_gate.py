@@ -22,6 +22,7 @@ from replay.gate import (
     GateConfig,
     ModelError,
     Run,
+    calibration_errors,
     compare_runs,
     config_yaml,
     decide,
@@ -321,3 +322,21 @@ def test_the_gate_does_not_fail_preemptions_for_the_hand_offs_of_a_disaggregated
     mig = _by(verdict, "migrations_per_request")
     assert mig.difference.baseline == 0 and mig.difference.candidate == pytest.approx(0.8)
     assert mig.status == FAIL  # judged like any metric when a configuration lists it
+
+
+def test_the_calibration_named_in_the_manifests_brings_its_held_out_error(tmp_path):
+    """Replays made with a calibration carry its held-out errors in their manifests: the gate states the model
+    behind the verdict and holds a pass whose margin is within that error (calibration_error, default on)."""
+    manifest = tmp_path / "manifest.json"
+    record = {"name": "vllm-test", "engine": "vLLM 0.15.1", "fitted_on_accelerators": ["h100-sxm"], "extrapolated": False,
+              "held_out_error_pct": {"itl_mean": 20.0, "ttft_mean": 6.0}}
+    manifest.write_text(json.dumps({"calibration": record}))
+    base = synthetic_requests(seed=5)
+    cand = synthetic_requests(seed=5, itl_factor={"interactive": 1.06, "batch": 1.06})
+    runs = [Run(label, table, None, label, str(manifest), None) for label, table in (("baseline", base), ("candidate", cand))]
+    verdict = compare_runs(*runs, GATE)
+    assert verdict.notes[0] == "replay model: calibration vllm-test (vLLM 0.15.1), held-out error itl_mean 20.0%, ttft_mean 6.0%"
+    assert verdict.status == INCONCLUSIVE and any(m.undecided == MODEL_ERROR for m in verdict.metrics)
+    off = compare_runs(*runs, dataclasses.replace(GATE, calibration_error=False))
+    assert off.status == PASS and not any("calibration" in n for n in off.notes)
+    assert calibration_errors(*runs)[0] == {"itl_mean": 0.2, "ttft_mean": 0.06}
