@@ -40,6 +40,10 @@ def _stash(name: str) -> Callable[[click.Context, click.Parameter, Any], None]:
     return callback
 
 
+#: Other names an option also answers to.
+_ALIASES = {"kv_offloading_size": ("--kv-offload",)}
+
+
 def _option(f: dataclasses.Field) -> Callable:
     flag = "--" + f.name.replace("_", "-")
     kind = str(f.type)
@@ -49,8 +53,8 @@ def _option(f: dataclasses.Field) -> Callable:
                             help=help_text)
     click_type = int if "int" in kind else float if "float" in kind else str
     metavar = {int: "N", float: "X", str: "NAME"}[click_type]
-    return click.option(flag, type=click_type, default=None, expose_value=False, callback=_stash(f.name),
-                        metavar=metavar, help=help_text)
+    return click.option(flag, *_ALIASES.get(f.name, ()), type=click_type, default=None, expose_value=False,
+                        callback=_stash(f.name), metavar=metavar, help=help_text)
 
 
 def vllm_options(command: Callable) -> Callable:
