@@ -1,21 +1,33 @@
 # The two set-up commands of the README. Each creates the environment from the project's own files
 # (pyproject.toml) on first use, so a fresh clone needs nothing but Python >= 3.11 and make.
+#
+#   make demo   the runtime only: the package and its dependencies (no `gpu`, `ner` or `dev` extra, no
+#               Debian packages)
+#   make test   on top of that, reusing it: the `dev` extra (test tools, Playwright, the `ner` and `gpu`
+#               extras: PyTorch's CPU build), and the Debian packages the tests use (kcat, chromium)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
-# PyTorch (the `gpu` extra, part of `dev`) is pinned to 2.13.0. In CI (CI set) PyTorch's CPU wheel index
-# is added so pip takes the CPU build (~200 MB), not PyPI's CUDA one (GBs); set TORCH_INDEX= to skip that.
-TORCH_INDEX ?= $(if $(CI),https://download.pytorch.org/whl/cpu,)
+RUNTIME := $(VENV)/.runtime-installed
+DEV := $(VENV)/.dev-installed
+# PyTorch (the `gpu` extra, part of `dev`) is pinned to 2.13.0; PyTorch's CPU wheel index is added so
+# that pip takes the CPU build (~200 MB), not PyPI's CUDA one (GBs). TORCH_INDEX= skips it (a GPU machine:
+# see docs/calibration.md).
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: demo test env dagster dashboard
+.PHONY: demo test env runtime dagster dashboard
 
-env: $(STAMP)
+runtime: $(RUNTIME)
+env: $(DEV)
 
-$(STAMP): pyproject.toml Makefile
+$(RUNTIME): pyproject.toml Makefile
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "servelens needs Python >= 3.11: run make PYTHON=python3.11 ...")'
-	$(PYTHON) -m venv $(VENV)
+	@[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e .
+	touch $@
+
+$(DEV): $(RUNTIME)
 	$(BIN)/python -m pip install --quiet -e '.[dev]' $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	@# Debian packages the tests use: kcat (a C Kafka client) and chromium (the browser tests)
 	@missing=""; \
@@ -29,17 +41,17 @@ $(STAMP): pyproject.toml Makefile
 	touch $@
 
 # The end-to-end path on embedded defaults and the bundled Azure conversation trace.
-demo: $(STAMP)
+demo: $(RUNTIME)
 	$(BIN)/servelens demo
 
 # The whole test suite (pytest exits non-zero when it collects no tests).
-test: $(STAMP)
+test: $(DEV)
 	$(BIN)/python -m pytest
 
 # The Dagster UI over the batch side (asset graph, partitions, checks, schedules) on 127.0.0.1:3000.
-dagster: $(STAMP)
+dagster: $(RUNTIME)
 	$(BIN)/dagster dev -m pipelines.definitions
 
 # The Streamlit dashboard on http://127.0.0.1:8501 over the lake, replay runs and gate reports (docs/dashboard.md).
-dashboard: $(STAMP)
+dashboard: $(RUNTIME)
 	$(BIN)/servelens dashboard $(DASHBOARD_ARGS)
