@@ -137,7 +137,7 @@ def _serve(read_fd: int, write_fd: int, parent_pid: int) -> None:
     with os.fdopen(read_fd, "rb") as rx, os.fdopen(write_fd, "wb") as tx:
         try:
             transform = pickle.load(rx).build()
-            transform.sanitizer.scrubber.load()
+            transform.sanitizer.load()
             _send(tx, ("ok", None))
         except EOFError:
             return
@@ -179,7 +179,7 @@ class TransformWorker:
         configuration fails here, and the first batch does not wait."""
         if self.in_process:
             transform = self.spec.build()
-            transform.sanitizer.scrubber.load()
+            transform.sanitizer.load()
             self._local = ThreadPoolExecutor(max_workers=1, thread_name_prefix="servelens-transform")
             self._transform = transform
             return self
