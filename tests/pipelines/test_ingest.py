@@ -26,7 +26,7 @@ from privacy.config import PrivacyConfig
 from privacy.keys import KeyRing
 from schemas.events import RequestArrived
 from schemas.wire import encode_event
-from tests.pipelines.conftest import NUM_TEST_PARTITIONS, sample_events
+from tests.pipelines.conftest import NUM_TEST_PARTITIONS, consume, sample_events
 
 KEYRING = KeyRing("test", {"test": bytes(range(32))})
 KEY_ENV = {"SERVELENS_PSEUDONYM_KEY": "test:" + base64.b64encode(bytes(range(32))).decode()}
@@ -34,7 +34,8 @@ FAST = IngestConfig(session_timeout_ms=2_000, heartbeat_interval_ms=500, flush_i
 
 
 def consumer(bootstrap: str, topic: str, root: Path, name: str = "c1", lake: LakeConfig | None = None, **ingest) -> IngestConsumer:
-    kafka = KafkaConfig(bootstrap_servers=bootstrap, topic=topic, num_partitions=NUM_TEST_PARTITIONS)
+    kafka = KafkaConfig(bootstrap_servers=bootstrap, topic=topic, num_partitions=NUM_TEST_PARTITIONS,
+                        dead_letter_topic=f"{topic}.dead")
     config = dataclasses.replace(FAST, **{"group_id": f"ingest-{topic}", **ingest})  # a group per test's topic
     lake = dataclasses.replace(lake or LakeConfig(), root=str(root))
     return IngestConsumer(kafka, config, lake, PrivacyConfig(), KEYRING, consumer_name=name)
@@ -148,6 +149,57 @@ def test_a_poison_message_goes_to_dead_letters_and_the_batch_goes_on(broker, top
     for path in Lake(tmp_path / "lake").files(DEAD_LETTERS) + Lake(tmp_path / "lake").files(EVENTS):
         data = Path(path).read_bytes()
         assert b"yesterday" not in data and b"jane@example.com" not in data and b"r-bad" not in data
+
+
+DEEP = b'{"event_type":"request_arrived","schema_version":"1.1","x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+
+
+@pytest.mark.parametrize("guard", ["on", "off"])
+def test_a_message_nested_100000_deep_is_a_dead_letter_and_the_200_events_around_it_land_once(broker, topic, tmp_path,
+                                                                                               caplog, guard):
+    """The issue #22 poison: 200 KB nested 100,000 deep (under the 1 MiB limit), through the real broker.
+    Guard on (the default): refused by the byte scan as too_deep. Guard off: it segfaults pyarrow in the
+    transform worker; the batch is bisected, the message stored as parser_crash naming SIGSEGV and its
+    offset, the rest once. Either way the dead letter also goes to the dead-letter topic."""
+    items = arrivals(0, 200)
+    produce(broker.bootstrap, topic, items[:100] + [(b"r-deep", DEEP)] + items[100:])
+    depth = {"on": {}, "off": {"max_json_depth": 0}}[guard]
+    stats = consumer(broker.bootstrap, topic, tmp_path / "lake", **depth).run(idle_exit_s=1.5)
+    assert (stats.events_written, stats.dead_letters) == (200, 1)
+    assert lake_counts(tmp_path / "lake") == (200, 200)
+    assert set(lake_ids(tmp_path / "lake")) == set(pseudonyms(f"e{i}" for i in range(200)))
+    con = Lake(tmp_path / "lake").connect()
+    ((reason, event_type, size),) = con.execute("SELECT reason, event_type, size_bytes FROM dead_letters").fetchall()
+    assert (reason, event_type, size) == ({"on": "too_deep", "off": "parser_crash"}[guard], "request_arrived", len(DEEP))
+    published = consume(broker.bootstrap, f"{topic}.dead", 1)
+    assert json.loads(published[0].value)["reason"] == reason and published[0].key.startswith(b"rq_")
+    if guard == "off":
+        logged = " ".join(r.getMessage() for r in caplog.records if r.name == "servelens.ingest")
+        assert "killed by SIGSEGV" in logged and "offset" in logged and "memory" not in logged
+
+
+def test_a_worker_killed_by_a_signal_mid_batch_loses_and_duplicates_nothing(broker, topic, tmp_path, caplog):
+    """SIGKILL to the transform worker right after a batch is handed to it (and another queued behind):
+    both are transformed again by a fresh worker and every event is stored exactly once."""
+    produce(broker.bootstrap, topic, arrivals(0, 4_000))
+    ingest = consumer(broker.bootstrap, topic, tmp_path / "lake", **PIPELINED)
+    submit, killed = ingest.transform.submit, []
+
+    def submit_then_kill(*args):
+        future = submit(*args)
+        if not killed:
+            killed.append(ingest.transform.pid)
+            os.kill(killed[0], signal.SIGKILL)
+        return future
+
+    ingest.transform.submit = submit_then_kill
+    stats = ingest.run(idle_exit_s=2.0)
+    assert killed and ingest.transform.num_restarts >= 1
+    assert (stats.events_written, stats.dead_letters) == (4_000, 0)
+    assert lake_counts(tmp_path / "lake") == (4_000, 4_000)
+    assert set(lake_ids(tmp_path / "lake")) == set(pseudonyms(f"e{i}" for i in range(4_000)))
+    logged = " ".join(r.getMessage() for r in caplog.records if r.name == "servelens.ingest")
+    assert "killed by SIGKILL" in logged and "memory" not in logged
 
 
 def test_producer_retries_and_replays_after_a_restart_are_stored_once(broker, topic, tmp_path):
