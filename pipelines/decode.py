@@ -143,20 +143,25 @@ class Decoder:
                 if values[i].count(b"{") + values[i].count(b"[") > limit
                 and (json_only or values[i][:1] == b"{") and json_depth(values[i]) > limit]
 
-    def decode(self, values: Sequence[bytes], now_ns: int | None = None) -> DecodedBatch:
+    def _screen(self, values: Sequence[bytes], sizes: np.ndarray) -> tuple[list[Rejected], list[int]]:
+        """Before any parser: oversized and too deeply nested messages rejected; the rest (candidates)."""
         rejected: list[Rejected] = []
-        sizes = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
         for i in np.flatnonzero(sizes > self.max_message_bytes).tolist():
             error = FieldError(OVERSIZED, "$", f"{sizes[i]:,} bytes exceed the {self.max_message_bytes:,}-byte limit")
             rejected.append(Rejected(i, int(sizes[i]), (error,), sniff_event_type(values[i])))
         candidates = np.flatnonzero(sizes <= self.max_message_bytes).tolist()
         deep = self._too_deep(values, candidates)
+        for i in deep:
+            error = FieldError(TOO_DEEP, "$", f"nested deeper than {self.max_json_depth} levels (not parsed)")
+            rejected.append(Rejected(i, int(sizes[i]), (error,), sniff_event_type(values[i])))
         if deep:
-            for i in deep:
-                error = FieldError(TOO_DEEP, "$", f"nested deeper than {self.max_json_depth} levels (not parsed)")
-                rejected.append(Rejected(i, int(sizes[i]), (error,), sniff_event_type(values[i])))
             deep_set = set(deep)
             candidates = [i for i in candidates if i not in deep_set]
+        return rejected, candidates
+
+    def decode(self, values: Sequence[bytes], now_ns: int | None = None) -> DecodedBatch:
+        sizes = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+        rejected, candidates = self._screen(values, sizes)
         if self.message_format != "servelens":
             from pipelines.otlp import decode_spans
 
