@@ -41,7 +41,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipelines.config import LakeConfig
-from pipelines.tables import connect, requests_sql
+from pipelines.tables import locked_connection, readable_dirs, requests_sql
 from privacy.views import KAnonymousResult, TenantScope, k_anonymous
 from replay.metrics import DEFAULT_CLASS, MetricsConfig
 
@@ -214,7 +214,7 @@ def dead_letters_by_reason(snapshot: LakeSnapshot, memory_limit: str | None = No
                         ("last_received_ns", pa.int64())])
     if not snapshot.dead_letter_files:
         return schema.empty_table()
-    con = connect(memory_limit)
+    con = locked_connection(readable_dirs(*snapshot.dead_letter_files), memory_limit)
     query = (f"SELECT reason, event_type, count(*) AS num_dead_letters, max(received_ns) AS last_received_ns "
              f"FROM {parquet_relation(snapshot.dead_letter_files)} GROUP BY ALL ORDER BY num_dead_letters DESC, reason")
     return con.sql(query).to_arrow_table().cast(schema)
@@ -253,7 +253,7 @@ def materialize_requests(event_files: Sequence[str | Path], out: str | Path, *, 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
-    con = connect(memory_limit)
+    con = locked_connection([*readable_dirs(*event_files), out.parent], memory_limit)
     events = parquet_relation(event_files)
     order = "r.arrival_ns NULLS LAST, r.request_id"
     query = f"""
@@ -275,14 +275,26 @@ def materialize_requests(event_files: Sequence[str | Path], out: str | Path, *, 
         ORDER BY {order}
     """
     try:
-        (rows,) = con.execute(
-            f"COPY ({query}) TO {sql_string(str(tmp))} (FORMAT parquet, COMPRESSION {DERIVED_COMPRESSION}, ROW_GROUP_SIZE 122880)"
-        ).fetchone()
+        rows = _write_parquet(con.sql(query).to_arrow_reader(_ROW_GROUP_ROWS), tmp)
         check_one_row_per_request(con, f"read_parquet({sql_string(str(tmp))})")
         tmp.replace(out)
     finally:
         tmp.unlink(missing_ok=True)
     return int(rows)
+
+
+_ROW_GROUP_ROWS = 122_880
+
+
+def _write_parquet(reader: pa.RecordBatchReader, path: Path) -> int:
+    """Stream a query's batches into a Parquet file by pyarrow (the dashboard's DuckDB connections
+    write nothing: ``pipelines.tables.lock_down``); returns the rows."""
+    rows = 0
+    with pq.ParquetWriter(path, reader.schema, compression=DERIVED_COMPRESSION) as writer:
+        for batch in reader:
+            writer.write_batch(batch, row_group_size=_ROW_GROUP_ROWS)
+            rows += batch.num_rows
+    return rows
 
 
 def _empty_requests(out: Path) -> Path:
@@ -348,9 +360,10 @@ def lake_requests_path(snapshot: LakeSnapshot, cache_dir: str | Path, memory_lim
 # ------------------------------------------------------------------------------------------ request-file queries
 
 
-def query_connection() -> duckdb.DuckDBPyConnection:
-    """A connection for the pages' aggregates over a derived request file."""
-    return connect()
+def query_connection(*sources: str | Path) -> duckdb.DuckDBPyConnection:
+    """A connection for the pages' aggregates, locked to the folders of ``sources`` (files or
+    relations built here): no other file, no write, no extension, no network."""
+    return locked_connection(readable_dirs(*sources))
 
 
 def _selected(requests_path: str | Path, selection: Selection, scope: TenantScope | None = None) -> tuple[str, list[object]]:
@@ -390,7 +403,7 @@ class RequestsOverview:
 
 def requests_overview(requests_path: str | Path) -> RequestsOverview:
     """Row count, arrival range, classes and instances of a derived request file."""
-    con = duckdb.connect()
+    con = query_connection(requests_path)
     source = f"read_parquet({sql_string(str(requests_path))})"
     n, first, last = con.execute(f"SELECT count(*), min(arrival_ns), max(arrival_ns) FROM {source} WHERE arrival_ns IS NOT NULL").fetchone()
     classes = [r[0] for r in con.execute(f"SELECT DISTINCT coalesce(service_class, '{DEFAULT_CLASS}') FROM {source} ORDER BY 1").fetchall()]
@@ -424,7 +437,7 @@ def arrivals_over_time(requests_path: str | Path, selection: Selection, bin_s: f
         f"p.same_second, coalesce(num_prompt_tokens, 0) AS prompt_tokens, coalesce(num_output_tokens, 0) AS output_tokens "
         f"FROM {relation} r JOIN {peaks} p ON p.peak_class = r.class_name AND p.peak_key = r.{key})"
     )
-    result = k_anonymous(query_connection(), binned, ["bin_start_ns", "class_name"], {
+    result = k_anonymous(query_connection(requests_path), binned, ["bin_start_ns", "class_name"], {
         "num_arrivals": "count(*)", "peak_per_second": "max(same_second)",
         "prompt_tokens": "sum(prompt_tokens)::BIGINT", "output_tokens": "sum(output_tokens)::BIGINT",
     }, k=k, tenant_column="crowd_member", request_column=REQUEST_SEQ, params=[*params, *params], one_row_per_request=True)
@@ -460,14 +473,14 @@ def count_requests(requests_path: str | Path, selection: Selection) -> int:
     """How many requests the selection holds: only for choosing a series' bin width, never shown
     (what is shown goes through ``selection_totals``)."""
     relation, params = _selected(requests_path, selection)
-    (n,) = duckdb.connect().execute(f"SELECT count(*) FROM {relation}", params).fetchone()
+    (n,) = query_connection(requests_path).execute(f"SELECT count(*) FROM {relation}", params).fetchone()
     return int(n)
 
 
 def selection_totals(requests_path: str | Path, selection: Selection, k: int) -> KAnonymousResult:
     """Requests, tenants, prompt and output tokens of the selection as one k-anonymous cell."""
     relation, params = _selected(requests_path, selection)
-    return k_anonymous(query_connection(), relation, [], {
+    return k_anonymous(query_connection(requests_path), relation, [], {
         "num_prompt_tokens": "sum(coalesce(num_prompt_tokens, 0))::BIGINT",
         "num_output_tokens": "sum(coalesce(num_output_tokens, 0))::BIGINT",
     }, k=k, tenant_column="crowd_member", request_column=REQUEST_SEQ, params=params, one_row_per_request=True)
@@ -578,7 +591,7 @@ def service_over_time(requests_path: str | Path, selection: Selection, objective
     """Attainment, SLO goodput, rejections and cancellations per time bin (by arrival) and class,
     k-anonymous; (table, cells suppressed)."""
     relation, params = _selected(requests_path, selection)
-    return _service_over_time(query_connection(), relation, params, selection, objectives, bin_s, k)
+    return _service_over_time(query_connection(requests_path), relation, params, selection, objectives, bin_s, k)
 
 
 def _service_by_class(con: duckdb.DuckDBPyConnection, relation: str, params: list[object], selection: Selection,
@@ -601,7 +614,7 @@ def service_by_class(requests_path: str | Path, selection: Selection, objectives
     """Per class over the whole selection: requests, attainment (overall and per objective),
     goodput per second of the window, and every outcome beside it; k-anonymous."""
     relation, params = _selected(requests_path, selection)
-    table, result = _service_by_class(query_connection(), relation, params, selection, objectives, k)
+    table, result = _service_by_class(query_connection(requests_path), relation, params, selection, objectives, k)
     return table, result.num_suppressed
 
 
@@ -654,7 +667,7 @@ def latency_cdfs(requests_path: str | Path, selection: Selection, k: int) -> tup
     ``CDF_PROBABILITIES`` (long format: ``service_class``, ``metric``, ``probability``, ``value_s``,
     ``num_points``), k-anonymous: a class with fewer than k tenants or requests is left out and
     counted. The classes that pass ``k_anonymous`` are found first; only theirs are then read."""
-    con = query_connection()
+    con = query_connection(requests_path)
     relation, params = _selected(requests_path, selection)
     result = k_anonymous(con, relation, ["class_name"], {}, k=k, tenant_column="crowd_member",
                          request_column=REQUEST_SEQ, params=params, one_row_per_request=True)
@@ -678,7 +691,7 @@ def service_levels(requests_path: str | Path, selection: Selection, objectives: 
     """``service_by_class``, ``service_over_time`` and ``latency_cdfs`` of one selection with two
     k-anonymous aggregates instead of three: the CDFs are drawn for the classes the per-class cells
     show (the same rows grouped the same way, so the same classes pass)."""
-    con = query_connection()
+    con = query_connection(requests_path)
     relation, params = _selected(requests_path, selection)
     by_class, classes = _service_by_class(con, relation, params, selection, objectives, k)
     series, num_hidden_bins = _service_over_time(con, relation, params, selection, objectives, bin_s, k)
@@ -734,7 +747,7 @@ def tenant_service(requests_path: str | Path, selection: Selection, config: Metr
     """Each tenant's delivered service against its entitlement, and its cost, through
     ``k_anonymous``: no timing figure, and tenants with fewer than k requests suppressed (the
     aggregates of ``replay.metrics.tenant_metrics``, computed in DuckDB)."""
-    con = query_connection()
+    con = query_connection(requests_path)
     rows, params = _tenant_rows(con, requests_path, selection, config, verdicts=False)
     return k_anonymous(con, rows, ["tenant"], _tenant_aggregates(config), k=k, min_tenants=1, request_column=REQUEST_SEQ,
                        params=params, one_row_per_request=True)
@@ -753,7 +766,7 @@ def fairness(requests_path: str | Path, selection: Selection, config: MetricsCon
     """Jain's index of delivered service over entitlement weight across tenants (as
     ``replay.metrics.jain_index``), through ``k_anonymous`` with the tenant as the unit: below k
     tenants it is suppressed."""
-    con = query_connection()
+    con = query_connection(requests_path)
     rows, params = _tenant_rows(con, requests_path, selection, config, verdicts=False)
     per_tenant = f"(SELECT tenant, sum(service) / max(weight) AS x FROM {rows} GROUP BY tenant)"
     result = k_anonymous(con, per_tenant, [], {
@@ -777,7 +790,7 @@ def tenant_detail(requests_path: str | Path, selection: Selection, config: Metri
     """Everything about the viewer's tenant, every figure including timing, from its rows only:
     ``scope`` filters the file as it is read (before the objectives and weights are joined), so
     other tenants never enter these queries."""
-    con = query_connection()
+    con = query_connection(requests_path)
     rows, params = _tenant_rows(con, requests_path, selection, config, scope=scope)
     aggregates = _tenant_aggregates(config) | {
         "attainment": "avg(good::DOUBLE)",
@@ -803,7 +816,7 @@ def tenant_detail(requests_path: str | Path, selection: Selection, config: Metri
 def tenant_pseudonyms_present(requests_path: str | Path, scope: TenantScope) -> int:
     """How many of the viewer's requests the file holds (0: the tenant is absent or folded into 'other')."""
     predicate, params = scope.where("tenant")
-    con = duckdb.connect()
+    con = query_connection(requests_path)
     (n,) = con.execute(f"SELECT count(*) FROM read_parquet({sql_string(str(requests_path))}) WHERE {predicate}",
                        params).fetchone()
     return int(n)

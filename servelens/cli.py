@@ -664,6 +664,10 @@ def lake_compact(ctx: click.Context, vacuum_hours: int | None) -> None:
 def lake_sql(ctx: click.Context, query: str, limit: int) -> None:
     """Run a read-only SQL QUERY over the views events, dead_letters and requests.
 
+    Only queries (SELECT, several separated by ;) run, on a connection that reads files under the
+    lake's folder alone: no other file (read_text, read_csv of a path elsewhere), no COPY, ATTACH,
+    INSTALL, LOAD, SET or PRAGMA, no network, and its configuration locked (exit 3 with the reason).
+
     \b
     Example:
       servelens lake sql "SELECT outcome, count(*) FROM requests GROUP BY 1"
@@ -671,11 +675,18 @@ def lake_sql(ctx: click.Context, query: str, limit: int) -> None:
     import duckdb
 
     from pipelines.lake import Lake
+    from pipelines.tables import ReadOnlyViolation, check_query
 
     config = _config(ctx)
-    con = Lake(config.lake.root, config.lake).connect()
+    con = Lake(config.lake.root, config.lake).connect(read_only=True)
+    hint = "lake sql runs queries only, over the views events, dead_letters and requests (docs/operations.md)"
     try:
+        check_query(con, query)
         result = con.sql(query)
+    except ReadOnlyViolation as exc:
+        raise ServelensError(f"refused: {exc}", hint) from None
+    except duckdb.PermissionException as exc:
+        raise ServelensError(f"refused: {exc}", hint) from None
     except duckdb.Error as exc:
         raise ServelensError(f"the query failed: {exc}", "the views are events, dead_letters and requests") from None
     if result is None:
