@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import shutil
+from pathlib import Path
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -287,3 +288,30 @@ def test_the_nightly_layout_of_runs_and_gate_reports_is_browsed_by_day(sample, a
     at.selectbox(key="gate.report").select(1).run()
     _clean(at)
     assert "report: 2023-11-16/fcfs-chunk256@1x" not in _texts(at) and "report" not in at.query_params
+
+
+def hostile_gate_dir(sample, tmp_path: Path) -> tuple[Path, list[Path]]:
+    """A copy of the sample's gate reports whose gate.json names the pseudonym key file and
+    /etc/shadow as the runs' manifests, with gate.md a symbolic link to the key file: the issue #22
+    attack. Returns the folder and the files that must never be served."""
+    gate = tmp_path / "gate"
+    shutil.copytree(sample.root / "gate", gate)
+    report = json.loads((gate / "gate.json").read_text())
+    key = sample.root / "key.toml"
+    report["baseline"]["manifest"], report["candidate"]["manifest"] = str(key), "/etc/shadow"
+    (gate / "gate.json").write_text(json.dumps(report))
+    (gate / "gate.md").unlink()
+    (gate / "gate.md").symlink_to(key)
+    return gate, [key, Path("/etc/shadow")]
+
+
+def test_the_gate_page_serves_only_files_inside_its_folders(sample, app, tmp_path):
+    gate, secrets = hostile_gate_dir(sample, tmp_path)
+    at = app(sample.with_dashboard(gate_dir=str(gate)), "gate")
+    assert not at.exception
+    buttons = at.get("download_button")
+    # gate.json and gate.html of the report folder, and the two runs' own manifests found under runs_dir
+    assert len(buttons) == 4
+    shown = " ".join(_texts(at))
+    assert all(str(secret) not in shown for secret in secrets)
+    assert str(sample.root / "runs" / "fcfs" / "manifest.json") in shown
