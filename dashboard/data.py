@@ -46,6 +46,10 @@ from privacy.views import KAnonymousResult, TenantScope, k_anonymous
 from replay.metrics import DEFAULT_CLASS, MetricsConfig
 
 NS = 1_000_000_000
+#: The fixed, published time grid of every lake view (seconds, aligned to the epoch): time filters
+#: snap to it, series bins are whole multiples of it, and figures across tenants count only its
+#: k-anonymous cells (docs/privacy.md, "Differencing").
+WINDOW_GRID_S = 60
 #: Bin widths a time series may use, seconds (the smallest that keeps a series under max_points).
 BIN_LADDER_S = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600,
                 7200, 10800, 21600, 43200, 86400)
@@ -366,19 +370,32 @@ def query_connection(*sources: str | Path) -> duckdb.DuckDBPyConnection:
     return locked_connection(readable_dirs(*sources))
 
 
-def _selected(requests_path: str | Path, selection: Selection, scope: TenantScope | None = None) -> tuple[str, list[object]]:
-    """The selected requests as a SQL relation (with its parameters): arrivals in the window, of
-    the class (and of ``scope``'s tenant only, when given); ``class_name`` is the class ('default'
-    when none), ``crowd_member`` the tenant or, without one, the request itself (``CROWD_ID``, for
-    k-anonymity counting)."""
+def snap(window: TimeWindow | None) -> TimeWindow | None:
+    """The window widened to whole cells of the fixed grid (``WINDOW_GRID_S``, aligned to the epoch)."""
+    if window is None:
+        return None
+    grid = int(WINDOW_GRID_S * NS)
+    start = (window.start_ns // grid) * grid
+    return TimeWindow(start, max(-(-window.end_ns // grid) * grid, start + grid))
+
+
+def _selected(requests_path: str | Path, selection: Selection, scope: TenantScope | None = None,
+              k: int | None = None) -> tuple[str, list[object]]:
+    """The selected requests as a SQL relation (with its parameters): arrivals in the window (snapped
+    to the grid), of the class (and of ``scope``'s tenant only, when given); ``class_name`` is the
+    class ('default' when none), ``crowd_member`` the tenant or, without one, the request itself
+    (``CROWD_ID``, for k-anonymity counting). With ``k`` (views across tenants), only the requests of
+    grid cells (``WINDOW_GRID_S`` of one class) holding at least k crowd members and k requests: so
+    every figure is a sum over whole k-anonymous cells, and two views differ by whole such cells."""
     clauses, params = ["arrival_ns IS NOT NULL"], []
     if scope is not None:
         predicate, scope_params = scope.where("tenant")
         clauses.append(predicate)
         params += scope_params
-    if selection.window is not None:
+    window = snap(selection.window)
+    if window is not None:
         clauses += ["arrival_ns >= ?", "arrival_ns < ?"]
-        params += [int(selection.window.start_ns), int(selection.window.end_ns)]
+        params += [int(window.start_ns), int(window.end_ns)]
     if selection.service_class is not None:
         clauses.append(f"coalesce(service_class, '{DEFAULT_CLASS}') = ?")
         params.append(str(selection.service_class))
@@ -387,7 +404,13 @@ def _selected(requests_path: str | Path, selection: Selection, scope: TenantScop
         f"{CROWD_ID} AS crowd_member "
         f"FROM read_parquet({sql_string(str(requests_path))}) WHERE {' AND '.join(clauses)})"
     )
-    return relation, params
+    if k is None or scope is not None:
+        return relation, params
+    grid = int(WINDOW_GRID_S * NS)
+    cells = (f"(SELECT arrival_ns // {grid} AS cell, class_name AS cell_class FROM {relation} GROUP BY ALL "
+             f"HAVING count(DISTINCT crowd_member) >= {int(k)} AND count(*) >= {int(k)})")
+    return (f"(SELECT r.* FROM {relation} r SEMI JOIN {cells} c ON r.arrival_ns // {grid} = c.cell "
+            f"AND r.class_name = c.cell_class)"), params + params
 
 
 @dataclass(frozen=True, slots=True)
@@ -419,7 +442,7 @@ def arrivals_over_time(requests_path: str | Path, selection: Selection, bin_s: f
     the bin), ``prompt_tokens_per_s``, ``output_tokens_per_s``, ``suppressed``.
     """
     bin_ns = max(1, int(round(bin_s * NS)))
-    relation, params = _selected(requests_path, selection)
+    relation, params = _selected(requests_path, selection, k=k)
     # Each request carries the arrivals of its class in the busiest second of its bin (bins of whole
     # seconds: one row per bin and class to join, not one per second) or, in bins under a second,
     # in its own second; the cell's peak is their maximum either way.
@@ -478,8 +501,9 @@ def count_requests(requests_path: str | Path, selection: Selection) -> int:
 
 
 def selection_totals(requests_path: str | Path, selection: Selection, k: int) -> KAnonymousResult:
-    """Requests, tenants, prompt and output tokens of the selection as one k-anonymous cell."""
-    relation, params = _selected(requests_path, selection)
+    """Requests, tenants, prompt and output tokens of the selection as one k-anonymous cell (of its
+    k-anonymous grid cells only: two windows never differ by a smaller group)."""
+    relation, params = _selected(requests_path, selection, k=k)
     return k_anonymous(query_connection(requests_path), relation, [], {
         "num_prompt_tokens": "sum(coalesce(num_prompt_tokens, 0))::BIGINT",
         "num_output_tokens": "sum(coalesce(num_output_tokens, 0))::BIGINT",
@@ -590,7 +614,7 @@ def service_over_time(requests_path: str | Path, selection: Selection, objective
                       k: int) -> tuple[pa.Table, int]:
     """Attainment, SLO goodput, rejections and cancellations per time bin (by arrival) and class,
     k-anonymous; (table, cells suppressed)."""
-    relation, params = _selected(requests_path, selection)
+    relation, params = _selected(requests_path, selection, k=k)
     return _service_over_time(query_connection(requests_path), relation, params, selection, objectives, bin_s, k)
 
 
@@ -613,7 +637,7 @@ def service_by_class(requests_path: str | Path, selection: Selection, objectives
                      k: int) -> tuple[pa.Table, int]:
     """Per class over the whole selection: requests, attainment (overall and per objective),
     goodput per second of the window, and every outcome beside it; k-anonymous."""
-    relation, params = _selected(requests_path, selection)
+    relation, params = _selected(requests_path, selection, k=k)
     table, result = _service_by_class(query_connection(requests_path), relation, params, selection, objectives, k)
     return table, result.num_suppressed
 
@@ -668,7 +692,7 @@ def latency_cdfs(requests_path: str | Path, selection: Selection, k: int) -> tup
     ``num_points``), k-anonymous: a class with fewer than k tenants or requests is left out and
     counted. The classes that pass ``k_anonymous`` are found first; only theirs are then read."""
     con = query_connection(requests_path)
-    relation, params = _selected(requests_path, selection)
+    relation, params = _selected(requests_path, selection, k=k)
     result = k_anonymous(con, relation, ["class_name"], {}, k=k, tenant_column="crowd_member",
                          request_column=REQUEST_SEQ, params=params, one_row_per_request=True)
     shown = [row["class_name"] for row in result.table.to_pylist() if not row["suppressed"]]
@@ -692,7 +716,7 @@ def service_levels(requests_path: str | Path, selection: Selection, objectives: 
     k-anonymous aggregates instead of three: the CDFs are drawn for the classes the per-class cells
     show (the same rows grouped the same way, so the same classes pass)."""
     con = query_connection(requests_path)
-    relation, params = _selected(requests_path, selection)
+    relation, params = _selected(requests_path, selection, k=k)
     by_class, classes = _service_by_class(con, relation, params, selection, objectives, k)
     series, num_hidden_bins = _service_over_time(con, relation, params, selection, objectives, bin_s, k)
     shown = [row["class_name"] for row in classes.table.select(["class_name", "suppressed"]).to_pylist() if not row["suppressed"]]
@@ -704,12 +728,12 @@ def service_levels(requests_path: str | Path, selection: Selection, objectives: 
 
 
 def _tenant_rows(con: duckdb.DuckDBPyConnection, requests_path: str | Path, selection: Selection, config: MetricsConfig,
-                 *, scope: TenantScope | None = None, verdicts: bool = True) -> tuple[str, list[object]]:
+                 *, scope: TenantScope | None = None, verdicts: bool = True, k: int | None = None) -> tuple[str, list[object]]:
     """Per-request rows for tenant views (as ``replay.metrics.tenant_metrics`` builds them): the
     tenant ('unknown' when none), delivered service, entitlement weight, charged accelerator-seconds,
     and (``verdicts``) each request's objective verdicts; only ``scope``'s rows when given (filtered
     as the file is read)."""
-    relation, params = _selected(requests_path, selection, scope)
+    relation, params = _selected(requests_path, selection, scope, k=k)
     weights = config.weights()
     con.register("dashboard_weights", pa.table({
         "weighted_tenant": pa.array(list(weights), pa.string()),
@@ -748,7 +772,7 @@ def tenant_service(requests_path: str | Path, selection: Selection, config: Metr
     ``k_anonymous``: no timing figure, and tenants with fewer than k requests suppressed (the
     aggregates of ``replay.metrics.tenant_metrics``, computed in DuckDB)."""
     con = query_connection(requests_path)
-    rows, params = _tenant_rows(con, requests_path, selection, config, verdicts=False)
+    rows, params = _tenant_rows(con, requests_path, selection, config, verdicts=False, k=k)
     return k_anonymous(con, rows, ["tenant"], _tenant_aggregates(config), k=k, min_tenants=1, request_column=REQUEST_SEQ,
                        params=params, one_row_per_request=True)
 
@@ -763,12 +787,13 @@ class Fairness:
 
 
 def fairness(requests_path: str | Path, selection: Selection, config: MetricsConfig, k: int) -> Fairness:
-    """Jain's index of delivered service over entitlement weight across tenants (as
-    ``replay.metrics.jain_index``), through ``k_anonymous`` with the tenant as the unit: below k
-    tenants it is suppressed."""
+    """Jain's index of delivered service over entitlement weight across the tenants the Tenants table
+    shows (those with at least k requests: a suppressed tenant is in no figure beside the visible
+    ones, or it could be solved for), as ``replay.metrics.jain_index``; suppressed below k of them."""
     con = query_connection(requests_path)
-    rows, params = _tenant_rows(con, requests_path, selection, config, verdicts=False)
-    per_tenant = f"(SELECT tenant, sum(service) / max(weight) AS x FROM {rows} GROUP BY tenant)"
+    rows, params = _tenant_rows(con, requests_path, selection, config, verdicts=False, k=k)
+    per_tenant = (f"(SELECT tenant, sum(service) / max(weight) AS x FROM {rows} GROUP BY tenant "
+                  f"HAVING count(*) >= {int(k)})")
     result = k_anonymous(con, per_tenant, [], {
         "jain_index": "CASE WHEN sum(x * x) > 0 THEN sum(x) * sum(x) / (count(*) * sum(x * x)) END",
     }, k=k, tenant_column="tenant", request_column="tenant", params=params)

@@ -134,14 +134,22 @@ def test_filters_come_from_the_url_and_go_back_into_it(sample, app):
     _clean(at)
     assert at.selectbox(key="service.class").value == "interactive"
     lo, hi = at.slider(key="service.window").value
-    assert (lo.strftime("%Y-%m-%dT%H:%M:%SZ"), hi.strftime("%Y-%m-%dT%H:%M:%SZ")) == (start, end)
+    grid = data.WINDOW_GRID_S
+    snapped = ((first + 30) // grid * grid, -(-(first + 90) // grid) * grid)  # whole cells of the fixed grid
+    iso = [dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") for t in snapped]
+    assert [lo.strftime("%Y-%m-%dT%H:%M:%SZ"), hi.strftime("%Y-%m-%dT%H:%M:%SZ")] == iso
     per_class = at.dataframe[1].value
     assert list(per_class["service_class"]) == ["interactive"]
-    in_window = requests.filter(pc.and_(pc.and_(pc.greater_equal(requests["arrival_ns"], (first + 30) * 10**9),
-                                                pc.less(requests["arrival_ns"], (first + 90) * 10**9)),
-                                        pc.equal(requests["service_class"], "interactive")))
-    assert per_class["num_requests"].iloc[0] == in_window.num_rows
-    assert at.query_params["class"] == "interactive" and at.query_params["from"] == start
+    rows = requests.filter(pc.and_(pc.and_(pc.greater_equal(requests["arrival_ns"], snapped[0] * 10**9),
+                                           pc.less(requests["arrival_ns"], snapped[1] * 10**9)),
+                                   pc.equal(requests["service_class"], "interactive"))).to_pylist()
+    cells: dict[int, list] = {}
+    for row in rows:
+        cells.setdefault(row["arrival_ns"] // (grid * 10**9), []).append(row["tenant"])
+    # only grid cells with k tenants and k requests count (docs/privacy.md)
+    k = sample.settings.privacy.min_group_size
+    assert per_class["num_requests"].iloc[0] == sum(len(t) for t in cells.values() if len(set(t)) >= k and len(t) >= k) > 0
+    assert at.query_params["class"] == "interactive" and at.query_params["from"] == iso[0]
 
     at = app(sample.settings, "policies", {"run": ["fcfs", "fcfs@2x"], "class": "batch"})
     _clean(at)
