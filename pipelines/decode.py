@@ -110,7 +110,8 @@ def _slow(value: bytes, index: int) -> tuple[object | None, Rejected | None, tup
         etype = record.get("event_type") if isinstance(record, dict) else None
         from schemas.events import EVENT_TYPES
 
-        return None, Rejected(index, len(value), result.errors, etype if etype in EVENT_TYPES else None), ()
+        known = etype if isinstance(etype, str) and etype in EVENT_TYPES else None
+        return None, Rejected(index, len(value), result.errors, known), ()
     return result.event, None, result.ignored_fields
 
 
