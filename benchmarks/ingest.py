@@ -131,7 +131,7 @@ def ingest(bootstrap: str, num_events: int, root: str) -> dict:
     started = time.perf_counter()
     consumer.start()
     start_s = time.perf_counter() - started
-    worker = consumer.transform._process.pid if consumer.transform._process is not None else None
+    worker = consumer.transform.pid
     pids = ("self",) if worker is None else ("self", worker)
     samples: list[float] = []
     done = threading.Event()

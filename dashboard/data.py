@@ -41,11 +41,15 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipelines.config import LakeConfig
-from pipelines.tables import connect, requests_sql
+from pipelines.tables import locked_connection, readable_dirs, requests_sql
 from privacy.views import KAnonymousResult, TenantScope, k_anonymous
 from replay.metrics import DEFAULT_CLASS, MetricsConfig
 
 NS = 1_000_000_000
+#: The fixed, published time grid of every lake view (seconds, aligned to the epoch): time filters
+#: snap to it, series bins are whole multiples of it, and figures across tenants count only its
+#: k-anonymous cells (docs/privacy.md, "Differencing").
+WINDOW_GRID_S = 60
 #: Bin widths a time series may use, seconds (the smallest that keeps a series under max_points).
 BIN_LADDER_S = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600,
                 7200, 10800, 21600, 43200, 86400)
@@ -214,7 +218,7 @@ def dead_letters_by_reason(snapshot: LakeSnapshot, memory_limit: str | None = No
                         ("last_received_ns", pa.int64())])
     if not snapshot.dead_letter_files:
         return schema.empty_table()
-    con = connect(memory_limit)
+    con = locked_connection(readable_dirs(*snapshot.dead_letter_files), memory_limit)
     query = (f"SELECT reason, event_type, count(*) AS num_dead_letters, max(received_ns) AS last_received_ns "
              f"FROM {parquet_relation(snapshot.dead_letter_files)} GROUP BY ALL ORDER BY num_dead_letters DESC, reason")
     return con.sql(query).to_arrow_table().cast(schema)
@@ -253,7 +257,7 @@ def materialize_requests(event_files: Sequence[str | Path], out: str | Path, *, 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
-    con = connect(memory_limit)
+    con = locked_connection([*readable_dirs(*event_files), out.parent], memory_limit)
     events = parquet_relation(event_files)
     order = "r.arrival_ns NULLS LAST, r.request_id"
     query = f"""
@@ -275,14 +279,26 @@ def materialize_requests(event_files: Sequence[str | Path], out: str | Path, *, 
         ORDER BY {order}
     """
     try:
-        (rows,) = con.execute(
-            f"COPY ({query}) TO {sql_string(str(tmp))} (FORMAT parquet, COMPRESSION {DERIVED_COMPRESSION}, ROW_GROUP_SIZE 122880)"
-        ).fetchone()
+        rows = _write_parquet(con.sql(query).to_arrow_reader(_ROW_GROUP_ROWS), tmp)
         check_one_row_per_request(con, f"read_parquet({sql_string(str(tmp))})")
         tmp.replace(out)
     finally:
         tmp.unlink(missing_ok=True)
     return int(rows)
+
+
+_ROW_GROUP_ROWS = 122_880
+
+
+def _write_parquet(reader: pa.RecordBatchReader, path: Path) -> int:
+    """Stream a query's batches into a Parquet file by pyarrow (the dashboard's DuckDB connections
+    write nothing: ``pipelines.tables.lock_down``); returns the rows."""
+    rows = 0
+    with pq.ParquetWriter(path, reader.schema, compression=DERIVED_COMPRESSION) as writer:
+        for batch in reader:
+            writer.write_batch(batch, row_group_size=_ROW_GROUP_ROWS)
+            rows += batch.num_rows
+    return rows
 
 
 def _empty_requests(out: Path) -> Path:
@@ -348,24 +364,38 @@ def lake_requests_path(snapshot: LakeSnapshot, cache_dir: str | Path, memory_lim
 # ------------------------------------------------------------------------------------------ request-file queries
 
 
-def query_connection() -> duckdb.DuckDBPyConnection:
-    """A connection for the pages' aggregates over a derived request file."""
-    return connect()
+def query_connection(*sources: str | Path) -> duckdb.DuckDBPyConnection:
+    """A connection for the pages' aggregates, locked to the folders of ``sources`` (files or
+    relations built here): no other file, no write, no extension, no network."""
+    return locked_connection(readable_dirs(*sources))
 
 
-def _selected(requests_path: str | Path, selection: Selection, scope: TenantScope | None = None) -> tuple[str, list[object]]:
-    """The selected requests as a SQL relation (with its parameters): arrivals in the window, of
-    the class (and of ``scope``'s tenant only, when given); ``class_name`` is the class ('default'
-    when none), ``crowd_member`` the tenant or, without one, the request itself (``CROWD_ID``, for
-    k-anonymity counting)."""
+def snap(window: TimeWindow | None) -> TimeWindow | None:
+    """The window widened to whole cells of the fixed grid (``WINDOW_GRID_S``, aligned to the epoch)."""
+    if window is None:
+        return None
+    grid = int(WINDOW_GRID_S * NS)
+    start = (window.start_ns // grid) * grid
+    return TimeWindow(start, max(-(-window.end_ns // grid) * grid, start + grid))
+
+
+def _selected(requests_path: str | Path, selection: Selection, scope: TenantScope | None = None,
+              k: int | None = None) -> tuple[str, list[object]]:
+    """The selected requests as a SQL relation (with its parameters): arrivals in the window (snapped
+    to the grid), of the class (and of ``scope``'s tenant only, when given); ``class_name`` is the
+    class ('default' when none), ``crowd_member`` the tenant or, without one, the request itself
+    (``CROWD_ID``, for k-anonymity counting). With ``k`` (views across tenants), only the requests of
+    grid cells (``WINDOW_GRID_S`` of one class) holding at least k crowd members and k requests: so
+    every figure is a sum over whole k-anonymous cells, and two views differ by whole such cells."""
     clauses, params = ["arrival_ns IS NOT NULL"], []
     if scope is not None:
         predicate, scope_params = scope.where("tenant")
         clauses.append(predicate)
         params += scope_params
-    if selection.window is not None:
+    window = snap(selection.window)
+    if window is not None:
         clauses += ["arrival_ns >= ?", "arrival_ns < ?"]
-        params += [int(selection.window.start_ns), int(selection.window.end_ns)]
+        params += [int(window.start_ns), int(window.end_ns)]
     if selection.service_class is not None:
         clauses.append(f"coalesce(service_class, '{DEFAULT_CLASS}') = ?")
         params.append(str(selection.service_class))
@@ -374,7 +404,13 @@ def _selected(requests_path: str | Path, selection: Selection, scope: TenantScop
         f"{CROWD_ID} AS crowd_member "
         f"FROM read_parquet({sql_string(str(requests_path))}) WHERE {' AND '.join(clauses)})"
     )
-    return relation, params
+    if k is None or scope is not None:
+        return relation, params
+    grid = int(WINDOW_GRID_S * NS)
+    cells = (f"(SELECT arrival_ns // {grid} AS cell, class_name AS cell_class FROM {relation} GROUP BY ALL "
+             f"HAVING count(DISTINCT crowd_member) >= {int(k)} AND count(*) >= {int(k)})")
+    return (f"(SELECT r.* FROM {relation} r SEMI JOIN {cells} c ON r.arrival_ns // {grid} = c.cell "
+            f"AND r.class_name = c.cell_class)"), params + params
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,7 +426,7 @@ class RequestsOverview:
 
 def requests_overview(requests_path: str | Path) -> RequestsOverview:
     """Row count, arrival range, classes and instances of a derived request file."""
-    con = duckdb.connect()
+    con = query_connection(requests_path)
     source = f"read_parquet({sql_string(str(requests_path))})"
     n, first, last = con.execute(f"SELECT count(*), min(arrival_ns), max(arrival_ns) FROM {source} WHERE arrival_ns IS NOT NULL").fetchone()
     classes = [r[0] for r in con.execute(f"SELECT DISTINCT coalesce(service_class, '{DEFAULT_CLASS}') FROM {source} ORDER BY 1").fetchall()]
@@ -406,7 +442,7 @@ def arrivals_over_time(requests_path: str | Path, selection: Selection, bin_s: f
     the bin), ``prompt_tokens_per_s``, ``output_tokens_per_s``, ``suppressed``.
     """
     bin_ns = max(1, int(round(bin_s * NS)))
-    relation, params = _selected(requests_path, selection)
+    relation, params = _selected(requests_path, selection, k=k)
     # Each request carries the arrivals of its class in the busiest second of its bin (bins of whole
     # seconds: one row per bin and class to join, not one per second) or, in bins under a second,
     # in its own second; the cell's peak is their maximum either way.
@@ -424,7 +460,7 @@ def arrivals_over_time(requests_path: str | Path, selection: Selection, bin_s: f
         f"p.same_second, coalesce(num_prompt_tokens, 0) AS prompt_tokens, coalesce(num_output_tokens, 0) AS output_tokens "
         f"FROM {relation} r JOIN {peaks} p ON p.peak_class = r.class_name AND p.peak_key = r.{key})"
     )
-    result = k_anonymous(query_connection(), binned, ["bin_start_ns", "class_name"], {
+    result = k_anonymous(query_connection(requests_path), binned, ["bin_start_ns", "class_name"], {
         "num_arrivals": "count(*)", "peak_per_second": "max(same_second)",
         "prompt_tokens": "sum(prompt_tokens)::BIGINT", "output_tokens": "sum(output_tokens)::BIGINT",
     }, k=k, tenant_column="crowd_member", request_column=REQUEST_SEQ, params=[*params, *params], one_row_per_request=True)
@@ -460,14 +496,15 @@ def count_requests(requests_path: str | Path, selection: Selection) -> int:
     """How many requests the selection holds: only for choosing a series' bin width, never shown
     (what is shown goes through ``selection_totals``)."""
     relation, params = _selected(requests_path, selection)
-    (n,) = duckdb.connect().execute(f"SELECT count(*) FROM {relation}", params).fetchone()
+    (n,) = query_connection(requests_path).execute(f"SELECT count(*) FROM {relation}", params).fetchone()
     return int(n)
 
 
 def selection_totals(requests_path: str | Path, selection: Selection, k: int) -> KAnonymousResult:
-    """Requests, tenants, prompt and output tokens of the selection as one k-anonymous cell."""
-    relation, params = _selected(requests_path, selection)
-    return k_anonymous(query_connection(), relation, [], {
+    """Requests, tenants, prompt and output tokens of the selection as one k-anonymous cell (of its
+    k-anonymous grid cells only: two windows never differ by a smaller group)."""
+    relation, params = _selected(requests_path, selection, k=k)
+    return k_anonymous(query_connection(requests_path), relation, [], {
         "num_prompt_tokens": "sum(coalesce(num_prompt_tokens, 0))::BIGINT",
         "num_output_tokens": "sum(coalesce(num_output_tokens, 0))::BIGINT",
     }, k=k, tenant_column="crowd_member", request_column=REQUEST_SEQ, params=params, one_row_per_request=True)
@@ -577,8 +614,8 @@ def service_over_time(requests_path: str | Path, selection: Selection, objective
                       k: int) -> tuple[pa.Table, int]:
     """Attainment, SLO goodput, rejections and cancellations per time bin (by arrival) and class,
     k-anonymous; (table, cells suppressed)."""
-    relation, params = _selected(requests_path, selection)
-    return _service_over_time(query_connection(), relation, params, selection, objectives, bin_s, k)
+    relation, params = _selected(requests_path, selection, k=k)
+    return _service_over_time(query_connection(requests_path), relation, params, selection, objectives, bin_s, k)
 
 
 def _service_by_class(con: duckdb.DuckDBPyConnection, relation: str, params: list[object], selection: Selection,
@@ -600,8 +637,8 @@ def service_by_class(requests_path: str | Path, selection: Selection, objectives
                      k: int) -> tuple[pa.Table, int]:
     """Per class over the whole selection: requests, attainment (overall and per objective),
     goodput per second of the window, and every outcome beside it; k-anonymous."""
-    relation, params = _selected(requests_path, selection)
-    table, result = _service_by_class(query_connection(), relation, params, selection, objectives, k)
+    relation, params = _selected(requests_path, selection, k=k)
+    table, result = _service_by_class(query_connection(requests_path), relation, params, selection, objectives, k)
     return table, result.num_suppressed
 
 
@@ -654,8 +691,8 @@ def latency_cdfs(requests_path: str | Path, selection: Selection, k: int) -> tup
     ``CDF_PROBABILITIES`` (long format: ``service_class``, ``metric``, ``probability``, ``value_s``,
     ``num_points``), k-anonymous: a class with fewer than k tenants or requests is left out and
     counted. The classes that pass ``k_anonymous`` are found first; only theirs are then read."""
-    con = query_connection()
-    relation, params = _selected(requests_path, selection)
+    con = query_connection(requests_path)
+    relation, params = _selected(requests_path, selection, k=k)
     result = k_anonymous(con, relation, ["class_name"], {}, k=k, tenant_column="crowd_member",
                          request_column=REQUEST_SEQ, params=params, one_row_per_request=True)
     shown = [row["class_name"] for row in result.table.to_pylist() if not row["suppressed"]]
@@ -678,8 +715,8 @@ def service_levels(requests_path: str | Path, selection: Selection, objectives: 
     """``service_by_class``, ``service_over_time`` and ``latency_cdfs`` of one selection with two
     k-anonymous aggregates instead of three: the CDFs are drawn for the classes the per-class cells
     show (the same rows grouped the same way, so the same classes pass)."""
-    con = query_connection()
-    relation, params = _selected(requests_path, selection)
+    con = query_connection(requests_path)
+    relation, params = _selected(requests_path, selection, k=k)
     by_class, classes = _service_by_class(con, relation, params, selection, objectives, k)
     series, num_hidden_bins = _service_over_time(con, relation, params, selection, objectives, bin_s, k)
     shown = [row["class_name"] for row in classes.table.select(["class_name", "suppressed"]).to_pylist() if not row["suppressed"]]
@@ -691,12 +728,12 @@ def service_levels(requests_path: str | Path, selection: Selection, objectives: 
 
 
 def _tenant_rows(con: duckdb.DuckDBPyConnection, requests_path: str | Path, selection: Selection, config: MetricsConfig,
-                 *, scope: TenantScope | None = None, verdicts: bool = True) -> tuple[str, list[object]]:
+                 *, scope: TenantScope | None = None, verdicts: bool = True, k: int | None = None) -> tuple[str, list[object]]:
     """Per-request rows for tenant views (as ``replay.metrics.tenant_metrics`` builds them): the
     tenant ('unknown' when none), delivered service, entitlement weight, charged accelerator-seconds,
     and (``verdicts``) each request's objective verdicts; only ``scope``'s rows when given (filtered
     as the file is read)."""
-    relation, params = _selected(requests_path, selection, scope)
+    relation, params = _selected(requests_path, selection, scope, k=k)
     weights = config.weights()
     con.register("dashboard_weights", pa.table({
         "weighted_tenant": pa.array(list(weights), pa.string()),
@@ -734,8 +771,8 @@ def tenant_service(requests_path: str | Path, selection: Selection, config: Metr
     """Each tenant's delivered service against its entitlement, and its cost, through
     ``k_anonymous``: no timing figure, and tenants with fewer than k requests suppressed (the
     aggregates of ``replay.metrics.tenant_metrics``, computed in DuckDB)."""
-    con = query_connection()
-    rows, params = _tenant_rows(con, requests_path, selection, config, verdicts=False)
+    con = query_connection(requests_path)
+    rows, params = _tenant_rows(con, requests_path, selection, config, verdicts=False, k=k)
     return k_anonymous(con, rows, ["tenant"], _tenant_aggregates(config), k=k, min_tenants=1, request_column=REQUEST_SEQ,
                        params=params, one_row_per_request=True)
 
@@ -750,12 +787,13 @@ class Fairness:
 
 
 def fairness(requests_path: str | Path, selection: Selection, config: MetricsConfig, k: int) -> Fairness:
-    """Jain's index of delivered service over entitlement weight across tenants (as
-    ``replay.metrics.jain_index``), through ``k_anonymous`` with the tenant as the unit: below k
-    tenants it is suppressed."""
-    con = query_connection()
-    rows, params = _tenant_rows(con, requests_path, selection, config, verdicts=False)
-    per_tenant = f"(SELECT tenant, sum(service) / max(weight) AS x FROM {rows} GROUP BY tenant)"
+    """Jain's index of delivered service over entitlement weight across the tenants the Tenants table
+    shows (those with at least k requests: a suppressed tenant is in no figure beside the visible
+    ones, or it could be solved for), as ``replay.metrics.jain_index``; suppressed below k of them."""
+    con = query_connection(requests_path)
+    rows, params = _tenant_rows(con, requests_path, selection, config, verdicts=False, k=k)
+    per_tenant = (f"(SELECT tenant, sum(service) / max(weight) AS x FROM {rows} GROUP BY tenant "
+                  f"HAVING count(*) >= {int(k)})")
     result = k_anonymous(con, per_tenant, [], {
         "jain_index": "CASE WHEN sum(x * x) > 0 THEN sum(x) * sum(x) / (count(*) * sum(x * x)) END",
     }, k=k, tenant_column="tenant", request_column="tenant", params=params)
@@ -777,7 +815,7 @@ def tenant_detail(requests_path: str | Path, selection: Selection, config: Metri
     """Everything about the viewer's tenant, every figure including timing, from its rows only:
     ``scope`` filters the file as it is read (before the objectives and weights are joined), so
     other tenants never enter these queries."""
-    con = query_connection()
+    con = query_connection(requests_path)
     rows, params = _tenant_rows(con, requests_path, selection, config, scope=scope)
     aggregates = _tenant_aggregates(config) | {
         "attainment": "avg(good::DOUBLE)",
@@ -803,7 +841,7 @@ def tenant_detail(requests_path: str | Path, selection: Selection, config: Metri
 def tenant_pseudonyms_present(requests_path: str | Path, scope: TenantScope) -> int:
     """How many of the viewer's requests the file holds (0: the tenant is absent or folded into 'other')."""
     predicate, params = scope.where("tenant")
-    con = duckdb.connect()
+    con = query_connection(requests_path)
     (n,) = con.execute(f"SELECT count(*) FROM read_parquet({sql_string(str(requests_path))}) WHERE {predicate}",
                        params).fetchone()
     return int(n)

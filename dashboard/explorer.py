@@ -25,11 +25,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import duckdb
 import pyarrow as pa
 
 from dashboard.data import NS, BIN_LADDER_S, TimeWindow, parquet_relation, sql_string
-from pipelines.tables import connect
+from pipelines.tables import locked_connection, readable_dirs
 from privacy.sanitize import FIELD_POLICIES
 from privacy.views import TenantScope
 from schemas.events import LIFECYCLE_RANK
@@ -149,7 +148,7 @@ def candidate_requests(requests_path: str | Path, visibility: Visibility, *, win
     query = (f"SELECT request_id, arrival_ns, coalesce(service_class, 'default') AS service_class, outcome, ttft_s, e2e_s, "
              f"queue_s, num_preemptions FROM read_parquet({sql_string(str(requests_path))}) "
              f"WHERE {' AND '.join(clauses)} ORDER BY {orders.get(order, orders['ttft'])}, request_id LIMIT {int(limit)}")
-    return duckdb.connect().sql(query, params=params).to_arrow_table()
+    return locked_connection(readable_dirs(requests_path)).sql(query, params=params).to_arrow_table()
 
 
 def find_request(requests_path: str | Path, request_id: str, visibility: Visibility) -> RequestSummary | None:
@@ -159,7 +158,7 @@ def find_request(requests_path: str | Path, request_id: str, visibility: Visibil
     fields = RequestSummary.__dataclass_fields__
     query = (f"SELECT {', '.join(fields)} FROM read_parquet({sql_string(str(requests_path))}) "
              f"WHERE request_id = ? AND arrival_ns IS NOT NULL AND {predicate} LIMIT 1")
-    rows = duckdb.connect().execute(query, [request_id, *params]).fetchall()
+    rows = locked_connection(readable_dirs(requests_path)).execute(query, [request_id, *params]).fetchall()
     if not rows:
         return None
     return RequestSummary(**dict(zip(fields, rows[0])))
@@ -184,7 +183,7 @@ def request_life(events_relation: str, summary: RequestSummary, *, hive: bool, m
     it summarizes), num_members, num_prefill_tokens, num_decode_seqs, own_tokens (this request's
     tokens per step), phase ('prefill' or 'decode'), num_kv_blocks_used.
     """
-    con = connect(memory_limit)
+    con = locked_connection(readable_dirs(events_relation), memory_limit)
     window = _time_filter(summary.arrival_ns, summary.end_ns + 1, hive)
     events = con.sql(
         f"SELECT ts_ns, event_type, instance_id, decision, reason, mode, lease_generation, num_lost_tokens, num_tokens, "
@@ -248,7 +247,7 @@ def batch_composition(events_relation: str, instance_id: str, window: TimeWindow
     the bin), kv_blocks_used (the most at a step end), mean_step_ms."""
     bin_s = composition_bin_s(window.span_s, max_points)
     bin_ns = max(1, int(round(bin_s * NS)))
-    con = connect(memory_limit)
+    con = locked_connection(readable_dirs(events_relation), memory_limit)
     table = con.sql(
         f"""SELECT (start_ns // {bin_ns}) * {bin_ns} AS bin_start_ns,
                    sum(coalesce(num_steps, 1)) AS num_steps,

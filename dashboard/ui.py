@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -278,8 +279,9 @@ def series_bin_s(s: Settings, view: LakeView, selection: Selection) -> float:
     k = s.privacy.min_group_size
     span_s = selection.window.span_s if selection.window is not None else 0.0
     num_series = 1 if selection.service_class is not None else max(1, len(view.overview.classes))
-    return data.choose_bin_s(span_s, s.dashboard.max_points, num_requests=count_requests(view.requests_path, selection),
-                             num_series=num_series, min_requests_per_bin=8 * k)
+    width = data.choose_bin_s(span_s, s.dashboard.max_points, num_requests=count_requests(view.requests_path, selection),
+                              num_series=num_series, min_requests_per_bin=8 * k)
+    return float(math.ceil(width / data.WINDOW_GRID_S) * data.WINDOW_GRID_S)  # whole grid cells (docs/privacy.md)
 
 
 def run_list(s: Settings) -> tuple[runs.RunInfo, ...]:
@@ -350,20 +352,20 @@ def window_filter(ov: RequestsOverview, page: str) -> TimeWindow:
     """The time-window slider (UTC), initialised from the URL (``from``/``to``), written back to it."""
     if ov.first_arrival_ns is None or ov.last_arrival_ns is None:
         return TimeWindow(0, 1)
-    lo = (ov.first_arrival_ns // NS) * NS
-    hi = (ov.last_arrival_ns // NS + 1) * NS
+    grid = data.WINDOW_GRID_S * NS  # windows are whole cells of the fixed grid: no arbitrary window to difference
+    full = data.snap(TimeWindow(ov.first_arrival_ns, ov.last_arrival_ns + 1))
+    lo, hi = full.start_ns, full.end_ns
     start = parse_time(_one(remembered("from"))) or lo
     end = parse_time(_one(remembered("to"))) or hi
-    start = min(max(start, lo), hi - NS)
-    end = max(min(end, hi), start + NS)
+    start = min(max(start, lo), hi - grid)
+    end = max(min(end, hi), start + grid)
+    start, end = data.snap(TimeWindow(start, end)).start_ns, data.snap(TimeWindow(start, end)).end_ns
     span_s = (hi - lo) / NS
-    step_s = max(1, int(data.choose_bin_s(span_s, 600)))
+    step_s = int(math.ceil(data.choose_bin_s(span_s, 600) / data.WINDOW_GRID_S) * data.WINDOW_GRID_S)
     chosen = st.slider("Time window (UTC, by arrival)", min_value=_naive(lo), max_value=_naive(hi),
                        value=(_naive(start), _naive(end)), step=dt.timedelta(seconds=step_s), format="YYYY-MM-DD HH:mm:ss",
                        key=f"{page}.window")
-    window = TimeWindow(max(_ns(chosen[0]), lo), min(_ns(chosen[1]), hi))
-    if window.end_ns <= window.start_ns:
-        window = TimeWindow(window.start_ns, window.start_ns + NS)
+    window = data.snap(TimeWindow(max(_ns(chosen[0]), lo), min(_ns(chosen[1]), hi)))
     at_full = window.start_ns == lo and window.end_ns == hi
     url_set("from", None if at_full else format_time(window.start_ns))
     url_set("to", None if at_full else format_time(window.end_ns))

@@ -56,6 +56,12 @@ class IngestConfig:
         2,
     )
     max_message_bytes: int = doc("Larger messages go to dead letters as 'oversized' without being parsed.", 1_048_576)
+    max_json_depth: int = doc(
+        "JSON messages nested deeper than this go to dead letters as 'too_deep' before any parser sees them (a "
+        "byte scan; the contract's events are 2 deep: an object of lists). 0 turns the guard off (only to test "
+        "the worker's crash isolation: a 100,000-deep message crashes pyarrow's JSON reader).",
+        32,
+    )
     max_future_skew_s: float = doc(
         "Events stamped further than this ahead of the ingest clock go to dead letters as 'clock_skew'.", 3600.0
     )

@@ -156,18 +156,31 @@ def events_schema_conforms(lake: LakeResource) -> dg.AssetCheckResult:
                                metadata={"missing_columns": sorted(missing), "wrong_types": sorted(wrong)})
 
 
-@dg.asset_check(asset=ingested_events, description="No raw identifier in the sanitized events: every id and tenant is "
-                                                   "a pseudonym made with a configured key.")
+@dg.asset_check(asset=ingested_events, description="No raw identifier in the sanitized events: every id, user and tenant "
+                                                   "is a pseudonym made with a configured key, and every clear-text "
+                                                   "label has the allowlist's shape (privacy.labels).")
 def no_raw_identifiers(lake: LakeResource, privacy_key: PrivacyKeyResource) -> dg.AssetCheckResult:
     key_ids = sorted(privacy_key.keyring().secrets)
-    query = """
+    # clear-text labels outside the allowlist's shape (privacy.labels): a sentence, a credential, a bare number
+    label = "'^[A-Za-z0-9][A-Za-z0-9._:/@+\\-]{0,127}$'"
+    raw_label = " OR ".join(
+        f"({c} IS NOT NULL AND {c} NOT IN ('other', '_REDACTED_') AND NOT regexp_matches({c}, '^replay-[0-9a-f]{{12}}$') "
+        f"AND (NOT regexp_matches({c}, {label}) "
+        f"OR regexp_matches({c}, '(^|[^A-Za-z0-9])[0-9]{{7,}}([^A-Za-z0-9]|$)')))"
+        for c in ("engine_id", "instance_id", "service_class", "model", "pool", "target"))
+    query = f"""
         SELECT count(*) FILTER (WHERE NOT regexp_matches(event_id, '^ev_[0-9a-f]+$')),
                count(*) FILTER (WHERE request_id IS NOT NULL AND NOT regexp_matches(request_id, '^rq_[0-9a-f]+$')),
                count(*) FILTER (WHERE tenant IS NOT NULL AND tenant <> 'other' AND NOT regexp_matches(tenant, '^tn_[0-9a-f]+$')),
-               count(*) FILTER (WHERE pseudonym_key_id IS NULL OR NOT list_contains($keys, pseudonym_key_id))
+               count(*) FILTER (WHERE pseudonym_key_id IS NULL OR NOT list_contains($keys, pseudonym_key_id)),
+               count(*) FILTER (WHERE ("user" IS NOT NULL AND NOT regexp_matches("user", '^us_[0-9a-f]+$'))
+                                   OR (session_id IS NOT NULL AND NOT regexp_matches(session_id, '^se_[0-9a-f]+$'))
+                                   OR (api_key_id IS NOT NULL AND NOT regexp_matches(api_key_id, '^ak_[0-9a-f]+$'))),
+               count(*) FILTER (WHERE {raw_label})
         FROM events"""
     counts = lake.lake().connect().execute(query, {"keys": key_ids}).fetchone()
-    names = ("raw_event_ids", "raw_request_ids", "raw_tenants", "rows_without_a_known_key")
+    names = ("raw_event_ids", "raw_request_ids", "raw_tenants", "rows_without_a_known_key", "raw_user_ids",
+             "raw_labels")
     return dg.AssetCheckResult(passed=not any(counts), metadata={**dict(zip(names, counts)), "key_ids": key_ids})
 
 

@@ -11,11 +11,18 @@ store. A test proves the two paths agree on every record.
 When ``pyarrow.json`` refuses a batch (one poison message makes the whole parse fail), the batch is
 bisected until the poison is isolated, so one bad message costs a few extra parses, not a slow pass
 over the whole batch.
+
+Before any parser sees a message, its nesting depth is bounded by a byte scan (``json_depth``):
+pyarrow's JSON reader crashes the process (SIGSEGV) on a message nested 100,000 deep and spends
+super-linear time on one nested 10,000 deep, so a message deeper than ``max_json_depth`` goes to
+dead letters as ``too_deep`` unparsed. The scan counts brackets (two C calls per message); only a
+message with more brackets than the limit is scanned exactly (strings stripped, then a running sum).
 """
 
 from __future__ import annotations
 
 import io
+import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,6 +39,29 @@ from schemas.wire import decode_json
 
 OVERSIZED = "oversized"
 CLOCK_SKEW = "clock_skew"
+TOO_DEEP = "too_deep"
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # linear: each match ends at the next unescaped quote
+_EVENT_TYPE = re.compile(rb'"event_type"\s*:\s*"([a-z_]{1,40})"')
+
+
+def json_depth(value: bytes) -> int:
+    """The deepest nesting of objects and arrays in a JSON message, outside its strings (a byte scan,
+    linear in the message: no parser involved). Unbalanced input is scanned as far as it goes."""
+    stripped = _JSON_STRING.sub(b'""', value)
+    data = np.frombuffer(stripped, dtype=np.uint8)
+    steps = (data == 0x7B).astype(np.int32) + (data == 0x5B) - (data == 0x7D) - (data == 0x5D)
+    return int(np.cumsum(steps).max(initial=0))
+
+
+def sniff_event_type(value: bytes) -> str | None:
+    """The event type a message names in its first 4 KB, when it is a known one (for dead letters:
+    never a value outside the contract's vocabulary)."""
+    from schemas.events import EVENT_TYPES
+
+    found = _EVENT_TYPE.search(value[:4096])
+    name = found.group(1).decode() if found else None
+    return name if name in EVENT_TYPES else None
 
 _SLOW_BATCH = 32  # below this many messages a failed parse goes straight to the slow path
 
@@ -43,6 +73,7 @@ class Rejected:
     index: int  # position in the decoded batch
     size_bytes: int
     errors: tuple[FieldError, ...]
+    event_type: str | None = None  # the event type it names, when a known one
 
 
 @dataclass
@@ -73,10 +104,14 @@ def _parse(values: Sequence[bytes], joined: bytes | None = None) -> pa.Table | N
 def _slow(value: bytes, index: int) -> tuple[object | None, Rejected | None, tuple[str, ...]]:
     record, reason, message = decode_json(value)
     if reason:
-        return None, Rejected(index, len(value), (FieldError(reason, "$", message),)), ()
+        return None, Rejected(index, len(value), (FieldError(reason, "$", message),), sniff_event_type(value)), ()
     result = validate_record(record, index)
     if result.event is None:
-        return None, Rejected(index, len(value), result.errors), ()
+        etype = record.get("event_type") if isinstance(record, dict) else None
+        from schemas.events import EVENT_TYPES
+
+        known = etype if isinstance(etype, str) and etype in EVENT_TYPES else None
+        return None, Rejected(index, len(value), result.errors, known), ()
     return result.event, None, result.ignored_fields
 
 
@@ -84,7 +119,7 @@ class Decoder:
     """Turns raw messages into valid events and rejections; keeps no state between batches."""
 
     def __init__(self, *, max_message_bytes: int = 1_048_576, max_future_skew_ns: int | None = None,
-                 message_format: str = "servelens") -> None:
+                 message_format: str = "servelens", max_json_depth: int = 32) -> None:
         """``message_format``: servelens (our JSON events), or OTLP spans from the OpenTelemetry
         Collector's Kafka exporter: otlp_json, otlp_proto, or otlp (either, per message; ``pipelines.otlp``)."""
         from pipelines.otlp import FORMATS
@@ -96,20 +131,44 @@ class Decoder:
         self.max_message_bytes = max_message_bytes
         self.max_future_skew_ns = max_future_skew_ns
         self.message_format = message_format
+        self.max_json_depth = max_json_depth
 
-    def decode(self, values: Sequence[bytes], now_ns: int | None = None) -> DecodedBatch:
+    def _too_deep(self, values: Sequence[bytes], candidates: list[int]) -> list[int]:
+        """The candidates nested deeper than ``max_json_depth`` (JSON messages only: a protobuf
+        message's bytes are not brackets)."""
+        limit = self.max_json_depth
+        if limit <= 0:
+            return []
+        json_only = self.message_format in ("servelens", "otlp_json")
+        return [i for i in candidates
+                if values[i].count(b"{") + values[i].count(b"[") > limit
+                and (json_only or values[i][:1] == b"{") and json_depth(values[i]) > limit]
+
+    def _screen(self, values: Sequence[bytes], sizes: np.ndarray) -> tuple[list[Rejected], list[int]]:
+        """Before any parser: oversized and too deeply nested messages rejected; the rest (candidates)."""
         rejected: list[Rejected] = []
-        sizes = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
         for i in np.flatnonzero(sizes > self.max_message_bytes).tolist():
             error = FieldError(OVERSIZED, "$", f"{sizes[i]:,} bytes exceed the {self.max_message_bytes:,}-byte limit")
-            rejected.append(Rejected(i, int(sizes[i]), (error,)))
+            rejected.append(Rejected(i, int(sizes[i]), (error,), sniff_event_type(values[i])))
         candidates = np.flatnonzero(sizes <= self.max_message_bytes).tolist()
+        deep = self._too_deep(values, candidates)
+        for i in deep:
+            error = FieldError(TOO_DEEP, "$", f"nested deeper than {self.max_json_depth} levels (not parsed)")
+            rejected.append(Rejected(i, int(sizes[i]), (error,), sniff_event_type(values[i])))
+        if deep:
+            deep_set = set(deep)
+            candidates = [i for i in candidates if i not in deep_set]
+        return rejected, candidates
+
+    def decode(self, values: Sequence[bytes], now_ns: int | None = None) -> DecodedBatch:
+        sizes = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+        rejected, candidates = self._screen(values, sizes)
         if self.message_format != "servelens":
             from pipelines.otlp import decode_spans
 
             batch = decode_spans(values, candidates, rejected, self.message_format)
             return self._reject_skewed(batch, values, now_ns) if self.max_future_skew_ns is not None else batch
-        every = len(candidates) == len(values)  # the usual case: nothing oversized
+        every = len(candidates) == len(values)  # the usual case: nothing oversized or too deep
         joined = b"\n".join(values if every else [values[i] for i in candidates])
         # NaN and Infinity are not JSON, but pyarrow reads them (in an unknown field, unchecked): the
         # reference path refuses them. A mention anywhere sends the message there (conservative).
@@ -188,9 +247,11 @@ class Decoder:
         ahead = pc.greater(batch.events["ts_ns"], limit).to_numpy(zero_copy_only=False)
         if not ahead.any():
             return batch
+        types = batch.events["event_type"].to_numpy(zero_copy_only=False)
         for i in np.unique(batch.indices[ahead]):  # one dead letter per message (a span yields several events)
             error = FieldError(CLOCK_SKEW, "$.ts_ns", "the timestamp is further in the future than the allowed clock skew")
-            batch.rejected.append(Rejected(int(i), len(values[int(i)]), (error,)))
+            etype = str(types[np.flatnonzero(batch.indices == i)[0]])
+            batch.rejected.append(Rejected(int(i), len(values[int(i)]), (error,), etype))
         batch.rejected.sort(key=lambda r: r.index)
         keep = pa.array(~ahead)
         return DecodedBatch(batch.events.filter(keep), batch.indices[~ahead], batch.rejected, batch.dropped_fields, batch.num_slow)

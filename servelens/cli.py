@@ -18,6 +18,7 @@ from typing import Any
 
 import click
 
+from schemas.validate import UnreadableFileError
 from servelens import __version__
 from servelens.config import Config, load_config, shared_dir
 from servelens.engine_options import DEFAULT_ENGINE, ENGINE_HELP, engine_instance, vllm_options
@@ -36,6 +37,8 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except ServelensError as exc:
             _fail(str(exc))
+        except UnreadableFileError as exc:
+            _fail(str(exc), "check that the file is complete (a copy cut short, or not Parquet at all)")
         except OSError as exc:
             where = f": {exc.filename}" if exc.filename else ""
             _fail(f"{exc.strerror or exc}{where}", "check the path and its permissions")
@@ -104,6 +107,7 @@ def events_validate(file: Path, max_errors: int) -> None:
     Example:
       servelens events validate out/demo/events.jsonl
     """
+    from privacy.sanitize import UNKNOWN_FIELD, printable_field_name
     from schemas.validate import ValidationSummary, iter_file
 
     summary = ValidationSummary()
@@ -116,8 +120,15 @@ def events_validate(file: Path, max_errors: int) -> None:
     click.echo(f"{total:,} records: {summary.num_valid:,} valid, {summary.num_invalid:,} invalid")
     for reason, count in summary.by_reason.most_common():
         click.echo(f"  invalid, {reason.replace('_', ' ')}: {count:,}")
-    for name, count in summary.ignored_fields.most_common(10):
-        click.echo(f"  ignored unknown field {name!r} in {count:,} records (not stored: allowlist)")
+    ignored: dict[str, int] = {}
+    for name, count in summary.ignored_fields.items():  # only contract names are printed: a name is input too
+        ignored[printable_field_name(name)] = ignored.get(printable_field_name(name), 0) + count
+    for name, count in sorted(ignored.items(), key=lambda item: -item[1])[:10]:
+        if name == UNKNOWN_FIELD:
+            click.echo(f"  ignored {count:,} values of fields that are not contract names (not stored: allowlist; "
+                       "their names are not printed)")
+        else:
+            click.echo(f"  ignored field {name!r} (of another event type) in {count:,} records (not stored: allowlist)")
     if summary.num_invalid:
         sys.exit(EXIT_INVALID)
 
@@ -653,6 +664,10 @@ def lake_compact(ctx: click.Context, vacuum_hours: int | None) -> None:
 def lake_sql(ctx: click.Context, query: str, limit: int) -> None:
     """Run a read-only SQL QUERY over the views events, dead_letters and requests.
 
+    Only queries (SELECT, several separated by ;) run, on a connection that reads files under the
+    lake's folder alone: no other file (read_text, read_csv of a path elsewhere), no COPY, ATTACH,
+    INSTALL, LOAD, SET or PRAGMA, no network, and its configuration locked (exit 3 with the reason).
+
     \b
     Example:
       servelens lake sql "SELECT outcome, count(*) FROM requests GROUP BY 1"
@@ -660,11 +675,18 @@ def lake_sql(ctx: click.Context, query: str, limit: int) -> None:
     import duckdb
 
     from pipelines.lake import Lake
+    from pipelines.tables import ReadOnlyViolation, check_query
 
     config = _config(ctx)
-    con = Lake(config.lake.root, config.lake).connect()
+    con = Lake(config.lake.root, config.lake).connect(read_only=True)
+    hint = "lake sql runs queries only, over the views events, dead_letters and requests (docs/operations.md)"
     try:
+        check_query(con, query)
         result = con.sql(query)
+    except ReadOnlyViolation as exc:
+        raise ServelensError(f"refused: {exc}", hint) from None
+    except duckdb.PermissionException as exc:
+        raise ServelensError(f"refused: {exc}", hint) from None
     except duckdb.Error as exc:
         raise ServelensError(f"the query failed: {exc}", "the views are events, dead_letters and requests") from None
     if result is None:

@@ -10,6 +10,7 @@ import pyarrow.compute as pc
 import streamlit as st
 
 from dashboard import charts, ui
+from dashboard.files import servable
 from dashboard.runs import GateReportError, gate_conditions_table, gate_metrics_table
 from replay.judge import action_words
 
@@ -74,22 +75,26 @@ st.subheader("Runs compared")
 st.text(f"baseline:  {report.baseline}")
 st.text(f"candidate: {report.candidate}")
 columns = st.columns(5)
-downloads = [(path, Path(path).name) for path in report.report_files]
-downloads += [(m, f"{side} manifest.json") for side, m in (("baseline", report.baseline_manifest), ("candidate", report.candidate_manifest))
-              if m and Path(m).is_file()]
+# only files inside the dashboard's own folders, resolved; the manifests are those of the runs found under
+# dashboard.runs_dir (never a path the report names: dashboard/files.py)
+runs_by_folder = {str(Path(r.folder).resolve()): r for r in ui.run_list(s)}
+downloads = [(served, served.name) for served in (servable(p, [s.dashboard.gate_dir]) for p in report.report_files) if served]
+compared = []
+for side, source in (("baseline", report.baseline), ("candidate", report.candidate)):
+    folder = Path(source).parent if Path(source).name in ("events.parquet", "requests.parquet") else Path(source)
+    run = runs_by_folder.get(str(folder.resolve()))
+    compared.append(run.name if run is not None else None)
+    manifest = servable(run.manifest_path, [s.dashboard.runs_dir]) if run is not None else None
+    if manifest is not None:
+        downloads.append((manifest, f"{side} manifest.json"))
 labels = {"gate.html": "Report (HTML, charts)", "gate.md": "Report (Markdown)", "gate.json": "Report (JSON)",
           "baseline manifest.json": "Baseline manifest", "candidate manifest.json": "Candidate manifest"}
 mimes = {".html": "text/html", ".md": "text/markdown", ".json": "application/json"}
 for i, (path, name) in enumerate(downloads):
-    columns[i % 5].download_button(labels.get(name, "Download"), Path(path).read_bytes(), file_name=Path(path).name,
-                                   mime=mimes.get(Path(path).suffix, "application/octet-stream"), key=f"gate-file-{i}")
+    columns[i % 5].download_button(labels.get(name, "Download"), path.read_bytes(), file_name=path.name,
+                                   mime=mimes.get(path.suffix, "application/octet-stream"), key=f"gate-file-{i}")
 for path, name in downloads:
     st.text(f"{labels.get(name, name)}: {path}")
-run_of_folder = {str(Path(r.folder).resolve()): r.name for r in ui.run_list(s)}
-compared = []
-for source in (report.baseline, report.candidate):
-    folder = Path(source).parent if Path(source).name in ("events.parquet", "requests.parquet") else Path(source)
-    compared.append(run_of_folder.get(str(folder.resolve())))
 if all(compared):
     ui.link_to("app_pages/policies.py", "Open both runs side by side on the Policies page", {"run": compared})
 

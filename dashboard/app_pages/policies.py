@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pyarrow as pa
 import streamlit as st
 
 from dashboard import charts, ui
+from dashboard.files import servable
 from dashboard.runs import POLICY_METRICS, comparison_table
 
 s = ui.page("Policies", "Replay runs side by side: goodput with rejections, fairness, starvation, preemptions and cost "
@@ -63,7 +63,8 @@ ui.show_table(pa.table({
     "requests": [r.num_requests for r in selected], "folder": [r.folder for r in selected],
 }))
 for i, run in enumerate(selected):
-    if run.manifest_path:
-        st.download_button("Download manifest.json", Path(run.manifest_path).read_bytes(), file_name="manifest.json",
+    manifest = servable(run.manifest_path, [s.dashboard.runs_dir])  # a regular file inside runs_dir, resolved
+    if manifest is not None:
+        st.download_button("Download manifest.json", manifest.read_bytes(), file_name="manifest.json",
                            mime="application/json", key=f"manifest-{i}")
         st.text(f"{run.name}: {run.manifest_path}")

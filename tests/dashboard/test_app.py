@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import shutil
+from pathlib import Path
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -133,14 +134,22 @@ def test_filters_come_from_the_url_and_go_back_into_it(sample, app):
     _clean(at)
     assert at.selectbox(key="service.class").value == "interactive"
     lo, hi = at.slider(key="service.window").value
-    assert (lo.strftime("%Y-%m-%dT%H:%M:%SZ"), hi.strftime("%Y-%m-%dT%H:%M:%SZ")) == (start, end)
+    grid = data.WINDOW_GRID_S
+    snapped = ((first + 30) // grid * grid, -(-(first + 90) // grid) * grid)  # whole cells of the fixed grid
+    iso = [dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") for t in snapped]
+    assert [lo.strftime("%Y-%m-%dT%H:%M:%SZ"), hi.strftime("%Y-%m-%dT%H:%M:%SZ")] == iso
     per_class = at.dataframe[1].value
     assert list(per_class["service_class"]) == ["interactive"]
-    in_window = requests.filter(pc.and_(pc.and_(pc.greater_equal(requests["arrival_ns"], (first + 30) * 10**9),
-                                                pc.less(requests["arrival_ns"], (first + 90) * 10**9)),
-                                        pc.equal(requests["service_class"], "interactive")))
-    assert per_class["num_requests"].iloc[0] == in_window.num_rows
-    assert at.query_params["class"] == "interactive" and at.query_params["from"] == start
+    rows = requests.filter(pc.and_(pc.and_(pc.greater_equal(requests["arrival_ns"], snapped[0] * 10**9),
+                                           pc.less(requests["arrival_ns"], snapped[1] * 10**9)),
+                                   pc.equal(requests["service_class"], "interactive"))).to_pylist()
+    cells: dict[int, list] = {}
+    for row in rows:
+        cells.setdefault(row["arrival_ns"] // (grid * 10**9), []).append(row["tenant"])
+    # only grid cells with k tenants and k requests count (docs/privacy.md)
+    k = sample.settings.privacy.min_group_size
+    assert per_class["num_requests"].iloc[0] == sum(len(t) for t in cells.values() if len(set(t)) >= k and len(t) >= k) > 0
+    assert at.query_params["class"] == "interactive" and at.query_params["from"] == iso[0]
 
     at = app(sample.settings, "policies", {"run": ["fcfs", "fcfs@2x"], "class": "batch"})
     _clean(at)
@@ -287,3 +296,30 @@ def test_the_nightly_layout_of_runs_and_gate_reports_is_browsed_by_day(sample, a
     at.selectbox(key="gate.report").select(1).run()
     _clean(at)
     assert "report: 2023-11-16/fcfs-chunk256@1x" not in _texts(at) and "report" not in at.query_params
+
+
+def hostile_gate_dir(sample, tmp_path: Path) -> tuple[Path, list[Path]]:
+    """A copy of the sample's gate reports whose gate.json names the pseudonym key file and
+    /etc/shadow as the runs' manifests, with gate.md a symbolic link to the key file: the issue #22
+    attack. Returns the folder and the files that must never be served."""
+    gate = tmp_path / "gate"
+    shutil.copytree(sample.root / "gate", gate)
+    report = json.loads((gate / "gate.json").read_text())
+    key = sample.root / "key.toml"
+    report["baseline"]["manifest"], report["candidate"]["manifest"] = str(key), "/etc/shadow"
+    (gate / "gate.json").write_text(json.dumps(report))
+    (gate / "gate.md").unlink()
+    (gate / "gate.md").symlink_to(key)
+    return gate, [key, Path("/etc/shadow")]
+
+
+def test_the_gate_page_serves_only_files_inside_its_folders(sample, app, tmp_path):
+    gate, secrets = hostile_gate_dir(sample, tmp_path)
+    at = app(sample.with_dashboard(gate_dir=str(gate)), "gate")
+    assert not at.exception
+    buttons = at.get("download_button")
+    # gate.json and gate.html of the report folder, and the two runs' own manifests found under runs_dir
+    assert len(buttons) == 4
+    shown = " ".join(_texts(at))
+    assert all(str(secret) not in shown for secret in secrets)
+    assert str(sample.root / "runs" / "fcfs" / "manifest.json") in shown

@@ -19,10 +19,41 @@ BASE_PATH_PROBES = ("/_stcore/health", "/_stcore/host-config")
 NOT_FOUND = "Failed to load resource: the server responded with a status of 404 (Not Found)"
 
 
+def _files_outside_are_never_served(url: str, page, secrets: list[Path]) -> None:
+    """Issue #22: the Gate page of a hostile report offers no button for the key file or /etc/shadow,
+    and no URL (traversal through Streamlit's file routes included) returns a file outside the folders."""
+    import urllib.error
+    import urllib.request
+
+    page.goto(f"{url}/gate")
+    wait_rendered(page, "Gate", 1)
+    labels = [b.inner_text() for b in page.get_by_test_id("stDownloadButton").all()]
+    assert len(labels) == 4 and not any("Markdown" in label for label in labels), labels
+    assert not any(str(secret) in page.content() for secret in secrets)
+    key = secrets[0]
+    for path in (f"/media/../../..{key}", f"/media/%2e%2e/%2e%2e{key}", f"/app/static/../../..{key}", f"/app/static{key}",
+                 f"/component/..%2f..{key}", "/media/" + "a" * 64 + ".toml", key.as_posix(), "/etc/shadow"):
+        try:
+            with urllib.request.urlopen(url + path, timeout=10) as response:
+                body, status = response.read(), response.status
+        except urllib.error.HTTPError as exc:
+            body, status = exc.read(), exc.code
+        assert key.read_bytes() not in body, path
+        # a media route: 404 (400 where Tornado refuses a '..' itself); any other path: Streamlit's app shell
+        # (multipage URLs; static file serving is off), never a file
+        if path.startswith("/media/"):
+            assert status in (400, 404), (path, status)
+        else:
+            assert status in (400, 404) or b'<div id="root">' in body, (path, status)
+
+
 def test_every_page_in_chromium_without_errors_and_with_screenshots(sample, tmp_path):
+    from tests.dashboard.test_app import hostile_gate_dir
+
     config = Config(lake=sample.settings.lake, privacy=sample.settings.privacy)
+    gate, secrets = hostile_gate_dir(sample, tmp_path)
     log = (tmp_path / "streamlit.log").open("w")
-    process = serve(config, dashboard=sample.settings.dashboard, port=0, stdout=log, stderr=log)
+    process = serve(config, dashboard=sample.with_dashboard(gate_dir=str(gate)).dashboard, port=0, stdout=log, stderr=log)
     try:
         url = dashboard_url(process)
         assert url.startswith("http://127.0.0.1:")
@@ -46,6 +77,8 @@ def test_every_page_in_chromium_without_errors_and_with_screenshots(sample, tmp_
         assert all(path in ("/service-levels" + p for p in BASE_PATH_PROBES) for path in failed), failed
         not_found = [e for e in errors if e == "console error: " + NOT_FOUND]
         assert len(not_found) == len(failed) and len(errors) == len(not_found), errors
+        with open_page(url) as (page, _):
+            _files_outside_are_never_served(url, page, secrets)
     finally:
         process.terminate()
         process.wait(timeout=20)

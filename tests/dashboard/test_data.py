@@ -160,8 +160,11 @@ def test_tenant_views_equal_replay_metrics_tenant_metrics_suppression_included(l
     assert "ttft_p99_s" not in result.table.column_names  # no timing across tenants
     overall = {m.name: m.value for m in run_metrics(requests, None, config) if m.scope == "overall"}
     fair = data.fairness(path, Selection(), config, k=5)
-    assert not fair.suppressed and fair.num_tenants == 8
-    assert fair.jain_index == pytest.approx(overall["jain_index"], rel=1e-9)
+    # over the 7 tenants the table shows: the suppressed one is in no figure beside them (issue #22)
+    x = [row["service_per_weight"] for row in theirs.values() if row["service_per_weight"] is not None]
+    assert not fair.suppressed and fair.num_tenants == len(x) == 7
+    assert fair.jain_index == pytest.approx(sum(x) ** 2 / (len(x) * sum(v * v for v in x)), rel=1e-9)
+    assert fair.jain_index != pytest.approx(overall["jain_index"], rel=1e-6)  # all 8 would give another figure
     assert data.fairness(path, Selection(), config, k=9).suppressed  # fewer than k tenants: hidden
 
 
@@ -192,9 +195,12 @@ def test_latency_cdfs_are_the_quantiles_of_each_class_and_small_classes_are_left
     assert rows["value_s"].to_pylist() == pytest.approx(np.quantile(values, rows["probability"].to_numpy()), rel=1e-9)
     assert min(rows["probability"].to_pylist()) > 0 and max(rows["probability"].to_pylist()) < 1  # no single request's extreme
     first = int(pc.min(requests["arrival_ns"]).as_py())
-    one_second = Selection(TimeWindow(first, first + NS))
-    few, hidden_few = data.latency_cdfs(path, one_second, k=5)
-    assert few.num_rows == 0 and hidden_few >= 1
+    one_second = Selection(TimeWindow(first, first + NS))  # snapped to its whole grid cell
+    minute = data.snap(one_second.window)
+    assert minute.end_ns - minute.start_ns == data.WINDOW_GRID_S * NS
+    assert data.latency_cdfs(path, one_second, k=5)[0].equals(data.latency_cdfs(path, Selection(minute), k=5)[0])
+    few, _ = data.latency_cdfs(path, one_second, k=10**6)
+    assert few.num_rows == 0  # no cell of a million requests: nothing drawn
 
 
 def test_cdf_quantiles_are_duckdbs_quantile_cont_of_each_visible_class(lake_tables):
@@ -234,7 +240,8 @@ def test_the_service_levels_page_query_equals_its_three_views(lake_tables, confi
         assert levels.by_class.equals(by_class) and levels.num_hidden_classes == hidden_classes == hidden_cdfs
         assert levels.series.equals(series) and levels.num_hidden_bins == hidden_bins
         assert levels.cdfs.equals(cdfs)
-    assert levels.num_hidden_classes == 2 and levels.cdfs.num_rows == 0  # every class under k: no distribution drawn
+    # every grid cell under k: no request counts, so no class and no distribution is drawn
+    assert levels.by_class.num_rows == 0 and levels.cdfs.num_rows == 0
 
 
 def test_arrivals_over_time_add_up_show_the_busiest_second_and_suppress_small_cells(sample, lake_tables):
@@ -308,6 +315,71 @@ def test_requests_without_a_tenant_are_each_a_crowd_of_their_own(shared, tmp_pat
     requests = pq.read_table(path)
     assert requests["tenant"].null_count == 40
     assert requests[data.CROWD_ID].to_pylist() == [-i for i in requests[data.REQUEST_SEQ].to_pylist()]
-    totals = data.selection_totals(path, Selection(), k=40).table.to_pylist()[0]
-    assert not totals["suppressed"] and totals["num_tenants"] == totals["num_requests"] == 40
-    assert data.selection_totals(path, Selection(), k=41).table.to_pylist()[0]["suppressed"]
+    minutes = [a // (data.WINDOW_GRID_S * NS) for a in requests["arrival_ns"].to_pylist()]
+    biggest = max(minutes.count(m) for m in set(minutes))
+    totals = data.selection_totals(path, Selection(), k=biggest).table.to_pylist()[0]
+    assert not totals["suppressed"] and totals["num_tenants"] == totals["num_requests"] == biggest
+    assert data.selection_totals(path, Selection(), k=biggest + 1).table.to_pylist()[0]["suppressed"]
+
+
+def _with_rows(path, out, change) -> str:
+    """A copy of a derived request file with ``change(table) -> table`` applied."""
+    table = change(pq.read_table(path))
+    pq.write_table(table, out)
+    return str(out)
+
+
+def test_differencing_the_tenants_page_recovers_nothing_of_a_suppressed_tenant(lake_tables, config, tmp_path):
+    """Issue #22 attack 1: with Jain's index over every tenant, the tenant count and the visible tenants'
+    service, a suppressed tenant's service was solved exactly. Now the page's figures are the same
+    whatever the suppressed tenant did: there is nothing to solve for."""
+    _, path, _ = lake_tables
+    table = data.tenant_service(path, Selection(), config, k=5)
+    hidden = [r["tenant"] for r in table.table.to_pylist() if r["suppressed"]]
+    assert len(hidden) == 1
+
+    def triple(t: pa.Table) -> pa.Table:  # the hidden tenant sends three times the output
+        mine = pc.equal(t["tenant"], hidden[0])
+        tokens = pc.if_else(mine, pc.multiply(t["num_output_tokens"], 3), t["num_output_tokens"])
+        return t.set_column(t.schema.get_field_index("num_output_tokens"), "num_output_tokens", tokens)
+
+    other = _with_rows(path, tmp_path / "requests.parquet", triple)
+    for k in (5, 3):
+        seen = [data.tenant_service(p, Selection(), config, k=k).table for p in (path, other)]
+        fair = [data.fairness(p, Selection(), config, k=k) for p in (path, other)]
+        if k == 5:
+            assert seen[0].equals(seen[1]) and fair[0] == fair[1]
+            assert fair[0].num_tenants == sum(not r["suppressed"] for r in seen[0].to_pylist())
+        else:  # a k under which the tenant is visible: then its change shows, as it should
+            assert fair[0] != fair[1]
+
+
+def test_two_traffic_windows_a_second_apart_show_the_same_figures(lake_tables, tmp_path):
+    """Issue #22 attack 2: windows ending at T0+605 s and T0+606 s differed by one tenant's 2 requests.
+    Windows snap to the fixed grid and figures count only k-anonymous grid cells, so (a) the two views
+    are identical and (b) adding a lone tenant's 2 requests in a minute of their own changes no view."""
+    _, path, _ = lake_tables
+    ov = data.requests_overview(path)
+    t0 = ov.first_arrival_ns
+    lone_ns = ov.last_arrival_ns + 10 * 60 * NS  # a minute of its own, far from the others
+
+    def plus_two(t: pa.Table) -> pa.Table:
+        extra = t.slice(0, 2).to_pylist()
+        for i, row in enumerate(extra):
+            row.update(request_id=f"lone-{i}", arrival_ns=lone_ns + i, tenant="tn_lone", num_prompt_tokens=4242,
+                       request_seq=10**9 + i, crowd_id=10**9)
+        return pa.concat_tables([t, pa.Table.from_pylist(extra, schema=t.schema)])
+
+    other = _with_rows(path, tmp_path / "requests.parquet", plus_two)
+    for p in (path, other):
+        views = []
+        for end_s in (605, 606):
+            window = Selection(TimeWindow(t0, t0 + end_s * NS))
+            views.append((data.selection_totals(p, window, 5).table, data.arrivals_over_time(p, window, 60.0, 5)[0]))
+        assert views[0][0].equals(views[1][0]) and views[0][1].equals(views[1][1])
+    for start_ns, end_ns in ((t0, lone_ns + 60 * NS), (lone_ns - 120 * NS, lone_ns + 120 * NS), (t0, lone_ns - 60 * NS)):
+        window = Selection(TimeWindow(start_ns, end_ns))
+        mine = [data.selection_totals(p, window, 5).table for p in (path, other)]
+        assert mine[0].equals(mine[1]), (start_ns, end_ns)
+        series = [data.arrivals_over_time(p, window, 60.0, 5)[0] for p in (path, other)]
+        assert series[0].equals(series[1])

@@ -26,7 +26,7 @@ from privacy.config import PrivacyConfig
 from privacy.keys import KeyRing
 from schemas.events import RequestArrived
 from schemas.wire import encode_event
-from tests.pipelines.conftest import NUM_TEST_PARTITIONS, sample_events
+from tests.pipelines.conftest import NUM_TEST_PARTITIONS, consume, sample_events
 
 KEYRING = KeyRing("test", {"test": bytes(range(32))})
 KEY_ENV = {"SERVELENS_PSEUDONYM_KEY": "test:" + base64.b64encode(bytes(range(32))).decode()}
@@ -34,7 +34,8 @@ FAST = IngestConfig(session_timeout_ms=2_000, heartbeat_interval_ms=500, flush_i
 
 
 def consumer(bootstrap: str, topic: str, root: Path, name: str = "c1", lake: LakeConfig | None = None, **ingest) -> IngestConsumer:
-    kafka = KafkaConfig(bootstrap_servers=bootstrap, topic=topic, num_partitions=NUM_TEST_PARTITIONS)
+    kafka = KafkaConfig(bootstrap_servers=bootstrap, topic=topic, num_partitions=NUM_TEST_PARTITIONS,
+                        dead_letter_topic=f"{topic}.dead")
     config = dataclasses.replace(FAST, **{"group_id": f"ingest-{topic}", **ingest})  # a group per test's topic
     lake = dataclasses.replace(lake or LakeConfig(), root=str(root))
     return IngestConsumer(kafka, config, lake, PrivacyConfig(), KEYRING, consumer_name=name)
@@ -148,6 +149,57 @@ def test_a_poison_message_goes_to_dead_letters_and_the_batch_goes_on(broker, top
     for path in Lake(tmp_path / "lake").files(DEAD_LETTERS) + Lake(tmp_path / "lake").files(EVENTS):
         data = Path(path).read_bytes()
         assert b"yesterday" not in data and b"jane@example.com" not in data and b"r-bad" not in data
+
+
+DEEP = b'{"event_type":"request_arrived","schema_version":"1.1","x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+
+
+@pytest.mark.parametrize("guard", ["on", "off"])
+def test_a_message_nested_100000_deep_is_a_dead_letter_and_the_200_events_around_it_land_once(broker, topic, tmp_path,
+                                                                                               caplog, guard):
+    """The issue #22 poison: 200 KB nested 100,000 deep (under the 1 MiB limit), through the real broker.
+    Guard on (the default): refused by the byte scan as too_deep. Guard off: it segfaults pyarrow in the
+    transform worker; the batch is bisected, the message stored as parser_crash naming SIGSEGV and its
+    offset, the rest once. Either way the dead letter also goes to the dead-letter topic."""
+    items = arrivals(0, 200)
+    produce(broker.bootstrap, topic, items[:100] + [(b"r-deep", DEEP)] + items[100:])
+    depth = {"on": {}, "off": {"max_json_depth": 0}}[guard]
+    stats = consumer(broker.bootstrap, topic, tmp_path / "lake", **depth).run(idle_exit_s=1.5)
+    assert (stats.events_written, stats.dead_letters) == (200, 1)
+    assert lake_counts(tmp_path / "lake") == (200, 200)
+    assert set(lake_ids(tmp_path / "lake")) == set(pseudonyms(f"e{i}" for i in range(200)))
+    con = Lake(tmp_path / "lake").connect()
+    ((reason, event_type, size),) = con.execute("SELECT reason, event_type, size_bytes FROM dead_letters").fetchall()
+    assert (reason, event_type, size) == ({"on": "too_deep", "off": "parser_crash"}[guard], "request_arrived", len(DEEP))
+    published = consume(broker.bootstrap, f"{topic}.dead", 1)
+    assert json.loads(published[0].value)["reason"] == reason and published[0].key.startswith(b"rq_")
+    if guard == "off":
+        logged = " ".join(r.getMessage() for r in caplog.records if r.name == "servelens.ingest")
+        assert "killed by SIGSEGV" in logged and "offset" in logged and "memory" not in logged
+
+
+def test_a_worker_killed_by_a_signal_mid_batch_loses_and_duplicates_nothing(broker, topic, tmp_path, caplog):
+    """SIGKILL to the transform worker right after a batch is handed to it (and another queued behind):
+    both are transformed again by a fresh worker and every event is stored exactly once."""
+    produce(broker.bootstrap, topic, arrivals(0, 4_000))
+    ingest = consumer(broker.bootstrap, topic, tmp_path / "lake", **PIPELINED)
+    submit, killed = ingest.transform.submit, []
+
+    def submit_then_kill(*args):
+        future = submit(*args)
+        if not killed:
+            killed.append(ingest.transform.pid)
+            os.kill(killed[0], signal.SIGKILL)
+        return future
+
+    ingest.transform.submit = submit_then_kill
+    stats = ingest.run(idle_exit_s=2.0)
+    assert killed and ingest.transform.num_restarts >= 1
+    assert (stats.events_written, stats.dead_letters) == (4_000, 0)
+    assert lake_counts(tmp_path / "lake") == (4_000, 4_000)
+    assert set(lake_ids(tmp_path / "lake")) == set(pseudonyms(f"e{i}" for i in range(4_000)))
+    logged = " ".join(r.getMessage() for r in caplog.records if r.name == "servelens.ingest")
+    assert "killed by SIGKILL" in logged and "memory" not in logged
 
 
 def test_producer_retries_and_replays_after_a_restart_are_stored_once(broker, topic, tmp_path):
@@ -393,3 +445,73 @@ def _no_stray_threads():
     for thread in threading.enumerate():
         if thread.name.startswith("Thread-") and thread.is_alive() and thread is not threading.current_thread():
             thread.join(5)
+
+
+def _canary_records() -> list[tuple[bytes, bytes]]:
+    """Per event type and canary kind, one event with the canary in every string field the contract
+    lets carry text (identifiers, labels, free text, list items) and a secret as a field name."""
+    from schemas.events import EVENT_TYPES
+    from schemas.types import field_specs
+    from tests.privacy.canaries import CANARIES, SECRET_FIELD_NAMES
+
+    items = []
+    for t, cls in enumerate(EVENT_TYPES.values()):
+        for c, (kind, canary) in enumerate(CANARIES.items()):
+            record = {"schema_version": "1.1", "event_type": cls.EVENT_TYPE}
+            for spec in field_specs(cls):
+                if spec.name in record:
+                    continue
+                if spec.enum:
+                    record[spec.name] = [spec.enum[0]] if spec.is_list else spec.enum[0]
+                elif spec.kind == "string":
+                    text = f"failed for {canary} after retry"
+                    record[spec.name] = [text, canary] if spec.is_list else text
+                elif spec.kind in ("int", "float"):
+                    record[spec.name] = [1, 2] if spec.is_list else (1 if spec.kind == "int" else 1.0)
+                elif spec.kind == "bool":
+                    record[spec.name] = True
+            record.update(event_id=f"ev-{t}-{c}-{canary}", ts_ns=1_764_000_000_000_000_000 + t * 100 + c)
+            if cls.EVENT_TYPE == "step_executed":
+                record.update(start_ns=1, end_ns=2)
+            record[SECRET_FIELD_NAMES[c % len(SECRET_FIELD_NAMES)]] = canary
+            items.append((canary.encode(), json.dumps(record).encode()))
+    return items
+
+
+def test_canaries_in_every_string_field_and_as_field_names_are_in_no_byte_written(broker, topic, tmp_path, caplog):
+    """Issue #22: a canary of each kind (names, addresses, SSNs, cloud secrets, ...) in every string
+    field of every event type, and secrets as field names, through the real broker and ingest, then the
+    dashboard's derived cache: no byte of the lake (data, Delta log, status), the cache, the logs or the
+    privacy report holds any of them (Parquet pages are read decoded, footers' statistics included)."""
+    import logging
+
+    import pyarrow.parquet as pq
+
+    from dashboard import data
+    from tests.privacy.canaries import leaks
+
+    caplog.set_level(logging.DEBUG, logger="servelens")
+    items = _canary_records()
+    produce(broker.bootstrap, topic, items)
+    ingest = consumer(broker.bootstrap, topic, tmp_path / "lake")
+    stats = ingest.run(idle_exit_s=1.5)
+    assert stats.events_written + stats.dead_letters == len(items) and stats.events_written >= len(items) - 11
+    report = json.dumps(ingest.privacy_report().as_dict())
+    data.lake_requests_path(data.lake_snapshot(str(tmp_path / "lake")), tmp_path / "cache")
+    found: dict[str, list[str]] = {}
+    for path in tmp_path.rglob("*"):
+        if not path.is_file():
+            continue
+        raw = path.read_bytes()
+        texts = [raw]
+        if path.suffix == ".parquet":
+            file = pq.ParquetFile(path)
+            texts += [str(file.metadata.to_dict()).encode(), str(file.read().to_pylist()).encode()]
+        for text in texts:
+            for kind in leaks(text):
+                found.setdefault(kind, []).append(str(path.relative_to(tmp_path)))
+    logged = " ".join(r.getMessage() for r in caplog.records if r.name.startswith("servelens"))  # ours, not the test producer's
+    for kind in leaks((report + logged).encode()):
+        found.setdefault(kind, []).append("logs or privacy report")
+    assert found == {}, found
+    assert json.loads(report)["fields_dropped"] == {"(unknown field)": len(items)}

@@ -181,3 +181,43 @@ def test_time_partitions_are_those_of_each_rows_own_timestamp():
     assert got.schema.field("hour").type == pa.int32()
     with_null = with_time_partitions(pa.table({"ts_ns": pa.array([hour_ns, None], pa.int64())}), "ts_ns")
     assert with_null["dt"].to_pylist() == ["1970-01-01", None] and with_null["hour"].to_pylist() == [1, None]
+
+
+def test_lake_sql_is_read_only_and_refuses_each_attack_with_a_clear_error(tmp_path, monkeypatch):
+    """Issue #22: reading files outside the lake (/etc/passwd, the key file), COPY anywhere (onto the
+    lake with OVERWRITE too), ATTACH, INSTALL/LOAD, SET: each refused, exit 3; the lake untouched."""
+    from click.testing import CliRunner
+
+    from servelens.cli import cli
+
+    lake = Lake(tmp_path / "lake")
+    lake.commit(EVENTS, _events(0, 10), [OffsetRange("t", 0, 0, 0, 10)], {("t", 0, 0): None})
+    key = tmp_path / "key.toml"
+    key.write_text('active = "k"\n[keys]\nk = "c2VjcmV0LWtleS1tYXRlcmlhbC1mb3ItdGhlLXRlc3Q="\n')
+    monkeypatch.setenv("SERVELENS_LAKE__ROOT", str(tmp_path / "lake"))
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    run = lambda sql: CliRunner().invoke(cli, ["lake", "sql", sql])  # noqa: E731
+    ok = run("SELECT count(*) AS n FROM events; SELECT count(*) AS m FROM requests")
+    assert ok.exit_code == 0 and "10" in ok.output
+    events_dir = tmp_path / "lake" / "events"
+    attacks = [
+        "SELECT * FROM read_text('/etc/passwd')",
+        f"SELECT content FROM read_text('{key}')",
+        f"SELECT * FROM read_csv('{tmp_path}/lake/../key.toml')",
+        f"COPY (SELECT 1 AS x) TO '{tmp_path}/out.csv'",
+        f"COPY (SELECT * FROM events LIMIT 0) TO '{events_dir}' (FORMAT parquet, PARTITION_BY (dt), OVERWRITE)",
+        f"ATTACH '{tmp_path}/new.duckdb' AS other",
+        "INSTALL httpfs",
+        "LOAD httpfs",
+        "SET enable_external_access = true",
+        "PRAGMA enable_profiling",
+        "CREATE TABLE t AS SELECT 1",
+        "SELECT * FROM read_parquet('https://example.org/x.parquet')",
+    ]
+    for sql in attacks:
+        result = run(sql)
+        assert result.exit_code == 3, (sql, result.output)
+        assert "refused" in result.output or "query failed" in result.output, (sql, result.output)
+        assert "root:" not in result.output and "c2VjcmV0" not in result.output
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert Lake(tmp_path / "lake").connect().execute("SELECT count(*) FROM events").fetchone() == (10,)

@@ -75,20 +75,44 @@ def test_batches_queued_together_come_back_in_order_as_in_process() -> None:
     assert len(set(ids[0]) | set(ids[1]) | set(ids[2])) == sum(map(len, ids))  # three different batches
 
 
-def test_a_worker_that_dies_fails_every_batch_queued_with_a_clear_error() -> None:
+def test_a_worker_killed_by_a_signal_says_so_and_recover_transforms_the_batch_again() -> None:
+    """Killed from outside (SIGKILL): every queued batch fails naming the signal (never 'out of memory');
+    ``recover`` transforms it on a fresh worker, with the same result and no parser_crash."""
+    values, fresh = messages(), np.ones(80, dtype=bool)
     worker = TransformWorker(SPEC).start()
     try:
-        worker._process.kill()
-        worker._process.wait()
-        futures = [worker.submit(messages(), np.ones(80, dtype=bool), 0) for _ in range(3)]
+        expected = worker(values, fresh, 0)
+        os.kill(worker.pid, signal.SIGKILL)
+        futures = [worker.submit(values, fresh, 0) for _ in range(3)]
         for future in futures:
             with pytest.raises(TransformWorkerDied) as err:
                 future.result(timeout=30)
-            assert "restart the ingest" in str(err.value) and "nothing of the batch was stored" in str(err.value)
-        with pytest.raises(TransformWorkerDied):
-            worker(messages(), np.ones(80, dtype=bool), 0)
+            assert "killed by SIGKILL" in str(err.value) and "memory" not in str(err.value)
+            assert err.value.signal_name == "SIGKILL"
+        first_pid = worker.pid
+        done, crashes = worker.recover(values, fresh, 0)
+        assert crashes == [] and worker.pid != first_pid and worker.num_restarts == 1
+        assert done.clean.equals(expected.clean)
+        assert [(r.index, r.errors[0].reason) for r in done.rejected] == [(r.index, r.errors[0].reason) for r in expected.rejected]
     finally:
         worker.close()
+
+
+def test_a_deeply_nested_message_is_refused_before_any_parser() -> None:
+    """The depth guard (on by default): too_deep, decided by a byte scan; brackets inside strings do not count."""
+    from pipelines.decode import Decoder, json_depth
+
+    deep = b'{"event_type":"request_arrived","x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert json_depth(deep) == 100_001
+    text = encode_event(RequestFinished(event_id="f", ts_ns=1, engine_id="eng", request_id="r", outcome="error",
+                                        num_output_tokens=1, error_message="[" * 500 + "{" * 500))
+    assert json_depth(text) == 1 and json_depth(b'{"a":"\\\"[[[","b":[[1]]}') == 3
+    values = messages()
+    values[5], values[7] = deep, text
+    batch = Decoder(max_message_bytes=1 << 20).decode(values, now_ns=0)
+    reasons = {r.index: (r.errors[0].reason, r.event_type) for r in batch.rejected}
+    assert reasons == {5: ("too_deep", "request_arrived"), 6: ("invalid_json", None)}
+    assert 7 in batch.indices.tolist()  # the brackets of an error message are text, not nesting
 
 
 def test_a_bad_configuration_fails_at_start() -> None:
@@ -114,7 +138,7 @@ def test_the_worker_dies_with_a_killed_ingest(tmp_path) -> None:
         from tests.pipelines.test_transform import SPEC
         from pipelines.transform import TransformWorker
         worker = TransformWorker(SPEC).start()
-        print(worker._process.pid, flush=True)
+        print(worker.pid, flush=True)
         time.sleep(120)
     """)
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)

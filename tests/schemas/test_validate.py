@@ -207,3 +207,34 @@ def test_parquet_events_are_read_columnar_and_a_bad_row_is_named(tmp_path):
     pq.write_table(broken, path)
     with pytest.raises(InvalidEventsError, match=r"events.parquet:1: \$.ts_ns: wrong type"):
         list(iter_event_tables(path))
+
+
+def test_validate_cli_never_echoes_a_value_or_a_name_that_is_not_the_contracts(tmp_path):
+    """Secrets sent as values of enum fields, as an event type or as field names stay out of the output."""
+    secret = "sk_live_4eC39HqLyjWDarjtT1zdp7dc"
+    lines = [
+        _line(**{f"aws_secret_access_key={secret}": 1}),  # valid, with a secret as an unknown field's name
+        _line(event_id="e2", outcome=1),                   # valid: a contract name of another event type
+        _line(event_id="e3", event_type=secret),
+        _line(event_id="e4", schema_version=secret),
+    ]
+    path = tmp_path / "events.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "servelens", "events", "validate", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stderr
+    assert "4 records: 2 valid, 2 invalid" in proc.stdout
+    assert "4eC39HqLyjWDarjtT1zdp7dc" not in proc.stdout + proc.stderr
+    assert "ignored 1 values of fields that are not contract names" in proc.stdout
+    assert "ignored field 'outcome' (of another event type) in 1 records" in proc.stdout
+
+
+def test_a_corrupt_parquet_file_is_a_clean_error_not_an_internal_one(tmp_path):
+    path = tmp_path / "events.parquet"
+    pq.write_table(pa.table({"event_id": ["a"] * 1000}), path)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2: len(data) // 2 + 64] = b"\x00" * 64  # the footer survives, a column chunk does not
+    path.write_bytes(bytes(data[:-200]) + bytes(data[-8:]))  # and the footer is cut short
+    proc = subprocess.run([sys.executable, "-m", "servelens", "events", "validate", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "is not a readable Parquet file" in proc.stderr and "internal error" not in proc.stderr
+    assert "Traceback" not in proc.stderr
