@@ -23,6 +23,7 @@ from servelens.config import Config, load_config, shared_dir
 from servelens.engine_options import DEFAULT_ENGINE, ENGINE_HELP, engine_instance, vllm_options
 from servelens.errors import ServelensError
 from servelens.fidelity_cli import COMMANDS as FIDELITY_COMMANDS
+from servelens.replay_options import echo_summary, prepare, scenario_options
 
 EXIT_INVALID = 1  # a check failed (invalid events; a failed gate)
 EXIT_ERROR = 3  # the command could not run: usage, configuration or input errors (gate: 2 is inconclusive)
@@ -753,9 +754,7 @@ def _replay_cluster(ctx: click.Context, workload_name: str, policy_name: str, po
     import dataclasses
 
     from replay.cluster import ScalingDelays, cluster_config, parse_failure, parse_scale_step, run_cluster_replay
-    from replay.policies import load_policy_config
     from replay.policies.routing import load_router_config
-    from replay.workload import load_workload
 
     meta = {k.removeprefix("cluster."): v for k, v in ctx.meta.items() if k.startswith("cluster.")}
     if ctx.params.get("measured"):
@@ -803,7 +802,8 @@ def _replay_cluster(ctx: click.Context, workload_name: str, policy_name: str, po
             autoscale_interval_s=meta.get("autoscale_interval_s", config.autoscale_interval_s),
             autoscale_window_s=meta.get("autoscale_window_s", config.autoscale_window_s),
         )
-    workload = load_workload(workload_name, _shared_or_none(ctx, workload_name), num_requests, seed)
+    workload, preset, policy_cfg = prepare(ctx, workload_name, _shared_or_none(ctx, workload_name), num_requests, seed,
+                                           policy_name, policy_config)
     shared = shared_dir(_config(ctx)) if cost_model == "profile" and profile_path is None else None
     with click.progressbar(length=workload.num_requests or 0, label="replaying", file=sys.stderr,
                            item_show_func=lambda p: f"{p.simulated_ns / 1e9:,.0f} s simulated in {p.wall_s:,.1f} s" if p else None) as bar:
@@ -813,10 +813,10 @@ def _replay_cluster(ctx: click.Context, workload_name: str, policy_name: str, po
             bar.update(p.num_arrived - done[0], p)
             done[0] = p.num_arrived
 
-        policy_cfg = load_policy_config(policy_name, policy_config) if policy_config is not None else None
-        summary = run_cluster_replay(workload, config, policy_name=policy_name, policy_config=policy_cfg,
-                                     cost_model=model_arg, shared=shared, seed=seed, out_dir=out, mode=mode,
-                                     progress=progress, progress_every=max(1, (workload.num_requests or 100_000) // 200),
+        summary = run_cluster_replay(workload, config, scenario=preset.scenario, policy_name=policy_name,
+                                     policy_config=policy_cfg, cost_model=model_arg, shared=shared, seed=seed,
+                                     out_dir=out, mode=mode, progress=progress,
+                                     progress_every=max(1, (workload.num_requests or 100_000) // 200),
                                      calibration=calibration)
     click.echo(
         f"replayed {summary.num_requests:,} requests ({summary.simulated_s:,.1f} s simulated) on "
@@ -831,7 +831,9 @@ def _replay_cluster(ctx: click.Context, workload_name: str, policy_name: str, po
         ready = "never ready" if x.ready_s is None else f"ready at {x.ready_s:,.1f} s"
         role = "" if x.role == "serve" else f" ({x.role})"
         click.echo(f"  {x.instance_id}{role}: {x.num_routed:,} requests routed, {ready}")
-    click.echo(f"events:   {summary.events_path}\nmanifest: {summary.manifest_path} (run {summary.run_id})")
+    echo_summary(summary, preset, calibration, instance)
+    click.echo(f"events:   {summary.events_path}\nrequests: {summary.requests_path}\n"
+               f"manifest: {summary.manifest_path} (run {summary.run_id})")
 
 
 @cli.command("replay")
@@ -858,6 +860,7 @@ def _replay_cluster(ctx: click.Context, workload_name: str, policy_name: str, po
 @click.option("--requests", "num_requests", type=int, default=None, help="Tile the workload to this many requests.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of every random choice (scenario draws).")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True, help="Output folder.")
+@scenario_options
 @vllm_options
 @_cluster_options
 @click.pass_context
@@ -884,9 +887,7 @@ def replay_command(ctx: click.Context, workload_name: str, policy_name: str, pol
     if any(key.startswith("cluster.") for key in ctx.meta):
         return _replay_cluster(ctx, workload_name, policy_name, policy_config, engine_spec, cost_model, profile_path,
                                mode, num_requests, seed, out)
-    from replay.policies import load_policy_config
     from replay.run import run_replay
-    from replay.workload import load_workload
 
     if measured and profile_path is None:
         raise ServelensError("--measured needs --profile", "profile the model first: servelens profile --model tiny --out FILE")
@@ -897,18 +898,18 @@ def replay_command(ctx: click.Context, workload_name: str, policy_name: str, pol
         instance, model_arg = _fitted_profile(ctx, profile_path, full_layers=not measured)
     else:
         (instance, calibration), model_arg = engine_instance(ctx, _config(ctx), engine_spec, cost_model), cost_model
-    workload = load_workload(workload_name, _shared_or_none(ctx, workload_name), num_requests, seed)
+    workload, preset, config = prepare(ctx, workload_name, _shared_or_none(ctx, workload_name), num_requests, seed,
+                                       policy_name, policy_config)
     shared = shared_dir(_config(ctx)) if cost_model == "profile" and profile_path is None else None
     if measured:
         from replay.measured.measured import run_measured_replay
         from replay.measured.profiler import read_profile
 
-        config = load_policy_config(policy_name, policy_config) if policy_config is not None else None
         meta = read_profile(profile_path).meta
         click.echo(f"executing every step of {meta.shape.name} on {meta.device} ({meta.device_name})", err=True)
         summary, timer = run_measured_replay(workload, meta.shape, device=meta.device, instance=instance,
                                              cost_model=model_arg, policy_name=policy_name, policy_config=config,
-                                             seed=seed, out_dir=out)
+                                             seed=seed, out_dir=out, scenario=preset.scenario)
         click.echo(
             f"replayed {summary.num_requests:,} requests ({summary.simulated_s:,.1f} s of trace time on the measured clock) in "
             f"{summary.wall_s:,.1f} s: {len(timer.steps):,} steps executed, {summary.num_events:,} events\n"
@@ -923,9 +924,8 @@ def replay_command(ctx: click.Context, workload_name: str, policy_name: str, pol
             bar.update(p.num_arrived - done[0], p)
             done[0] = p.num_arrived
 
-        config = load_policy_config(policy_name, policy_config) if policy_config is not None else None
-        summary = run_replay(workload, policy_name=policy_name, policy_config=config, instance=instance,
-                             cost_model=model_arg, shared=shared, seed=seed, out_dir=out, mode=mode,
+        summary = run_replay(workload, scenario=preset.scenario, policy_name=policy_name, policy_config=config,
+                             instance=instance, cost_model=model_arg, shared=shared, seed=seed, out_dir=out, mode=mode,
                              progress=progress, progress_every=max(1, (workload.num_requests or 100_000) // 200),
                              calibration=calibration)
     click.echo(
@@ -933,30 +933,9 @@ def replay_command(ctx: click.Context, workload_name: str, policy_name: str, pol
         f"({summary.requests_per_wall_s:,.0f} requests/s): {summary.num_events:,} events, "
         f"{summary.num_steps:,} engine steps, {summary.num_preemptions:,} preemptions"
     )
-    _echo_latencies(summary.events_path, calibration, instance)
-    click.echo(f"events:   {summary.events_path}\nmanifest: {summary.manifest_path} (run {summary.run_id})")
-
-
-def _echo_latencies(events_path: Path | None, calibration, instance) -> None:
-    """The replay's latency percentiles (client side when a calibration modelled the frontend) and the
-    calibration behind them."""
-    from replay.fidelity import latencies_of_events, summarize
-
-    if events_path is None:
-        return
-    lat = latencies_of_events(events_path)
-    if len(lat["ttft_s"]):
-        side = "client side" if bool(lat["client_side"]) else "engine side"
-        m = {k: v * 1e3 for k, v in summarize(lat["ttft_s"], lat["e2e_s"], lat["num_output_tokens"]).items()}
-        click.echo(f"latency ({side}, ms, p50 / p90 / p99): "
-                   f"TTFT {m['ttft_p50']:,.1f} / {m['ttft_p90']:,.1f} / {m['ttft_p99']:,.1f}; "
-                   f"E2E {m['e2e_p50']:,.0f} / {m['e2e_p90']:,.0f} / {m['e2e_p99']:,.0f}; ITL mean {m['itl_mean']:,.2f}")
-    if calibration is not None:
-        where = "" if instance.accelerator.name in calibration.accelerators else (
-            f", extrapolated from {', '.join(calibration.accelerators)} to {instance.accelerator.name}")
-        held = ", ".join(f"{k} {v:.1f}%" for k, v in calibration.held_out_error_pct if k in ("ttft_mean", "e2e_mean", "itl_mean"))
-        click.echo(f"calibration {calibration.name} ({calibration.engine}{where}; median held-out error "
-                   f"{held or 'not measured'})")
+    echo_summary(summary, preset, calibration, instance)
+    click.echo(f"events:   {summary.events_path}\nrequests: {summary.requests_path}\n"
+               f"manifest: {summary.manifest_path} (run {summary.run_id})")
 
 
 def _fitted_profile(ctx: click.Context, profile_path: Path, *, full_layers: bool = True):
