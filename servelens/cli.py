@@ -62,6 +62,18 @@ def _config(ctx: click.Context) -> Config:
     return ctx.find_root().obj["config"]
 
 
+def _duration_s(value: str | None) -> float | None:
+    """A duration option's seconds (``1h``, ``30m``, ``90s``, ``90``); a usage error names the forms."""
+    if value is None:
+        return None
+    from replay.presets import parse_duration_s
+
+    try:
+        return parse_duration_s(value)
+    except ServelensError as exc:
+        raise click.BadParameter(exc.message + " (write it like 30s, 10m, 1h or 1d)") from None
+
+
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option(
     "--config",
@@ -70,17 +82,29 @@ def _config(ctx: click.Context) -> Config:
     envvar="SERVELENS_CONFIG",
     help="TOML configuration file (default: none; environment SERVELENS_<SECTION>__<KEY> overrides).",
 )
+@click.option("--lake", "lake_root", default=None, metavar="DIR",
+              help="The lake to read and write (overrides lake.root), e.g. out/demo/lake.")
+@click.option("--bootstrap-server", "bootstrap_servers", default=None, metavar="HOST:PORT",
+              help="Kafka bootstrap servers (overrides kafka.bootstrap_servers).")
 @click.version_option(__version__, prog_name="servelens")
 @click.pass_context
-def cli(ctx: click.Context, config_path: str | None) -> None:
+def cli(ctx: click.Context, config_path: str | None, lake_root: str | None, bootstrap_servers: str | None) -> None:
     """servelens: see, replay and gate LLM-serving scheduler changes.
 
     \b
     Example:
       servelens demo                       # the end-to-end path on a bundled real trace
-      servelens events validate events.jsonl
+      servelens events validate out/demo/engine/events.parquet
+      servelens --lake out/demo/lake lake sql "SELECT count(*) FROM requests"
     """
-    ctx.obj = {"config": load_config(config_path)}
+    import dataclasses
+
+    config = load_config(config_path)
+    if lake_root is not None:
+        config = dataclasses.replace(config, lake=dataclasses.replace(config.lake, root=lake_root))
+    if bootstrap_servers is not None:
+        config = dataclasses.replace(config, kafka=dataclasses.replace(config.kafka, bootstrap_servers=bootstrap_servers))
+    ctx.obj = {"config": config}
 
 
 # ---------------------------------------------------------------------------------------------- events
@@ -103,7 +127,8 @@ def events_validate(file: Path, max_errors: int) -> None:
 
     \b
     Example:
-      servelens events validate out/demo/events.jsonl
+      servelens events validate out/demo/engine/events.parquet
+      servelens events validate mooncake.events.jsonl      # from `servelens trace convert mooncake --to events`
     """
     from schemas.validate import ValidationSummary, iter_file
 
@@ -222,14 +247,17 @@ def trace_convert(ctx: click.Context, trace_name: str, out: Path, kind: str) -> 
 def trace_stats(ctx: click.Context, trace_name: str) -> None:
     """Print a trace's size, rate, token percentiles and burstiness.
 
+    A trace whose rows are not in arrival order is refused, as `servelens replay` refuses it.
+
     \b
     Example:
       servelens trace stats azure-conv
     """
     from replay.traces import read_trace
-    from replay.workload import workload_stats
+    from replay.workload import TableWorkload, workload_stats
 
-    s = workload_stats(read_trace(trace_name, _shared_or_none(ctx, trace_name)))
+    table = TableWorkload(read_trace(trace_name, _shared_or_none(ctx, trace_name))).table  # arrival order checked
+    s = workload_stats(table)
     click.echo(
         f"{s.num_requests:,} requests ({s.num_failed:,} failed) over {s.span_s:,.1f} s, {s.mean_rate_per_s:.3f} req/s\n"
         f"prompt tokens p50 {s.prompt_tokens_p50:,.0f} p99 {s.prompt_tokens_p99:,.0f}; "
@@ -261,7 +289,7 @@ def trace_to_blis(ctx: click.Context, source: str, out: Path, mode: str, model: 
 
     \b
     Example:
-      servelens trace to-blis out/demo/events.parquet --out blis/trace.csv --mode replayed
+      servelens trace to-blis out/demo/engine/events.parquet --out blis/trace.csv --mode replayed
       servelens trace to-blis mooncake --out blis/mooncake.csv
       blis replay --trace-header blis/trace.yaml --trace-data blis/trace.csv ...
     """
@@ -329,26 +357,88 @@ def requests() -> None:
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Output Parquet file.")
 @click.pass_context
 def requests_derive(ctx: click.Context, events_file: Path, out: Path) -> None:
-    """Derive one row per request from EVENTS_FILE (JSONL or Parquet).
+    """Derive one row per request from EVENTS_FILE (JSONL or Parquet), for engine telemetry.
 
-    Input that is not yet sanitized is validated (and refused if any record is invalid: run
-    `servelens events validate` to see every error) and sanitized with the configured pseudonym
-    key before anything is written. Events may arrive in any order and duplicated.
+    A replay writes its own request table beside its events (OUT/requests.parquet, the same rows this
+    command derives): for a replay's events.parquet whose manifest names it, that table is copied.
+    Sanitized input (every event carries a pseudonym key id) is read as it is, with no key. Other
+    input is validated (and refused if any record is invalid: run `servelens events validate` to see
+    every error) and sanitized with the configured pseudonym key before anything is written. Events
+    may arrive in any order and duplicated. Progress goes to stderr.
 
     \b
     Example:
-      servelens requests derive out/demo/events.jsonl --out requests.parquet
+      servelens requests derive out/demo/engine/events.parquet --out out/requests.parquet
+      servelens requests derive out/demo/lake/events/dt=2023-11-16/hour=18/*.parquet --out out/hour18.parquet
     """
-    from pipelines.lake import staged_parquet
-    from pipelines.tables import write_requests
-    from schemas.validate import InvalidEventsError
+    import shutil
 
-    try:
-        staged = staged_parquet(events_file, out.parent, _sanitizer(ctx))
-    except InvalidEventsError as exc:
-        raise ServelensError(str(exc), f"run `servelens events validate {events_file}` to see every error") from None
+    from pipelines.lake import is_sanitized, staged_parquet
+    from pipelines.tables import write_requests
+    from schemas.validate import InvalidEventsError, detect_format
+
+    own = _replays_own_table(events_file)
+    if own is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(own, out)
+        click.echo(f"copied the replay's own request table {own} to {out} "
+                   f"({pq_rows(out):,} requests; the replay wrote it: nothing to derive)")
+        return
+    started = time.monotonic()
+    staged = events_file
+    if not (detect_format(events_file) == "parquet" and is_sanitized(events_file)):
+        click.echo(f"validating and sanitizing {events_file} with the configured pseudonym key ...", err=True)
+        try:
+            staged = staged_parquet(events_file, out.parent, _sanitizer(ctx), progress=_event_progress("sanitized"))
+        except InvalidEventsError as exc:
+            raise ServelensError(str(exc), f"run `servelens events validate {events_file}` to see every error") from None
+        click.echo(f"  sanitized in {time.monotonic() - started:,.1f} s; deriving the request table ...", err=True)
+    else:
+        click.echo(f"{events_file} is sanitized (every event carries a pseudonym key id): deriving ...", err=True)
     count = write_requests(staged, out)
-    click.echo(f"wrote {count:,} requests to {out}")
+    click.echo(f"wrote {count:,} requests to {out} in {time.monotonic() - started:,.1f} s")
+
+
+def _event_progress(verb: str):
+    """A progress callback: a stderr line every 5 s with the events done so far and their rate."""
+    started = last = time.monotonic()
+
+    def report(count: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if now - last >= 5:
+            last = now
+            click.echo(f"  {verb} {count:,} events ({count / (now - started):,.0f}/s)", err=True)
+
+    return report
+
+
+def _replays_own_table(events_file: Path) -> Path | None:
+    """The request table a replay wrote beside ``events_file`` when its manifest names both (``replay.run``)."""
+    manifest = events_file.parent / "manifest.json"
+    if events_file.name != "events.parquet" or not manifest.is_file():
+        return None
+    try:
+        output = json.loads(manifest.read_text()).get("output", {})
+    except (OSError, ValueError):
+        return None
+    own = events_file.parent / str(output.get("requests_file") or "")
+    return own if output.get("requests_file") and own.is_file() else None
+
+
+def _manifest_model(path: Path) -> str | None:
+    """The model of the replay whose manifest sits beside ``path`` (None: no manifest)."""
+    manifest = path.parent / "manifest.json"
+    try:
+        return json.loads(manifest.read_text())["instance"]["model"]["name"] if manifest.is_file() else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def pq_rows(path: Path) -> int:
+    import pyarrow.parquet as pq
+
+    return pq.read_metadata(path).num_rows
 
 
 def _sanitizer(ctx: click.Context):
@@ -385,31 +475,42 @@ def metrics() -> None:
               "(default: privacy.min_group_size).")
 @click.option("--max-model-len", type=int, help="Upper end of the 1-2-5 token buckets (default: the largest count).")
 @click.option("--provider", help="gen_ai.provider.name of the OTel GenAI series (e.g. vllm); default: omitted.")
+@click.option("--model", default=None,
+              help="Model label of requests whose events name none [default: the replay manifest's model beside the "
+                   "file, else 'unknown'].")
 @click.pass_context
 def metrics_export(ctx: click.Context, requests_file: Path, events_file: Path | None, fmt: str, interval_s: float,
                    out: Path | None, labels: str, max_label_values: int, min_group_size: int | None,
-                   max_model_len: int | None, provider: str | None) -> None:
+                   max_model_len: int | None, provider: str | None, model: str | None) -> None:
     """Export REQUESTS_FILE (a request table, real or replayed, or the events to derive it from) as
     histograms with vLLM's and the OTel GenAI conventions' names and buckets (docs/interop.md).
 
+    Requests whose events name no model (a replay of a trace that records none) are labelled with
+    --model, by default the model of the replay's manifest beside the file.
+
     \b
     Example:
-      servelens metrics export out/demo/requests.parquet --events out/demo/events.parquet --out demo.prom
-      servelens metrics export out/replay/events.parquet --labels model,pool
-      servelens metrics export requests.parquet --format otlp-json --labels model,service_class --out m.json
-      servelens metrics export RUN/events.parquet --format openmetrics --out run.om
-      promtool tsdb create-blocks-from openmetrics run.om /prometheus/data
+      servelens metrics export out/demo/engine/requests.parquet --events out/demo/engine/events.parquet --out demo.prom
+      servelens metrics export out/demo/engine/events.parquet --labels model,service_class
+      servelens metrics export out/demo/engine/requests.parquet --format otlp-json --labels model,service_class --out m.json
+      servelens metrics export out/demo/engine/events.parquet --format openmetrics --out run.om
+      promtool tsdb create-blocks-from openmetrics run.om /prometheus/data   # (Prometheus's tool, not servelens)
     """
+    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     from pipelines.exposition import request_metrics, request_metrics_over_time, to_openmetrics, to_otlp_json, to_prometheus
 
     table = pq.read_table(requests_file)
     events = pq.read_table(events_file) if events_file else None
-    if "event_type" in table.column_names:  # an events file (a replay's events.parquet): derive its requests
+    if "event_type" in table.column_names:  # an events file: the replay's own table beside it, else derived
         from pipelines.tables import derive_requests
 
-        table, events = derive_requests(table), events if events is not None else table
+        own = _replays_own_table(requests_file)
+        table, events = (pq.read_table(own) if own else derive_requests(table)), events if events is not None else table
+    model = model or _manifest_model(requests_file)
+    if model and table["model"].null_count:
+        table = table.set_column(table.schema.get_field_index("model"), "model", pc.fill_null(table["model"], model))
     options = {"labels": _names(labels), "max_label_values": max_label_values,
                "min_group_size": min_group_size or _config(ctx).privacy.min_group_size, "max_model_len": max_model_len,
                "provider_name": provider}
@@ -447,8 +548,8 @@ def privacy_keygen(out: Path, key_id: str | None) -> None:
 
     \b
     Example:
-      servelens privacy keygen --out /etc/servelens/pseudonym-keys.toml
-      export SERVELENS_PRIVACY__KEY_FILE=/etc/servelens/pseudonym-keys.toml
+      servelens privacy keygen --out out/keys/pseudonym-keys.toml
+      export SERVELENS_PRIVACY__KEY_FILE=out/keys/pseudonym-keys.toml
     """
     from privacy.keys import generate_keyring, write_keyfile
 
@@ -467,13 +568,45 @@ def privacy_rotate(key_file: Path, key_id: str | None) -> None:
 
     \b
     Example:
-      servelens privacy rotate /etc/servelens/pseudonym-keys.toml
+      servelens privacy rotate out/keys/pseudonym-keys.toml
     """
     from privacy.keys import load_keyring, rotate, write_keyfile
 
     ring = rotate(load_keyring(key_file), key_id)
     write_keyfile(key_file, ring)
     click.echo(f"active pseudonym key is now {ring.active_id} ({len(ring.secrets)} keys in {key_file})")
+
+
+@privacy.command("lookup")
+@click.argument("value", metavar="ID")
+@click.option("--field", default="request_id", show_default=True,
+              type=click.Choice(["request_id", "tenant", "session_id", "user", "api_key_id", "adapter", "event_id"]),
+              help="Which field ID is (each field has its own pseudonym kind).")
+@click.option("--all-keys", is_flag=True, help="Its pseudonym under every key of the ring (records from before a rotation).")
+@click.pass_context
+def privacy_lookup(ctx: click.Context, value: str, field: str, all_keys: bool) -> None:
+    """Print the pseudonym the lake stores for a raw ID, with the configured key ring.
+
+    The sanitizer replaces identifiers by keyed pseudonyms (docs/privacy.md); this computes one, so
+    an engine team can find its own requests in the lake. A tenant beyond privacy.tenant_budget is
+    stored as `other`, not as its pseudonym.
+
+    \b
+    Example:
+      SERVELENS_PRIVACY__KEY_FILE=.servelens/demo-pseudonym-key.toml servelens privacy lookup azure-conv-000042
+      SERVELENS_PRIVACY__KEY_FILE=.servelens/demo-pseudonym-key.toml servelens privacy lookup acme --field tenant
+    """
+    from privacy.keys import load_keyring
+    from privacy.sanitize import FIELD_POLICIES
+
+    ring = load_keyring(_config(ctx).privacy.key_file)
+    policy = FIELD_POLICIES[field]
+    keys = sorted(ring.secrets) if all_keys else [ring.active_id]
+    for key_id in keys:
+        pseudonym = ring.pseudonym(policy.kind, value, hex_chars=policy.hex_chars, key_id=key_id)
+        click.echo(f"{pseudonym}" + (f"  (key {key_id}{', active' if key_id == ring.active_id else ''})" if all_keys else ""))
+    sql = f"SELECT * FROM requests WHERE {field} = '{ring.pseudonym(policy.kind, value, hex_chars=policy.hex_chars)}'"
+    click.echo(f'  e.g. servelens lake sql "{sql}"', err=True)
 
 
 @privacy.command("sanitize")
@@ -488,14 +621,15 @@ def privacy_sanitize(ctx: click.Context, events_file: Path, out: Path) -> None:
 
     \b
     Example:
-      servelens privacy sanitize engine-events.jsonl --out events.parquet
+      servelens trace convert mooncake --to events --out mooncake.events.jsonl
+      SERVELENS_PRIVACY__KEY_FILE=.servelens/demo-pseudonym-key.toml servelens privacy sanitize mooncake.events.jsonl --out mooncake.parquet
     """
     from pipelines.lake import events_to_parquet
     from schemas.validate import InvalidEventsError
 
     sanitizer = _sanitizer(ctx)
     try:
-        count = events_to_parquet(events_file, out, sanitizer)
+        count = events_to_parquet(events_file, out, sanitizer, progress=_event_progress("sanitized"))
     except InvalidEventsError as exc:
         raise ServelensError(str(exc), f"run `servelens events validate {events_file}` to see every error") from None
     report = sanitizer.report().as_dict()
@@ -877,7 +1011,9 @@ def replay_command(ctx: click.Context, workload_name: str, policy_name: str, pol
     Example:
       servelens replay --workload azure-conv --policy fcfs --engine llama-3-8b@h100-sxm --out out/replay/fcfs
       servelens replay --workload azure-conv --engine llama-2-70b@a100-80gx2 --cost-model profile --out out/70b
-      servelens replay --workload azure-conv --policy deadline --policy-config deadline.yaml --out out/deadline
+      servelens replay --workload azure-conv --policy deadline --policy-config out/demo/deadline.yaml --out out/deadline
+      servelens replay --workload azure-conv --load 2x --policy deadline --engine llama-2-7b@a100-80gx2 --gpu-memory-utilization 0.5 --out out/deadline-2x
+      servelens replay --workload azure-conv --superpose 4 --shift 10m --block-bootstrap 5m --seed 7 --out out/bursty
       servelens replay --workload azure-conv --profile profiles/llama-8b-h200.parquet --out out/8b-fitted
       servelens replay --workload azure-conv --instances 8 --router least-outstanding-tokens --scale 600:+2 --out out/cluster
       servelens replay --workload azure-conv --instances 2 --decode-instances 2 --kv-transfer-gbps 50 --fail 300:1 --out out/disagg
@@ -1103,7 +1239,8 @@ def compare_measured_command(ctx: click.Context, workload_name: str, profile_pat
 @click.option("--live", is_flag=True, help="Judge two live pools from the lake (by the events' pool label) instead of two runs.")
 @click.option("--baseline-pool", default="baseline", show_default=True, help="With --live: the baseline pool label.")
 @click.option("--candidate-pool", default="canary", show_default=True, help="With --live: the canary (or shadow) pool label.")
-@click.option("--since", "since_s", type=float, default=None, help="With --live: only requests from the last this many seconds.")
+@click.option("--since", "since_s", default=None, metavar="DURATION", callback=lambda ctx, param, value: _duration_s(value),
+              help="With --live: only requests from the last DURATION (90s, 30m, 1h, 2d; a plain number is seconds).")
 @click.option("--previous-config", default=None, help="With --live: the configuration to restore on rollback (named in the decision).")
 @click.option("--model-error", "model_error", multiple=True, metavar="NAME=FRACTION",
               help="The replay model's known error on a metric or fidelity figure (e.g. itl_mean=0.05): a pass by "
@@ -1126,9 +1263,9 @@ def gate(ctx: click.Context, baseline: Path | None, candidate: Path | None, gate
 
     \b
     Example:
-      servelens gate --baseline out/replay/fcfs --candidate out/replay/deadline --config gate.yaml
-      servelens gate --live --candidate-pool canary --since 3600 --previous-config policy=fcfs@v12
-      servelens gate --baseline a --candidate b --model-error itl_mean=0.05
+      servelens gate --baseline out/demo/out/replay/2023-11-16/fcfs@2x --candidate out/demo/out/replay/2023-11-16/deadline@2x --config out/demo/gate.yaml
+      servelens gate --live --candidate-pool canary --since 1h --previous-config policy=fcfs@v12
+      servelens gate --baseline out/demo/out/replay/2023-11-16/fcfs@1x --candidate out/demo/out/replay/2023-11-16/vtc@1x --model-error itl_mean=0.05
       servelens gate --list-metrics
     """
     from replay.gate import compare_runs, config_yaml, decide, default_config, headline, load_config, parse_model_error

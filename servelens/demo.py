@@ -120,13 +120,21 @@ def demo_config(config: Config, out_dir: Path) -> Config:
 
 
 def write_demo_settings(out_dir: Path) -> None:
-    """The engine's settings (engine.yaml) and the gate configuration with the demo's objectives (gate.yaml)."""
+    """The engine's settings (engine.yaml), the gate configuration with the demo's objectives (gate.yaml) and,
+    as an example to edit, the deadline policy's configuration under the documented two-class tenancy
+    (deadline.yaml: what `servelens replay --policy deadline` uses on a trace without tenants)."""
+    import yaml
+
     from replay.abuse import metric_classes
     from replay.gate_config import config_yaml, default_config
 
     (out_dir / "engine.yaml").write_text(DEMO_ENGINE_SETTINGS)
     gate = dataclasses.replace(default_config(), classes=metric_classes(DEMO_TENANCY))
     (out_dir / "gate.yaml").write_text(config_yaml(gate))
+    tenancy = dataclasses.asdict(TWO_CLASS_TENANCY)
+    (out_dir / "deadline.yaml").write_text(
+        "# servelens replay --policy deadline --policy-config deadline.yaml (docs/policies.md): the two-class tenancy\n"
+        + yaml.safe_dump({"overload_margin": 0.1, "tenancy": tenancy}, sort_keys=False))
 
 
 def demo_workload(trace: pa.Table) -> pa.Table:
