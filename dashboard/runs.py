@@ -226,9 +226,9 @@ def run_metric_values(run: RunInfo, cache_dir: str | Path, config: MetricsConfig
 #: The comparison the Policies page shows, in order (rejections and cost always beside goodput).
 POLICY_METRICS = (
     ("goodput_rps", "goodput, req/s"),
-    ("attainment", "attainment"),
-    ("rejected_share", "rejected"),
-    ("cancelled_share", "cancelled"),
+    ("attainment", "attainment, share of arrivals"),
+    ("rejected_share", "rejected, share of arrivals"),
+    ("cancelled_share", "cancelled, share of arrivals"),
     ("ttft_p99_s", "TTFT p99, s"),
     ("max_backlogged_service_gap", "fairness gap (service/weight)"),
     ("jain_index", "Jain's index"),
