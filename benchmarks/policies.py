@@ -4,10 +4,15 @@
    scenario (``replay.abuse.TWO_CLASS_TENANCY``: three chat tenants entitled to ``interactive``,
    two document tenants to ``batch``; docs/policies.md), is time-scaled to 1x, 1.5x and 2x its
    recorded rate and replayed through every registered single-instance policy on one modelled
-   llama-2-7b instance on two A100-80GB (tensor parallel; the roofline cost model) whose engine
-   gets half of the GPUs' memory (``gpu_memory_utilization`` 0.5, as on a node shared with
-   another model): the recorded rate is served comfortably, and at 2x the KV pool, not compute
-   alone, is what runs out (llama-2-7b has no grouped-query attention), so FCFS preempts. Per policy and load: SLO goodput, attainment per class, p99 TTFT and
+   llama-2-7b instance on two A100-80GB (tensor parallel; the roofline cost model with the shipped
+   calibration, as ``servelens replay`` runs by default) whose engine gets half of the GPUs' memory
+   (``gpu_memory_utilization`` 0.5, as on a node shared with another model): the recorded rate is
+   served comfortably, and at 2x the KV pool, not compute alone, is what runs out (llama-2-7b has no
+   grouped-query attention), so FCFS preempts. Each run is exactly what ``servelens replay --workload
+   azure-conv --load <L>x --policy <P> --engine llama-2-7b@a100-80gx2 --gpu-memory-utilization 0.5``
+   replays (``replay.presets``: the same workload, scenario, policy configuration, instance and
+   calibration; ``tests/servelens/test_replay_cli.py`` checks the output is byte-identical). Per
+   policy and load: SLO goodput, attainment per class, p99 TTFT and
    ITL (the p99 over requests of each request's p99 gap), preemptions per request, rejections,
    the longest queue residence, the fairness gap (largest service/weight gap between backlogged
    tenants, VTC units), accelerator-seconds per 1k goodput tokens and the replay's wall time.
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from fractions import Fraction
 import sys
 import tempfile
 import time
@@ -46,41 +52,49 @@ ENGINE = "llama-2-7b@a100-80gx2"
 GPU_MEMORY_UTILIZATION = 0.5  # the engine gets half of the two GPUs' memory: KV is scarce, as on a shared node
 POLICIES = ("fcfs", "priority", "decode-first", "prefill-first", "sarathi", "vtc", "deadline", "deadline-vtc")
 LOADS = (1.0, 1.5, 2.0)
+from replay.presets import TWO_CLASS as PRESET  # noqa: E402  (the documented two-class scenario, docs/policies.md)
 ABUSE_POLICIES = ("fcfs", "vtc", "deadline", "deadline-vtc")
 BEGIN, END = "<!-- policies:begin -->", "<!-- policies:end -->"
 NS = 1_000_000_000
 
 
-def policy_config(name: str):
-    """Every class-aware policy gets the scenario's tenancy; the rest their defaults."""
-    from replay.abuse import TWO_CLASS_TENANCY
-    from replay.policies import policy_class
+def instance_and_calibration():
+    """The instance and calibration `servelens replay --engine ENGINE --gpu-memory-utilization 0.5` replays on."""
+    from replay.calibration import default_calibration
+    from replay.vllm import VllmSettings, vllm_instance
+    from servelens.config import load_config, shared_dir
 
-    cls = policy_class(name)
-    fields = getattr(cls.config_type, "__dataclass_fields__", {})
-    return cls.config_type(tenancy=TWO_CLASS_TENANCY) if "tenancy" in fields else None
+    instance = vllm_instance(ENGINE, VllmSettings(gpu_memory_utilization=GPU_MEMORY_UTILIZATION), shared_dir(load_config()))
+    return instance, default_calibration()
 
 
-def replay_one(workload: pa.Table, policy: str, out_dir: Path) -> tuple[pa.Table, pa.Table, float, object]:
-    """Replay; returns (request table, events, wall seconds of the replay, summary)."""
+def calibration_name() -> str:
+    instance, calibration = instance_and_calibration()
+    fitted = ", ".join(calibration.accelerators)
+    where = "" if instance.accelerator.name in calibration.accelerators else f", fitted on {fitted}"
+    return f"{calibration.name}{where}"
+
+
+def replay_one(workload, policy: str, out_dir: Path) -> tuple[pa.Table, pa.Table, float, object]:
+    """Replay; returns (the replay's own request table, its busy time as steps, wall seconds of the replay, summary)."""
+    from replay.figures import busy_steps
+
     summary = replay_run(workload, policy, out_dir)
-    from pipelines.tables import derive_requests
-
-    return derive_requests(summary.events_path), pq.read_table(summary.events_path), summary.wall_s, summary
+    return pq.read_table(summary.requests_path), busy_steps(summary.busy_s), summary.wall_s, summary
 
 
-def replay_run(workload: pa.Table, policy: str, out_dir: Path):
-    """The replay alone (its summary)."""
-    from replay.abuse import TWO_CLASS_TENANCY, scenario_for
-    from replay.config import EngineConfig, parse_instance
+def replay_run(workload, policy: str, out_dir: Path):
+    """The replay alone (its summary): the two-class preset's scenario and the policy's default configuration,
+    as `servelens replay --policy POLICY` runs them."""
+    from replay.presets import default_policy_config
     from replay.run import run_replay
 
-    instance = parse_instance(ENGINE, EngineConfig(gpu_memory_utilization=GPU_MEMORY_UTILIZATION))
-    return run_replay(workload, policy_name=policy, policy_config=policy_config(policy),
-                      instance=instance, scenario=scenario_for(TWO_CLASS_TENANCY), out_dir=out_dir)
+    instance, calibration = instance_and_calibration()
+    return run_replay(workload, policy_name=policy, policy_config=default_policy_config(policy, PRESET),
+                      instance=instance, calibration=calibration, scenario=PRESET.scenario, out_dir=out_dir)
 
 
-def replay_cpu_s(workload: pa.Table, policy: str, out_dir: Path) -> float:
+def replay_cpu_s(workload, policy: str, out_dir: Path) -> float:
     """CPU seconds of one replay (this process, all its threads): on a machine shared with other work,
     far steadier than wall time, which counts the time other processes hold the cores."""
     cpu0 = time.process_time()
@@ -88,35 +102,26 @@ def replay_cpu_s(workload: pa.Table, policy: str, out_dir: Path) -> float:
     return time.process_time() - cpu0
 
 
-def figures(requests: pa.Table, events: pa.Table | None) -> dict:
-    """The comparison's figures of one run."""
-    from replay.abuse import TWO_CLASS_TENANCY, metric_classes
-    from replay.metrics import MetricsConfig, run_metrics
+def figures(requests: pa.Table, steps: pa.Table | None) -> dict:
+    """The comparison's figures of one run (``replay.figures``, as `servelens replay` prints them)."""
+    from replay.figures import run_figures
 
-    config = MetricsConfig(classes=metric_classes(TWO_CLASS_TENANCY))
-    m = {(v.scope, v.group, v.name): v.value for v in run_metrics(requests, events, config)}
-
-    def get(name: str, group: str = "", scope: str = "overall"):
-        return m.get((scope, group, name))
-
-    cost = get("cost_per_1k_goodput_tokens_usd")
-    rejected = get("rejected_share") or 0.0
-    n = get("num_requests") or 0
+    f = run_figures(requests, steps, PRESET.metrics)
     return {
-        "requests": int(n),
-        "goodput_rps": get("goodput_rps"),
-        "attainment": get("attainment"),
-        "attainment_interactive": get("attainment", "interactive", "class"),
-        "attainment_batch": get("attainment", "batch", "class"),
-        "ttft_p99_s": get("ttft_p99_s"),
-        "itl_p99_s": get("itl_p99_p99_s"),
-        "preemptions_per_request": get("preemptions_per_request"),
-        "rejected": round(rejected * n),
-        "rejected_share": rejected,
-        "degraded": int(pc.sum(pc.equal(requests["admission_decision"], "degrade")).as_py() or 0),
-        "max_queue_s": get("max_queue_s"),
-        "fairness_gap": get("max_backlogged_service_gap"),
-        "accelerator_s_per_1k_goodput_tokens": None if cost is None else cost / (config.cost.accelerator_hour_price / 3600),
+        "requests": f.num_requests,
+        "goodput_rps": f.goodput_rps,
+        "attainment": f.attainment,
+        "attainment_interactive": f.attainment_of("interactive"),
+        "attainment_batch": f.attainment_of("batch"),
+        "ttft_p99_s": f.latency("ttft", 99),
+        "itl_p99_s": f.latency("itl_p99", 99),
+        "preemptions_per_request": f.preemptions_per_request,
+        "rejected": f.rejected,
+        "rejected_share": f.rejected_share,
+        "degraded": f.degraded,
+        "max_queue_s": f.max_queue_s,
+        "fairness_gap": f.fairness_gap,
+        "accelerator_s_per_1k_goodput_tokens": f.accelerator_s_per_1k_goodput_tokens,
     }
 
 
@@ -157,7 +162,11 @@ def fmt(value, digits: int = 2) -> str:
 def table_markdown(rows: list[dict], abuse: list[dict], speed: dict, num_requests: int) -> str:
     lines = [
         f"Azure conversation trace ({num_requests:,} requests), two-class scenario (docs/policies.md), one modelled "
-        f"{ENGINE.replace('@', ' on ')} with gpu_memory_utilization {GPU_MEMORY_UTILIZATION} (roofline cost model); `python benchmarks/policies.py` regenerates this table.",
+        f"{ENGINE.replace('@', ' on ')} with gpu_memory_utilization {GPU_MEMORY_UTILIZATION} (the roofline cost model with "
+        f"the shipped calibration {calibration_name()}, `servelens replay`'s default; latencies engine side); "
+        f"`python benchmarks/policies.py` regenerates this table. Each row is what `servelens replay --workload azure-conv "
+        f"--load <load> --policy <policy> --engine {ENGINE} --gpu-memory-utilization {GPU_MEMORY_UTILIZATION} --out DIR` "
+        "replays and prints.",
         "",
         "| load | policy | SLO goodput (req/s) | attainment interactive / batch | p99 TTFT (s) | p99 ITL (s) | "
         "preemptions / request | rejected | degraded | max queue (s) | fairness gap | accel-s / 1k goodput tokens | replay wall (s) |",
@@ -206,14 +215,15 @@ def main() -> None:
     parser.add_argument("--no-readme", action="store_true", help="do not rewrite the README table")
     args = parser.parse_args()
 
-    from replay.abuse import inject, time_scaled, two_class_workload
+    from replay.abuse import inject
+    from replay.presets import LoadShape, prepared_workload, resolve_preset
     from replay.traces import read_trace
     from servelens.config import load_config, shared_dir
 
     base = read_trace("azure-conv", shared_dir(load_config()))
     if args.quick:
         base = base.slice(0, 1200)
-    labelled = two_class_workload(base)
+    _, labelled = resolve_preset("two-class", base)
     policies = ("fcfs", "priority", "sarathi", "vtc", "deadline", "deadline-vtc") if args.quick else POLICIES
     rows: list[dict] = []
     speed: dict[str, float] = {}
@@ -222,7 +232,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
         for load in LOADS:
-            workload = time_scaled(labelled, load)
+            # exactly `servelens replay --workload azure-conv --load <load>x` (its name, transforms and labels)
+            workload, _ = prepared_workload(base, "azure-conv", preset="two-class", shape=LoadShape(load=Fraction(load)))
             walls = {}
             for policy in policies:
                 requests, events, wall_s, summary = replay_one(workload, policy, tmp_path / f"{policy}-{load:g}")

@@ -8,7 +8,9 @@ latency chart states its measurement boundary (``docs/metrics.md``).
 
 from __future__ import annotations
 
+import hashlib
 import html
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -168,34 +170,53 @@ def cdf_figure(cdfs: pa.Table, objectives: dict[str, dict[str, float | None]]) -
 
 
 def policy_scatter(comparison: pa.Table, currency: str) -> go.Figure:
-    """Goodput against cost, one point per run."""
+    """Goodput against cost, one point per run (the run's name on hover; labelled only when few)."""
     runs = [plot_text(r) for r in comparison["run"].to_pylist()]
     cost = comparison["cost_per_1k_goodput_tokens"].to_pylist()
     goodput = comparison["goodput_rps"].to_pylist()
     policies = comparison["policy"].to_pylist()
     colors = _color(policies)
+    labelled = len(runs) <= 6  # more labels than that pile up on each other
     fig = go.Figure()
     for policy in sorted(set(policies)):
         idx = [i for i, p in enumerate(policies) if p == policy]
-        fig.add_trace(go.Scatter(x=[cost[i] for i in idx], y=[goodput[i] for i in idx], mode="markers+text",
-                                 text=[runs[i] for i in idx], textposition="top center", name=plot_text(policy),
-                                 marker={"size": 12, "color": colors[policy]}))
+        fig.add_trace(go.Scatter(x=[cost[i] for i in idx], y=[goodput[i] for i in idx],
+                                 mode="markers+text" if labelled else "markers",
+                                 text=[runs[i] for i in idx], textposition="top center", hovertemplate=
+                                 "%{text}<br>%{x:.4f} " + plot_text(currency) + " / 1k tokens, %{y:.2f} req/s<extra></extra>",
+                                 name=plot_text(policy), marker={"size": 12, "color": colors[policy]}))
+    fig.update_xaxes(exponentformat="none", tickformat=".4~f")  # plain currency: never "300µ"
     return _layout(fig, "Goodput against cost (up and to the left is better)",
                    xaxis=f"cost per 1k goodput tokens, {plot_text(currency)}", yaxis="SLO goodput, requests/s")
 
 
+_CONFIG = re.compile(r" \{.*\}(?= on )")
+
+
+def _series_name(series: str) -> str:
+    """A load-sweep series without its configuration's JSON (a short digest of it instead)."""
+    match = _CONFIG.search(series)
+    if not match:
+        return series
+    digest = hashlib.sha256(match.group(0).encode()).hexdigest()[:6]
+    return series[:match.start()] + f" (config {digest})" + series[match.end():]
+
+
 def sweep_figure(series: Sequence[str], load: Sequence[float], values: Sequence[float | None], metric_label: str) -> go.Figure:
-    """A metric against load factor, one line per series (policy, config, engine, workload)."""
+    """A metric against load factor, one line per series (policy, config, engine, workload); the legend below."""
     fig = go.Figure()
     colors = _color(series)
     for name in sorted(set(series)):
         points = sorted((lf, v) for s, lf, v in zip(series, load, values) if s == name and v is not None)
         fig.add_trace(go.Scatter(x=[p[0] for p in points], y=[p[1] for p in points], mode="lines+markers",
-                                 name=plot_text(name), line={"color": colors[name]}))
+                                 name=plot_text(_series_name(name)), line={"color": colors[name]}))
     fig.update_xaxes(tickformat=".2~f", ticksuffix="x")
     if metric_label.startswith("attainment"):
         fig.update_yaxes(tickformat=".0%")
-    return _layout(fig, f"Load sweep: {metric_label} against load", xaxis="load factor", yaxis=metric_label)
+    fig = _layout(fig, f"Load sweep: {metric_label} against load", xaxis="load factor (x the recorded rate)",
+                  yaxis=metric_label, height=420)
+    fig.update_layout(legend={"orientation": "h", "yanchor": "top", "y": -0.2, "x": 0}, margin={"t": 60, "b": 120})
+    return fig
 
 
 def _effect_traces(fig: go.Figure, rows: list[dict], col: int, scale: float) -> None:

@@ -32,6 +32,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dashboard.data import DERIVED_FORMAT, materialize_requests, metrics_config_token
+from replay.figures import read_step_timing
 from replay.metrics import MetricsConfig, metrics_table, run_metrics
 
 MANIFEST = "manifest.json"
@@ -73,6 +74,7 @@ class RunInfo:
     num_requests: int | None
     events_mtime_ns: int
     events_bytes: int
+    requests_path: str | None = None  # the request table the replay wrote itself (its manifest names it)
 
     @property
     def version(self) -> str:
@@ -135,7 +137,16 @@ def read_run(folder: str | Path, name: str | None = None) -> RunInfo | None:
         num_requests=workload.get("num_requests") if isinstance(workload.get("num_requests"), int) else None,
         events_mtime_ns=stat.st_mtime_ns,
         events_bytes=stat.st_size,
+        requests_path=_own_requests(folder, manifest),
     )
+
+
+def _own_requests(folder: Path, manifest: Mapping[str, Any]) -> str | None:
+    """The replay's own request table, when this run's manifest says it wrote one (``replay.request_table``)."""
+    output = manifest.get("output") if isinstance(manifest.get("output"), dict) else {}
+    name = output.get("requests_file")
+    path = folder / name if isinstance(name, str) and "/" not in name and name != ".." else None
+    return str(path) if path is not None and path.is_file() else None
 
 
 #: How deep under runs_dir (and gate_dir) folders are searched: ``<run>/`` as ``servelens replay
@@ -189,18 +200,10 @@ def run_requests_path(run: RunInfo, cache_dir: str | Path, memory_limit: str | N
     return path
 
 
-#: The step columns run metrics read: busy time per instance (membership is not needed for them).
-_STEP_TIMING = ["event_type", "instance_id", "start_ns", "end_ns"]
-
-
 def step_timing(events_path: str | Path) -> pa.Table:
-    """A run's engine steps with their timing and instance, and empty membership lists:
-    ``replay.metrics.summarize`` reads only busy time and instances from steps, and leaving the
-    member lists out keeps a million-request run's metrics in memory bounded by the step count."""
-    steps = pq.read_table(events_path, columns=_STEP_TIMING, filters=[("event_type", "==", "step_executed")])
-    empty_ids = pa.array([[]] * steps.num_rows, pa.list_(pa.string()))
-    empty_tokens = pa.array([[]] * steps.num_rows, pa.list_(pa.int64()))
-    return steps.append_column("request_ids", empty_ids).append_column("request_num_tokens", empty_tokens)
+    """A run's engine steps with their timing and instance, and empty membership lists
+    (``replay.figures.read_step_timing``: run metrics read only busy time and instances from steps)."""
+    return read_step_timing(events_path)
 
 
 def run_metric_values(run: RunInfo, cache_dir: str | Path, config: MetricsConfig, memory_limit: str | None = None) -> pa.Table:
@@ -209,7 +212,8 @@ def run_metric_values(run: RunInfo, cache_dir: str | Path, config: MetricsConfig
     path = _run_cache(run, cache_dir) / f"metrics-{metrics_config_token(config)}.parquet"
     if path.is_file():
         return pq.read_table(path)
-    requests = pq.read_table(run_requests_path(run, cache_dir, memory_limit))
+    own = run.requests_path  # a replay's own table: nothing to derive
+    requests = pq.read_table(own if own is not None else run_requests_path(run, cache_dir, memory_limit))
     values = [v for v in run_metrics(requests, step_timing(run.events_path), config) if v.scope in ("overall", "class")]
     table = metrics_table(values)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -222,9 +226,9 @@ def run_metric_values(run: RunInfo, cache_dir: str | Path, config: MetricsConfig
 #: The comparison the Policies page shows, in order (rejections and cost always beside goodput).
 POLICY_METRICS = (
     ("goodput_rps", "goodput, req/s"),
-    ("attainment", "attainment"),
-    ("rejected_share", "rejected"),
-    ("cancelled_share", "cancelled"),
+    ("attainment", "attainment, share of arrivals"),
+    ("rejected_share", "rejected, share of arrivals"),
+    ("cancelled_share", "cancelled, share of arrivals"),
     ("ttft_p99_s", "TTFT p99, s"),
     ("max_backlogged_service_gap", "fairness gap (service/weight)"),
     ("jain_index", "Jain's index"),

@@ -35,6 +35,7 @@ PAGES = (
     ("app_pages/overview.py", "Overview", "overview"),
     ("app_pages/traffic.py", "Traffic", "traffic"),
     ("app_pages/service_levels.py", "Service levels", "service-levels"),
+    ("app_pages/load_latency.py", "Load and latency", "load-latency"),
     ("app_pages/policies.py", "Policies", "policies"),
     ("app_pages/gate.py", "Gate", "gate"),
     ("app_pages/request_explorer.py", "Request explorer", "request-explorer"),

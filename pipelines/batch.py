@@ -164,28 +164,46 @@ def replay_dir(out_dir: Path, day: str, case: ReplayCase) -> Path:
 
 
 def replay_day(out_dir: Path, day: str, case: ReplayCase, *, engine: str, seed: int = 0, scenario=None,
-               run_dir: Path | None = None):
-    """Replay the day's workload at ``case.load`` through ``case.policy``; the load scenario's
-    workload (``scaled_workload``) is written first when it is missing or older than the day's."""
-    from replay.config import parse_instance
+               run_dir: Path | None = None, engine_config: str = "", calibration: str = "auto"):
+    """Replay the day's workload at ``case.load`` through ``case.policy`` as `servelens replay` would: its
+    tenants and classes as recorded (``replay.presets``, ``as-recorded``: the documented classes'
+    objectives as deadlines, each tenant's class from the telemetry), the policy's default configuration
+    under that tenancy, the engine with ``engine_config``'s settings and the calibration. The load
+    scenario's workload (``scaled_workload``) is written first when it is missing or older than the day's."""
+    from replay.calibration import calibration_named
+    from replay.presets import default_policy_config, resolve_preset
     from replay.run import run_replay
+    from replay.vllm import VllmSettings, read_vllm_settings, vllm_instance
     from replay.workload import TableWorkload
 
     path = workload_path(out_dir, day, case.load)
     if not path.is_file() or path.stat().st_mtime_ns < workload_path(out_dir, day).stat().st_mtime_ns:
         scaled_workload(out_dir, day, case.load)
-    return run_replay(TableWorkload(pq.read_table(path), name=f"{day}@{case.load}"), scenario=scenario,
-                      policy_name=case.policy, instance=parse_instance(engine), seed=seed,
+    preset, table = resolve_preset("as-recorded", pq.read_table(path))
+    settings = read_vllm_settings(engine_config)[0] if engine_config else VllmSettings()
+    return run_replay(TableWorkload(table, name=f"{day}@{case.load}"), scenario=scenario or preset.scenario,
+                      policy_name=case.policy, policy_config=default_policy_config(case.policy, preset),
+                      instance=vllm_instance(engine, settings), calibration=calibration_named(calibration), seed=seed,
                       out_dir=run_dir or replay_dir(out_dir, day, case))
+
+
+def day_gate_config(out_dir: Path, day: str):
+    """The gate's defaults, judged against the objectives the day's replays admitted by (the documented
+    classes, ``replay.presets``)."""
+    from replay.gate import default_config
+    from replay.presets import resolve_preset
+
+    preset, _ = resolve_preset("as-recorded", pq.read_table(workload_path(out_dir, day)))
+    return dataclasses.replace(default_config(), classes=preset.metrics.classes)
 
 
 def compare_day(out_dir: Path, day: str, production: str, cases: list[ReplayCase], gate_config=None) -> list[Path]:
     """Gate every candidate replay against the production policy's at the same load: one report
     folder (gate.json, gate.md, gate.html) per candidate and load under ``gate/<day>/``."""
-    from replay.gate import compare_runs, default_config, load_run
+    from replay.gate import compare_runs, load_run
     from replay.report import write_reports
 
-    config = gate_config or default_config()
+    config = gate_config or day_gate_config(out_dir, day)
     written = []
     for case in cases:
         if case.policy == production:

@@ -88,4 +88,10 @@ class NightlyConfig:
     candidates: str = doc("Comma-separated candidate policies; empty: every registered policy besides production.", "")
     loads: str = doc("Comma-separated load scenarios, multiples of the recorded arrival rate.", "1x,2x")
     engine: str = doc("The modelled instance of the replays, MODEL@GPU[xTP].", "llama-3-8b@h100-sxm")
+    engine_config: str = doc(
+        "YAML file of vllm serve settings for that instance (as `servelens replay --engine-config`, e.g. "
+        "gpu_memory_utilization: 0.5); empty: the engine's defaults.", "")
+    calibration: str = doc(
+        "Calibration of the replays' roofline model: auto (the shipped one, as `servelens replay` uses), none, "
+        "a shipped name or a file.", "auto")
     seed: int = doc("Seed of every replay.", 0)

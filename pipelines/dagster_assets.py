@@ -108,7 +108,7 @@ def replay_runs(context: dg.AssetExecutionContext, config: DayConfig, lake: Lake
                 plan: ReplayPlanResource) -> dg.MaterializeResult:
     keys = context.partition_key.keys_by_dimension
     case, day = batch.ReplayCase(keys["policy"], keys["load"]), config.resolved()
-    summary = batch.replay_day(lake.out_dir(), day, case, engine=plan.engine, seed=plan.seed)
+    summary = batch.replay_day(lake.out_dir(), day, case, seed=plan.seed, **plan.engine_kwargs())
     return dg.MaterializeResult(metadata={
         "day": day, "run": case.key, "manifest": str(summary.manifest_path), "num_requests": summary.num_requests,
         "events_sha256": summary.output_sha256, "num_preemptions": summary.num_preemptions,
@@ -263,8 +263,8 @@ def replay_is_deterministic(context: dg.AssetCheckExecutionContext, lake: LakeRe
         manifest = json.loads(manifest_path.read_text())
         day, (policy, _, load) = manifest_path.parent.parent.name, manifest_path.parent.name.rpartition("@")
         with tempfile.TemporaryDirectory() as tmp:
-            rerun = batch.replay_day(out, day, batch.ReplayCase(policy, load), engine=plan.engine,
-                                     seed=manifest["seed"], run_dir=Path(tmp))
+            rerun = batch.replay_day(out, day, batch.ReplayCase(policy, load), seed=manifest["seed"],
+                                     run_dir=Path(tmp), **plan.engine_kwargs())
         if rerun.output_sha256 != manifest["output"]["events_sha256"]:
             mismatched.append(f"{day}/{manifest_path.parent.name}")
     return dg.AssetCheckResult(passed=bool(manifests) and not mismatched,
@@ -377,7 +377,7 @@ def compare_candidate(context: dg.OpExecutionContext, config: CandidateConfig, l
     cases = [batch.ReplayCase(p, load) for p in (plan.production, config.candidate) for load in config.loads]
     for case in cases:
         if not (batch.replay_dir(out, config.day, case) / "manifest.json").is_file() or case.policy == config.candidate:
-            batch.replay_day(out, config.day, case, engine=plan.engine, seed=plan.seed)
+            batch.replay_day(out, config.day, case, seed=plan.seed, **plan.engine_kwargs())
     batch.compare_day(out, config.day, plan.production, cases)
     written = batch.verdicts_for_day(out, config.day)
     for row in pq.read_table(written.path).to_pylist():

@@ -98,7 +98,13 @@ class ReplayPlanResource(dg.ConfigurableResource):
     candidates: list[str] = []  # empty: every registered policy besides production
     loads: list[str] = ["1x", "2x"]
     engine: str = "llama-3-8b@h100-sxm"
+    engine_config: str = ""  # YAML of vllm serve settings (nightly.engine_config)
+    calibration: str = "auto"
     seed: int = 0
+
+    def engine_kwargs(self) -> dict[str, str]:
+        """How ``pipelines.batch.replay_day`` builds the instance."""
+        return {"engine": self.engine, "engine_config": self.engine_config, "calibration": self.calibration}
 
     def candidate_names(self) -> list[str]:
         """The candidates (every registered policy besides production when none are named); an
@@ -124,6 +130,7 @@ def resources_for_env(env: str | None = None) -> dict[str, dg.ConfigurableResour
     env = env or os.environ.get(ENV_VARIABLE, "local")
     nightly = profile_config(env).nightly  # an unknown or incomplete profile fails at load, with the fix
     plan = ReplayPlanResource(production=nightly.production, candidates=_names(nightly.candidates),
-                              loads=_names(nightly.loads), engine=nightly.engine, seed=nightly.seed)
+                              loads=_names(nightly.loads), engine=nightly.engine, engine_config=nightly.engine_config,
+                              calibration=nightly.calibration, seed=nightly.seed)
     return {"lake": LakeResource(env=env), "kafka": KafkaResource(env=env), "privacy_key": PrivacyKeyResource(env=env),
             "plan": plan}

@@ -47,9 +47,10 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from pipelines.kafka_config import COMPRESSION_PACKAGES, BrokerUnreachableError, KafkaConfig
-from schemas.events import Event
+from schemas.events import Event, event_as_dict
+from schemas.validate import validate_record
 from schemas.wire import encode_event
-from servelens.errors import ConfigError
+from servelens.errors import ConfigError, ServelensError
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -67,6 +68,25 @@ class EmitterStats:
     num_dropped: int  # refused by emit() because the buffer was full (or the emitter closed)
     num_pending: int  # buffered, or handed to the producer and not yet acknowledged
     last_error: str | None  # the most recent failure, for logs
+
+
+class InvalidEventError(ServelensError, ValueError):
+    """``Emitter(strict=True).emit`` was given an event that ingest would not accept."""
+
+
+def check_event(event: Event, now_ns: int, max_future_skew_ns: int = 3600 * 10**9) -> list[str]:
+    """What ingest would refuse in ``event`` (the contract's types, ranges and rules, as ``schemas.validate``
+    checks them, and a timestamp more than ``max_future_skew_ns`` after ``now_ns``), each as a line; empty when
+    it is valid."""
+    if not isinstance(event, Event):
+        return [f"$: not a lifecycle event but a {type(event).__name__}"]
+    result = validate_record({k: v for k, v in event_as_dict(event).items() if v is not None})
+    problems = [e.render() for e in result.errors]
+    ts = getattr(event, "ts_ns", None)
+    if isinstance(ts, int) and ts > now_ns + max_future_skew_ns:
+        problems.append(f"$.ts_ns: clock skew: {(ts - now_ns) / 1e9:,.0f} s ahead of this clock (ingest accepts at most "
+                        f"{max_future_skew_ns / 1e9:,.0f} s: ingest.max_future_skew_s; ts_ns is UTC epoch nanoseconds)")
+    return problems
 
 
 def event_key(event: Event) -> bytes:
@@ -94,6 +114,8 @@ class Emitter:
         reconnect_backoff_max_ms: int = 1_000,
         acks: str = "all",
         enable_idempotence: bool = False,
+        strict: bool = False,
+        max_future_skew_s: float = 3600.0,
     ) -> None:
         if compression not in COMPRESSION_PACKAGES:
             raise ConfigError(
@@ -139,10 +161,14 @@ class Emitter:
         self._num_failed = 0
         self._last_error: str | None = None
         self._qsize, self._put = self._buffer.qsize, self._buffer.put
+        #: check every event at ``emit()`` (``check_event``) and raise ``InvalidEventError`` there, instead of its
+        #: reaching the dead letters after ingest (development and tests; it costs microseconds per call)
+        self.strict = strict
+        self.max_future_skew_ns = int(max_future_skew_s * 1e9)
 
     @classmethod
-    def from_config(cls, config: KafkaConfig) -> Emitter:
-        """An emitter for the event topic of a ``kafka`` configuration section."""
+    def from_config(cls, config: KafkaConfig, *, strict: bool = False) -> Emitter:
+        """An emitter for the event topic of a ``kafka`` configuration section (``strict``: check every event)."""
         return cls(
             config.bootstrap_servers,
             config.topic,
@@ -158,12 +184,20 @@ class Emitter:
             reconnect_backoff_max_ms=config.reconnect_backoff_max_ms,
             acks=config.acks,
             enable_idempotence=config.enable_idempotence,
+            strict=strict,
         )
 
     # ------------------------------------------------------------------------------ engine side
 
     def emit(self, event: Event) -> bool:
-        """Buffer one event for sending; never blocks. False when it was dropped (buffer full)."""
+        """Buffer one event for sending; never blocks. False when it was dropped (buffer full). With ``strict``,
+        an event that ingest would send to the dead letters raises ``InvalidEventError`` here instead."""
+        if self.strict:
+            problems = check_event(event, time.time_ns(), self.max_future_skew_ns)
+            if problems:
+                raise InvalidEventError(f"invalid {getattr(event, 'EVENT_TYPE', type(event).__name__)} event: "
+                                        + "; ".join(problems),
+                                        "fix the field named; ingest would store it as a dead letter")
         if self._closed or self._qsize() >= self.max_buffered_events:
             next(self._dropped)
             return False

@@ -25,7 +25,7 @@ file) through the same validation and sanitization.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -392,11 +392,13 @@ class RecentIds:
         return keep
 
 
-def events_to_parquet(path: str | Path, out: str | Path, sanitizer: Sanitizer, *, batch_rows: int = 65_536) -> int:
+def events_to_parquet(path: str | Path, out: str | Path, sanitizer: Sanitizer, *, batch_rows: int = 65_536,
+                      progress: Callable[[int], None] | None = None) -> int:
     """Validate and sanitize a JSONL or Parquet events file into zstd Parquet (``EVENTS_SCHEMA``).
 
     Streams in batches; raises ``schemas.validate.InvalidEventsError`` at the first invalid record
-    (nothing is silently dropped). Nothing reaches the file un-sanitized. Returns the event count.
+    (nothing is silently dropped). Nothing reaches the file un-sanitized. Returns the event count;
+    ``progress`` is called with the count so far after each batch.
     """
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -407,6 +409,8 @@ def events_to_parquet(path: str | Path, out: str | Path, sanitizer: Sanitizer, *
             writer.write_table(sanitizer.sanitize(table, ignored))
             ignored.clear()
             count += table.num_rows
+            if progress is not None:
+                progress(count)
     return count
 
 
@@ -419,12 +423,13 @@ def is_sanitized(path: str | Path) -> bool:
     return column.null_count == 0
 
 
-def staged_parquet(path: str | Path, work_dir: str | Path, sanitizer: Sanitizer) -> Path:
+def staged_parquet(path: str | Path, work_dir: str | Path, sanitizer: Sanitizer,
+                   progress: Callable[[int], None] | None = None) -> Path:
     """A sanitized Parquet events file for ``path``: itself if already sanitized, else a
     validated, sanitized conversion in ``work_dir``."""
     path = Path(path)
     if detect_format(path) == "parquet" and is_sanitized(path):
         return path
     out = Path(work_dir) / f"{path.stem}.sanitized.parquet"
-    events_to_parquet(path, out, sanitizer)
+    events_to_parquet(path, out, sanitizer, progress=progress)
     return out

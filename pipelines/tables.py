@@ -56,7 +56,8 @@ adm AS (
 fin AS (
     SELECT
         request_id, min(ts_ns) AS finish_ns, arg_max(outcome, (ts_ns, event_id)) AS outcome,
-        arg_max(num_output_tokens, (ts_ns, event_id)) AS finished_output_tokens, max(last_byte_ns) AS last_byte_ns
+        arg_max(num_output_tokens, (ts_ns, event_id)) AS finished_output_tokens, max(last_byte_ns) AS last_byte_ns,
+        arg_max(num_cached_prefix_tokens, (ts_ns, event_id)) AS finished_cached_tokens
     FROM {source} WHERE event_type = 'request_finished' GROUP BY request_id
 ),
 can AS (
@@ -83,7 +84,7 @@ deliveries AS (  -- sums and gaps need each delivery once
     FROM {source} WHERE event_type IN ('first_token', 'tokens_delivered')
 ),
 gaps AS (  -- a delivery of k tokens after a gap g: k per-token gaps of g / k
-    SELECT request_id, gap_ns::DOUBLE / coalesce(num_tokens, 1) AS token_gap_ns, coalesce(num_tokens, 1) AS weight
+    SELECT request_id, gap_ns, gap_ns::DOUBLE / coalesce(num_tokens, 1) AS token_gap_ns, coalesce(num_tokens, 1) AS weight
     FROM (
         SELECT request_id, num_tokens,
                ts_ns - lag(ts_ns) OVER (PARTITION BY request_id ORDER BY ts_ns, event_type, event_id) AS gap_ns
@@ -92,7 +93,7 @@ gaps AS (  -- a delivery of k tokens after a gap g: k per-token gaps of g / k
     WHERE gap_ns IS NOT NULL
 ),
 ranked AS (  -- cumulative weight, for nearest-rank percentiles of the per-token gaps
-    SELECT request_id, token_gap_ns, weight,
+    SELECT request_id, gap_ns, token_gap_ns, weight,
            sum(weight) OVER (PARTITION BY request_id ORDER BY token_gap_ns RANGE UNBOUNDED PRECEDING) AS below,
            sum(weight) OVER (PARTITION BY request_id) AS total
     FROM gaps
@@ -112,9 +113,9 @@ itl AS (
     SELECT
         request_id,
         max(total) AS num_itl_gaps,
-        sum(token_gap_ns * weight) / max(total) / 1e9 AS itl_mean_s,
-        min(token_gap_ns) FILTER (WHERE below >= 0.5 * total) / 1e9 AS itl_p50_s,
-        min(token_gap_ns) FILTER (WHERE below >= 0.99 * total) / 1e9 AS itl_p99_s,
+        sum(gap_ns)::DOUBLE / max(total) / 1e9 AS itl_mean_s,  -- the gaps' sum in integer ns: exact, any order
+        min(token_gap_ns) FILTER (WHERE 2 * below >= total) / 1e9 AS itl_p50_s,  -- integer ranks: exact
+        min(token_gap_ns) FILTER (WHERE 100 * below >= 99 * total) / 1e9 AS itl_p99_s,
         max(token_gap_ns) / 1e9 AS itl_max_s
     FROM ranked GROUP BY request_id
 )
@@ -128,7 +129,9 @@ SELECT
     session_id,
     arrival_ns, admission_ns, scheduled_ns, first_token_ns, first_byte_ns, last_token_ns, cancel_ns,
     finish_ns, outcome, admission_decision, coalesce(num_admission_decisions, 0) AS num_admission_decisions,
-    num_prompt_tokens, num_cached_prefix_tokens, max_output_tokens, num_branches,
+    num_prompt_tokens,
+    coalesce(finished_cached_tokens, num_cached_prefix_tokens) AS num_cached_prefix_tokens,  -- the engine's hit first
+    max_output_tokens, num_branches,
     CASE WHEN finished_output_tokens IS NOT NULL THEN finished_output_tokens
          WHEN delivered_tokens > 0 THEN delivered_tokens END AS num_output_tokens,
     coalesce(num_preemptions, 0) AS num_preemptions, coalesce(num_migrations, 0) AS num_migrations,

@@ -131,6 +131,13 @@ def default_calibration() -> Calibration | None:
     return load_calibration(sorted(shipped)[-1]) if shipped else None
 
 
+def calibration_named(name: str) -> Calibration | None:
+    """``auto``: the shipped calibration (``default_calibration``); ``none``: None; else a name or a file."""
+    if name == "none":
+        return None
+    return default_calibration() if name == "auto" else load_calibration(name)
+
+
 def apply_calibration(instance: InstanceConfig, calibration: Calibration) -> tuple[InstanceConfig, RooflineConfig]:
     """The instance with the calibration's frontend and engine defaults (a setting the instance gives, such as
     ``async_scheduling``, is kept), and the calibration's step cost terms."""

@@ -922,6 +922,9 @@ class ClusterSummary:
     num_failures: int = 0
     num_reroutes: int = 0  # requests sent on because an instance's admission answered 'route' (max_reroutes)
     num_downgrades: int = 0  # requests an instance's admission answered 'downgrade' for (served as a smaller model)
+    num_prefix_hit_tokens: int = 0  # prompt tokens found in the instances' prefix caches when first scheduled
+    requests_path: Path | None = None  # the run's own request table (replay.request_table)
+    busy_s: tuple[tuple[str, float], ...] = ()  # (instance, seconds its step events span in total)
 
 
 def _calibrated(cluster: ClusterConfig, calibration: Calibration) -> ClusterConfig:
@@ -958,6 +961,7 @@ def run_cluster_replay(
     check_invariants: bool = False,
     progress_every: int = PROGRESS_EVERY,
     calibration: Calibration | None = None,
+    write_requests: bool = True,
 ) -> ClusterSummary:
     """Replay ``workload`` through a cluster; write events and a manifest (as ``run_replay`` does).
 
@@ -1028,7 +1032,7 @@ def run_cluster_replay(
     run_id = hashlib.sha256(json.dumps(manifest, sort_keys=True, default=str).encode()).hexdigest()[:12]
     engine_id = f"replay-{run_id}"
 
-    outputs = _Outputs(out_dir, sink)
+    outputs = _Outputs(out_dir, sink, write_requests=write_requests)
     writer = outputs.writer(_ClusterWriter, run_id=run_id, engine_id=engine_id, chunk_rows=chunk_rows)
     writer.engines = []
     kernel = Kernel()
@@ -1049,7 +1053,9 @@ def run_cluster_replay(
     manifest["instance_ids"] = [x.instance_id for x in cl.instances]
     if cl.autoscaling is not None:  # every consultation and why (after the run id: it is an outcome)
         manifest["cluster"]["autoscaler"]["decisions"] = [_plain(d) for d in cl.autoscaling.records]
-    manifest_path = outputs.write_manifest(manifest, output_sha256, writer.num_events, default=str)
+    manifest_path = outputs.write_manifest(
+        manifest, output_sha256, writer.num_events, default=str,
+        busy_s={x.instance_id: x.engine.stats.busy_ns / 1e9 for x in cl.instances if x.engine.stats.num_step_events})
     instances = tuple(
         InstanceSummary(
             instance_id=x.instance_id, model=x.config.model.name, accelerator=x.config.accelerator.name, role=x.role,
@@ -1086,6 +1092,9 @@ def run_cluster_replay(
         num_failures=cl.num_failures,
         num_reroutes=cl.num_reroutes,
         num_downgrades=cl.num_downgrades,
+        num_prefix_hit_tokens=sum(x.engine.stats.num_prefix_hit_tokens for x in cl.instances),
+        requests_path=outputs.requests_path,
+        busy_s=tuple((x.instance_id, x.engine.stats.busy_ns / 1e9) for x in cl.instances if x.engine.stats.num_step_events),
     )
 
 

@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from replay.request_table import Deliveries, RequestTable, no_deliveries
 from schemas.arrow import EVENTS_SCHEMA
 from schemas.events import SCHEMA_VERSION
 
@@ -77,6 +78,7 @@ class Snapshot:
 
 
 _REQUEST_ID = attrgetter("request_id")
+_INDEX = attrgetter("index")
 _LOCK_OUTPUT = attrgetter("lock_output")
 _BRANCHES = attrgetter("num_branches")
 _ROW = attrgetter("row")
@@ -90,9 +92,12 @@ NO_MEMBERS = Snapshot((), 0)
 class _Members:
     """A chunk's member log as columns: row i is one member of one snapshot."""
 
-    def __init__(self, requests: list[Request], offsets: list[int], branches: bool, labelled: bool) -> None:
+    def __init__(self, requests: list[Request], offsets: list[int], branches: bool, labelled: bool,
+                 indices: bool = False) -> None:
         self.num_rows = n = len(requests)
         self.ids = pa.array(list(map(_REQUEST_ID, requests)), pa.string())
+        # the requests' indices (the request table keys deliveries by them)
+        self.idx = np.fromiter(map(_INDEX, requests), np.int64, n) if indices else None
         # output positions of a member at lockstep clock t: offset + t
         self.offsets = np.fromiter(offsets, np.int64, n)
         # tokens each member decodes per step: its branches
@@ -108,6 +113,49 @@ class _Members:
         if ((taken != log_number) & (count > 0)).any():
             raise AssertionError("an event names lockstep members logged in an earlier chunk")
         return first, count
+
+
+class _FirstTokenRows:
+    """A chunk's buffered first tokens as columns."""
+
+    __slots__ = ("reqs", "ts", "instance")
+
+    def __init__(self, reqs: tuple[Request, ...], ts: tuple[int, ...], instance: tuple[str, ...]) -> None:
+        self.reqs, self.ts, self.instance = reqs, _int_array(ts), instance
+
+    def idx(self) -> np.ndarray:
+        return np.fromiter(map(_INDEX, self.reqs), np.int64, len(self.reqs))
+
+
+class _TokenRows(_FirstTokenRows):
+    """A chunk's buffered deliveries (beyond lockstep runs) as columns."""
+
+    __slots__ = ("num", "upto", "coalesced")
+
+    def __init__(self, reqs, ts, num, upto, coalesced, instance) -> None:
+        super().__init__(reqs, ts, instance)
+        self.num, self.upto, self.coalesced = _int_array(num), _int_array(upto), np.array(coalesced, bool)
+
+
+class _RunRows:
+    """The deliveries of a chunk's recorded lockstep runs: one row per member per run, as numpy columns."""
+
+    __slots__ = ("members", "rows", "lengths", "n", "ts", "num_tokens", "upto", "coalesced", "instances")
+
+    def __init__(self, buf: list[tuple], members: _Members, log_number: int) -> None:
+        # (Snapshot, ts_ns = the run's last step end, num_steps, lockstep clock after it, coalesced, instance_id)
+        snaps, ts, steps, clock, coalesced, instance = zip(*buf)
+        starts, lengths = members.rows(snaps, log_number)
+        self.members = members
+        self.rows = rows = _ranges(starts, lengths)  # each run's members, as rows of the member log
+        self.lengths = lengths
+        self.n = len(rows)
+        branches = members.tokens[rows]
+        self.upto = (members.offsets[rows] + np.repeat(np.array(clock, np.int64), lengths)) * branches
+        self.ts = np.repeat(np.array(ts, np.int64), lengths)
+        self.num_tokens = np.repeat(np.array(steps, np.int64), lengths) * branches
+        self.coalesced = np.repeat(np.array(coalesced, bool), lengths)
+        self.instances = instance
 
 
 class EventChunk:
@@ -231,6 +279,8 @@ class EventWriter:
         #: set by an engine with a frontend model (``FrontendConfig``): a token reaches the client this long
         #: after its step, which stamps ``first_byte_ns`` and ``last_byte_ns``; None: the client is not modelled
         self.out_delay_ns: int | None = None
+        #: the run's own request table (``replay.request_table``), fed at every flush; None: not written
+        self.requests: RequestTable | None = None
 
     def snapshot(self, members: tuple[Request, ...], num_seqs: int) -> Snapshot:
         """The lockstep members now, their rows appended to the member log (valid until the next flush)."""
@@ -255,10 +305,18 @@ class EventWriter:
 
     def flush(self) -> None:
         """Gather the buffered events into one ``EventChunk`` and hand it to the sink."""
-        members = _Members(self._member_requests, self._member_offsets, self._member_branches, self.labelled)
+        members = _Members(self._member_requests, self._member_offsets, self._member_branches, self.labelled,
+                           indices=self.requests is not None)
         log_number = self._log_number
         self._log_number += 1
         self._member_requests, self._member_offsets, self._member_branches = [], [], False
+        runs = _RunRows(self.runs, members, log_number) if self.runs else None
+        # (request, ts_ns, instance_id)
+        first = _FirstTokenRows(*zip(*self.first_tokens)) if self.first_tokens else None
+        # (request, ts_ns, num_tokens, tokens delivered in total after this delivery, coalesced, instance_id)
+        tokens = _TokenRows(*zip(*self.tokens)) if self.tokens else None
+        if self.requests is not None:
+            self._feed_requests(self.requests, first, tokens, runs)
         parts = [
             part
             for part in (
@@ -266,9 +324,9 @@ class EventWriter:
                 self._admission_part(),
                 self._steps_part(members, log_number),
                 self._preempted_part(),
-                self._first_token_part(),
-                self._tokens_part(),
-                self._runs_part(members, log_number),
+                self._first_token_part(first),
+                self._tokens_part(tokens),
+                self._runs_part(members, runs),
                 self._cancelled_part(),
                 self._finished_part(),
                 self._states_part(),
@@ -289,6 +347,33 @@ class EventWriter:
 
     def output_sha256(self) -> str:
         return self.hash.hexdigest()
+
+    def _feed_requests(self, table: RequestTable, first: _FirstTokenRows | None, tokens: _TokenRows | None,
+                       runs: _RunRows | None) -> None:
+        """Hand the buffered request events to the request table (before the parts empty the buffers)."""
+        table.add_arrivals(self.arrived, [_ARRIVAL_FIELDS(b[0]) for b in self.arrived], self.out_delay_ns is not None)
+        table.add_admissions(self.admission, [d.decision for _, _, d, _, _ in self.admission])
+        table.add_preemptions(self.preempted)
+        table.add_first_tokens(self.first_tokens, self.out_delay_ns)
+        table.add_cancellations(self.cancelled)
+        done = table.add_finished(self.finished, [cached_prefix_hit(b[0]) for b in self.finished], self.out_delay_ns)
+        parts = []
+        if first is not None:
+            n = len(first.reqs)
+            zeros = np.zeros(n, np.int64)
+            parts.append(Deliveries(first.idx(), first.ts, zeros, zeros, np.ones(n, np.int64), np.zeros(n, bool),
+                                    table.instance_codes(first.instance)))
+        if tokens is not None:
+            n = len(tokens.reqs)
+            parts.append(Deliveries(tokens.idx(), tokens.ts, np.ones(n, np.int64), tokens.upto, tokens.num,
+                                    tokens.coalesced, table.instance_codes(tokens.instance)))
+        if runs is not None and runs.n:
+            parts.append(Deliveries(runs.members.idx[runs.rows], runs.ts, np.ones(runs.n, np.int64), runs.upto,
+                                    runs.num_tokens, runs.coalesced, np.asarray(table.instance_codes(runs.instances))[
+                                        np.repeat(np.arange(len(runs.instances)), runs.lengths)]))
+        finished = np.asarray(done, np.int64)
+        delivered = table.add_deliveries(Deliveries.concat(parts) if parts else no_deliveries(), finished)
+        table.finish(done, delivered, self.labelled)
 
     # ------------------------------------------------------------------ parts of a chunk
     #
@@ -428,54 +513,45 @@ class EventWriter:
         cols["instance_id"] = _strings(instance)
         return self._request_part("request_preempted", cols, (":preempted", np.array(number, np.int64)))
 
-    def _first_token_part(self) -> _Part | None:
-        buf, self.first_tokens = self.first_tokens, []
-        if not buf:
+    def _first_token_part(self, first: _FirstTokenRows | None) -> _Part | None:
+        self.first_tokens = []
+        if first is None:
             return None
-        # (request, ts_ns, instance_id)
-        reqs, ts, instance = zip(*buf)
-        cols = self._request_columns(reqs)
-        cols["ts_ns"] = _ints(ts)
-        cols["instance_id"] = _strings(instance)
+        cols = self._request_columns(first.reqs)
+        cols["ts_ns"] = pa.array(first.ts)
+        cols["instance_id"] = _strings(first.instance)
         if self.out_delay_ns is not None:
             cols["first_byte_ns"] = pc.add(cols["ts_ns"], pa.scalar(self.out_delay_ns, pa.int64()))
         return self._request_part("first_token", cols, ":first_token")
 
-    def _tokens_part(self) -> _Part | None:
-        buf, self.tokens = self.tokens, []
-        if not buf:
+    def _tokens_part(self, tokens: _TokenRows | None) -> _Part | None:
+        self.tokens = []
+        if tokens is None:
             return None
-        # (request, ts_ns, num_tokens, tokens delivered in total after this delivery, coalesced, instance_id)
-        reqs, ts, num, upto, coalesced, instance = zip(*buf)
-        cols = self._request_columns(reqs)
-        cols["ts_ns"] = _ints(ts)
-        cols["num_tokens"] = _ints(num)
-        cols["coalesced"] = pa.array(coalesced, pa.bool_())
-        cols["instance_id"] = _strings(instance)
-        return self._request_part("tokens_delivered", cols, (":tokens", np.array(upto, np.int64)))
+        cols = self._request_columns(tokens.reqs)
+        cols["ts_ns"] = pa.array(tokens.ts)
+        cols["num_tokens"] = pa.array(tokens.num)
+        cols["coalesced"] = pa.array(tokens.coalesced)
+        cols["instance_id"] = _strings(tokens.instance)
+        return self._request_part("tokens_delivered", cols, (":tokens", tokens.upto))
 
-    def _runs_part(self, members: _Members, log_number: int) -> _Part | None:
-        """One ``tokens_delivered`` per lockstep member per recorded run, expanded with numpy."""
-        buf, self.runs = self.runs, []
-        if not buf:
+    def _runs_part(self, members: _Members, runs: _RunRows | None) -> _Part | None:
+        """One ``tokens_delivered`` per lockstep member per recorded run, expanded with numpy (``_RunRows``)."""
+        self.runs = []
+        if runs is None:
             return None
-        # (Snapshot, ts_ns = the run's last step end, num_steps, lockstep clock after it, coalesced, instance_id)
-        snaps, ts, steps, clock, coalesced, instance = zip(*buf)
-        starts, lengths = members.rows(snaps, log_number)
-        rows = _ranges(starts, lengths)  # each run's members, as rows of the member log
-        n = len(rows)
-        branches = members.tokens[rows]
-        upto = (members.offsets[rows] + np.repeat(np.array(clock, np.int64), lengths)) * branches
+        rows, n, lengths, instance = runs.rows, runs.n, runs.lengths, runs.instances
+        upto = runs.upto
         member_ids, labels = members.ids, members.labels
         cols = {
-            "ts_ns": pa.array(np.repeat(np.array(ts, np.int64), lengths)),
-            "num_tokens": pa.array(np.repeat(np.array(steps, np.int64), lengths) * branches),
-            "coalesced": pa.array(np.repeat(np.array(coalesced, bool), lengths)),
+            "ts_ns": pa.array(runs.ts),
+            "num_tokens": pa.array(runs.num_tokens),
+            "coalesced": pa.array(runs.coalesced),
         }
         if instance.count(instance[0]) == len(instance):
             cols["instance_id"] = _repeat(instance[0], n)
         else:
-            instance_rows = pa.array(np.repeat(np.arange(len(snaps)), lengths))
+            instance_rows = pa.array(np.repeat(np.arange(len(instance)), lengths))
             cols["instance_id"] = pa.array(instance, pa.string()).take(instance_rows)
 
         def build() -> pa.Table:
@@ -511,6 +587,7 @@ class EventWriter:
         cols["num_output_tokens"] = _ints(num_output)
         cols["error_message"] = pa.array(error, pa.string())
         cols["instance_id"] = _strings(instance)
+        cols["num_cached_prefix_tokens"] = pa.array(list(map(cached_prefix_hit, reqs)), pa.int64())
         if self.out_delay_ns is not None:  # a completed request's last token reached the client
             delivered = pc.and_(pc.equal(cols["outcome"], "completed"), pc.greater(cols["num_output_tokens"], 0))
             last = pc.add(cols["ts_ns"], pa.scalar(self.out_delay_ns, pa.int64()))
@@ -542,6 +619,16 @@ class EventWriter:
             return self._table("instance_state", len(buf), cols)
 
         return len(buf), build
+
+
+def _int_array(values: tuple[int, ...]) -> np.ndarray:
+    return np.fromiter(values, np.int64, len(values))
+
+
+def cached_prefix_hit(r: Request) -> int | None:
+    """``request_finished.num_cached_prefix_tokens``: the prompt tokens the engine found cached when it first
+    scheduled the request (0 if it never did), for a request with prefix blocks on a caching engine; else None."""
+    return r.num_cached_prefix_tokens if r.looks_up_prefix else None
 
 
 def _ints(values: tuple[int, ...]) -> pa.Array:

@@ -104,7 +104,7 @@ class EngineStats:
     __slots__ = (
         "num_submitted", "num_finished", "num_steps", "num_step_events", "num_runs", "num_preemptions",
         "num_prefix_hit_tokens", "num_swapped_bytes", "max_running", "max_waiting", "num_general_passes",
-        "num_moved_out", "num_moved_in", "num_stale_refused",
+        "num_moved_out", "num_moved_in", "num_stale_refused", "busy_ns",
     )
 
     def __init__(self) -> None:
@@ -429,6 +429,9 @@ class Engine:
         self._catch_up()
         held = sorted([*self.held, *self.waiting, *self.running], key=lambda r: r.index)
         out = [(r, self.release(r, False)) for r in held]
+        if self._flight is not None:  # its step event is never written: no first step there
+            for r, _ in self._flight.scheduled:
+                r.first_step_pending = False
         self._flight = None  # its pending end finds no flight (``_end_flight``)
         return out
 
@@ -655,7 +658,7 @@ class Engine:
             else:
                 snapshot = None
         end = now + duration
-        self._flight = _Flight(now, end, end - last, k, True, snapshot, scheduled)
+        self._flight = _Flight(now, end, end - last, k, True, snapshot, _first_steps_pending(scheduled))
         self.stats.num_steps += k
         return True
 
@@ -771,7 +774,7 @@ class Engine:
     def _launch(self, now: int, duration: int, last: int, k: int, lockstep: bool, snapshot: Snapshot | None,
                 scheduled: list) -> None:
         end = now + duration
-        self._flight = _Flight(now, end, end - last, k, lockstep, snapshot, scheduled)
+        self._flight = _Flight(now, end, end - last, k, lockstep, snapshot, _first_steps_pending(scheduled))
         self.stats.num_steps += k
 
     def _seen_until_ns(self, now: int) -> int | None:
@@ -1019,6 +1022,9 @@ class Engine:
         leases = f.leases
         for i, (r, m) in enumerate(f.scheduled):
             ids.append(r.request_id)
+            if r.first_step_ns is None:  # the first step event that lists it (the request table's scheduled_ns)
+                r.first_step_ns = f.start_ns
+                r.first_step_pending = False
             left = r.num_tokens - r.num_computed
             decode = left == 1 and r.num_computed >= r.num_prompt_tokens
             spec = decode and r.num_speculative_tokens
@@ -1073,6 +1079,7 @@ class Engine:
         )
         self._step_index += 1
         self.stats.num_step_events += 1
+        self.stats.busy_ns += now - f.start_ns  # the step event's end - start
         self._flight = None
         self._last_start_ns, self._last_end_ns = f.prev_end_ns, now
         for r in handoffs:  # after the step: its KV leaves with it
@@ -1123,6 +1130,7 @@ class Engine:
         )
         self._step_index += 1
         self.stats.num_step_events += 1
+        self.stats.busy_ns += now - f.start_ns  # the step event's end - start
         self._flight = None
         self._last_start_ns, self._last_end_ns = f.prev_end_ns, now
         self._flush_countdown -= 1
@@ -1159,6 +1167,15 @@ class Engine:
         pool.check(anon)
         assert 0 <= pool.num_used <= pool.num_total
         assert len(self.running) <= self.max_seqs
+
+
+def _first_steps_pending(scheduled: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+    """``scheduled`` with each request whose first step this is marked: until the step's event is written (or the
+    step is lost to a failure), the request table waits for its ``scheduled_ns`` (replay.request_table)."""
+    for r, _ in scheduled:
+        if r.first_step_ns is None:
+            r.first_step_pending = True
+    return scheduled
 
 
 def _step_shape(scheduled: list[tuple[Request, int]], now: int, num_decode: int = 0, decode_ctx: int = 0) -> StepShape:

@@ -72,7 +72,9 @@ from replay.judge import (  # noqa: F401
     label,
     needs,
 )
+from replay.figures import read_step_timing
 from replay.metrics import Requests, load_requests, load_steps
+from replay.request_table import REQUESTS_FILE
 from servelens.errors import DataNotFoundError, ServelensError
 
 
@@ -97,50 +99,57 @@ class Run:
 
 
 def load_run(path: str | Path, label: str, *, memory_limit: str | None = None) -> Run:
-    """A replay output folder (events.parquet + manifest.json), an events file, or a request table.
+    """A replay output folder (events.parquet + manifest.json, and the request table the replay wrote itself,
+    requests.parquet), an events file, or a request table.
 
-    ``memory_limit`` (e.g. "2GB", ``lake.duckdb_memory_limit``) caps DuckDB while it derives the
-    request table from events: it spills to disk beyond it (unset: DuckDB's default, 80% of RAM).
+    A replay folder's own request table is read as it is (``replay.request_table``: what the derivation would
+    give) and its steps' timing from its events (the gate reads busy time, never batch membership). Otherwise
+    the request table is derived from the events; ``memory_limit`` (e.g. "2GB", ``lake.duckdb_memory_limit``)
+    caps DuckDB while it does (it spills to disk beyond it; unset: DuckDB's default, 80% of RAM).
     """
     import hashlib
-
-    from pipelines.tables import connect, derive_requests
-    from schemas.validate import detect_format, iter_event_tables
 
     path = Path(path)
     manifest = None
     if path.is_dir():
         manifest = path / "manifest.json" if (path / "manifest.json").is_file() else None
-        for name in ("requests.parquet", "events.parquet"):
-            if (path / name).is_file():
-                path = path / name
+        own, events = path / REQUESTS_FILE, path / "events.parquet"
+        if own.is_file() and events.is_file():
+            sha = hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest else None
+            return Run(label, pq.read_table(own), read_step_timing(events), str(events),
+                       str(manifest) if manifest else None, sha)
+        for candidate in (own, events):
+            if candidate.is_file():
+                path = candidate
                 break
         else:
             raise DataNotFoundError(f"{path} holds neither requests.parquet nor events.parquet",
                                     "give a replay output folder, an events file or a request table")
     elif not path.is_file():
         raise DataNotFoundError(f"{label} {path} does not exist", "give a replay output folder, an events file or a request table")
-    steps = None
+    requests, steps = _requests_and_steps(path, memory_limit)
+    sha = hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest else None
+    return Run(label, requests, steps, str(path), str(manifest) if manifest else None, sha)
+
+
+def _requests_and_steps(path: Path, memory_limit: str | None) -> tuple[pa.Table, pa.Table | None]:
+    """A request table file as it is (no steps), or an events file's derived request table and steps' timing."""
+    from pipelines.tables import connect, derive_requests
+    from schemas.validate import detect_format, iter_event_tables
+
     if detect_format(path) == "parquet":
         names = pq.read_schema(path).names
         if "ttft_s" in names:
-            requests = pq.read_table(path)
-        elif "event_type" in names:
+            return pq.read_table(path), None
+        if "event_type" in names:
             # DuckDB streams the file: events never all in memory
-            requests = derive_requests(path, con=connect(memory_limit))
-            # member ids as dictionary codes: a request sits in hundreds of steps
-            steps = pq.read_table(path, columns=STEP_COLUMNS, filters=[("event_type", "==", "step_executed")],
-                                  read_dictionary=["request_ids.list.element"])
-        else:
-            raise ServelensError(f"{path} is neither an events file nor a request table")
-    else:
-        events = pa.concat_tables(list(iter_event_tables(path))) if path.stat().st_size else None
-        if events is None:
-            raise ServelensError(f"{path} is empty")
-        requests = derive_requests(events)
-        steps = events.filter(pc.equal(events["event_type"], "step_executed")).select(STEP_COLUMNS)
-    sha = hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest else None
-    return Run(label, requests, steps, str(path), str(manifest) if manifest else None, sha)
+            return derive_requests(path, con=connect(memory_limit)), read_step_timing(path)
+        raise ServelensError(f"{path} is neither an events file nor a request table")
+    events = pa.concat_tables(list(iter_event_tables(path))) if path.stat().st_size else None
+    if events is None:
+        raise ServelensError(f"{path} is empty")
+    steps = events.filter(pc.equal(events["event_type"], "step_executed")).select(STEP_COLUMNS)
+    return derive_requests(events), steps
 
 
 # ------------------------------------------------------------------------------------------ comparing

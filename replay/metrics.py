@@ -407,16 +407,35 @@ def run_metrics(requests: pa.Table, events: pa.Table | None, config: MetricsConf
     for code, name in enumerate(r.class_names):
         rows = r.class_code == code
         out += summarize(_subset(r, rows), None, config, scope="class", group=name)
-    if r.size:
-        windows = np.floor(r.arrival_s / config.window_s).astype(np.int64)
-        for w in np.unique(windows):
-            rows = windows == w
-            out += [
-                m for m in summarize(_subset(r, rows), None, config, scope="window", group=f"{w * config.window_s:g}",
-                                     span_s=config.window_s)
-                if m.name in ("num_requests", "goodput_rps", "goodput_tokens_per_s", "attainment", "ttft_p99_s",
-                              "rejected_share", "throughput_rps")
-            ]
+    return out + window_metrics(r, config)
+
+
+def window_metrics(r: Requests, config: MetricsConfig) -> list[MetricValue]:
+    """Per window of ``config.window_s`` by arrival: requests, goodput (requests and tokens), throughput,
+    attainment, TTFT p99 and rejected share (``summarize``'s definitions over each window's requests, with the
+    window as the span), one pass over the requests in window order."""
+    if not r.size:
+        return []
+    w = config.window_s
+    windows = np.floor(r.arrival_s / w).astype(np.int64)
+    order = np.argsort(windows, kind="stable")
+    starts = np.flatnonzero(np.r_[True, windows[order][1:] != windows[order][:-1]])
+    ends = np.r_[starts[1:], len(order)]
+    completed, good_tokens = r.outcome == "completed", np.where(r.good, r.num_output_tokens, 0.0)
+    out: list[MetricValue] = []
+    for start, end in zip(starts.tolist(), ends.tolist()):
+        rows = order[start:end]
+        n, group = end - start, f"{windows[rows[0]] * w:g}"
+        good = int(r.good[rows].sum())
+        ttft = r.ttft_s[rows]
+        for name, value, unit, points in (
+            ("num_requests", n, "requests", n), ("goodput_rps", good / w, "requests/s", n),
+            ("goodput_tokens_per_s", float(good_tokens[rows].sum()) / w, "tokens/s", n),
+            ("throughput_rps", int(completed[rows].sum()) / w, "requests/s", n), ("attainment", good / n, "share", n),
+            ("ttft_p99_s", percentile(ttft, 99), "s", int(np.count_nonzero(~np.isnan(ttft)))),
+            ("rejected_share", int(r.rejected[rows].sum()) / n, "share", n),
+        ):
+            out.append(MetricValue("window", group, name, None if value is None else float(value), points, unit))
     return out
 
 

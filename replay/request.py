@@ -70,6 +70,7 @@ class Request:
         "num_computed",
         "num_output",
         "num_cached_prefix_tokens",
+        "looks_up_prefix",
         # KV blocks
         "num_blocks",
         "num_anon_blocks",
@@ -89,6 +90,8 @@ class Request:
         "num_admission_decisions",
         "admitted_ns",
         "scheduled_ns",
+        "first_step_ns",
+        "first_step_pending",
         "first_token_ns",
         "view",
         # the lease: the engine that may advance it now (its worker), at generation ``num_preemptions``
@@ -124,6 +127,7 @@ class Request:
         self.num_branches = num_branches  # may be lowered at admission (a degrade decision's num_branches)
         self.num_branches_requested = num_branches  # what the client asked for (the arrival event's)
         self.unit_keys = list(unit_keys)
+        self.looks_up_prefix = bool(unit_keys)  # its prompt's blocks are looked up in the prefix cache
         self.tenant = tenant
         self.service_class = service_class
         self.model = model
@@ -160,6 +164,8 @@ class Request:
         self.num_admission_decisions = 0
         self.admitted_ns: int | None = None
         self.scheduled_ns: int | None = None
+        self.first_step_ns: int | None = None  # start of the first step event listing it (a step lost to a failure is not)
+        self.first_step_pending = False  # in a step in flight that would be its first
         self.first_token_ns: int | None = None
         self.view = None
         self.owner = None

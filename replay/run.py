@@ -31,6 +31,7 @@ from replay.calibration import Calibration, apply_calibration, calibration_recor
 from replay.config import InstanceConfig, instance_config
 from replay.costmodel import StepCostModel, make_cost_model
 from replay.emit import EventChunk, EventWriter, ParquetSink, Sink
+from replay.request_table import REQUESTS_FILE, RequestTable
 from replay.engine import Engine, Mode, check_clock
 from replay.errors import ReplayError
 from replay.kernel import ARRIVAL, Kernel
@@ -77,6 +78,8 @@ class ReplaySummary:
     workload_sha256: str
     events_path: Path | None
     manifest_path: Path | None
+    requests_path: Path | None = None  # the run's own request table (replay.request_table)
+    busy_s: tuple[tuple[str, float], ...] = ()  # (instance, seconds its step events span in total)
 
 
 def run_replay(
@@ -99,6 +102,7 @@ def run_replay(
     progress_every: int = PROGRESS_EVERY,
     step_timer: Callable | None = None,
     calibration: Calibration | None = None,
+    write_requests: bool = True,
 ) -> ReplaySummary:
     """Replay ``workload`` through one modelled instance; write events and a manifest.
 
@@ -109,6 +113,8 @@ def run_replay(
     its measured time is the clock (reference mode; the manifest's ``clock`` says what measured it).
     ``calibration`` (``replay.calibration``) puts its frontend and engine defaults on the instance and its
     step cost terms on the roofline model (unless ``cost_model_config`` is given); the manifest names it.
+    With ``out_dir``, the run also writes its own request table, ``requests.parquet``
+    (``replay.request_table``; ``write_requests=False``: not).
     """
     instance = instance or instance_config()
     if calibration is not None:
@@ -133,7 +139,7 @@ def run_replay(
     engine_id = f"replay-{run_id}"
     instance_id = f"{engine_id}-i0"
 
-    outputs = _Outputs(out_dir, sink)
+    outputs = _Outputs(out_dir, sink, write_requests=write_requests)
     writer = outputs.writer(EventWriter, run_id=run_id, engine_id=engine_id, chunk_rows=chunk_rows)
     kernel = Kernel()
     engine = Engine(
@@ -148,7 +154,8 @@ def run_replay(
     manifest["run_id"] = run_id
     manifest["engine_id"] = engine_id
     manifest["instance_id"] = instance_id
-    manifest_path = outputs.write_manifest(manifest, output_sha256, writer.num_events)
+    manifest_path = outputs.write_manifest(manifest, output_sha256, writer.num_events,
+                                           busy_s={instance_id: engine.stats.busy_ns / 1e9})
     simulated_s = (kernel.now_ns - feeder.first_arrival_ns) / 1e9 if feeder.first_arrival_ns is not None else 0.0
     stats = engine.stats
     return ReplaySummary(
@@ -170,6 +177,8 @@ def run_replay(
         workload_sha256=manifest["workload"]["sha256"],
         events_path=outputs.events_path,
         manifest_path=manifest_path,
+        requests_path=outputs.requests_path,
+        busy_s=((instance_id, stats.busy_ns / 1e9),),
     )
 
 
@@ -177,10 +186,12 @@ def run_replay(
 class _Outputs:
     """Where a replay's events go: ``events.parquet`` under ``out_dir`` and/or ``sink``."""
 
-    def __init__(self, out_dir: str | Path | None, sink: Sink | None) -> None:
+    def __init__(self, out_dir: str | Path | None, sink: Sink | None, *, write_requests: bool = True) -> None:
         self.out = Path(out_dir) if out_dir is not None else None
+        self.write_requests = write_requests
         self.parquet = ParquetSink(self.out / "events.parquet") if self.out is not None else None
         self.sink = sink
+        self.requests: RequestTable | None = None  # the run's own request table, beside its events
 
     def __call__(self, chunk: EventChunk) -> None:
         if self.sink is None:
@@ -194,7 +205,10 @@ class _Outputs:
 
     def writer(self, writer_class: type[EventWriter], **kwargs) -> EventWriter:
         # a sink that only reads the events back (``digest = False``: a calibration's replays) skips the hash
-        return writer_class(self, hash_tables=self.parquet is None and getattr(self.sink, "digest", True), **kwargs)
+        writer = writer_class(self, hash_tables=self.parquet is None and getattr(self.sink, "digest", True), **kwargs)
+        if self.out is not None and self.write_requests:
+            writer.requests = self.requests = RequestTable(self.out / REQUESTS_FILE, writer.engine_id)
+        return writer
 
     def drive(self, kernel: Kernel, feeder: _Feeder, actor, writer: EventWriter) -> tuple[str, float, float]:
         """Run the replay: arrivals from ``feeder`` into ``actor`` (an engine or a cluster: ``start``,
@@ -213,9 +227,13 @@ class _Outputs:
             kernel.run()
             actor.stop()
             writer.flush()
+            if self.requests is not None:
+                self.requests.close()
         except BaseException:
             if self.parquet is not None:
                 self.parquet.abort()
+            if self.requests is not None:
+                self.requests.abort()
             raise
         finally:
             if collecting:
@@ -226,7 +244,8 @@ class _Outputs:
             raise ReplayError(f"{actor.num_active} requests did not finish (an engine bug)")
         return output_sha256, wall_s, wall0
 
-    def write_manifest(self, manifest: dict, output_sha256: str, num_events: int, **dumps) -> Path | None:
+    def write_manifest(self, manifest: dict, output_sha256: str, num_events: int, *, busy_s: dict[str, float],
+                       **dumps) -> Path | None:
         """Record the output in ``manifest`` and write it next to the events (if written to a folder)."""
         manifest["output"] = {
             "events_sha256": output_sha256,
@@ -234,6 +253,10 @@ class _Outputs:
             "num_events": num_events,
             "events_file": "events.parquet" if self.parquet is not None else None,
         }
+        if self.requests is not None:  # written by the replay itself (replay.request_table)
+            manifest["output"]["requests_file"] = REQUESTS_FILE
+        # the seconds each instance's step events span in total: what run metrics read of the steps (cost, idle)
+        manifest["output"]["busy_s"] = busy_s
         if self.out is None:
             return None
         path = self.out / "manifest.json"
@@ -243,6 +266,10 @@ class _Outputs:
     @property
     def events_path(self) -> Path | None:
         return self.parquet.path if self.parquet is not None else None
+
+    @property
+    def requests_path(self) -> Path | None:
+        return self.requests.path if self.requests is not None else None
 
 
 class _Feeder:
@@ -392,7 +419,8 @@ def _manifest(source: Workload, scenario: Scenario, policy_name: str, policy_con
     return {
         "manifest_version": MANIFEST_VERSION,
         "event_schema_version": SCHEMA_VERSION,
-        "workload": {"name": source.name, "sha256": source.fingerprint(), "num_requests": source.num_requests},
+        "workload": {"name": source.name, "sha256": source.fingerprint(), "num_requests": source.num_requests,
+                     **source.meta},
         "scenario": _plain(scenario),
         "policy": {"name": policy_name, "config": _plain(policy_config)},
         "instance": _plain(instance),

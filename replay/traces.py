@@ -5,7 +5,10 @@ row order, with arrival times converted exactly (decimal arithmetic, never via a
 nanoseconds. What a trace records is kept as recorded; what it lacks stays null, for a scenario to
 add explicitly. Supported formats:
 
-- Azure LLM inference 2023 (``TIMESTAMP, ContextTokens, GeneratedTokens``): wall-clock UTC arrivals.
+- Azure LLM inference 2023 and 2024 (``TIMESTAMP, ContextTokens, GeneratedTokens``): wall-clock UTC arrivals
+  (2024 writes them with a ``+00:00`` offset).
+
+Any of them may be gzipped (``.gz``): pyarrow decompresses by the file name.
 - Mooncake FAST'25 (JSONL ``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids``):
   arrivals as offsets from the trace start; 512-token prefix blocks.
 - BurstGPT (``Timestamp`` s, ``Model``, ``Request tokens``, ``Response tokens``, ..., v2 adds
@@ -115,8 +118,15 @@ def _read_csv(path: Path, column_types: dict[str, pa.DataType]) -> pa.Table:
 
 
 def read_azure(path: Path, prefix: str = "azure") -> pa.Table:
-    """Azure LLM inference trace 2023 (conversation or code); timestamps are UTC wall clock."""
-    t = _read_csv(path, {"TIMESTAMP": pa.timestamp("ns"), "ContextTokens": pa.int64(), "GeneratedTokens": pa.int64()})
+    """Azure LLM inference trace 2023 or 2024 (conversation or code); timestamps are UTC wall clock, without a
+    zone (2023) or with an offset such as ``+00:00`` (2024)."""
+    tokens = {"ContextTokens": pa.int64(), "GeneratedTokens": pa.int64()}
+    try:
+        t = _read_csv(path, {"TIMESTAMP": pa.timestamp("ns"), **tokens})
+    except ServelensError as exc:
+        if "zone offset" not in str(exc):
+            raise
+        t = _read_csv(path, {"TIMESTAMP": pa.timestamp("ns", tz="UTC"), **tokens})
     _require(path, t, ["TIMESTAMP", "ContextTokens", "GeneratedTokens"])
     return _workload(
         prefix,
@@ -191,8 +201,10 @@ READERS = {"azure": read_azure, "mooncake": read_mooncake, "burstgpt": read_burs
 
 
 def detect_format(path: Path) -> str:
-    """Guess a trace file's format from its first line."""
-    with path.open("rb") as fh:
+    """Guess a trace file's format from its first line (a ``.gz`` file is read through gzip, as the readers do)."""
+    import gzip
+
+    with (gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb")) as fh:
         head = fh.readline().decode("utf-8", "replace")
     if head.lstrip().startswith("{") and "input_length" in head:
         return "mooncake"
@@ -224,7 +236,7 @@ def resolve_trace(name_or_path: str, shared: Path | None) -> tuple[Path, str, st
             f"trace {name_or_path!r} is neither a bundled trace nor a file",
             f"bundled traces: {', '.join(BUNDLED_TRACES)}; or give the path of an Azure, Mooncake or BurstGPT file",
         )
-    return path, detect_format(path), path.stem
+    return path, detect_format(path), Path(path.stem).stem if path.suffix == ".gz" else path.stem
 
 
 def read_trace(name_or_path: str, shared: Path | None = None) -> pa.Table:

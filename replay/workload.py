@@ -146,6 +146,8 @@ class Workload:
 
     name: str
     num_requests: int | None
+    #: what the manifest records beside the name (e.g. ``load_factor``, ``transforms``); empty: nothing
+    meta: dict = {}
 
     def batches(self) -> Iterator[pa.RecordBatch]:
         raise NotImplementedError

@@ -15,7 +15,7 @@ event type                ``ts_ns`` means
 ``tokens_delivered``      further output tokens were produced
 ``request_cancelled``     the client cancelled
 ``request_finished``      the request left the engine, with its outcome (``last_byte_ns``: its last
-                          token reached the client)
+                          token reached the client; ``num_cached_prefix_tokens``: its prefix-cache hit)
 ``instance_state``        an instance reported its state (capacity, residency, scaling)
 ========================  ==========================================================================
 
@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Literal
 from schemas.types import doc
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 1
+SCHEMA_MINOR = 2
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 
 Decision = Literal["accept", "queue", "route", "downgrade", "degrade", "reject"]
@@ -87,7 +87,8 @@ class RequestArrived(Event):
     request_id: str = doc("Request the event concerns.")
     num_prompt_tokens: int = doc("Prompt length in tokens.")
     num_cached_prefix_tokens: int | None = doc(
-        "Prompt tokens already in the prefix cache at arrival, when the engine knows.", None
+        "Prompt tokens already in the prefix cache at arrival, when the engine knows (an estimate: the cache "
+        "changes while the request waits; request_finished carries the hit the engine got).", None
     )
     max_output_tokens: int | None = doc("The request's max_tokens limit, if any.", None)
     num_branches: int = doc("Parallel samples requested (n); branches share the prompt's KV.", 1)
@@ -211,6 +212,10 @@ class RequestFinished(Event):
     error_message: str | None = doc("Error text for outcome 'error' (scrubbed by privacy/).", None)
     last_byte_ns: int | None = doc(
         "When the last output token reached the client, where known (client-side E2E ends here; since 1.1).", None
+    )
+    num_cached_prefix_tokens: int | None = doc(
+        "Prompt tokens the engine found in its prefix cache when it first scheduled the request (vLLM's "
+        "num_cached_tokens; 0 when it never ran), where known (since 1.2).", None
     )
 
 

@@ -78,7 +78,10 @@ class RequestRow:
     admission_decision: str | None = doc("The last admission decision.", None)
     num_admission_decisions: int = doc("How many admission decisions the request received.", 0)
     num_prompt_tokens: int | None = doc("Prompt tokens.", None)
-    num_cached_prefix_tokens: int | None = doc("Prompt tokens found in the prefix cache.", None)
+    num_cached_prefix_tokens: int | None = doc(
+        "Prompt tokens found in the prefix cache: request_finished's (the hit the engine got when it first scheduled "
+        "the request), else request_arrived's estimate at arrival.", None
+    )
     max_output_tokens: int | None = doc("The request's max_tokens limit.", None)
     num_branches: int | None = doc("Parallel samples requested.", None)
     num_output_tokens: int | None = doc(

@@ -24,6 +24,7 @@ from servelens.config import Config, load_config, shared_dir
 from servelens.engine_options import DEFAULT_ENGINE, ENGINE_HELP, engine_instance, vllm_options
 from servelens.errors import ServelensError
 from servelens.fidelity_cli import COMMANDS as FIDELITY_COMMANDS
+from servelens.replay_options import echo_summary, prepare, scenario_options
 
 EXIT_INVALID = 1  # a check failed (invalid events; a failed gate)
 EXIT_ERROR = 3  # the command could not run: usage, configuration or input errors (gate: 2 is inconclusive)
@@ -64,6 +65,18 @@ def _config(ctx: click.Context) -> Config:
     return ctx.find_root().obj["config"]
 
 
+def _duration_s(value: str | None) -> float | None:
+    """A duration option's seconds (``1h``, ``30m``, ``90s``, ``90``); a usage error names the forms."""
+    if value is None:
+        return None
+    from replay.presets import parse_duration_s
+
+    try:
+        return parse_duration_s(value)
+    except ServelensError as exc:
+        raise click.BadParameter(exc.message + " (write it like 30s, 10m, 1h or 1d)") from None
+
+
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option(
     "--config",
@@ -72,17 +85,29 @@ def _config(ctx: click.Context) -> Config:
     envvar="SERVELENS_CONFIG",
     help="TOML configuration file (default: none; environment SERVELENS_<SECTION>__<KEY> overrides).",
 )
+@click.option("--lake", "lake_root", default=None, metavar="DIR",
+              help="The lake to read and write (overrides lake.root), e.g. out/demo/lake.")
+@click.option("--bootstrap-server", "bootstrap_servers", default=None, metavar="HOST:PORT",
+              help="Kafka bootstrap servers (overrides kafka.bootstrap_servers).")
 @click.version_option(__version__, prog_name="servelens")
 @click.pass_context
-def cli(ctx: click.Context, config_path: str | None) -> None:
+def cli(ctx: click.Context, config_path: str | None, lake_root: str | None, bootstrap_servers: str | None) -> None:
     """servelens: see, replay and gate LLM-serving scheduler changes.
 
     \b
     Example:
       servelens demo                       # the end-to-end path on a bundled real trace
-      servelens events validate events.jsonl
+      servelens events validate out/demo/engine/events.parquet
+      servelens --lake out/demo/lake lake sql "SELECT count(*) FROM requests"
     """
-    ctx.obj = {"config": load_config(config_path)}
+    import dataclasses
+
+    config = load_config(config_path)
+    if lake_root is not None:
+        config = dataclasses.replace(config, lake=dataclasses.replace(config.lake, root=lake_root))
+    if bootstrap_servers is not None:
+        config = dataclasses.replace(config, kafka=dataclasses.replace(config.kafka, bootstrap_servers=bootstrap_servers))
+    ctx.obj = {"config": config}
 
 
 # ---------------------------------------------------------------------------------------------- events
@@ -105,7 +130,8 @@ def events_validate(file: Path, max_errors: int) -> None:
 
     \b
     Example:
-      servelens events validate out/demo/events.jsonl
+      servelens events validate out/demo/engine/events.parquet
+      servelens events validate mooncake.events.jsonl      # from `servelens trace convert mooncake --to events`
     """
     from privacy.sanitize import UNKNOWN_FIELD, printable_field_name
     from schemas.validate import ValidationSummary, iter_file
@@ -232,14 +258,17 @@ def trace_convert(ctx: click.Context, trace_name: str, out: Path, kind: str) -> 
 def trace_stats(ctx: click.Context, trace_name: str) -> None:
     """Print a trace's size, rate, token percentiles and burstiness.
 
+    A trace whose rows are not in arrival order is refused, as `servelens replay` refuses it.
+
     \b
     Example:
       servelens trace stats azure-conv
     """
     from replay.traces import read_trace
-    from replay.workload import workload_stats
+    from replay.workload import TableWorkload, workload_stats
 
-    s = workload_stats(read_trace(trace_name, _shared_or_none(ctx, trace_name)))
+    table = TableWorkload(read_trace(trace_name, _shared_or_none(ctx, trace_name))).table  # arrival order checked
+    s = workload_stats(table)
     click.echo(
         f"{s.num_requests:,} requests ({s.num_failed:,} failed) over {s.span_s:,.1f} s, {s.mean_rate_per_s:.3f} req/s\n"
         f"prompt tokens p50 {s.prompt_tokens_p50:,.0f} p99 {s.prompt_tokens_p99:,.0f}; "
@@ -271,7 +300,7 @@ def trace_to_blis(ctx: click.Context, source: str, out: Path, mode: str, model: 
 
     \b
     Example:
-      servelens trace to-blis out/demo/events.parquet --out blis/trace.csv --mode replayed
+      servelens trace to-blis out/demo/engine/events.parquet --out blis/trace.csv --mode replayed
       servelens trace to-blis mooncake --out blis/mooncake.csv
       blis replay --trace-header blis/trace.yaml --trace-data blis/trace.csv ...
     """
@@ -339,26 +368,88 @@ def requests() -> None:
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Output Parquet file.")
 @click.pass_context
 def requests_derive(ctx: click.Context, events_file: Path, out: Path) -> None:
-    """Derive one row per request from EVENTS_FILE (JSONL or Parquet).
+    """Derive one row per request from EVENTS_FILE (JSONL or Parquet), for engine telemetry.
 
-    Input that is not yet sanitized is validated (and refused if any record is invalid: run
-    `servelens events validate` to see every error) and sanitized with the configured pseudonym
-    key before anything is written. Events may arrive in any order and duplicated.
+    A replay writes its own request table beside its events (OUT/requests.parquet, the same rows this
+    command derives): for a replay's events.parquet whose manifest names it, that table is copied.
+    Sanitized input (every event carries a pseudonym key id) is read as it is, with no key. Other
+    input is validated (and refused if any record is invalid: run `servelens events validate` to see
+    every error) and sanitized with the configured pseudonym key before anything is written. Events
+    may arrive in any order and duplicated. Progress goes to stderr.
 
     \b
     Example:
-      servelens requests derive out/demo/events.jsonl --out requests.parquet
+      servelens requests derive out/demo/engine/events.parquet --out out/requests.parquet
+      servelens requests derive out/demo/lake/events/dt=2023-11-16/hour=18/*.parquet --out out/hour18.parquet
     """
-    from pipelines.lake import staged_parquet
-    from pipelines.tables import write_requests
-    from schemas.validate import InvalidEventsError
+    import shutil
 
-    try:
-        staged = staged_parquet(events_file, out.parent, _sanitizer(ctx))
-    except InvalidEventsError as exc:
-        raise ServelensError(str(exc), f"run `servelens events validate {events_file}` to see every error") from None
+    from pipelines.lake import is_sanitized, staged_parquet
+    from pipelines.tables import write_requests
+    from schemas.validate import InvalidEventsError, detect_format
+
+    own = _replays_own_table(events_file)
+    if own is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(own, out)
+        click.echo(f"copied the replay's own request table {own} to {out} "
+                   f"({pq_rows(out):,} requests; the replay wrote it: nothing to derive)")
+        return
+    started = time.monotonic()
+    staged = events_file
+    if not (detect_format(events_file) == "parquet" and is_sanitized(events_file)):
+        click.echo(f"validating and sanitizing {events_file} with the configured pseudonym key ...", err=True)
+        try:
+            staged = staged_parquet(events_file, out.parent, _sanitizer(ctx), progress=_event_progress("sanitized"))
+        except InvalidEventsError as exc:
+            raise ServelensError(str(exc), f"run `servelens events validate {events_file}` to see every error") from None
+        click.echo(f"  sanitized in {time.monotonic() - started:,.1f} s; deriving the request table ...", err=True)
+    else:
+        click.echo(f"{events_file} is sanitized (every event carries a pseudonym key id): deriving ...", err=True)
     count = write_requests(staged, out)
-    click.echo(f"wrote {count:,} requests to {out}")
+    click.echo(f"wrote {count:,} requests to {out} in {time.monotonic() - started:,.1f} s")
+
+
+def _event_progress(verb: str):
+    """A progress callback: a stderr line every 5 s with the events done so far and their rate."""
+    started = last = time.monotonic()
+
+    def report(count: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if now - last >= 5:
+            last = now
+            click.echo(f"  {verb} {count:,} events ({count / (now - started):,.0f}/s)", err=True)
+
+    return report
+
+
+def _replays_own_table(events_file: Path) -> Path | None:
+    """The request table a replay wrote beside ``events_file`` when its manifest names both (``replay.run``)."""
+    manifest = events_file.parent / "manifest.json"
+    if events_file.name != "events.parquet" or not manifest.is_file():
+        return None
+    try:
+        output = json.loads(manifest.read_text()).get("output", {})
+    except (OSError, ValueError):
+        return None
+    own = events_file.parent / str(output.get("requests_file") or "")
+    return own if output.get("requests_file") and own.is_file() else None
+
+
+def _manifest_model(path: Path) -> str | None:
+    """The model of the replay whose manifest sits beside ``path`` (None: no manifest)."""
+    manifest = path.parent / "manifest.json"
+    try:
+        return json.loads(manifest.read_text())["instance"]["model"]["name"] if manifest.is_file() else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def pq_rows(path: Path) -> int:
+    import pyarrow.parquet as pq
+
+    return pq.read_metadata(path).num_rows
 
 
 def _sanitizer(ctx: click.Context):
@@ -395,31 +486,42 @@ def metrics() -> None:
               "(default: privacy.min_group_size).")
 @click.option("--max-model-len", type=int, help="Upper end of the 1-2-5 token buckets (default: the largest count).")
 @click.option("--provider", help="gen_ai.provider.name of the OTel GenAI series (e.g. vllm); default: omitted.")
+@click.option("--model", default=None,
+              help="Model label of requests whose events name none [default: the replay manifest's model beside the "
+                   "file, else 'unknown'].")
 @click.pass_context
 def metrics_export(ctx: click.Context, requests_file: Path, events_file: Path | None, fmt: str, interval_s: float,
                    out: Path | None, labels: str, max_label_values: int, min_group_size: int | None,
-                   max_model_len: int | None, provider: str | None) -> None:
+                   max_model_len: int | None, provider: str | None, model: str | None) -> None:
     """Export REQUESTS_FILE (a request table, real or replayed, or the events to derive it from) as
     histograms with vLLM's and the OTel GenAI conventions' names and buckets (docs/interop.md).
 
+    Requests whose events name no model (a replay of a trace that records none) are labelled with
+    --model, by default the model of the replay's manifest beside the file.
+
     \b
     Example:
-      servelens metrics export out/demo/requests.parquet --events out/demo/events.parquet --out demo.prom
-      servelens metrics export out/replay/events.parquet --labels model,pool
-      servelens metrics export requests.parquet --format otlp-json --labels model,service_class --out m.json
-      servelens metrics export RUN/events.parquet --format openmetrics --out run.om
-      promtool tsdb create-blocks-from openmetrics run.om /prometheus/data
+      servelens metrics export out/demo/engine/requests.parquet --events out/demo/engine/events.parquet --out demo.prom
+      servelens metrics export out/demo/engine/events.parquet --labels model,service_class
+      servelens metrics export out/demo/engine/requests.parquet --format otlp-json --labels model,service_class --out m.json
+      servelens metrics export out/demo/engine/events.parquet --format openmetrics --out run.om
+      promtool tsdb create-blocks-from openmetrics run.om /prometheus/data   # (Prometheus's tool, not servelens)
     """
+    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     from pipelines.exposition import request_metrics, request_metrics_over_time, to_openmetrics, to_otlp_json, to_prometheus
 
     table = pq.read_table(requests_file)
     events = pq.read_table(events_file) if events_file else None
-    if "event_type" in table.column_names:  # an events file (a replay's events.parquet): derive its requests
+    if "event_type" in table.column_names:  # an events file: the replay's own table beside it, else derived
         from pipelines.tables import derive_requests
 
-        table, events = derive_requests(table), events if events is not None else table
+        own = _replays_own_table(requests_file)
+        table, events = (pq.read_table(own) if own else derive_requests(table)), events if events is not None else table
+    model = model or _manifest_model(requests_file)
+    if model and table["model"].null_count:
+        table = table.set_column(table.schema.get_field_index("model"), "model", pc.fill_null(table["model"], model))
     options = {"labels": _names(labels), "max_label_values": max_label_values,
                "min_group_size": min_group_size or _config(ctx).privacy.min_group_size, "max_model_len": max_model_len,
                "provider_name": provider}
@@ -457,8 +559,8 @@ def privacy_keygen(out: Path, key_id: str | None) -> None:
 
     \b
     Example:
-      servelens privacy keygen --out /etc/servelens/pseudonym-keys.toml
-      export SERVELENS_PRIVACY__KEY_FILE=/etc/servelens/pseudonym-keys.toml
+      servelens privacy keygen --out out/keys/pseudonym-keys.toml
+      export SERVELENS_PRIVACY__KEY_FILE=out/keys/pseudonym-keys.toml
     """
     from privacy.keys import generate_keyring, write_keyfile
 
@@ -477,13 +579,45 @@ def privacy_rotate(key_file: Path, key_id: str | None) -> None:
 
     \b
     Example:
-      servelens privacy rotate /etc/servelens/pseudonym-keys.toml
+      servelens privacy rotate out/keys/pseudonym-keys.toml
     """
     from privacy.keys import load_keyring, rotate, write_keyfile
 
     ring = rotate(load_keyring(key_file), key_id)
     write_keyfile(key_file, ring)
     click.echo(f"active pseudonym key is now {ring.active_id} ({len(ring.secrets)} keys in {key_file})")
+
+
+@privacy.command("lookup")
+@click.argument("value", metavar="ID")
+@click.option("--field", default="request_id", show_default=True,
+              type=click.Choice(["request_id", "tenant", "session_id", "user", "api_key_id", "adapter", "event_id"]),
+              help="Which field ID is (each field has its own pseudonym kind).")
+@click.option("--all-keys", is_flag=True, help="Its pseudonym under every key of the ring (records from before a rotation).")
+@click.pass_context
+def privacy_lookup(ctx: click.Context, value: str, field: str, all_keys: bool) -> None:
+    """Print the pseudonym the lake stores for a raw ID, with the configured key ring.
+
+    The sanitizer replaces identifiers by keyed pseudonyms (docs/privacy.md); this computes one, so
+    an engine team can find its own requests in the lake. A tenant beyond privacy.tenant_budget is
+    stored as `other`, not as its pseudonym.
+
+    \b
+    Example:
+      SERVELENS_PRIVACY__KEY_FILE=.servelens/demo-pseudonym-key.toml servelens privacy lookup azure-conv-000042
+      SERVELENS_PRIVACY__KEY_FILE=.servelens/demo-pseudonym-key.toml servelens privacy lookup acme --field tenant
+    """
+    from privacy.keys import load_keyring
+    from privacy.sanitize import FIELD_POLICIES
+
+    ring = load_keyring(_config(ctx).privacy.key_file)
+    policy = FIELD_POLICIES[field]
+    keys = sorted(ring.secrets) if all_keys else [ring.active_id]
+    for key_id in keys:
+        pseudonym = ring.pseudonym(policy.kind, value, hex_chars=policy.hex_chars, key_id=key_id)
+        click.echo(f"{pseudonym}" + (f"  (key {key_id}{', active' if key_id == ring.active_id else ''})" if all_keys else ""))
+    sql = f"SELECT * FROM requests WHERE {field} = '{ring.pseudonym(policy.kind, value, hex_chars=policy.hex_chars)}'"
+    click.echo(f'  e.g. servelens lake sql "{sql}"', err=True)
 
 
 @privacy.command("sanitize")
@@ -498,14 +632,15 @@ def privacy_sanitize(ctx: click.Context, events_file: Path, out: Path) -> None:
 
     \b
     Example:
-      servelens privacy sanitize engine-events.jsonl --out events.parquet
+      servelens trace convert mooncake --to events --out mooncake.events.jsonl
+      SERVELENS_PRIVACY__KEY_FILE=.servelens/demo-pseudonym-key.toml servelens privacy sanitize mooncake.events.jsonl --out mooncake.parquet
     """
     from pipelines.lake import events_to_parquet
     from schemas.validate import InvalidEventsError
 
     sanitizer = _sanitizer(ctx)
     try:
-        count = events_to_parquet(events_file, out, sanitizer)
+        count = events_to_parquet(events_file, out, sanitizer, progress=_event_progress("sanitized"))
     except InvalidEventsError as exc:
         raise ServelensError(str(exc), f"run `servelens events validate {events_file}` to see every error") from None
     report = sanitizer.report().as_dict()
@@ -775,9 +910,7 @@ def _replay_cluster(ctx: click.Context, workload_name: str, policy_name: str, po
     import dataclasses
 
     from replay.cluster import ScalingDelays, cluster_config, parse_failure, parse_scale_step, run_cluster_replay
-    from replay.policies import load_policy_config
     from replay.policies.routing import load_router_config
-    from replay.workload import load_workload
 
     meta = {k.removeprefix("cluster."): v for k, v in ctx.meta.items() if k.startswith("cluster.")}
     if ctx.params.get("measured"):
@@ -825,7 +958,8 @@ def _replay_cluster(ctx: click.Context, workload_name: str, policy_name: str, po
             autoscale_interval_s=meta.get("autoscale_interval_s", config.autoscale_interval_s),
             autoscale_window_s=meta.get("autoscale_window_s", config.autoscale_window_s),
         )
-    workload = load_workload(workload_name, _shared_or_none(ctx, workload_name), num_requests, seed)
+    workload, preset, policy_cfg = prepare(ctx, workload_name, _shared_or_none(ctx, workload_name), num_requests, seed,
+                                           policy_name, policy_config)
     shared = shared_dir(_config(ctx)) if cost_model == "profile" and profile_path is None else None
     with click.progressbar(length=workload.num_requests or 0, label="replaying", file=sys.stderr,
                            item_show_func=lambda p: f"{p.simulated_ns / 1e9:,.0f} s simulated in {p.wall_s:,.1f} s" if p else None) as bar:
@@ -835,10 +969,10 @@ def _replay_cluster(ctx: click.Context, workload_name: str, policy_name: str, po
             bar.update(p.num_arrived - done[0], p)
             done[0] = p.num_arrived
 
-        policy_cfg = load_policy_config(policy_name, policy_config) if policy_config is not None else None
-        summary = run_cluster_replay(workload, config, policy_name=policy_name, policy_config=policy_cfg,
-                                     cost_model=model_arg, shared=shared, seed=seed, out_dir=out, mode=mode,
-                                     progress=progress, progress_every=max(1, (workload.num_requests or 100_000) // 200),
+        summary = run_cluster_replay(workload, config, scenario=preset.scenario, policy_name=policy_name,
+                                     policy_config=policy_cfg, cost_model=model_arg, shared=shared, seed=seed,
+                                     out_dir=out, mode=mode, progress=progress,
+                                     progress_every=max(1, (workload.num_requests or 100_000) // 200),
                                      calibration=calibration)
     click.echo(
         f"replayed {summary.num_requests:,} requests ({summary.simulated_s:,.1f} s simulated) on "
@@ -853,7 +987,9 @@ def _replay_cluster(ctx: click.Context, workload_name: str, policy_name: str, po
         ready = "never ready" if x.ready_s is None else f"ready at {x.ready_s:,.1f} s"
         role = "" if x.role == "serve" else f" ({x.role})"
         click.echo(f"  {x.instance_id}{role}: {x.num_routed:,} requests routed, {ready}")
-    click.echo(f"events:   {summary.events_path}\nmanifest: {summary.manifest_path} (run {summary.run_id})")
+    echo_summary(summary, preset, calibration, instance)
+    click.echo(f"events:   {summary.events_path}\nrequests: {summary.requests_path}\n"
+               f"manifest: {summary.manifest_path} (run {summary.run_id})")
 
 
 @cli.command("replay")
@@ -880,6 +1016,7 @@ def _replay_cluster(ctx: click.Context, workload_name: str, policy_name: str, po
 @click.option("--requests", "num_requests", type=int, default=None, help="Tile the workload to this many requests.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of every random choice (scenario draws).")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True, help="Output folder.")
+@scenario_options
 @vllm_options
 @_cluster_options
 @click.pass_context
@@ -896,7 +1033,9 @@ def replay_command(ctx: click.Context, workload_name: str, policy_name: str, pol
     Example:
       servelens replay --workload azure-conv --policy fcfs --engine llama-3-8b@h100-sxm --out out/replay/fcfs
       servelens replay --workload azure-conv --engine llama-2-70b@a100-80gx2 --cost-model profile --out out/70b
-      servelens replay --workload azure-conv --policy deadline --policy-config deadline.yaml --out out/deadline
+      servelens replay --workload azure-conv --policy deadline --policy-config out/demo/deadline.yaml --out out/deadline
+      servelens replay --workload azure-conv --load 2x --policy deadline --engine llama-2-7b@a100-80gx2 --gpu-memory-utilization 0.5 --out out/deadline-2x
+      servelens replay --workload azure-conv --superpose 4 --shift 10m --block-bootstrap 5m --seed 7 --out out/bursty
       servelens replay --workload azure-conv --profile profiles/llama-8b-h200.parquet --out out/8b-fitted
       servelens replay --workload azure-conv --instances 8 --router least-outstanding-tokens --scale 600:+2 --out out/cluster
       servelens replay --workload azure-conv --instances 2 --decode-instances 2 --kv-transfer-gbps 50 --fail 300:1 --out out/disagg
@@ -906,9 +1045,7 @@ def replay_command(ctx: click.Context, workload_name: str, policy_name: str, pol
     if any(key.startswith("cluster.") for key in ctx.meta):
         return _replay_cluster(ctx, workload_name, policy_name, policy_config, engine_spec, cost_model, profile_path,
                                mode, num_requests, seed, out)
-    from replay.policies import load_policy_config
     from replay.run import run_replay
-    from replay.workload import load_workload
 
     if measured and profile_path is None:
         raise ServelensError("--measured needs --profile", "profile the model first: servelens profile --model tiny --out FILE")
@@ -919,18 +1056,18 @@ def replay_command(ctx: click.Context, workload_name: str, policy_name: str, pol
         instance, model_arg = _fitted_profile(ctx, profile_path, full_layers=not measured)
     else:
         (instance, calibration), model_arg = engine_instance(ctx, _config(ctx), engine_spec, cost_model), cost_model
-    workload = load_workload(workload_name, _shared_or_none(ctx, workload_name), num_requests, seed)
+    workload, preset, config = prepare(ctx, workload_name, _shared_or_none(ctx, workload_name), num_requests, seed,
+                                       policy_name, policy_config)
     shared = shared_dir(_config(ctx)) if cost_model == "profile" and profile_path is None else None
     if measured:
         from replay.measured.measured import run_measured_replay
         from replay.measured.profiler import read_profile
 
-        config = load_policy_config(policy_name, policy_config) if policy_config is not None else None
         meta = read_profile(profile_path).meta
         click.echo(f"executing every step of {meta.shape.name} on {meta.device} ({meta.device_name})", err=True)
         summary, timer = run_measured_replay(workload, meta.shape, device=meta.device, instance=instance,
                                              cost_model=model_arg, policy_name=policy_name, policy_config=config,
-                                             seed=seed, out_dir=out)
+                                             seed=seed, out_dir=out, scenario=preset.scenario)
         click.echo(
             f"replayed {summary.num_requests:,} requests ({summary.simulated_s:,.1f} s of trace time on the measured clock) in "
             f"{summary.wall_s:,.1f} s: {len(timer.steps):,} steps executed, {summary.num_events:,} events\n"
@@ -945,9 +1082,8 @@ def replay_command(ctx: click.Context, workload_name: str, policy_name: str, pol
             bar.update(p.num_arrived - done[0], p)
             done[0] = p.num_arrived
 
-        config = load_policy_config(policy_name, policy_config) if policy_config is not None else None
-        summary = run_replay(workload, policy_name=policy_name, policy_config=config, instance=instance,
-                             cost_model=model_arg, shared=shared, seed=seed, out_dir=out, mode=mode,
+        summary = run_replay(workload, scenario=preset.scenario, policy_name=policy_name, policy_config=config,
+                             instance=instance, cost_model=model_arg, shared=shared, seed=seed, out_dir=out, mode=mode,
                              progress=progress, progress_every=max(1, (workload.num_requests or 100_000) // 200),
                              calibration=calibration)
     click.echo(
@@ -955,30 +1091,9 @@ def replay_command(ctx: click.Context, workload_name: str, policy_name: str, pol
         f"({summary.requests_per_wall_s:,.0f} requests/s): {summary.num_events:,} events, "
         f"{summary.num_steps:,} engine steps, {summary.num_preemptions:,} preemptions"
     )
-    _echo_latencies(summary.events_path, calibration, instance)
-    click.echo(f"events:   {summary.events_path}\nmanifest: {summary.manifest_path} (run {summary.run_id})")
-
-
-def _echo_latencies(events_path: Path | None, calibration, instance) -> None:
-    """The replay's latency percentiles (client side when a calibration modelled the frontend) and the
-    calibration behind them."""
-    from replay.fidelity import latencies_of_events, summarize
-
-    if events_path is None:
-        return
-    lat = latencies_of_events(events_path)
-    if len(lat["ttft_s"]):
-        side = "client side" if bool(lat["client_side"]) else "engine side"
-        m = {k: v * 1e3 for k, v in summarize(lat["ttft_s"], lat["e2e_s"], lat["num_output_tokens"]).items()}
-        click.echo(f"latency ({side}, ms, p50 / p90 / p99): "
-                   f"TTFT {m['ttft_p50']:,.1f} / {m['ttft_p90']:,.1f} / {m['ttft_p99']:,.1f}; "
-                   f"E2E {m['e2e_p50']:,.0f} / {m['e2e_p90']:,.0f} / {m['e2e_p99']:,.0f}; ITL mean {m['itl_mean']:,.2f}")
-    if calibration is not None:
-        where = "" if instance.accelerator.name in calibration.accelerators else (
-            f", extrapolated from {', '.join(calibration.accelerators)} to {instance.accelerator.name}")
-        held = ", ".join(f"{k} {v:.1f}%" for k, v in calibration.held_out_error_pct if k in ("ttft_mean", "e2e_mean", "itl_mean"))
-        click.echo(f"calibration {calibration.name} ({calibration.engine}{where}; median held-out error "
-                   f"{held or 'not measured'})")
+    echo_summary(summary, preset, calibration, instance)
+    click.echo(f"events:   {summary.events_path}\nrequests: {summary.requests_path}\n"
+               f"manifest: {summary.manifest_path} (run {summary.run_id})")
 
 
 def _fitted_profile(ctx: click.Context, profile_path: Path, *, full_layers: bool = True):
@@ -1146,7 +1261,8 @@ def compare_measured_command(ctx: click.Context, workload_name: str, profile_pat
 @click.option("--live", is_flag=True, help="Judge two live pools from the lake (by the events' pool label) instead of two runs.")
 @click.option("--baseline-pool", default="baseline", show_default=True, help="With --live: the baseline pool label.")
 @click.option("--candidate-pool", default="canary", show_default=True, help="With --live: the canary (or shadow) pool label.")
-@click.option("--since", "since_s", type=float, default=None, help="With --live: only requests from the last this many seconds.")
+@click.option("--since", "since_s", default=None, metavar="DURATION", callback=lambda ctx, param, value: _duration_s(value),
+              help="With --live: only requests from the last DURATION (90s, 30m, 1h, 2d; a plain number is seconds).")
 @click.option("--previous-config", default=None, help="With --live: the configuration to restore on rollback (named in the decision).")
 @click.option("--model-error", "model_error", multiple=True, metavar="NAME=FRACTION",
               help="The replay model's known error on a metric or fidelity figure (e.g. itl_mean=0.05): a pass by "
@@ -1169,9 +1285,9 @@ def gate(ctx: click.Context, baseline: Path | None, candidate: Path | None, gate
 
     \b
     Example:
-      servelens gate --baseline out/replay/fcfs --candidate out/replay/deadline --config gate.yaml
-      servelens gate --live --candidate-pool canary --since 3600 --previous-config policy=fcfs@v12
-      servelens gate --baseline a --candidate b --model-error itl_mean=0.05
+      servelens gate --baseline out/demo/out/replay/2023-11-16/fcfs@2x --candidate out/demo/out/replay/2023-11-16/deadline@2x --config out/demo/gate.yaml
+      servelens gate --live --candidate-pool canary --since 1h --previous-config policy=fcfs@v12
+      servelens gate --baseline out/demo/out/replay/2023-11-16/fcfs@1x --candidate out/demo/out/replay/2023-11-16/vtc@1x --model-error itl_mean=0.05
       servelens gate --list-metrics
     """
     from replay.gate import compare_runs, config_yaml, decide, default_config, headline, load_config, parse_model_error

@@ -36,23 +36,40 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from replay.metrics import MetricsConfig, MetricValue, run_metrics
-from replay.scenario import Scenario, ServiceClassSpec, TenantSpec
+from replay.abuse import TWO_CLASS_TENANCY
+from replay.figures import RunFigures
+from replay.metrics import MetricValue, run_metrics
+from replay.policies.tenancy import Tenancy, TenantConfig
+from replay.scenario import TenantSpec
 from replay.traces import BUNDLED_TRACES
 from replay.workload import WorkloadStats
 from servelens.config import Config
 from servelens.errors import ServelensError
 
-DEMO_ENGINE = "llama-3-8b@h100-sxm"
-DEMO_CANDIDATES = ("sarathi", "vtc", "deadline")
+#: The engine of the fleet and of every replay: the policy comparison's (README, docs/policies.md): one
+#: llama-2-7b on two A100-80GB whose engine gets half of their memory, so that twice the trace's rate
+#: overloads it and the policies differ; calibrated as `servelens replay` is by default.
+DEMO_ENGINE = "llama-2-7b@a100-80gx2"
+DEMO_ENGINE_SETTINGS = "gpu_memory_utilization: 0.5\n"
+DEMO_CANDIDATES = ("sarathi", "vtc", "deadline", "prefill-first")
 DEMO_LOADS = ("1x", "2x")
-#: The engine fleet's traffic: three tenants of unequal volume, interactive and batch requests.
-DEMO_SCENARIO = Scenario(
-    name="demo-three-tenants",
-    tenants=(TenantSpec(name="acme", share=3), TenantSpec(name="globex", share=1), TenantSpec(name="initech", share=1)),
-    service_classes=(ServiceClassSpec(name="interactive", share=2, ttft_objective_s=2.0),
-                     ServiceClassSpec(name="batch", share=1)),
+#: The engine fleet's tenants, by falling volume: shares proportional to 1 / rank^0.9 (a Zipf skew: the
+#: first sends 21% of the requests, the last 1.4%), every third rank entitled to ``batch`` (6 tenants),
+#: the others to ``interactive`` (14), with the classes and objectives of the policy comparison
+#: (``replay.abuse.TWO_CLASS_TENANCY``). Each request's tenant is a seeded draw (``assign_tenants``, seed 0).
+DEMO_TENANT_NAMES = (
+    "acme", "globex", "initech", "umbrella", "hooli", "stark", "wayne", "wonka", "tyrell", "cyberdyne",
+    "soylent", "oscorp", "aperture", "monarch", "vandelay", "dunder", "gringotts", "nakatomi", "massive", "prestige",
 )
+DEMO_TENANTS = tuple(TenantSpec(name=t, share=1 / (rank + 1) ** 0.9) for rank, t in enumerate(DEMO_TENANT_NAMES))
+DEMO_TENANCY = Tenancy(
+    classes=TWO_CLASS_TENANCY.classes,
+    tenants=tuple(TenantConfig(name=t, service_class="batch" if rank % 3 == 2 else "interactive")
+                  for rank, t in enumerate(DEMO_TENANT_NAMES)),
+    default_class="interactive",
+)
+#: The tenant whose own requests the demo's dashboard shows (``dashboard.viewer_tenant``).
+DEMO_VIEWER = "acme"
 PACE_S = 0.01  # wall-clock granularity of the time-accelerated emission
 
 
@@ -85,15 +102,46 @@ class DemoResult:
     verdicts: tuple[Verdict, ...]
     failed_checks: tuple[str, ...]
     wall_s: float
+    policies: tuple[tuple[str, str, RunFigures], ...] = ()  # (policy, load, its replay's figures) on the first day
 
 
 def demo_config(config: Config, out_dir: Path) -> Config:
-    """``config`` with the demo's own lake and output folder (never a deployment's)."""
+    """``config`` with the demo's own lake, output folder, key, engine and dashboard viewer (never a deployment's)."""
     return dataclasses.replace(
         config,
         lake=dataclasses.replace(config.lake, root=str(out_dir / "lake")),
         paths=dataclasses.replace(config.paths, out_dir=str(out_dir / "out")),
+        privacy=dataclasses.replace(config.privacy, key_file=config.privacy.demo_key_file),
+        nightly=dataclasses.replace(config.nightly, engine=DEMO_ENGINE, engine_config=str(out_dir / "engine.yaml"),
+                                    calibration="auto"),
+        dashboard=dataclasses.replace(config.dashboard, viewer_tenant=DEMO_VIEWER,
+                                      gate_config_file=str(out_dir / "gate.yaml")),
     )
+
+
+def write_demo_settings(out_dir: Path) -> None:
+    """The engine's settings (engine.yaml), the gate configuration with the demo's objectives (gate.yaml) and,
+    as an example to edit, the deadline policy's configuration under the documented two-class tenancy
+    (deadline.yaml: what `servelens replay --policy deadline` uses on a trace without tenants)."""
+    import yaml
+
+    from replay.abuse import metric_classes
+    from replay.gate_config import config_yaml, default_config
+
+    (out_dir / "engine.yaml").write_text(DEMO_ENGINE_SETTINGS)
+    gate = dataclasses.replace(default_config(), classes=metric_classes(DEMO_TENANCY))
+    (out_dir / "gate.yaml").write_text(config_yaml(gate))
+    tenancy = dataclasses.asdict(TWO_CLASS_TENANCY)
+    (out_dir / "deadline.yaml").write_text(
+        "# servelens replay --policy deadline --policy-config deadline.yaml (docs/policies.md): the two-class tenancy\n"
+        + yaml.safe_dump({"overload_margin": 0.1, "tenancy": tenancy}, sort_keys=False))
+
+
+def demo_workload(trace: pa.Table) -> pa.Table:
+    """The trace with the demo's tenants drawn (seeded, by share) and each request's class its tenant's."""
+    from replay.abuse import assign_tenants, stamp_classes
+
+    return stamp_classes(assign_tenants(trace, DEMO_TENANTS, 0), DEMO_TENANCY)
 
 
 def run_demo(
@@ -112,8 +160,10 @@ def run_demo(
     (emptied first); the dashboard is ``serve_demo``."""
     from pipelines.broker import LocalBroker
     from privacy.keys import demo_keyring
-    from replay.config import parse_instance
+    from replay.abuse import scenario_for
+    from replay.calibration import default_calibration
     from replay.policies import policy_class
+    from replay.vllm import read_vllm_settings, vllm_instance
     from replay.run import run_replay
     from replay.traces import read_trace
     from replay.workload import TableWorkload, workload_stats
@@ -132,19 +182,23 @@ def run_demo(
         shutil.rmtree(out_dir / stale, ignore_errors=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = demo_config(config, out_dir)
+    write_demo_settings(out_dir)
 
-    progress(f"[1/6] reading trace {trace}")
+    progress(f"[1/6] reading trace {trace}; {len(DEMO_TENANTS)} tenants drawn by a Zipf skew (docs/operations.md, The demo)")
     workload = read_trace(trace, shared)
     if num_requests is not None:
         workload = workload.slice(0, num_requests)
     stats = workload_stats(workload)
+    workload = demo_workload(workload)
 
     topic = config.kafka.topic
     with LocalBroker(topics={topic: config.kafka.num_partitions}) as broker:
         progress(f"[2/6] local Kafka-compatible broker on {broker.bootstrap}")
         progress(f"[3/6] the engine fleet: replaying {workload.num_rows:,} requests through {production} on {DEMO_ENGINE}")
-        fleet = run_replay(TableWorkload(workload, name=trace), scenario=DEMO_SCENARIO, policy_name=production,
-                           instance=parse_instance(DEMO_ENGINE), out_dir=out_dir / "engine")
+        instance = vllm_instance(DEMO_ENGINE, read_vllm_settings(config.nightly.engine_config)[0])
+        fleet = run_replay(TableWorkload(workload, name=trace), scenario=scenario_for(DEMO_TENANCY, "demo"),
+                           policy_name=production, instance=instance, calibration=default_calibration(),
+                           out_dir=out_dir / "engine")
         kafka = dataclasses.replace(config.kafka, bootstrap_servers=broker.bootstrap)
         progress(f"[4/6] emitting {fleet.num_events:,} events to Kafka at {speedup:g}x real time; ingesting into {config.lake.root}")
         emit_wall_s, ingest = stream_through_kafka(fleet.events_path, kafka, config, keyring, speedup, progress)
@@ -155,9 +209,11 @@ def run_demo(
         verdicts, failed_checks = run_dagster(config, out_dir, days, candidates, loads, progress)
 
     progress("[6/6] production's service levels")
-    metrics = production_metrics(Path(config.paths.out_dir), days, production)
+    out = Path(config.paths.out_dir)
+    metrics = production_metrics(out, days, production)
+    policies = policy_figures(out, days[0], (production, *candidates), loads)
     return DemoResult(trace, stats, out_dir, fleet.num_events, ingest.events_written, ingest.dead_letters, emit_wall_s,
-                      speedup, key_path, days, metrics, verdicts, failed_checks, time.monotonic() - started)
+                      speedup, key_path, days, metrics, verdicts, failed_checks, time.monotonic() - started, policies)
 
 
 def stream_through_kafka(events_path: Path, kafka, config: Config, keyring, speedup: float,
@@ -254,13 +310,16 @@ def run_dagster(config: Config, out_dir: Path, days: tuple[str, ...], candidates
 
     home = out_dir / "dagster"
     home.mkdir(parents=True, exist_ok=True)
-    plan = ReplayPlanResource(production=config.nightly.production, candidates=list(candidates), loads=list(loads),
-                              engine=DEMO_ENGINE, seed=config.nightly.seed)
+    (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")  # no telemetry banner, no telemetry
+    nightly = config.nightly
+    plan = ReplayPlanResource(production=nightly.production, candidates=list(candidates), loads=list(loads),
+                              engine=nightly.engine, engine_config=nightly.engine_config, calibration=nightly.calibration,
+                              seed=nightly.seed)
     resources = {"lake": LakeResource(), "kafka": KafkaResource(timeout_s=5.0), "privacy_key": PrivacyKeyResource(),
                  "plan": plan}
     verdicts: list[Verdict] = []
     failed: list[str] = []
-    with _environment(config), dg.DagsterInstance.local_temp(str(home)) as instance:
+    with _environment(config), dg.DagsterInstance.local_temp(str(home), overrides={"telemetry": {"enabled": False}}) as instance:
         for day in days:
             for result in materialize_day(day, resources, instance, progress=lambda line: progress("      " + line),
                                           log_level="WARNING"):
@@ -272,12 +331,31 @@ def run_dagster(config: Config, out_dir: Path, days: tuple[str, ...], candidates
 
 
 def production_metrics(out: Path, days: tuple[str, ...], production: str) -> tuple[MetricValue, ...]:
-    """Production's overall run metrics at the recorded load (the first day's replay)."""
-    from pipelines.batch import ReplayCase, replay_dir
+    """Production's overall run metrics at the recorded load (the first day's replay), against the demo's objectives."""
+    from pipelines.batch import ReplayCase, day_gate_config, replay_dir
     from replay.gate import load_run
 
     run = load_run(replay_dir(out, days[0], ReplayCase(production, "1x")), production)
-    return tuple(m for m in run_metrics(run.requests, run.steps, MetricsConfig()) if m.scope == "overall")
+    config = day_gate_config(out, days[0]).metrics_config()
+    return tuple(m for m in run_metrics(run.requests, run.steps, config) if m.scope == "overall")
+
+
+def policy_figures(out: Path, day: str, policies: tuple[str, ...], loads: tuple[str, ...]
+                   ) -> tuple[tuple[str, str, RunFigures], ...]:
+    """Every replay's figures (from its own request table and its manifest's busy time), by load then policy."""
+    import json
+
+    from pipelines.batch import ReplayCase, day_gate_config, replay_dir
+    from replay.figures import busy_steps, run_figures
+
+    config = day_gate_config(out, day).metrics_config()
+    rows = []
+    for load in loads:
+        for policy in policies:
+            folder = replay_dir(out, day, ReplayCase(policy, load))
+            busy = json.loads((folder / "manifest.json").read_text())["output"]["busy_s"]
+            rows.append((policy, load, run_figures(pq.read_table(folder / "requests.parquet"), busy_steps(busy), config)))
+    return tuple(rows)
 
 
 def serve_demo(config: Config, out_dir: Path, port: int | None = None):
@@ -309,6 +387,19 @@ def _port_free(host: str, port: int) -> bool:
     return True
 
 
+def _policy_lines(rows: tuple[tuple[str, str, RunFigures], ...]) -> list[str]:
+    """Each replay's goodput beside what could buy it (rejections) and its tail, by load."""
+    if not rows:
+        return []
+    lines = ["  policies     (SLO goodput, attainment, rejected, TTFT p99, engine side; docs/policies.md)"]
+    for policy, load, f in rows:
+        ttft = f.latency("ttft", 99)
+        lines.append(f"    {policy + '@' + load:<18} {'n/a' if f.goodput_rps is None else f'{f.goodput_rps:5.2f}'} req/s  "
+                     f"{'n/a' if f.attainment is None else f'{f.attainment:6.1%}'}  rejected {f.rejected_share:5.1%}  "
+                     f"TTFT p99 {'n/a' if ttft is None else f'{ttft:,.1f} s'}")
+    return lines
+
+
 def render_summary(result: DemoResult, url: str | None = None) -> str:
     """The one-screen summary the demo prints."""
     s, b = result.stats, result.stats.burst
@@ -332,6 +423,7 @@ def render_summary(result: DemoResult, url: str | None = None) -> str:
         f"  production   goodput {m.get('goodput_rps', 0):.2f} req/s, attainment {m.get('attainment', 0):.1%}; "
         f"TTFT p50 {ms('ttft_p50_s')} / p99 {ms('ttft_p99_s')}; E2E p99 {ms('e2e_p99_s')}",
         f"  checks       {'all asset checks passed' if not result.failed_checks else 'FAILED: ' + ', '.join(result.failed_checks)}",
+        *_policy_lines(result.policies),
         "  verdicts     (candidate at load, against production at the same load)",
     ]
     for v in result.verdicts:

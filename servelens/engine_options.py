@@ -17,7 +17,7 @@ from typing import Any
 
 import click
 
-from replay.calibration import Calibration, default_calibration, load_calibration
+from replay.calibration import Calibration, calibration_named
 from replay.config import InstanceConfig
 from replay.vllm import VllmSettings, read_vllm_settings, vllm_instance
 from servelens.config import Config, shared_dir
@@ -109,7 +109,7 @@ def choose_calibration(name: str, cost_model: str) -> Calibration | None:
             return None
         raise ServelensError(f"--calibration {name} calibrates the roofline cost model, not {cost_model}",
                              "drop --calibration or use --cost-model roofline")
-    return default_calibration() if name == "auto" else load_calibration(name)
+    return calibration_named(name)
 
 
 def engine_spec_given(ctx: click.Context, param: str = "engine_spec") -> bool:

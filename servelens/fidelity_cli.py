@@ -96,7 +96,7 @@ def fidelity_command(ctx: click.Context, data: Path | None, ids: str | None, eve
     Example:
       servelens fidelity --out out/fidelity
       servelens fidelity --experiments 60,61 --calibration none --out out/fidelity-raw
-      servelens fidelity --events out/demo/lake-events.parquet --engine llama-3-8b@h100-sxm --out out/fidelity-demo
+      servelens fidelity --events out/demo/engine/events.parquet --engine llama-2-7b@a100-80gx2 --out out/fidelity-demo
     """
     from replay.fidelity import FidelityReport, compare, write_report
     from replay.fit import Target, replay_target
@@ -171,8 +171,8 @@ def calibrate_command(ctx: click.Context, source: str, data: Path | None, ids: s
     \b
     Example:
       servelens calibrate --out out/vllm-h100.json                       # the shared fidelity experiments
-      servelens calibrate --from steps --events run.parquet --engine meta-llama/Llama-3.1-8B-Instruct@h100 --out my.json
-      servelens calibrate --from requests --events lake --engine llama-3-8b@h100-sxm --out my.json
+      servelens calibrate --from steps --events out/demo/engine/events.parquet --engine llama-2-7b@a100-80gx2 --out my.json
+      servelens --lake out/demo/lake calibrate --from requests --events lake --engine llama-2-7b@a100-80gx2 --out my.json
     """
     name = name or out.stem
     if source == "experiments":

@@ -18,3 +18,24 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 def shared() -> Path:
     """The shared data folder (../shared beside the checkout, or $SERVELENS_SHARED_DIR)."""
     return shared_dir(load_config())
+
+
+#: The small demo the help-example and browser tests read (``demo_output``): enough requests for every
+#: dashboard page to draw at k = 5 with the demo's 20 tenants.
+DEMO_REQUESTS = 2000
+
+
+@pytest.fixture(scope="session")
+def demo_output(tmp_path_factory, shared) -> Path:
+    """A folder where `servelens demo --no-serve` has run, as `make demo` leaves a checkout: ``out/demo`` under it
+    (its own demo key in ``.servelens/``). Run once per test session."""
+    import subprocess
+    import sys
+
+    root = tmp_path_factory.mktemp("after-demo")
+    env = {**os.environ, "SERVELENS_SHARED_DIR": str(shared)}
+    done = subprocess.run([sys.executable, "-m", "servelens", "demo", "--requests", str(DEMO_REQUESTS), "--speedup", "1000",
+                           "--no-serve"], cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (root / "demo-summary.txt").write_text(done.stdout)
+    return root

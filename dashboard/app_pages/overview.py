@@ -26,6 +26,8 @@ if reports:
     except GateReportError:
         latest = None
 last.metric("Latest verdict", latest.status if latest is not None else "none")
+if latest is not None:  # which comparison it judged: the report's folder (<day>/<candidate>@<load> for the nightly)
+    last.text(f"{reports[0].name or '(gate_dir)'}: {latest.headline}")
 
 st.subheader("Where the data comes from")
 st.text(f"lake (lake.root): {s.lake.root}")

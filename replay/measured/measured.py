@@ -46,6 +46,7 @@ from replay.measured.profiler import read_profile, step_timer
 from replay.measured.shapes import LlamaShape
 from replay.request import RUNNING, Request
 from replay.run import ReplaySummary, run_replay
+from replay.scenario import Scenario
 from replay.workload import Workload, as_workload
 
 MAX_MEASURED_REQUESTS = 2_000
@@ -147,6 +148,7 @@ def run_measured_replay(
     sink=None,
     max_requests: int = MAX_MEASURED_REQUESTS,
     num_threads: int | None = None,
+    scenario: Scenario | None = None,
 ) -> tuple[ReplaySummary, MeasuredStepTimer]:
     """Replay ``workload`` with every step executed on ``device`` and its measured time as the clock.
 
@@ -173,7 +175,7 @@ def run_measured_replay(
         timer = MeasuredStepTimer(executor)
         with torch.inference_mode():
             summary = run_replay(
-                source, policy_name=policy_name, policy_config=policy_config, instance=instance,
+                source, scenario=scenario, policy_name=policy_name, policy_config=policy_config, instance=instance,
                 cost_model=cost_model, seed=seed, out_dir=out_dir, sink=sink, mode="reference", step_timer=timer,
             )
     finally:

@@ -16,6 +16,7 @@ PAGES = (
     ("Overview", "", 0),
     ("Traffic", "traffic", 3),
     ("Service levels", "service-levels", 4),
+    ("Load and latency", "load-latency", 6),
     ("Policies", "policies", 2),
     ("Gate", "gate", 1),
     ("Request explorer", "request-explorer", 2),
@@ -64,11 +65,12 @@ def full_height_screenshot(page, name: str, width: int = 1400) -> Path:
     return screenshot(page, name)
 
 
-def visit_pages(page, prefix: str, server_pid: int | None = None, charts_drawn: dict[str, int] | None = None
-                ) -> list[PageVisit]:
+def visit_pages(page, prefix: str, server_pid: int | None = None, charts_drawn: dict[str, int] | None = None,
+                page_done=None) -> list[PageVisit]:
     """Starting on the Overview page, open every page from the sidebar (no reload, as a user does);
     with ``server_pid``, also the dashboard process's CPU time per page; ``charts_drawn`` (by URL
-    path) replaces ``PAGES``' chart counts for data other than the sample's."""
+    path) replaces ``PAGES``' chart counts for data other than the sample's; ``page_done(title)`` is
+    called once each page is drawn, before its screenshot."""
     visits = []
     for title, path, charts in PAGES:
         charts = (charts_drawn or {}).get(path, charts)
@@ -82,6 +84,8 @@ def visit_pages(page, prefix: str, server_pid: int | None = None, charts_drawn: 
         seconds = time.perf_counter() - start
         server_cpu_s = process_cpu_s(server_pid) - cpu if server_pid else None
         exceptions = page.locator("[data-testid=stException]").count()
+        if page_done is not None:
+            page_done(title)
         shot = full_height_screenshot(page, f"{prefix}-{path or 'overview'}.png")
         page.set_viewport_size({"width": 1400, "height": 1000})
         visits.append(PageVisit(title, path, seconds, exceptions, num_charts, shot, server_cpu_s))

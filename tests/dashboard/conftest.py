@@ -19,7 +19,7 @@ from privacy.config import PrivacyConfig
 from privacy.keys import KeyRing, write_keyfile
 
 APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
-PAGES = ("traffic", "service_levels", "policies", "gate", "request_explorer", "tenants")
+PAGES = ("traffic", "service_levels", "load_latency", "policies", "gate", "request_explorer", "tenants")
 VIEWER = "tenant-0"
 KEYRING = KeyRing("test-1", {"test-1": bytes(range(32))})
 

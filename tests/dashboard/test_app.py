@@ -78,6 +78,22 @@ def test_every_page_renders_the_sample_lake(sample, app, page):
         assert "Attainment per class" in titles and "SLO goodput per class" in titles and "Rejected share" in titles
         per_class = at.dataframe[1].value
         assert set(per_class["service_class"]) == {"batch", "interactive"} and per_class["num_requests"].sum() == sample.num_requests
+    elif page == "load_latency":
+        titles = [c["layout"]["title"]["text"] for c in charts]
+        for words in ("TTFT percentiles over time", "ITL (each request's p99 gap) percentiles", "E2E percentiles",
+                      "Queue depth and KV-cache usage", "Prompt and output lengths", "Finish reasons"):
+            assert any(words in t for t in titles), (words, titles)
+        table = at.dataframe[0].value  # the percentile table comes first
+        assert set(table["class"]) == {"batch", "interactive"} and (table["p50_s"] <= table["p99_s"]).all()
+        (queue,) = [c for c in charts if "Queue depth" in c["layout"]["title"]["text"]]
+        names = {t["name"] for t in queue["data"]}
+        assert {"requests waiting", "requests running"} <= names and any(n.startswith("KV cache in use") for n in names)
+        kv = [v for t in queue["data"] if t["name"].startswith("KV cache") for v in t["y"]]
+        assert kv and all(0 <= v <= 1 for v in kv) and max(kv) > 0
+        (finish,) = [c for c in charts if "Finish reasons" in c["layout"]["title"]["text"]]
+        assert sum(sum(t["y"]) for t in finish["data"]) <= sample.num_requests and finish["data"]
+        for chart in charts:  # every axis says its unit or what it counts
+            assert chart["layout"]["xaxis"]["title"]["text"] and chart["layout"]["yaxis"]["title"]["text"]
     elif page == "policies":
         table = at.dataframe[0].value
         assert list(table["run"]) == ["fcfs", "fcfs-chunk256", "fcfs@1.5x", "fcfs@2x"]

@@ -229,3 +229,22 @@ def test_every_event_has_a_key_and_a_wire_form(event):
     expected = next((v for v in (event.request_id, event.instance_id) if v), event.engine_id)
     assert event_key(event) == expected.encode()
     assert validate_record(json.loads(encode_event(event))).event == event
+
+
+def test_a_strict_emitter_refuses_at_emit_what_ingest_would_dead_letter():
+    """The issue's cases: a string count, a negative count, a timestamp 10,000 s ahead; each named at emit()."""
+    from pipelines.emitter import InvalidEventError
+    from schemas.events import RequestArrived
+
+    now = time.time_ns()
+    good = dict(event_id="e1", ts_ns=now, engine_id="engine", request_id="req-1", num_prompt_tokens=12)
+    strict, lenient = Emitter("127.0.0.1:1", "t", strict=True), Emitter("127.0.0.1:1", "t")
+    for change, words in (({"num_prompt_tokens": "12"}, "$.num_prompt_tokens: wrong type"),
+                          ({"num_prompt_tokens": -3}, "$.num_prompt_tokens: out of range"),
+                          ({"ts_ns": now + 10_000 * 10**9}, "$.ts_ns: clock skew: 10,000 s ahead")):
+        event = RequestArrived(**{**good, **change})
+        with pytest.raises(InvalidEventError) as err:
+            strict.emit(event)
+        assert words in str(err.value) and isinstance(err.value, ValueError)
+        assert lenient.emit(event)  # not strict: buffered, as before (ingest dead-letters it)
+    assert strict.emit(RequestArrived(**good)) and strict.stats().num_emitted == 1

@@ -52,9 +52,23 @@ class Replayed:
 
 
 def replay(workload: pa.Table, out_dir: Path, **kwargs) -> Replayed:
-    """Run a replay into ``out_dir`` and read back its events and request table."""
+    """Run a replay into ``out_dir`` and read back its events and request table (the derivation's, checked
+    equal to the one the replay wrote itself)."""
     summary = run_replay(workload, out_dir=out_dir, **kwargs)
-    return Replayed(summary, pq.read_table(summary.events_path), derive_requests(summary.events_path))
+    derived = derive_requests(summary.events_path)
+    assert_same_requests(pq.read_table(summary.requests_path), derived)
+    return Replayed(summary, pq.read_table(summary.events_path), derived)
+
+
+def assert_same_requests(own: pa.Table, derived: pa.Table) -> None:
+    """The replay's own request table holds exactly the derivation's rows and values, in its order."""
+    assert own.schema.equals(derived.schema, check_metadata=False)
+    assert own.num_rows == derived.num_rows
+    for name in derived.column_names:
+        mine, theirs = own[name].to_pylist(), derived[name].to_pylist()
+        if mine != theirs:
+            diff = [(own["request_id"][i].as_py(), a, b) for i, (a, b) in enumerate(zip(mine, theirs)) if a != b]
+            raise AssertionError(f"column {name}: {len(diff)} rows differ, e.g. {diff[:3]}")
 
 
 @pytest.fixture

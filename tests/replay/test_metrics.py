@@ -104,3 +104,36 @@ def test_a_tenant_sees_its_own_timing_in_scope():
     table, _ = tenant_metrics(requests, events, CONFIG, scope=scope)
     assert table["tenant"].to_pylist() == ["tn_a"]
     assert table["ttft_p99_s"][0].as_py() == pytest.approx(0.2 + 0.99 * (0.9 - 0.2))
+
+
+def test_window_metrics_are_summarize_over_each_windows_requests(tmp_path, shared):
+    """The per-window figures (one pass in window order) equal ``summarize`` over each window's requests."""
+    import dataclasses
+
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from replay.metrics import _subset, load_requests, summarize, window_metrics
+    from replay.presets import prepared_workload
+    from replay.run import run_replay
+    from replay.traces import read_trace
+
+    workload, preset = prepared_workload(read_trace("azure-conv", shared).slice(0, 3000), "azure-conv", shape=_twice())
+    summary = run_replay(workload, scenario=preset.scenario, policy_name="fcfs", out_dir=tmp_path)
+    config = dataclasses.replace(preset.metrics, window_s=10.0)
+    r = load_requests(pq.read_table(summary.requests_path), config)
+    got = window_metrics(r, config)
+    windows = np.floor(r.arrival_s / config.window_s).astype(np.int64)
+    names = [m.name for m in got[:7]]
+    expected = []
+    for w in np.unique(windows):
+        values = summarize(_subset(r, windows == w), None, config, scope="window", group=f"{w * config.window_s:g}",
+                           span_s=config.window_s)
+        expected += sorted((m for m in values if m.name in names), key=lambda m: names.index(m.name))
+    assert len(np.unique(windows)) > 10 and got == expected
+
+
+def _twice():
+    from replay.presets import LoadShape
+
+    return LoadShape(load=2)

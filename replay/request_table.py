@@ -1,0 +1,548 @@
+"""The replay's own request table: one row per request (``schemas.records.RequestRow``), written while the
+events are, so that metrics, the gate and the dashboard never re-derive a replay.
+
+The replay knows every timing. ``RequestTable`` is handed each chunk's event buffers as the
+``EventWriter`` gathers them (the same tuples and arrays the event tables are built from) and writes a
+request's row once its ``request_finished`` has been gathered. Its values are those that
+``pipelines.tables.derive_requests`` computes from the same events, column for column, with the same
+rules: timestamps are the earliest (or latest) of their event type, the last admission decision and the
+instance are the latest by ``(ts_ns, event_id)``, and the inter-token gaps read the deliveries in
+``(ts_ns, event_type, event_id)`` order, a delivery of k tokens after a gap g counting as k gaps of g/k
+(``docs/metrics.md``). Every replay of the test suite compares the two (``tests/replay/conftest.py``).
+
+Scalar columns are kept per request in flight (a few dozen values). Deliveries, the bulk of a replay's
+events, are handled as numpy columns per chunk: their gaps are computed once the order around them is
+settled (a request's deliveries at its latest timestamp wait for the next chunk, where a tie could
+still reorder them), and the per-request nearest-rank percentiles are taken when the request finishes.
+Rows are written in arrival order (``arrival_ns``, then ``request_id``, as the derivation sorts): a row
+waits until no request in flight or still to come can arrive before it. Memory therefore follows the
+requests in flight, not the length of the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from operator import attrgetter
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from schemas.arrow import arrow_schema
+from schemas.records import RequestRow
+
+if TYPE_CHECKING:
+    from replay.request import Request
+
+REQUESTS_SCHEMA = arrow_schema(RequestRow)
+REQUESTS_FILE = "requests.parquet"
+_MISSING = np.iinfo(np.int64).min  # no value (a delivery before any settled one; a request without deliveries)
+_FIRST_TOKEN, _TOKENS = 0, 1  # event types in the order 'first_token' < 'tokens_delivered'
+_ROW_GROUP_ROWS = 65_536
+
+
+class _Row:
+    """One request's scalar columns while it is in flight (class attributes are the defaults: a row stores
+    only what its events set)."""
+
+    arrival: tuple | None = None  # the arrival event's fields (replay.emit._ARRIVAL_FIELDS)
+    client_sent = cached_arrival = admission_ns = decision = decision_key = None
+    first_token_ns = first_byte_ns = cancel_ns = finish_ns = outcome = None
+    output_tokens = last_byte_ns = cached_finished = instance = instance_key = None
+    admissions = preemptions = migrations = lost_tokens = num_events = 0
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+
+    def saw(self, ts: int, suffix: str, instance: str | None) -> None:
+        """An event of this request (event id ``<run>:<request><suffix>``) naming ``instance``."""
+        self.num_events += 1
+        if instance is not None and (self.instance_key is None or (ts, suffix) > self.instance_key):
+            self.instance_key, self.instance = (ts, suffix), instance
+
+
+class Deliveries:
+    """A chunk's token deliveries as columns: request index, ts, type, tie-break number (the ``:tokens<n>``
+    of the event id), tokens (first_token: 1), coalesced, instance code."""
+
+    __slots__ = ("idx", "ts", "kind", "tb", "tokens", "coalesced", "instance")
+
+    def __init__(self, idx, ts, kind, tb, tokens, coalesced, instance) -> None:
+        self.idx, self.ts, self.kind, self.tb = idx, ts, kind, tb
+        self.tokens, self.coalesced, self.instance = tokens, coalesced, instance
+
+    @classmethod
+    def concat(cls, parts: Sequence[Deliveries]) -> Deliveries:
+        return cls(*(np.concatenate([getattr(p, name) for p in parts]) for name in cls.__slots__))
+
+    def take(self, rows: np.ndarray) -> Deliveries:
+        return Deliveries(*(getattr(self, name)[rows] for name in self.__slots__))
+
+    def __len__(self) -> int:
+        return len(self.idx)
+
+
+def no_deliveries() -> Deliveries:
+    i = np.zeros(0, np.int64)
+    return Deliveries(i, i, i, i, i, np.zeros(0, bool), i)
+
+
+class _Settled:
+    """Per request with deliveries: what is settled so far (columns keyed by request index, sorted)."""
+
+    __slots__ = ("idx", "first_ts", "prev_ts", "count", "tokens", "coalesced")
+
+    def __init__(self, idx, first_ts, prev_ts, count, tokens, coalesced) -> None:
+        self.idx, self.first_ts, self.prev_ts = idx, first_ts, prev_ts
+        self.count, self.tokens, self.coalesced = count, tokens, coalesced
+
+    def take(self, rows: np.ndarray) -> _Settled:
+        return _Settled(*(getattr(self, name)[rows] for name in self.__slots__))
+
+
+class RequestTable:
+    """The run's request table, fed by ``replay.emit.EventWriter`` at every flush, written to ``path``."""
+
+    def __init__(self, path: str | Path, engine_id: str) -> None:
+        self.path = Path(path)
+        self.engine_id = engine_id
+        self._tmp = self.path.with_name(f".{self.path.name}.tmp")
+        self._writer: pq.ParquetWriter | None = None
+        self.num_rows = 0
+        self._rows: dict[int, _Row] = {}  # request index -> state, in flight
+        self._instances: list[str] = []
+        self._instance_code: dict[str, int] = {}
+        self._tails = no_deliveries()  # deliveries at each open request's latest timestamp (order not settled)
+        z = np.zeros(0, np.int64)
+        self._settled = _Settled(z, z, z, z, z, np.zeros(0, bool))
+        self._gaps = (z, np.zeros(0), z)  # (request index, per-token gap ns, weight) of open requests
+        self._ready: list[pa.Table] = []  # finished rows not yet written (sorted on the way out)
+        self._ready_rows = 0
+        self._last_arrival = _MISSING  # requests still to come arrive no earlier than this
+        self._waiting: list[int] = []  # finished, but a step in flight may still list them (its scheduled_ns)
+
+    # ------------------------------------------------------------------ feeding
+
+    def instance_codes(self, names: Sequence[str | None]) -> np.ndarray:
+        """Integer codes of instance ids (-1: none)."""
+        if names and names.count(names[0]) == len(names):
+            return np.full(len(names), self._code(names[0]), np.int64)
+        return np.fromiter(map(self._code, names), np.int64, len(names))
+
+    def _code(self, name: str | None) -> int:
+        if name is None:
+            return -1
+        code = self._instance_code.get(name)
+        if code is None:
+            code = self._instance_code[name] = len(self._instances)
+            self._instances.append(name)
+        return code
+
+    def _row(self, r: Request) -> _Row:
+        row = self._rows.get(r.index)
+        if row is None:
+            row = self._rows[r.index] = _Row(r)
+        return row
+
+    def add_arrivals(self, buf: list[tuple], fields: list[tuple], client_side: bool) -> None:
+        """``request_arrived``: (request, instance_id, cached) tuples and each one's arrival fields."""
+        rows = self._rows
+        for (r, instance, cached), f in zip(buf, fields):
+            row = rows.get(r.index)
+            if row is None:  # the common case: a request's first event
+                row = rows[r.index] = _Row(r)
+                row.arrival, row.cached_arrival, row.num_events = f, cached, 1
+                if client_side:
+                    row.client_sent = f[8]
+                if instance is not None:
+                    row.instance_key, row.instance = (f[0], ":arrived"), instance
+                continue
+            if row.arrival is None or f[0] < row.arrival[0]:
+                row.arrival, row.cached_arrival = f, cached
+                row.client_sent = f[8] if client_side else None
+            row.saw(f[0], ":arrived", instance)
+        if fields:
+            self._last_arrival = max(self._last_arrival, max(f[0] for f in fields))
+
+    def add_admissions(self, buf: list[tuple], decisions: Sequence[str]) -> None:
+        """``admission_decided``: (request, ts, decision, number, instance_id) tuples and each decision's name."""
+        for (r, ts, _, number, instance), decision in zip(buf, decisions):
+            row = self._row(r)
+            suffix = f":admission{number}"
+            row.admissions += 1
+            if row.admission_ns is None or ts < row.admission_ns:
+                row.admission_ns = ts
+            if row.decision_key is None or (ts, suffix) > row.decision_key:
+                row.decision_key, row.decision = (ts, suffix), decision
+            row.saw(ts, suffix, instance)
+
+    def add_preemptions(self, buf: list[tuple]) -> None:
+        """``request_preempted``: (request, ts, mode, number, lost tokens, instance_id) tuples."""
+        for r, ts, mode, number, lost, instance in buf:
+            row = self._row(r)
+            if mode == "migrate":
+                row.migrations += 1
+            else:
+                row.preemptions += 1
+            row.lost_tokens += lost
+            row.saw(ts, f":preempted{number}", instance)
+
+    def add_first_tokens(self, buf: list[tuple], out_delay_ns: int | None) -> None:
+        """``first_token``: (request, ts, instance_id) tuples (also deliveries: ``add_deliveries``)."""
+        for r, ts, instance in buf:
+            row = self._row(r)
+            if row.first_token_ns is None or ts < row.first_token_ns:
+                row.first_token_ns = ts
+            if out_delay_ns is not None and (row.first_byte_ns is None or ts + out_delay_ns < row.first_byte_ns):
+                row.first_byte_ns = ts + out_delay_ns
+
+    def add_cancellations(self, buf: list[tuple]) -> None:
+        """``request_cancelled``: (request, ts, instance_id) tuples."""
+        for r, ts, instance in buf:
+            row = self._row(r)
+            if row.cancel_ns is None or ts < row.cancel_ns:
+                row.cancel_ns = ts
+            row.saw(ts, ":cancelled", instance)
+
+    def add_finished(self, buf: list[tuple], cached: Sequence[int | None], out_delay_ns: int | None) -> list[int]:
+        """``request_finished``: (request, ts, outcome, output tokens, error, instance_id) tuples and each one's
+        prefix-cache hit; returns the indices of the requests whose rows are complete now: finished, and in no
+        step in flight that would be their first (a request cancelled during its first step waits for it)."""
+        done = []
+        for (r, ts, outcome, output, _, instance), hit in zip(buf, cached):
+            row = self._row(r)
+            if row.finish_ns is not None:
+                raise AssertionError(f"request {r.request_id} finished twice")
+            row.finish_ns, row.outcome, row.output_tokens, row.cached_finished = ts, outcome, output, hit
+            if out_delay_ns is not None and outcome == "completed" and output > 0:
+                row.last_byte_ns = ts + out_delay_ns
+            row.saw(ts, ":finished", instance)
+            self._waiting.append(r.index)
+        waiting, self._waiting = self._waiting, []
+        for i in waiting:
+            (self._waiting if self._rows[i].request.first_step_pending else done).append(i)
+        return done
+
+    # ------------------------------------------------------------------ deliveries
+
+    def add_deliveries(self, new: Deliveries, finished: np.ndarray) -> dict[str, np.ndarray]:
+        """Settle this chunk's deliveries; returns the delivery columns of the ``finished`` requests
+        (request index order): count, tokens, coalesced, first and last ts, the last one's kind, number
+        and instance, and the gap statistics."""
+        for r in (int(i) for i in np.unique(new.idx)):
+            if r not in self._rows:
+                raise AssertionError(f"a delivery for request #{r} after its request_finished")
+        x = Deliveries.concat([self._tails, new])
+        fresh = np.concatenate([np.zeros(len(self._tails), bool), np.ones(len(new), bool)])
+        order = _delivery_order(x)
+        x, fresh = x.take(order), fresh[order]
+        n = len(x)
+        starts = np.flatnonzero(np.r_[True, x.idx[1:] != x.idx[:-1]]) if n else np.zeros(0, np.int64)
+        ends = np.r_[starts[1:], n] - 1 if n else np.zeros(0, np.int64)
+        group = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, n])) if n else np.zeros(0, np.int64)
+        gidx = x.idx[starts]
+        done = _in(gidx, finished)
+        old = _lookup(self._settled, gidx)
+        # settled rows: before the group's latest timestamp, or all of a finished request's
+        final = (x.ts < x.ts[ends][group]) | done[group]
+        prev = np.empty(n, np.int64)
+        if n:
+            prev[1:] = x.ts[:-1]
+            prev[starts] = old.prev_ts
+        has_gap = final & (prev != _MISSING)
+        gap_rows = np.flatnonzero(has_gap)
+        gap_ns = x.ts[gap_rows] - prev[gap_rows]
+        if (gap_ns < 0).any() or not _in(self._settled.idx, gidx).all():
+            raise AssertionError("a request's deliveries came out of time order across chunks")
+        gaps = (x.idx[gap_rows], gap_ns / x.tokens[gap_rows], x.tokens[gap_rows])
+        last_final = _last_where(final, starts, ends)  # per group: its last settled row, or -1
+        settled = _Settled(
+            gidx,
+            np.where(old.first_ts != _MISSING, old.first_ts, x.ts[starts]) if n else old.first_ts,
+            np.where(last_final >= 0, x.ts[np.maximum(last_final, 0)], old.prev_ts),
+            old.count + _group_sum(fresh.astype(np.int64), starts),
+            old.tokens + _group_sum(np.where(fresh, x.tokens, 0), starts),
+            old.coalesced | (_group_sum((fresh & x.coalesced).astype(np.int64), starts) > 0),
+        )
+        keep = ~done
+        self._settled = settled.take(np.flatnonzero(keep))
+        self._tails = x.take(np.flatnonzero(~final))
+        all_gaps = tuple(np.concatenate([a, b]) for a, b in zip(self._gaps, gaps))
+        closing = _in(all_gaps[0], finished)
+        self._gaps = tuple(a[~closing] for a in all_gaps)
+        out = _finished_deliveries(settled.take(np.flatnonzero(done)), x, ends[done], tuple(a[closing] for a in all_gaps))
+        return out
+
+    # ------------------------------------------------------------------ rows
+
+    def finish(self, finished: Sequence[int], deliveries: dict[str, np.ndarray], labelled: bool) -> None:
+        """Write out the rows of the ``finished`` requests (all their events gathered)."""
+        if not finished:
+            return
+        order = np.argsort(np.asarray(finished, np.int64))
+        rows = [self._rows.pop(finished[i]) for i in order]
+        table = _rows_table(rows, deliveries, self.engine_id, self._instances, labelled)
+        self._ready.append(table)
+        self._ready_rows += table.num_rows
+        self._write_ready(final=False)
+
+    def _write_ready(self, final: bool) -> None:
+        """Write the ready rows that nothing in flight or to come can precede (every one, at the end), once they
+        make a row group."""
+        if not self._ready or (not final and self._ready_rows < _ROW_GROUP_ROWS):
+            return
+        pending = pa.concat_tables(self._ready)
+        if final:
+            out, rest = pending, pending.slice(0, 0)
+        else:
+            cut = min([self._last_arrival, *(row.arrival[0] for row in self._rows.values() if row.arrival is not None)])
+            mask = pc.fill_null(pc.less(pending["arrival_ns"], pa.scalar(cut, pa.int64())), False)
+            out, rest = pending.filter(mask), pending.filter(pc.invert(mask))
+            if out.num_rows < _ROW_GROUP_ROWS // 2:  # most are still held back: wait for more
+                return
+        self._ready, self._ready_rows = ([rest] if rest.num_rows else []), rest.num_rows
+        if out.num_rows:
+            self._write(out.sort_by([("arrival_ns", "ascending"), ("request_id", "ascending")]))
+
+    def _write(self, table: pa.Table) -> None:
+        if self._writer is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._writer = pq.ParquetWriter(str(self._tmp), REQUESTS_SCHEMA, compression="zstd")
+        self._writer.write_table(table, row_group_size=max(1, table.num_rows))
+        self.num_rows += table.num_rows
+
+    def close(self) -> Path:
+        """Write what is left and put the file in place; returns its path."""
+        if self._waiting:
+            raise AssertionError(f"{len(self._waiting)} finished requests still wait for a step event")
+        if self._rows:
+            raise AssertionError(f"{len(self._rows)} requests never finished")
+        self._write_ready(final=True)
+        if self._writer is None:
+            self._write(REQUESTS_SCHEMA.empty_table())
+        self._writer.close()
+        self._tmp.replace(self.path)
+        return self.path
+
+    def abort(self) -> None:
+        """Drop the unfinished file (a failed replay)."""
+        if self._writer is not None:
+            try:
+                self._writer.close()
+            except Exception:  # noqa: BLE001 - best effort after the original error
+                pass
+        self._tmp.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------- columns
+
+
+def _delivery_order(x: Deliveries) -> np.ndarray:
+    """Rows by (request, ts, kind, event id): ts first (the parts are time-ordered runs, so cheap), then
+    a stable sort by request; ties on (request, ts) are put in event-id order (string order of the number)."""
+    n = len(x)
+    if not n:
+        return np.zeros(0, np.int64)
+    order = _by_request(x.idx, np.argsort(x.ts, kind="stable"))
+    idx, ts = x.idx[order], x.ts[order]
+    tied = np.flatnonzero((idx[1:] == idx[:-1]) & (ts[1:] == ts[:-1]))
+    if len(tied):
+        order = _settle_ties(order, tied, x)
+    return order
+
+
+def _settle_ties(order: np.ndarray, tied: np.ndarray, x: Deliveries) -> np.ndarray:
+    """Reorder runs of rows of one request at one timestamp by (kind, the event id's number as text)."""
+    order = order.copy()
+    i = 0
+    while i < len(tied):
+        start = tied[i]
+        end = start + 1
+        while i < len(tied) and tied[i] == end - 1:
+            end += 1
+            i += 1
+        rows = order[start:end]
+        order[start:end] = sorted(rows, key=lambda r: (int(x.kind[r]), str(int(x.tb[r]))))
+    return order
+
+
+def _in(values: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """``np.isin(values, keys)`` for request indices, through a dense mask when they span a small range."""
+    if not len(values) or not len(keys):
+        return np.zeros(len(values), bool)
+    low = min(int(values.min()), int(keys.min()))
+    span = max(int(values.max()), int(keys.max())) - low + 1
+    if span > 1 << 24:
+        return np.isin(values, keys)
+    mask = np.zeros(span, bool)
+    mask[keys - low] = True
+    return mask[values - low]
+
+
+def _by_request(idx: np.ndarray, first: np.ndarray) -> np.ndarray:
+    """Rows in request order, keeping the order ``first`` gives within a request (a stable sort on the index,
+    a radix sort when the indices span fewer than 65,536)."""
+    idx = idx[first]
+    low = int(idx.min()) if len(idx) else 0
+    span = int(idx.max()) - low if len(idx) else 0
+    key = (idx - low).astype(np.uint16 if span < 1 << 16 else np.int64)
+    return first[np.argsort(key, kind="stable")]
+
+
+def _lookup(settled: _Settled, idx: np.ndarray) -> _Settled:
+    """The settled columns of each request in ``idx`` (sorted); a request not there yet gets zeros and no timestamps."""
+    pos = np.searchsorted(settled.idx, idx)
+    pos_ok = np.minimum(pos, max(len(settled.idx) - 1, 0))
+    found = (pos < len(settled.idx)) & (settled.idx[pos_ok] == idx) if len(settled.idx) else np.zeros(len(idx), bool)
+
+    def col(values: np.ndarray, default) -> np.ndarray:
+        if not len(values):
+            return np.full(len(idx), default, values.dtype)
+        return np.where(found, values[pos_ok], default)
+
+    return _Settled(idx, col(settled.first_ts, _MISSING), col(settled.prev_ts, _MISSING), col(settled.count, 0),
+                    col(settled.tokens, 0), col(settled.coalesced, False))
+
+
+def _group_sum(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    return np.add.reduceat(values, starts) if len(starts) else np.zeros(0, values.dtype)
+
+
+def _last_where(mask: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Per group (rows starts..ends), the last row where ``mask`` holds, else -1."""
+    if not len(starts):
+        return np.zeros(0, np.int64)
+    marked = np.where(mask, np.arange(len(mask)), -1)
+    return np.maximum.reduceat(marked, starts)
+
+
+def _finished_deliveries(settled: _Settled, x: Deliveries, last_rows: np.ndarray, gaps: tuple) -> dict[str, np.ndarray]:
+    """The delivery columns of finished requests (``settled`` holds them in request order)."""
+    out = {
+        "idx": settled.idx, "count": settled.count, "tokens": settled.tokens, "coalesced": settled.coalesced,
+        "first_ts": settled.first_ts, "last_ts": x.ts[last_rows], "last_kind": x.kind[last_rows],
+        "last_tb": x.tb[last_rows], "last_instance": x.instance[last_rows],
+    }
+    idx, token_gap, weight = gaps
+    order = _by_request(idx, np.argsort(token_gap))  # equal gaps in any order: the statistics read values only
+    idx, token_gap, weight = idx[order], token_gap[order], weight[order]
+    m = len(idx)
+    starts = np.flatnonzero(np.r_[True, idx[1:] != idx[:-1]]) if m else np.zeros(0, np.int64)
+    total = _group_sum(weight, starts)
+    below = np.cumsum(weight) - np.repeat(np.cumsum(weight)[starts] - weight[starts], np.diff(np.r_[starts, m]))
+    group = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, m]))
+
+    def first_at_rank(numerator: int, denominator: int) -> np.ndarray:
+        # nearest rank: the smallest gap whose cumulative weight reaches numerator/denominator of the total
+        reached = denominator * below >= numerator * total[group]
+        first = np.minimum.reduceat(np.where(reached, np.arange(m), m), starts) if m else np.zeros(0, np.int64)
+        return token_gap[first]
+
+    pos = np.searchsorted(settled.idx, idx[starts])
+    n = len(settled.idx)
+    stats = {"gaps": np.zeros(n, np.int64), "p50": np.full(n, np.nan), "p99": np.full(n, np.nan), "max": np.full(n, np.nan)}
+    if m:
+        stats["gaps"][pos] = total
+        stats["p50"][pos] = first_at_rank(1, 2)
+        stats["p99"][pos] = first_at_rank(99, 100)
+        stats["max"][pos] = np.maximum.reduceat(token_gap, starts)
+    out.update(stats)
+    return out
+
+
+_ROW_FIELDS = ("admission_ns", "first_token_ns", "first_byte_ns", "cancel_ns", "finish_ns", "outcome", "decision",
+               "admissions", "preemptions", "migrations", "lost_tokens", "client_sent", "last_byte_ns")
+_REQUEST_FIELDS = ("request_id", "first_step_ns", "index")
+_LABEL_FIELDS = ("tenant", "service_class", "model", "adapter")
+
+
+def _columns(items: list, names: tuple[str, ...]) -> dict[str, tuple]:
+    """Attributes ``names`` of each of ``items``, as one tuple per name."""
+    values = list(map(attrgetter(*names), items))
+    return dict(zip(names, zip(*values))) if values else {name: () for name in names}
+
+
+def _rows_table(rows: list[_Row], d: dict[str, np.ndarray], engine_id: str, instances: list[str],
+                labelled: bool) -> pa.Table:
+    """The finished rows (request index order) as a ``REQUESTS_SCHEMA`` table."""
+    n = len(rows)
+    reqs = [row.request for row in rows]
+    req = _columns(reqs, _REQUEST_FIELDS)
+    mine = _columns(rows, _ROW_FIELDS)
+    found = _Found(d["idx"], np.fromiter(req["index"], np.int64, n))
+    first_ts, last_ts = found.values(d["first_ts"]), found.values(d["last_ts"])
+    count, tokens, gaps = found.values(d["count"], 0), found.values(d["tokens"]), found.values(d["gaps"], 0)
+    instance_id = [_instance(row, k, tb, ts, code, instances) for row, k, tb, ts, code in zip(
+        rows, found.values(d["last_kind"]), found.values(d["last_tb"]), last_ts, found.values(d["last_instance"]))]
+    arrival = dict(zip(("arrival_ns", "num_prompt_tokens", "max_output_tokens", "num_branches", "", "", "session_id"),
+                       zip(*[row.arrival or (None,) * 9 for row in rows])))
+    labels = _columns(reqs, _LABEL_FIELDS) if labelled else {name: (None,) * n for name in _LABEL_FIELDS}
+    none = (None,) * n
+    cols: dict[str, Sequence] = {
+        "request_id": req["request_id"], "engine_id": (engine_id,) * n, "instance_id": instance_id, **labels,
+        "pool": none, "session_id": arrival["session_id"], "arrival_ns": arrival["arrival_ns"],
+        "admission_ns": mine["admission_ns"], "scheduled_ns": req["first_step_ns"],
+        "first_token_ns": mine["first_token_ns"], "first_byte_ns": mine["first_byte_ns"], "last_token_ns": last_ts,
+        "cancel_ns": mine["cancel_ns"], "finish_ns": mine["finish_ns"], "outcome": mine["outcome"],
+        "admission_decision": mine["decision"], "num_admission_decisions": mine["admissions"],
+        "num_prompt_tokens": arrival["num_prompt_tokens"],
+        "num_cached_prefix_tokens": [row.cached_arrival if row.cached_finished is None else row.cached_finished
+                                     for row in rows],
+        "max_output_tokens": arrival["max_output_tokens"], "num_branches": arrival["num_branches"],
+        "num_output_tokens": [row.output_tokens if row.output_tokens is not None else (t or None)
+                              for row, t in zip(rows, tokens)],
+        "num_preemptions": mine["preemptions"], "num_migrations": mine["migrations"],
+        "num_lost_tokens": mine["lost_tokens"], "client_sent_ns": mine["client_sent"],
+        "last_byte_ns": mine["last_byte_ns"], "num_itl_gaps": gaps,
+        "itl_from_chunks": found.values(d["coalesced"], False),
+        "num_events": [row.num_events + c for row, c in zip(rows, count)],
+    }
+    for name, (end, start) in _DURATIONS.items():
+        cols[name] = _seconds(cols[end], cols[start])
+    cols["tpot_s"] = [None if o is None or o <= 1 or s is None else s / (o - 1)
+                      for s, o in zip(_seconds(last_ts, cols["first_token_ns"]), cols["num_output_tokens"])]
+    # the gaps' integer sum is the span of the deliveries; the derivation divides it by their count, then by 1e9
+    cols["itl_mean_s"] = [None if not g else (b - a) / g / 1e9 for a, b, g in zip(first_ts, last_ts, gaps)]
+    for name in ("p50", "p99", "max"):
+        cols[f"itl_{name}_s"] = [None if not g else v / 1e9 for v, g in zip(found.values(d[name]), gaps)]
+    arrays = [pa.array(cols[f.name], f.type) for f in REQUESTS_SCHEMA]
+    return pa.Table.from_arrays(arrays, schema=REQUESTS_SCHEMA)
+
+
+#: Durations in seconds: (later timestamp, earlier timestamp), each (later - earlier) / 1e9 as the derivation divides.
+_DURATIONS = {
+    "queue_s": ("scheduled_ns", "arrival_ns"),
+    "ttft_s": ("first_token_ns", "arrival_ns"),
+    "e2e_s": ("last_token_ns", "arrival_ns"),
+    "ttft_client_s": ("first_byte_ns", "client_sent_ns"),
+    "e2e_client_s": ("last_byte_ns", "client_sent_ns"),
+}
+
+
+def _seconds(later: list, earlier: list) -> list:
+    """(later - earlier) / 1e9 per row, None where either is missing (integer ns, one float division)."""
+    return [None if a is None or b is None else (a - b) / 1e9 for a, b in zip(later, earlier)]
+
+
+class _Found:
+    """Rows of ``keys`` (sorted request indices) for each of ``wanted``."""
+
+    def __init__(self, keys: np.ndarray, wanted: np.ndarray) -> None:
+        self.pos = np.minimum(np.searchsorted(keys, wanted), max(len(keys) - 1, 0))
+        self.has = (keys[self.pos] == wanted) if len(keys) else np.zeros(len(wanted), bool)
+
+    def values(self, column: np.ndarray, default=None) -> list:
+        if not len(column):
+            return [default] * len(self.has)
+        return [v if h else default for v, h in zip(column[self.pos].tolist(), self.has.tolist())]
+
+
+def _instance(row: _Row, kind, tb, ts, code, instances: list[str]) -> str | None:
+    """The instance of the request's latest event (by ts, then event id) that names one."""
+    if code is None or code < 0:
+        return row.instance
+    key = (ts, ":first_token" if kind == _FIRST_TOKEN else f":tokens{tb}")
+    return instances[code] if row.instance_key is None or key > row.instance_key else row.instance

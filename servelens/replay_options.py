@@ -1,0 +1,129 @@
+"""`servelens replay`'s scenario options and its summary (a thin layer over ``replay.presets`` and
+``replay.figures``).
+
+``--scenario``, ``--load``, ``--superpose``/``--shift`` and ``--block-bootstrap``/``--windows`` say which
+documented scenario and which load a replay runs (``docs/replay.md``, Scenarios on the command line);
+``prepare`` turns them into the workload, the scenario and the policy configuration, exactly as
+``benchmarks/policies.py`` builds its table's runs. ``echo_summary`` prints what the run's own request
+table says: goodput and attainment per class beside rejections, latency percentiles, the prefix-cache
+hit rate and cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from replay.presets import PRESETS, LoadShape, Preset, parse_duration_s, parse_load
+from servelens.errors import ServelensError
+
+_META = "shape."
+
+
+def _stash(name: str, convert: Callable[[Any], Any] | None = None):
+    def callback(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+        if value is not None:
+            try:
+                ctx.meta[_META + name] = convert(value) if convert else value
+            except ValueError as exc:
+                raise click.BadParameter(str(exc)) from None
+
+    return callback
+
+
+def _duration(value: str) -> float:
+    try:
+        return parse_duration_s(value)
+    except Exception as exc:  # noqa: BLE001 - a ReplayError with its own words
+        raise ValueError(str(exc).split("\n")[0]) from None
+
+
+def _load(value: str):
+    try:
+        return parse_load(value)
+    except Exception as exc:  # noqa: BLE001
+        raise ValueError(str(exc).split("\n")[0]) from None
+
+
+def scenario_options(command: Callable) -> Callable:
+    """Add --scenario, --load, --superpose, --shift, --block-bootstrap and --windows to a command."""
+    options = [
+        click.option("--scenario", expose_value=False, callback=_stash("scenario"), type=click.Choice(PRESETS),
+                     help="Who sends what under which objectives (docs/policies.md): two-class (five tenants drawn, "
+                          "interactive and batch, their objectives as deadlines), as-recorded (the workload's tenants "
+                          "and classes) [default: auto, two-class for a trace without tenants]."),
+        click.option("--load", expose_value=False, callback=_stash("load", _load), metavar="2x",
+                     help="Rate multiplier: every gap between arrivals divided by it, bursts kept (2x, 1.5x, 0.5x)."),
+        click.option("--superpose", expose_value=False, callback=_stash("superpose"), type=click.IntRange(min=1),
+                     metavar="N", help="Merge N copies of the workload, copy i shifted by i x --shift."),
+        click.option("--shift", expose_value=False, callback=_stash("shift", _duration), metavar="S",
+                     help="Shift between superposed copies: 30s, 10m, 1h [default: 0]."),
+        click.option("--block-bootstrap", expose_value=False, callback=_stash("bootstrap", _duration), metavar="S",
+                     help="Resample windows of this length with replacement (seeded by --seed): 60s, 5m."),
+        click.option("--windows", expose_value=False, callback=_stash("windows"), type=click.IntRange(min=1),
+                     metavar="N", help="Windows the block bootstrap draws [default: as many as the workload holds]."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def load_shape(ctx: click.Context, seed: int) -> LoadShape:
+    """The options' load shape."""
+    meta = {k.removeprefix(_META): v for k, v in ctx.meta.items() if k.startswith(_META)}
+    if "shift" in meta and meta.get("superpose", 1) == 1:
+        raise ServelensError("--shift needs --superpose N (N > 1)", "e.g. --superpose 4 --shift 10m")
+    from fractions import Fraction
+
+    return LoadShape(load=meta.get("load", Fraction(1)), superpose=meta.get("superpose", 1), shift_s=meta.get("shift", 0.0),
+                     bootstrap_window_s=meta.get("bootstrap"), bootstrap_windows=meta.get("windows"),
+                     bootstrap_seed=seed)
+
+
+def prepare(ctx: click.Context, workload_name: str, shared: Path | None, num_requests: int | None, seed: int,
+            policy_name: str, policy_config: Path | None):
+    """(workload, preset, the policy's config) for the replay the options describe."""
+    from replay.policies import load_policy_config
+    from replay.presets import default_policy_config, prepared_workload
+    from replay.workload import load_workload
+
+    base = load_workload(workload_name, shared, None, seed)
+    workload, preset = prepared_workload(base.table, base.name, preset=ctx.meta.get(_META + "scenario", "auto"),
+                                         shape=load_shape(ctx, seed), seed=seed, num_requests=num_requests)
+    config = (load_policy_config(policy_name, policy_config) if policy_config is not None
+              else default_policy_config(policy_name, preset))
+    describe = f"scenario {preset.name}"
+    if preset.tenancy.tenants:
+        describe += f" ({len(preset.tenancy.tenants)} tenants, classes {', '.join(c.name for c in preset.tenancy.classes)})"
+    transforms = workload.meta.get("transforms", [])
+    click.echo(f"{describe}; workload {workload.name}: {workload.num_requests:,} requests"
+               + (f" after {', '.join(transforms)}" if transforms else ""), err=True)
+    return workload, preset, config
+
+
+def echo_summary(summary, preset: Preset, calibration, instance) -> None:
+    """The run's figures from its own request table, and the calibration behind them."""
+    import pyarrow.parquet as pq
+
+    from replay.figures import busy_steps, format_figures, run_figures
+
+    if summary.requests_path is None:
+        return
+    requests = pq.read_table(summary.requests_path)
+    figures = run_figures(requests, busy_steps(summary.busy_s), preset.metrics)
+    objectives = "; ".join(
+        f"{c.name}: " + ", ".join(f"{k} <= {v:g} s" for k, v in (("TTFT", c.ttft_s), ("ITL", c.itl_s), ("E2E", c.e2e_s))
+                                  if v is not None)
+        for c in preset.metrics.classes)
+    click.echo(f"objectives ({preset.name}): {objectives}")
+    for line in format_figures(figures):
+        click.echo(line)
+    if calibration is not None:
+        where = "" if instance.accelerator.name in calibration.accelerators else (
+            f", extrapolated from {', '.join(calibration.accelerators)} to {instance.accelerator.name}")
+        held = ", ".join(f"{k} {v:.1f}%" for k, v in calibration.held_out_error_pct if k in ("ttft_mean", "e2e_mean", "itl_mean"))
+        click.echo(f"calibration {calibration.name} ({calibration.engine}{where}; median held-out error "
+                   f"{held or 'not measured'})")

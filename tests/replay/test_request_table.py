@@ -1,0 +1,106 @@
+"""The replay's own request table (replay.request_table) equals the derivation (pipelines.tables) over the same events.
+
+Every replay through ``tests/replay/conftest.run`` is compared too; here, the cases that stress it: real traces
+with the shipped calibration (client-side columns, async scheduling), fast and reference modes, tiny event
+chunks (requests spanning many flushes), cancellations and preemptions, prefix caching, clusters with
+disaggregated pools and failures, and the tie rule between deliveries at one instant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+from pipelines.tables import derive_requests
+from replay.abuse import TWO_CLASS_TENANCY
+from replay.calibration import default_calibration
+from replay.cluster import ClusterConfig, InstanceFailure, run_cluster_replay
+from replay.config import EngineConfig, instance_config, parse_instance
+from replay.policies import DeadlineConfig
+from replay.presets import TWO_CLASS, LoadShape, prepared_workload
+from replay.request_table import Deliveries, _delivery_order
+from replay.run import run_replay
+from replay.scenario import Scenario, ServiceClassSpec, TenantSpec
+from replay.traces import read_trace
+from tests.replay.conftest import assert_same_requests, make_workload
+
+MS = 1_000_000
+
+
+def _same(summary) -> None:
+    assert_same_requests(pq.read_table(summary.requests_path), derive_requests(summary.events_path))
+
+
+@pytest.mark.parametrize("mode", ["fast", "reference"])
+def test_a_calibrated_deadline_replay_of_the_azure_trace_at_twice_its_rate(shared, tmp_path, mode):
+    workload, preset = prepared_workload(read_trace("azure-conv", shared).slice(0, 1500), "azure-conv",
+                                         preset="two-class", shape=LoadShape(load=2))
+    instance = parse_instance("llama-2-7b@a100-80gx2", EngineConfig(gpu_memory_utilization=0.5))
+    summary = run_replay(workload, policy_name="deadline", policy_config=DeadlineConfig(tenancy=TWO_CLASS_TENANCY),
+                         scenario=preset.scenario, instance=instance, calibration=default_calibration(), mode=mode,
+                         out_dir=tmp_path, chunk_rows=5_000)
+    own = pq.read_table(summary.requests_path)
+    assert own["ttft_client_s"].null_count < own.num_rows  # the calibration's frontend: client-side columns
+    assert pc.sum(pc.equal(own["outcome"], "rejected")).as_py() > 0
+    _same(summary)
+
+
+def test_requests_spanning_many_tiny_chunks_with_cancellations_and_preemptions(tmp_path):
+    n = 400
+    w = make_workload([i * 3 * MS for i in range(n)], [100 + 97 * (i % 23) for i in range(n)],
+                      [1 + 11 * (i % 31) for i in range(n)],
+                      cancel_after_ns=[120 * MS if i % 7 == 0 else None for i in range(n)],
+                      num_branches=[3 if i % 13 == 0 else 1 for i in range(n)])
+    small = instance_config(engine=EngineConfig(num_kv_blocks_override=500))  # recompute preemptions
+    for mode in ("fast", "reference"):
+        summary = run_replay(w, instance=small, mode=mode, out_dir=tmp_path / mode, chunk_rows=37)
+        assert summary.num_preemptions > 0
+        _same(summary)
+
+
+def test_the_table_records_the_engines_prefix_hits_on_mooncake(shared, tmp_path):
+    scenario = Scenario(name="t", tenants=(TenantSpec(name="a", share=1),),
+                        service_classes=(ServiceClassSpec(name="chat", share=1, ttft_objective_s=2.0),),
+                        cancel_share=0.05, cancel_after_s_min=2, cancel_after_s_max=20)
+    summary = run_replay(read_trace("mooncake", shared).slice(0, 400), scenario=scenario, out_dir=tmp_path,
+                         chunk_rows=3_000)
+    own = pq.read_table(summary.requests_path)
+    assert pc.sum(own["num_cached_prefix_tokens"]).as_py() == summary.num_prefix_hit_tokens > 0
+    _same(summary)
+
+
+def test_a_disaggregated_cluster_with_a_failure(tmp_path):
+    n = 300
+    w = make_workload([i * 4 * MS for i in range(n)], [100 + 53 * (i % 29) for i in range(n)],
+                      [1 + 7 * (i % 19) for i in range(n)],
+                      cancel_after_ns=[250 * MS if i % 11 == 0 else None for i in range(n)])
+    small = instance_config(engine=EngineConfig(num_kv_blocks_override=700))
+    config = ClusterConfig(instances=(instance_config(),) * 3, router="least-outstanding-tokens",
+                           decode_instances=(small,) * 2, decode_router="least-load")
+    failing = dataclasses.replace(config, failures=(InstanceFailure(at_s=0.3, instance=1),))
+    for name, cfg in (("disagg", config), ("failure", failing)):
+        for mode in ("fast", "reference"):
+            summary = run_cluster_replay(w, cfg, out_dir=tmp_path / f"{name}-{mode}", mode=mode, chunk_rows=250)
+            _same(summary)
+
+
+def test_deliveries_at_one_instant_follow_the_event_ids_text_order():
+    # request 7: a first token at 5, then two deliveries at 9 numbered 10 and 9: ':tokens10' sorts before ':tokens9'
+    d = Deliveries(idx=np.array([7, 7, 7, 3]), ts=np.array([9, 9, 5, 9]), kind=np.array([1, 1, 0, 1]),
+                   tb=np.array([9, 10, 0, 4]), tokens=np.array([1, 2, 1, 1]), coalesced=np.zeros(4, bool),
+                   instance=np.zeros(4, np.int64))
+    assert _delivery_order(d).tolist() == [3, 2, 1, 0]
+
+
+def test_a_run_without_an_output_folder_writes_no_table():
+    summary = run_replay(make_workload([0, MS], [100, 100], [3, 3]), sink=lambda table: None)
+    assert summary.requests_path is None
+
+
+def test_the_two_class_preset_is_the_documented_tenancy():
+    assert TWO_CLASS.tenancy == TWO_CLASS_TENANCY
+    assert {c.name for c in TWO_CLASS.metrics.classes} == {"interactive", "batch"}

@@ -1,0 +1,98 @@
+"""The small frictions of issue #23, each with a known answer: what used to fail or mislead now works or says why."""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import shutil
+from pathlib import Path
+
+import pyarrow.parquet as pq
+from click.testing import CliRunner
+
+from servelens.cli import cli
+
+KEY = "test-key:" + base64.b64encode(bytes(range(32))).decode()
+
+
+def _run(*args: str, env: dict[str, str] | None = None):
+    return CliRunner().invoke(cli, list(args), env=env or {}, catch_exceptions=False)
+
+
+def test_privacy_lookup_prints_the_pseudonym_the_sanitizer_stores(tmp_path):
+    from privacy.config import PrivacyConfig
+    from privacy.keys import load_keyring
+    from privacy.sanitize import Sanitizer
+    from replay.workload import arrival_events
+    from tests.replay.conftest import make_workload
+
+    events = arrival_events(make_workload([0], [10], [2], request_id=["req-042"], tenant=["acme"]), engine_id="e")
+    ring = load_keyring(None, {"SERVELENS_PSEUDONYM_KEY": KEY})
+    stored = Sanitizer(ring, PrivacyConfig()).sanitize(events).to_pylist()[0]
+    assert _run("privacy", "lookup", "req-042", env={"SERVELENS_PSEUDONYM_KEY": KEY}).output.split()[0] == stored["request_id"]
+    tenant = _run("privacy", "lookup", "acme", "--field", "tenant", env={"SERVELENS_PSEUDONYM_KEY": KEY})
+    assert tenant.output.split()[0] == stored["tenant"]
+
+
+def test_azure_2024_timestamps_and_gzipped_traces_are_read(tmp_path):
+    from replay.traces import read_trace
+
+    csv = tmp_path / "azure2024.csv"
+    csv.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                   "2024-05-10 00:00:00.009930+00:00,100,20\n2024-05-10 00:00:01.5+00:00,200,30\n")
+    with csv.open("rb") as raw, gzip.open(tmp_path / "azure2024.csv.gz", "wb") as packed:
+        shutil.copyfileobj(raw, packed)
+    for path in (csv, tmp_path / "azure2024.csv.gz"):
+        table = read_trace(str(path))
+        assert table["arrival_ns"].to_pylist() == [1_715_299_200_009_930_000, 1_715_299_201_500_000_000]
+        assert table["request_id"][0].as_py() == "azure2024-000000"
+    stats = _run("trace", "stats", str(tmp_path / "azure2024.csv.gz"))
+    assert stats.exit_code == 0 and stats.output.startswith("2 requests")
+
+
+def test_trace_stats_refuses_an_unsorted_trace_as_replay_does(tmp_path):
+    csv = tmp_path / "unsorted.csv"
+    csv.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:05,100,20\n2023-11-16 18:00:01,200,30\n")
+    for args in (["trace", "stats", str(csv)], ["replay", "--workload", str(csv), "--out", str(tmp_path / "r")]):
+        done = CliRunner().invoke(cli, args)
+        assert done.exit_code == 3 and "not in arrival order" in done.output, done.output
+
+
+def test_requests_derive_needs_no_key_for_sanitized_events_and_copies_a_replays_own_table(tmp_path):
+    from replay.run import run_replay
+    from tests.replay.conftest import make_workload
+
+    summary = run_replay(make_workload([0, 10**6], [100, 100], [3, 3]), out_dir=tmp_path / "run")
+    done = _run("requests", "derive", str(summary.events_path), "--out", str(tmp_path / "copy.parquet"))
+    assert done.exit_code == 0 and "the replay wrote it" in done.output
+    assert pq.read_table(tmp_path / "copy.parquet").equals(pq.read_table(summary.requests_path))
+    # sanitized events (every one carries a key id): derived without any key configured
+    sanitized = tmp_path / "sanitized.parquet"
+    _run("privacy", "sanitize", str(summary.events_path), "--out", str(sanitized), env={"SERVELENS_PSEUDONYM_KEY": KEY})
+    done = _run("requests", "derive", str(sanitized), "--out", str(tmp_path / "derived.parquet"))
+    assert done.exit_code == 0 and pq.read_metadata(tmp_path / "derived.parquet").num_rows == 2
+
+
+def test_durations_and_the_lake_option(tmp_path):
+    from servelens.cli import _duration_s
+
+    assert [_duration_s(v) for v in ("1h", "30m", "90s", "90", "1.5d")] == [3600.0, 1800.0, 90.0, 90.0, 129_600.0]
+    done = _run("--lake", str(tmp_path / "nowhere"), "lake", "compact")
+    assert str(tmp_path / "nowhere") in done.output or done.exit_code == 0
+
+
+def test_metrics_export_labels_a_replay_with_its_models_name(tmp_path):
+    from replay.config import parse_instance
+    from replay.run import run_replay
+    from tests.replay.conftest import make_workload
+
+    n = 12  # a label value needs k = 5 requests, else it folds into 'other'
+    summary = run_replay(make_workload([i * 10**6 for i in range(n)], [100] * n, [3] * n),
+                         instance=parse_instance("llama-3-8b@h100-sxm"), out_dir=tmp_path)
+    text = _run("metrics", "export", str(summary.events_path)).output
+    assert 'model_name="llama-3-8b"' in text and 'model_name="unknown"' not in text
+
+
+def test_the_demo_does_not_print_dagsters_telemetry_banner():
+    source = (Path(__file__).resolve().parents[2] / "servelens" / "demo.py").read_text()
+    assert '"telemetry": {"enabled": False}' in source  # the instance's override (the banner comes with telemetry)
