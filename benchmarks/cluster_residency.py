@@ -87,7 +87,7 @@ def run_case(scenario_name: str, scenario, case: str, residency, table, out: Pat
     import numpy as np
     import pyarrow.compute as pc
 
-    from pipelines.tables import derive_requests
+    from replay.derive import derive_requests
     from replay.cluster import cluster_config, run_cluster_replay
     from replay.residency import sized_instance
 

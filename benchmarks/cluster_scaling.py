@@ -47,7 +47,7 @@ def run_case(name: str, workload, burst_ns: int, delays, scale: bool, out: Path)
     import numpy as np
     import pyarrow.compute as pc
 
-    from pipelines.tables import derive_requests
+    from replay.derive import derive_requests
     from replay.cluster import ScaleStep, cluster_config, run_cluster_replay
     from replay.metrics import MetricsConfig, load_requests
 

@@ -131,7 +131,7 @@ def cluster_case(num_requests: int, single: dict | None) -> dict:
 
 def compare_modes(trace: str, num_requests: int | None, out_dir: Path) -> dict:
     """Both modes on one trace: largest relative timestamp difference and the speed ratio."""
-    from pipelines.tables import derive_requests
+    from replay.derive import derive_requests
     from replay.run import run_replay
     from replay.traces import read_trace
     from servelens.config import load_config, shared_dir

@@ -2,7 +2,7 @@
 
 1. Synthetic events (``--source synthetic``): a Parquet file of arrivals, admissions, shared engine
    steps, first tokens, token deliveries and finishes, plus 1% duplicated events as producer retries
-   would leave; the request table derived in a fresh process (DuckDB, ``pipelines.tables``): events
+   would leave; the request table derived in a fresh process (DuckDB, ``replay.derive``): events
    per second and that process's peak memory, with DuckDB's default memory limit and capped at 1 GB.
 2. A replay's events (``--source replay``): the Azure conversation trace tiled to ``--requests`` (1,000,000
    by default) replayed as `servelens replay` does (the shipped calibration, llama-3-8b on an H100), in a
@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.synthetic import generate  # noqa: E402
 
 def derive_in_this_process(path: Path, out: Path, memory_limit: str) -> dict:
-    from pipelines.tables import connect, write_requests
+    from replay.derive import connect, write_requests
 
     con = connect(None if memory_limit == "none" else memory_limit)
     started = time.perf_counter()

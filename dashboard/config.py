@@ -20,6 +20,7 @@ from typing import Any
 from pipelines.config import LakeConfig
 from privacy.config import PrivacyConfig
 from schemas.types import doc
+from servelens.settings import build, read_settings
 
 #: Environment variable carrying the resolved settings from ``serve`` to the Streamlit process.
 SETTINGS_ENV = "SERVELENS_DASHBOARD_SETTINGS"
@@ -117,16 +118,18 @@ def settings_json(settings: Settings) -> str:
 
 def settings_from_env(env: Mapping[str, str] | None = None) -> Settings:
     """The settings ``serve`` passed, or, when the app was started by hand (``streamlit run``),
-    the configuration loaded as the CLI loads it (TOML file and environment)."""
-    from servelens.config import build, load_config
-
+    its sections of the configuration read as the CLI reads them (TOML file and environment)."""
     env = os.environ if env is None else env
     text = env.get(SETTINGS_ENV)
     if text:
-        data = json.loads(text)
-        return Settings(
-            dashboard=with_defaults(build(DashboardConfig, data.get("dashboard", {}), "dashboard.")),
-            lake=build(LakeConfig, data.get("lake", {}), "lake."),
-            privacy=build(PrivacyConfig, data.get("privacy", {}), "privacy."),
-        )
-    return settings_from_config(load_config(env=env))
+        return _settings(json.loads(text))
+    data = read_settings(env=env)
+    return _settings(data, data.get("paths", {}).get("out_dir") or "out")
+
+
+def _settings(data: Mapping[str, Any], out_dir: str = "out") -> Settings:
+    return Settings(
+        dashboard=with_defaults(build(DashboardConfig, data.get("dashboard", {}), "dashboard."), out_dir),
+        lake=build(LakeConfig, data.get("lake", {}), "lake."),
+        privacy=build(PrivacyConfig, data.get("privacy", {}), "privacy."),
+    )

@@ -1,7 +1,7 @@
 """What the lake pages show, as small functions over DuckDB that know nothing of Streamlit.
 
 The lake's events are never loaded whole. Once per Delta version, ``materialize_requests`` derives
-the request table (``pipelines.tables``, the one code path for real and replayed events) with each
+the request table (``replay.derive``, the one code path for real and replayed events) with each
 request's busy accelerator-seconds into one Parquet file in the dashboard's cache, sorted by
 arrival; every page then aggregates that file in DuckDB and plots the aggregate (time bins chosen
 so that a series has at most ``max_points`` points, quantiles for distributions).
@@ -41,7 +41,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipelines.config import LakeConfig
-from pipelines.tables import locked_connection, readable_dirs, requests_sql
+from replay.derive import requests_sql
+from pipelines.tables import locked_connection, readable_dirs
 from privacy.views import KAnonymousResult, TenantScope, k_anonymous
 from replay.metrics import DEFAULT_CLASS, MetricsConfig
 
@@ -302,7 +303,7 @@ def _write_parquet(reader: pa.RecordBatchReader, path: Path) -> int:
 
 
 def _empty_requests(out: Path) -> Path:
-    from pipelines.tables import REQUESTS_SCHEMA
+    from replay.derive import REQUESTS_SCHEMA
 
     schema = (REQUESTS_SCHEMA.append(pa.field(BUSY_COLUMN, pa.float64())).append(pa.field(REQUEST_SEQ, pa.int64()))
               .append(pa.field(CROWD_ID, pa.int64())))

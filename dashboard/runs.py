@@ -5,7 +5,7 @@ writes) anywhere up to ``MAX_DEPTH`` levels below ``runs_dir``: ``<runs_dir>/<ru
 ``servelens replay --out``, ``<runs_dir>/<day>/<policy>@<load>/`` from the nightly Dagster batch
 (``pipelines.batch.replay_dir``); its name is that path. Its request table and metrics are derived once per version of
 its events file (modification time and size) into the dashboard's cache, with the same code the
-gate uses (``pipelines.tables`` and ``replay.metrics.run_metrics``), so a page only reads a few
+gate uses (``replay.derive`` and ``replay.metrics.run_metrics``), so a page only reads a few
 hundred numbers.
 
 **Load factor of a run** (``load_factor``), for the load sweep: the manifest's

@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipelines.lake import EVENTS, Lake
-from pipelines.tables import REQUESTS_SCHEMA, connect, requests_sql, typed_select
+from replay.derive import REQUESTS_SCHEMA, connect, requests_sql, typed_select
 from servelens.errors import ConfigError
 
 DAY_NS = 86_400 * 1_000_000_000

@@ -3,7 +3,7 @@
 ``replay.blis.to_blis`` writes events as a trace v2 given their request table. This module reads
 the input (events as JSONL or Parquet, as ``servelens events validate`` reads them; a workload
 Parquet; a bundled trace or a trace file, whose arrival events carry its output lengths), derives
-the request table (``pipelines.tables``), and takes the prefix block size where the input records
+the request table (``replay.derive``), and takes the prefix block size where the input records
 it (a workload's ``prefix_block_size_tokens``: Mooncake's 512).
 """
 
@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipelines.tables import derive_requests, read_events
+from replay.derive import derive_requests, read_events
 from replay.blis import BlisExport, BlisHeader, to_blis
 from replay.traces import BUNDLED_TRACES, detect_format
 from replay.workload import arrival_events, load_workload

@@ -25,13 +25,14 @@ import io
 import re
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pajson
 
+from pipelines.decoded import DecodedBatch, Rejected
+from pipelines.otlp import FORMATS, decode_spans
 from schemas.arrow import EVENTS_SCHEMA, events_to_table
 from schemas.columnar import WIRE_SCHEMA, check_table
 from schemas.validate import FieldError, validate_record
@@ -64,27 +65,6 @@ def sniff_event_type(value: bytes) -> str | None:
     return name if name in EVENT_TYPES else None
 
 _SLOW_BATCH = 32  # below this many messages a failed parse goes straight to the slow path
-
-
-@dataclass(frozen=True, slots=True)
-class Rejected:
-    """One message that is not a valid event: where it came from and why (never its content)."""
-
-    index: int  # position in the decoded batch
-    size_bytes: int
-    errors: tuple[FieldError, ...]
-    event_type: str | None = None  # the event type it names, when a known one
-
-
-@dataclass
-class DecodedBatch:
-    """The valid events of a batch (``EVENTS_SCHEMA``, in message order) and the rejected messages."""
-
-    events: pa.Table
-    indices: np.ndarray  # message index of each event row
-    rejected: list[Rejected]
-    dropped_fields: Counter[str] = field(default_factory=Counter)
-    num_slow: int = 0  # messages that took the slow path
 
 
 def _parse(values: Sequence[bytes], joined: bytes | None = None) -> pa.Table | None:
@@ -122,8 +102,6 @@ class Decoder:
                  message_format: str = "servelens", max_json_depth: int = 32) -> None:
         """``message_format``: servelens (our JSON events), or OTLP spans from the OpenTelemetry
         Collector's Kafka exporter: otlp_json, otlp_proto, or otlp (either, per message; ``pipelines.otlp``)."""
-        from pipelines.otlp import FORMATS
-
         if message_format not in FORMATS:
             from servelens.errors import ConfigError
 
@@ -164,8 +142,6 @@ class Decoder:
         sizes = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
         rejected, candidates = self._screen(values, sizes)
         if self.message_format != "servelens":
-            from pipelines.otlp import decode_spans
-
             batch = decode_spans(values, candidates, rejected, self.message_format)
             return self._reject_skewed(batch, values, now_ns) if self.max_future_skew_ns is not None else batch
         every = len(candidates) == len(values)  # the usual case: nothing oversized or too deep

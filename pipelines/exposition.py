@@ -233,7 +233,7 @@ def _histogram_series(values: np.ndarray, cell: np.ndarray, bounds: tuple[float,
 def token_gaps(events: pa.Table) -> pa.Table:
     """Per token delivery after a request's first: (request_id, gap_ns, num_tokens), read like the
     request table reads them (de-duplicated by event_id, ordered by ts_ns, event_type, event_id)."""
-    from pipelines.tables import connect
+    from replay.derive import connect
 
     con = connect()
     con.register("events_input", events.select(

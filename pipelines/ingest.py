@@ -56,7 +56,8 @@ import numpy as np
 import pyarrow as pa
 
 from pipelines.config import IngestConfig, LakeConfig
-from pipelines.decode import Decoder, Rejected
+from pipelines.decode import Decoder
+from pipelines.decoded import Rejected
 from pipelines.kafka_config import BrokerUnreachableError, KafkaConfig
 from pipelines.lake import DEAD_LETTERS, EVENTS, CommitFenced, Lake, OffsetRange, RecentIds
 from pipelines.transform import Transformed, TransformSpec, TransformWorker, TransformWorkerDied

@@ -264,7 +264,8 @@ class Lake:
         """A DuckDB connection with the views ``events``, ``dead_letters`` and ``requests``;
         ``read_only``: locked to the lake's folder (``pipelines.tables.lock_down``: no other file, no
         network, no extension, the configuration locked), for ``lake sql``."""
-        from pipelines.tables import connect, lock_down, requests_sql, with_all_columns
+        from replay.derive import connect, requests_sql, with_all_columns
+        from pipelines.tables import lock_down
 
         con = con or connect(self.config.duckdb_memory_limit)
         for name in TABLE_SCHEMAS:
@@ -306,7 +307,7 @@ class Lake:
             rows += num_records or 0
             if rows >= limit:
                 break
-        from pipelines.tables import connect
+        from replay.derive import connect
 
         query = "SELECT event_id FROM read_parquet($files) ORDER BY ts_ns DESC LIMIT $limit"
         return [r[0] for r in connect(self.config.duckdb_memory_limit).execute(query, {"files": files, "limit": limit}).fetchall()]

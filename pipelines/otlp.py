@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipelines.decode import DecodedBatch, Rejected
+from pipelines.decoded import DecodedBatch, Rejected
 from schemas.arrow import EVENTS_SCHEMA, events_to_table
 from schemas.events import Event, FirstToken, RequestArrived, RequestFinished, StepExecuted, TokensDelivered
 from schemas.validate import INCONSISTENT, MISSING_FIELD, OUT_OF_RANGE, WRONG_TYPE, FieldError

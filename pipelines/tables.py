@@ -1,14 +1,9 @@
-"""Derived tables: one row per request from any stream of lifecycle events, real or replayed.
+"""The lake's SQL sandbox: connections that may read only the lake's own folders and run only queries.
 
-The derivation is one DuckDB query, columnar end to end (no Python loop per event). Each timestamp
-of the guide's section 2 comes from an order-independent aggregate over the events of one type,
-ties broken by ``(ts_ns, event_id)``. Duplicated events (the same ``event_id``, from producer
-retries) cannot change a min, max or arg-max; counts use distinct event ids, and the token sums and
-inter-token gaps read de-duplicated deliveries. So the table is the same whatever order and
-duplication the events arrive in, and durations, computed from integer nanoseconds, are
-bit-identical across runs and thread counts. A ``request_preempted`` with mode ``migrate`` (a move
-to another instance with the KV: a disaggregated hand-off, a migration) counts in ``num_migrations``,
-not in ``num_preemptions``. Metric definitions: ``docs/metrics.md``.
+``lake sql`` and every dashboard query run on ``locked_connection``: files only under the folders a
+query must read (``readable_dirs``), no network, no extension installed or loaded, the configuration
+locked; ``check_query`` refuses any statement but SELECT. The request table itself is derived by
+``replay.derive`` (a layer below, which the replay's gate also uses).
 """
 
 from __future__ import annotations
@@ -18,155 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import duckdb
-import pyarrow as pa
 
-from schemas.arrow import EVENTS_SCHEMA, arrow_schema
-from schemas.records import RequestRow
-
-EventSource = pa.Table | str | Path | Sequence[str | Path]
-
-_REQUESTS_SQL = """
-WITH req AS (  -- every request-scoped event; min/max/arg_* are idempotent, so no de-duplication needed
-    SELECT
-        request_id,
-        arg_min(engine_id, (ts_ns, event_id)) AS engine_id,
-        arg_max(instance_id, (ts_ns, event_id)) FILTER (WHERE instance_id IS NOT NULL) AS instance_id,
-        max(tenant) AS any_tenant, max(service_class) AS any_service_class, max(model) AS any_model,
-        max(adapter) AS any_adapter, max(pool) AS any_pool,
-        count(DISTINCT event_id) AS num_events
-    FROM {source}
-    WHERE request_id IS NOT NULL
-    GROUP BY request_id
-),
-arr AS (
-    SELECT
-        request_id, min(ts_ns) AS arrival_ns, max(tenant) AS tenant, max(service_class) AS service_class,
-        max(model) AS model, max(adapter) AS adapter, max(pool) AS pool, max(session_id) AS session_id,
-        max(num_prompt_tokens) AS num_prompt_tokens, max(num_cached_prefix_tokens) AS num_cached_prefix_tokens,
-        max(max_output_tokens) AS max_output_tokens, max(num_branches) AS num_branches,
-        min(client_sent_ns) AS client_sent_ns
-    FROM {source} WHERE event_type = 'request_arrived' GROUP BY request_id
-),
-adm AS (
-    SELECT
-        request_id, min(ts_ns) AS admission_ns, arg_max(decision, (ts_ns, event_id)) AS admission_decision,
-        count(DISTINCT event_id) AS num_admission_decisions
-    FROM {source} WHERE event_type = 'admission_decided' GROUP BY request_id
-),
-fin AS (
-    SELECT
-        request_id, min(ts_ns) AS finish_ns, arg_max(outcome, (ts_ns, event_id)) AS outcome,
-        arg_max(num_output_tokens, (ts_ns, event_id)) AS finished_output_tokens, max(last_byte_ns) AS last_byte_ns,
-        arg_max(num_cached_prefix_tokens, (ts_ns, event_id)) AS finished_cached_tokens
-    FROM {source} WHERE event_type = 'request_finished' GROUP BY request_id
-),
-can AS (
-    SELECT request_id, min(ts_ns) AS cancel_ns
-    FROM {source} WHERE event_type = 'request_cancelled' GROUP BY request_id
-),
-pre AS (  -- a migrate event is a move with the KV, not a preemption: counted apart
-    SELECT
-        request_id,
-        count(*) FILTER (WHERE mode IS DISTINCT FROM 'migrate') AS num_preemptions,
-        count(*) FILTER (WHERE mode = 'migrate') AS num_migrations,
-        sum(num_lost_tokens) AS num_lost_tokens
-    FROM (SELECT DISTINCT ON (event_id) request_id, mode, num_lost_tokens
-          FROM {source} WHERE event_type = 'request_preempted')
-    GROUP BY request_id
-),
-sched AS (
-    SELECT rid AS request_id, min(start_ns) AS scheduled_ns
-    FROM (SELECT unnest(request_ids) AS rid, start_ns FROM {source} WHERE event_type = 'step_executed')
-    GROUP BY rid
-),
-deliveries AS (  -- sums and gaps need each delivery once
-    SELECT DISTINCT ON (event_id) event_id, request_id, event_type, ts_ns, first_byte_ns, num_tokens, coalesced
-    FROM {source} WHERE event_type IN ('first_token', 'tokens_delivered')
-),
-gaps AS (  -- a delivery of k tokens after a gap g: k per-token gaps of g / k
-    SELECT request_id, gap_ns, gap_ns::DOUBLE / coalesce(num_tokens, 1) AS token_gap_ns, coalesce(num_tokens, 1) AS weight
-    FROM (
-        SELECT request_id, num_tokens,
-               ts_ns - lag(ts_ns) OVER (PARTITION BY request_id ORDER BY ts_ns, event_type, event_id) AS gap_ns
-        FROM deliveries
-    )
-    WHERE gap_ns IS NOT NULL
-),
-ranked AS (  -- cumulative weight, for nearest-rank percentiles of the per-token gaps
-    SELECT request_id, gap_ns, token_gap_ns, weight,
-           sum(weight) OVER (PARTITION BY request_id ORDER BY token_gap_ns RANGE UNBOUNDED PRECEDING) AS below,
-           sum(weight) OVER (PARTITION BY request_id) AS total
-    FROM gaps
-),
-tok AS (
-    SELECT
-        request_id,
-        min(ts_ns) FILTER (WHERE event_type = 'first_token') AS first_token_ns,
-        min(first_byte_ns) FILTER (WHERE event_type = 'first_token') AS first_byte_ns,
-        max(ts_ns) AS last_token_ns,
-        count(*) FILTER (WHERE event_type = 'first_token')
-            + coalesce(sum(num_tokens) FILTER (WHERE event_type = 'tokens_delivered'), 0) AS delivered_tokens,
-        coalesce(bool_or(coalesced), false) AS itl_from_chunks
-    FROM deliveries GROUP BY request_id
-),
-itl AS (
-    SELECT
-        request_id,
-        max(total) AS num_itl_gaps,
-        sum(gap_ns)::DOUBLE / max(total) / 1e9 AS itl_mean_s,  -- the gaps' sum in integer ns: exact, any order
-        min(token_gap_ns) FILTER (WHERE 2 * below >= total) / 1e9 AS itl_p50_s,  -- integer ranks: exact
-        min(token_gap_ns) FILTER (WHERE 100 * below >= 99 * total) / 1e9 AS itl_p99_s,
-        max(token_gap_ns) / 1e9 AS itl_max_s
-    FROM ranked GROUP BY request_id
-)
-SELECT
-    request_id, engine_id, instance_id,
-    coalesce(arr.tenant, any_tenant) AS tenant,
-    coalesce(arr.service_class, any_service_class) AS service_class,
-    coalesce(arr.model, any_model) AS model,
-    coalesce(arr.adapter, any_adapter) AS adapter,
-    coalesce(arr.pool, any_pool) AS pool,
-    session_id,
-    arrival_ns, admission_ns, scheduled_ns, first_token_ns, first_byte_ns, last_token_ns, cancel_ns,
-    finish_ns, outcome, admission_decision, coalesce(num_admission_decisions, 0) AS num_admission_decisions,
-    num_prompt_tokens,
-    coalesce(finished_cached_tokens, num_cached_prefix_tokens) AS num_cached_prefix_tokens,  -- the engine's hit first
-    max_output_tokens, num_branches,
-    CASE WHEN finished_output_tokens IS NOT NULL THEN finished_output_tokens
-         WHEN delivered_tokens > 0 THEN delivered_tokens END AS num_output_tokens,
-    coalesce(num_preemptions, 0) AS num_preemptions, coalesce(num_migrations, 0) AS num_migrations,
-    coalesce(num_lost_tokens, 0) AS num_lost_tokens,
-    (scheduled_ns - arrival_ns) / 1e9 AS queue_s,
-    (first_token_ns - arrival_ns) / 1e9 AS ttft_s,
-    CASE WHEN num_output_tokens > 1
-         THEN (last_token_ns - first_token_ns) / 1e9 / (num_output_tokens - 1) END AS tpot_s,
-    (last_token_ns - arrival_ns) / 1e9 AS e2e_s,
-    client_sent_ns, last_byte_ns,
-    (first_byte_ns - client_sent_ns) / 1e9 AS ttft_client_s,
-    (last_byte_ns - client_sent_ns) / 1e9 AS e2e_client_s,
-    coalesce(num_itl_gaps, 0) AS num_itl_gaps, itl_mean_s, itl_p50_s, itl_p99_s, itl_max_s,
-    coalesce(itl_from_chunks, false) AS itl_from_chunks, num_events
-FROM req
-LEFT JOIN arr USING (request_id)
-LEFT JOIN adm USING (request_id)
-LEFT JOIN fin USING (request_id)
-LEFT JOIN can USING (request_id)
-LEFT JOIN pre USING (request_id)
-LEFT JOIN sched USING (request_id)
-LEFT JOIN tok USING (request_id)
-LEFT JOIN itl USING (request_id)
-"""
-
-REQUESTS_SCHEMA = arrow_schema(RequestRow)
-
-
-def connect(memory_limit: str | None = None) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB connection for derivations; ``memory_limit`` (e.g. "1GB") makes it spill."""
-    con = duckdb.connect()
-    con.execute("SET enable_progress_bar = false")
-    if memory_limit:
-        con.execute(f"SET memory_limit = '{memory_limit}'")
-    return con
+from replay.derive import connect, sql_literal
 
 
 class ReadOnlyViolation(ValueError):
@@ -197,7 +45,7 @@ def lock_down(con: duckdb.DuckDBPyConnection, readable: Sequence[str | Path]) ->
     Writing is refused by ``check_query`` (statement types); a COPY or ATTACH outside ``readable``
     fails here too."""
     dirs = sorted({(d if "://" in str(d) else str(Path(d).resolve())).rstrip("/") + "/" for d in readable})
-    con.execute(f"SET allowed_directories = [{', '.join(_literal(d) for d in dirs)}]")
+    con.execute(f"SET allowed_directories = [{', '.join(sql_literal(d) for d in dirs)}]")
     for setting in ("enable_external_access = false", "autoinstall_known_extensions = false",
                     "autoload_known_extensions = false", "allow_community_extensions = false",
                     "lock_configuration = true"):
@@ -219,81 +67,3 @@ def check_query(con: duckdb.DuckDBPyConnection, sql: str) -> None:
             raise ReadOnlyViolation(f"only queries (SELECT) may run here, not {statement.type.name}")
     if not statements:
         raise ReadOnlyViolation("the text holds no query")
-
-
-def _literal(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"
-
-
-def _source_sql(con: duckdb.DuckDBPyConnection, source: EventSource) -> str:
-    """Register the events and return the SQL relation that reads them (every contract column present)."""
-    if isinstance(source, pa.Table):
-        con.register("events_input", source)
-        return with_all_columns(con, "events_input")
-    paths = [source] if isinstance(source, (str, Path)) else list(source)
-    files = ", ".join("'" + str(p).replace("'", "''") + "'" for p in paths)
-    return with_all_columns(con, f"read_parquet([{files}], union_by_name = true)")
-
-
-def with_all_columns(con: duckdb.DuckDBPyConnection, relation: str) -> str:
-    """``relation`` with the event contract's columns it lacks added as typed nulls: events written under an
-    older minor version of the contract (fields added since) read like current ones."""
-    have = set(con.sql(f"SELECT * FROM {relation} LIMIT 0").columns)
-    missing = [f for f in EVENTS_SCHEMA if f.name not in have and f.type in _DUCKDB_TYPE]
-    if not missing:
-        return relation
-    nulls = ", ".join(f'NULL::{_DUCKDB_TYPE[f.type]} AS "{f.name}"' for f in missing)
-    return f"(SELECT *, {nulls} FROM {relation})"
-
-
-_DUCKDB_TYPE = {pa.int64(): "BIGINT", pa.float64(): "DOUBLE", pa.string(): "VARCHAR", pa.bool_(): "BOOLEAN"}
-
-
-def typed_select(schema: pa.Schema, query: str, order_by: str) -> str:
-    """Wrap ``query`` so that its columns come out with exactly ``schema``'s names and types."""
-    columns = ", ".join(f'CAST("{f.name}" AS {_DUCKDB_TYPE[f.type]}) AS "{f.name}"' for f in schema)
-    return f"SELECT {columns} FROM ({query}) ORDER BY {order_by}"
-
-
-def requests_sql(relation: str) -> str:
-    """The request-table SQL over a relation (a table, a view, or a ``read_parquet(...)`` call)."""
-    query = _REQUESTS_SQL.format(source=relation)
-    return typed_select(REQUESTS_SCHEMA, query, order_by="arrival_ns NULLS LAST, request_id")
-
-
-def requests_query(con: duckdb.DuckDBPyConnection, source: EventSource) -> str:
-    """The request-table SQL over ``source`` (an Arrow table or Parquet files/globs)."""
-    return requests_sql(_source_sql(con, source))
-
-
-def read_events(path: Path) -> pa.Table:
-    """Every event of a JSONL or Parquet file (``EVENTS_SCHEMA``); an invalid record is an error that says
-    how to see them all."""
-    from schemas.validate import InvalidEventsError, iter_event_tables
-    from servelens.errors import ServelensError
-
-    try:
-        tables = list(iter_event_tables(path))
-    except InvalidEventsError as exc:
-        raise ServelensError(str(exc), f"run `servelens events validate {path}` to see every error") from None
-    return pa.concat_tables(tables) if tables else EVENTS_SCHEMA.empty_table()
-
-
-def derive_requests(source: EventSource, *, con: duckdb.DuckDBPyConnection | None = None) -> pa.Table:
-    """One row per request (``schemas.records.RequestRow``) from events, as an Arrow table."""
-    con = con or connect()
-    table = con.sql(requests_query(con, source)).to_arrow_table()
-    return table.cast(REQUESTS_SCHEMA)
-
-
-def write_requests(
-    source: EventSource, out: str | Path, *, con: duckdb.DuckDBPyConnection | None = None
-) -> int:
-    """Derive the request table straight into a zstd Parquet file (streaming); return its row count."""
-    con = con or connect()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    query = requests_query(con, source)
-    target = str(out).replace("'", "''")
-    (count,) = con.execute(f"COPY ({query}) TO '{target}' (FORMAT parquet, COMPRESSION zstd)").fetchone()
-    return count

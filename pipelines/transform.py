@@ -49,7 +49,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from pipelines.decode import Decoder, Rejected, sniff_event_type
+from pipelines.decode import Decoder, sniff_event_type
+from pipelines.decoded import Rejected
 from privacy.config import PrivacyConfig
 from privacy.keys import KeyRing
 from privacy.sanitize import FIELD_POLICIES, PrivacyReport, Sanitizer

@@ -26,14 +26,27 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
+from replay.kernel import CONTROL, Kernel
 from replay.policies.autoscale import Autoscaler, LoadSummary, ScaleDecision, make_autoscaler
 from replay.request import Request
 from schemas.types import doc
 
-if TYPE_CHECKING:
-    from replay.cluster import Cluster
+
+class ScalableCluster(Protocol):
+    """What the loop needs of a cluster (``replay.cluster.Cluster``): its configuration, kernel and
+    instances (each with ``state`` and ``engine``), and a way to scale."""
+
+    config: Any
+    kernel: Kernel
+    instances: list[Any]
+
+    @property
+    def num_active(self) -> int: ...
+
+    def scale_by(self, at_s: float, delta: int) -> None: ...
+
 
 NS = 1_000_000_000
 #: Finished requests the output figures are taken from.
@@ -104,7 +117,7 @@ class LoadMeter:
 class Autoscaling:
     """The loop that consults a cluster's autoscaler every interval."""
 
-    def __init__(self, cluster: Cluster, start_ns: int) -> None:
+    def __init__(self, cluster: ScalableCluster, start_ns: int) -> None:
         config = cluster.config
         self.cluster = cluster
         self.kernel = cluster.kernel
@@ -124,8 +137,6 @@ class Autoscaling:
         self._control(self.start_ns + self.interval_ns, self.tick)
 
     def _control(self, at_ns: int, action) -> None:
-        from replay.cluster import CONTROL
-
         self.kernel.schedule(at_ns, CONTROL, action)
 
     def arrived(self, r: Request) -> None:
@@ -135,8 +146,6 @@ class Autoscaling:
         self.meter.finished(r)
 
     def tick(self) -> None:
-        from replay.cluster import ScaleStep
-
         cluster = self.cluster
         now = self.kernel.now_ns
         live = ready = queued = queued_tokens = 0
@@ -157,7 +166,7 @@ class Autoscaling:
         self.records.append(ScaleRecord(at_s=at_s, num_instances_before=live, num_instances_wanted=d.num_instances,
                                         reason=d.reason))
         if d.num_instances != live:
-            cluster._scale(ScaleStep(at_s=at_s, delta=d.num_instances - live))
+            cluster.scale_by(at_s, d.num_instances - live)
             self.last_change_ns = now
         if len(self.kernel) or cluster.num_active:  # something is still to come
             self._control(now + self.interval_ns, self.tick)

@@ -369,7 +369,7 @@ def to_blis(events: pa.Table, requests: pa.Table, *, header: BlisHeader | None =
             block_tokens: int | None = None, origin_ns: int | None = None) -> BlisExport:
     """Any events table as a trace v2: the header, the CSV rows and what the events did not say.
 
-    ``requests`` is the events' request table (``pipelines.tables.derive_requests(events)``: the
+    ``requests`` is the events' request table (``replay.derive.derive_requests(events)``: the
     caller derives it, as the replay layer does not import the pipelines). Output lengths: a
     completed request's ``request_finished`` count, else its ``max_output_tokens`` (BLIS's intended
     length: a workload's arrival events carry its lengths there); where the events hold neither,

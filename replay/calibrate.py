@@ -104,7 +104,7 @@ def _fit_requests(target: Target, base: Calibration, sim: Simulator, parameters:
 def calibrate_requests(requests: pa.Table, instance: InstanceConfig, base: Calibration, *, name: str, engine: str,
                        held_out: bool = True, workers: int | None = None, seed: int = 0,
                        progress: Progress | None = None) -> Calibration:
-    """A calibration fitted to one recorded run's request table (``pipelines.tables``; ``base`` gives the
+    """A calibration fitted to one recorded run's request table (``replay.derive``; ``base`` gives the
     terms one run cannot separate)."""
     held: dict[str, float] | None = None
     with Simulator(1 if workers is None else workers) as sim:

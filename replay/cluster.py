@@ -73,11 +73,12 @@ import pyarrow as pa
 
 from replay.calibration import Calibration, apply_calibration, calibration_record
 from replay.config import InstanceConfig, instance_config
-from replay.costmodel import StepCostModel, make_cost_model
+from replay.cost_models import make_cost_model
+from replay.costmodel import StepCostModel
 from replay.emit import EventWriter, Sink
 from replay.engine import MODES, Engine, Mode
 from replay.errors import ReplayError
-from replay.kernel import ARRIVAL, CANCEL, Kernel
+from replay.kernel import ARRIVAL, CONTROL, Kernel
 from replay.policies import make_policy
 from replay.policies.base import AdmissionDecision
 from replay.policies.routing import ROUTERS, RouteDecision, Router, make_router
@@ -89,8 +90,6 @@ from replay.views import RequestView
 from replay.workload import Workload, as_workload
 from schemas.types import doc
 
-#: Scaling transitions, migrations and failures run at the cancellations' priority: after step ends, before arrivals.
-CONTROL = CANCEL
 
 
 def _INDEX(r: Request) -> int:
@@ -541,6 +540,10 @@ class Cluster:
         models, adapters = ([inst.config.model.name], None) if self.residency is None else self.residency.resident_lists(inst)
         self.writer.on_state(self.kernel.now_ns, inst.instance_id, state, e.pool.num_total, e.block_size,
                              models, action, adapters=adapters)
+
+    def scale_by(self, at_s: float, delta: int) -> None:
+        """Add (``delta`` > 0) or remove instances now, as a schedule's step would (the autoscaling loop's way in)."""
+        self._scale(ScaleStep(at_s=at_s, delta=delta))
 
     def _scale(self, step: ScaleStep) -> None:
         now = self.kernel.now_ns

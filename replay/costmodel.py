@@ -13,7 +13,7 @@ Every model returns integer nanoseconds, and answers two questions:
   and the last step's time, and it must equal summing ``step_time_ns`` step by step, exactly.
   The fast mode relies on this; ``tests/replay/test_costmodel.py`` checks it against the loop.
 
-Models (``make_cost_model`` by name; an unknown name lists the valid ones):
+Models (``replay.cost_models.make_cost_model`` by name; an unknown name lists the valid ones):
 
 ``constant``  every step takes the same time (closed-form queueing checks).
 ``roofline``  FLOPs and bytes of the step against the accelerator's peak and bandwidth, with
@@ -35,13 +35,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar, NamedTuple, Protocol
 
 from replay.config import InstanceConfig
-from replay.errors import ReplayError, unknown_name
+from replay.errors import ReplayError
 from schemas.types import doc
-from servelens.errors import DataNotFoundError
 
 #: Ticks per nanosecond of the integer cost arithmetic.
 TICKS_PER_NS = 1024
@@ -499,50 +497,6 @@ class RooflineCostModel(CostModelBase):
         )
 
 
-# ------------------------------------------------------------------------------------------ registry
-
-COST_MODELS = ("roofline", "profile", "constant")
-
-
-def make_cost_model(
-    name: str,
-    instance: InstanceConfig,
-    *,
-    config: object | None = None,
-    shared: Path | None = None,
-) -> StepCostModel:
-    """The named cost model for an instance (the profile model reads its tables from ``shared``); with
-    speculative decoding on the instance, wrapped by ``replay.speculative`` (the draft costed alike)."""
-    if instance.speculative is not None:
-        import dataclasses
-
-        from replay.speculative import SpeculativeCostModel
-
-        plain = dataclasses.replace(instance, speculative=None)
-        draft = dataclasses.replace(plain, model=instance.speculative.draft)
-        return SpeculativeCostModel(make_cost_model(name, plain, config=config, shared=shared),
-                                    make_cost_model(name, draft, config=config, shared=shared), instance.speculative)
-    if name == "roofline":
-        return RooflineCostModel(instance, config if isinstance(config, RooflineConfig) else None)
-    if name == "constant":
-        return ConstantCostModel(config if isinstance(config, ConstantCostConfig) else ConstantCostConfig())
-    if name == "profile":
-        from replay.measured.fit import FittedProfileConfig, load_fitted_model
-        from replay.profiles import ProfileCostConfig, ProfileCostModel, load_profile_tables
-
-        if isinstance(config, FittedProfileConfig):  # a profile of our own (servelens profile)
-            return load_fitted_model(instance, config)
-        cfg = config if isinstance(config, ProfileCostConfig) else ProfileCostConfig()
-        if cfg.profile_dir is not None:
-            folder = Path(cfg.profile_dir)
-        elif shared is not None:
-            folder = shared / "profiles" / "vidur"
-        else:
-            raise DataNotFoundError("the profile cost model needs the shared data folder (profiles/vidur)")
-        return ProfileCostModel(instance, load_profile_tables(instance, folder), cfg)
-    raise unknown_name("cost model", name, COST_MODELS)
-
-
 def prefill_time_ns(model: StepCostModel, num_prompt_tokens: int, chunk_tokens: int) -> int:
     """Time to prefill one prompt alone, in chunks of at most ``chunk_tokens`` (no decodes alongside)."""
     total = done = 0
@@ -555,7 +509,6 @@ def prefill_time_ns(model: StepCostModel, num_prompt_tokens: int, chunk_tokens: 
 
 __all__ = [
     "AffineDecode",
-    "COST_MODELS",
     "ConstantCostConfig",
     "ConstantCostModel",
     "CostModelBase",
@@ -567,7 +520,6 @@ __all__ = [
     "StepShape",
     "TICKS_PER_NS",
     "floor_sum",
-    "make_cost_model",
     "prefill_time_ns",
     "search_run",
     "single_line_run",

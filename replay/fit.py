@@ -132,7 +132,7 @@ class Target:
 
     @classmethod
     def of_requests(cls, name: str, requests: object, instance: InstanceConfig) -> Target:
-        """A recorded request table (``pipelines.tables``): its completed requests' latencies, client side
+        """A recorded request table (``replay.derive``): its completed requests' latencies, client side
         where they were measured there, and its workload (``replay.workload.workload_from_requests``)."""
         from replay.workload import workload_from_requests
 

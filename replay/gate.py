@@ -134,7 +134,7 @@ def load_run(path: str | Path, label: str, *, memory_limit: str | None = None) -
 
 def _requests_and_steps(path: Path, memory_limit: str | None) -> tuple[pa.Table, pa.Table | None]:
     """A request table file as it is (no steps), or an events file's derived request table and steps' timing."""
-    from pipelines.tables import connect, derive_requests
+    from replay.derive import connect, derive_requests
     from schemas.validate import detect_format, iter_event_tables
 
     if detect_format(path) == "parquet":

@@ -24,6 +24,7 @@ from replay.compare import metric_names
 from replay.metrics import ClassObjectives, CostConfig, MetricsConfig, TenantWeight
 from schemas.types import doc
 from servelens.errors import ConfigError
+from servelens.settings import build
 
 CONFIG_VERSION = 2
 EACH_CLASS = "*"  # a condition's service_class that judges every class on its own
@@ -267,8 +268,6 @@ def load_config(path: str | Path | None) -> GateConfig:
     if path is None:
         return default_config()
     import yaml
-
-    from servelens.config import build
 
     try:
         data = yaml.safe_load(Path(path).read_text()) or {}

@@ -22,6 +22,9 @@ from collections.abc import Callable
 STEP_END = 0
 #: A client cancelled a request.
 CANCEL = 1
+#: A cluster's control actions (scaling, migrations, failures, weight residency) run at the cancellations'
+#: priority: after step ends, before arrivals.
+CONTROL = CANCEL
 #: A request arrived at the frontend.
 ARRIVAL = 2
 #: The engine picks the next step's batch (after everything else due at that instant).

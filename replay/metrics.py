@@ -1,6 +1,6 @@
 """Service-level metrics of any request table, real or replayed, overall, per class and per window.
 
-Inputs are the request table (``schemas.records.RequestRow``, from ``pipelines.tables``) and,
+Inputs are the request table (``schemas.records.RequestRow``, from ``replay.derive``) and,
 for cost, the engine steps of the same events. A request is **good** when it completed and met every
 objective of its class: TTFT, the request's p99 inter-token gap, E2E (``ClassObjectives``). From
 there (definitions in ``docs/metrics.md``):

@@ -4,7 +4,7 @@ events are, so that metrics, the gate and the dashboard never re-derive a replay
 The replay knows every timing. ``RequestTable`` is handed each chunk's event buffers as the
 ``EventWriter`` gathers them (the same tuples and arrays the event tables are built from) and writes a
 request's row once its ``request_finished`` has been gathered. Its values are those that
-``pipelines.tables.derive_requests`` computes from the same events, column for column, with the same
+``replay.derive.derive_requests`` computes from the same events, column for column, with the same
 rules: timestamps are the earliest (or latest) of their event type, the last admission decision and the
 instance are the latest by ``(ts_ns, event_id)``, and the inter-token gaps read the deliveries in
 ``(ts_ns, event_type, event_id)`` order, a delivery of k tokens after a gap g counting as k gaps of g/k

@@ -60,22 +60,30 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from replay.config import GIB, InstanceConfig, model
 from replay.errors import ReplayError, unknown_name
-from replay.kernel import CANCEL, Kernel
+from replay.kernel import CONTROL, Kernel
 from schemas.types import doc
 
 if TYPE_CHECKING:
-    from replay.cluster import ClusterInstance
     from replay.emit import EventWriter
+    from replay.engine import Engine
     from replay.request import Request
+
+
+class ClusterInstance(Protocol):
+    """What residency reads of a cluster's instance (``replay.cluster.ClusterInstance``)."""
+
+    index: int
+    instance_id: str
+    config: InstanceConfig
+    engine: Engine
+    state: str
 
 WeightKind = Literal["model", "adapter", "draft"]
 POLICIES: tuple[str, ...] = ("pinned", "on-demand")
-#: Residency transitions run at the cancellations' (and scaling's) priority: after step ends, before arrivals.
-CONTROL = CANCEL
 
 
 # ---------------------------------------------------------------------------------------------- config

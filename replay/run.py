@@ -18,7 +18,6 @@ import dataclasses
 import gc
 import hashlib
 import json
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,7 +28,8 @@ import pyarrow as pa
 
 from replay.calibration import Calibration, apply_calibration, calibration_record
 from replay.config import InstanceConfig, instance_config
-from replay.costmodel import StepCostModel, make_cost_model
+from replay.cost_models import make_cost_model
+from replay.costmodel import StepCostModel
 from replay.emit import EventChunk, EventWriter, ParquetSink, Sink
 from replay.request_table import REQUESTS_FILE, RequestTable
 from replay.engine import Engine, Mode, check_clock
@@ -40,6 +40,7 @@ from replay.request import Request
 from replay.scenario import Scenario, apply_scenario, image_tokens
 from replay.workload import Workload, as_workload
 from schemas.events import SCHEMA_VERSION
+from servelens.provenance import code_version
 
 MANIFEST_VERSION = 1
 PROGRESS_EVERY = 20_000  # arrivals between progress reports
@@ -441,18 +442,3 @@ def _plain(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [_plain(v) for v in obj]
     return obj
-
-
-def code_version() -> dict[str, str | None]:
-    """The package version and, in a git checkout, the commit it runs from."""
-    from servelens import __version__
-
-    commit = None
-    root = Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        if head.returncode == 0:
-            commit = head.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    return {"servelens": __version__, "git_commit": commit}

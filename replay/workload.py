@@ -355,7 +355,7 @@ def poisson_workload(
 
 
 def workload_from_requests(requests: pa.Table) -> pa.Table:
-    """A workload from a request table (``pipelines.tables.derive_requests``: ingested telemetry).
+    """A workload from a request table (``replay.derive.derive_requests``: ingested telemetry).
 
     Keeps what the table records: arrival, prompt and output lengths (the tokens actually produced),
     session, tenant pseudonym, class, model, adapter, branches, and the cancellation offset of

@@ -47,7 +47,7 @@ class WorkloadRequest:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RequestRow:
-    """One row per request, derived from its events (``pipelines.tables.derive_requests``).
+    """One row per request, derived from its events (``replay.derive.derive_requests``).
 
     Timestamps are UTC epoch ns as in the events; durations are seconds and follow
     ``docs/metrics.md``. A request that lacks an event has the matching columns null: a request

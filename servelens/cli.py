@@ -25,6 +25,7 @@ from servelens.engine_options import DEFAULT_ENGINE, ENGINE_HELP, engine_instanc
 from servelens.errors import ServelensError
 from servelens.fidelity_cli import COMMANDS as FIDELITY_COMMANDS
 from servelens.replay_options import echo_summary, prepare, scenario_options
+from servelens.settings import build
 
 EXIT_INVALID = 1  # a check failed (invalid events; a failed gate)
 EXIT_ERROR = 3  # the command could not run: usage, configuration or input errors (gate: 2 is inconclusive)
@@ -385,7 +386,7 @@ def requests_derive(ctx: click.Context, events_file: Path, out: Path) -> None:
     import shutil
 
     from pipelines.lake import is_sanitized, staged_parquet
-    from pipelines.tables import write_requests
+    from replay.derive import write_requests
     from schemas.validate import InvalidEventsError, detect_format
 
     own = _replays_own_table(events_file)
@@ -515,7 +516,7 @@ def metrics_export(ctx: click.Context, requests_file: Path, events_file: Path | 
     table = pq.read_table(requests_file)
     events = pq.read_table(events_file) if events_file else None
     if "event_type" in table.column_names:  # an events file: the replay's own table beside it, else derived
-        from pipelines.tables import derive_requests
+        from replay.derive import derive_requests
 
         own = _replays_own_table(requests_file)
         table, events = (pq.read_table(own) if own else derive_requests(table)), events if events is not None else table
@@ -897,8 +898,6 @@ def _autoscaler_config(name: str, path: Path) -> object:
     """The named autoscaler's config from a YAML mapping of its fields (types checked, unknown keys refused)."""
     from replay.policies.autoscale import autoscaler_class
     from replay.policies.base import read_settings
-    from servelens.config import build
-
     cls = autoscaler_class(name).config_type  # an unknown name: the error lists the valid ones
     return build(cls, read_settings("autoscaler", path, cls))
 
@@ -1101,7 +1100,7 @@ def _fitted_profile(ctx: click.Context, profile_path: Path, *, full_layers: bool
     model's layers, or (measured replay) the layers the profile built."""
     from click.core import ParameterSource
 
-    from replay.costmodel import make_cost_model
+    from replay.cost_models import make_cost_model
     from replay.measured.fit import FittedProfileConfig, profile_instance
     from replay.measured.profiler import read_profile
 

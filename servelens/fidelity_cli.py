@@ -51,7 +51,7 @@ def _experiment_targets(ctx: click.Context, data: Path | None, ids: str | None) 
 
 def _events(ctx: click.Context, events: str):
     """A recorded run's events: a JSONL or Parquet file, or ``lake`` (the configured lake's events)."""
-    from pipelines.tables import read_events
+    from replay.derive import read_events
 
     if events != "lake":
         path = Path(events)
@@ -103,7 +103,7 @@ def fidelity_command(ctx: click.Context, data: Path | None, ids: str | None, eve
 
     if events is not None:
         instance, calibration = engine_instance(ctx, _config(ctx), engine_spec)
-        from pipelines.tables import derive_requests
+        from replay.derive import derive_requests
 
         targets = [Target.of_requests(Path(events).stem, derive_requests(_events(ctx, events)), instance)]
     else:
@@ -191,7 +191,7 @@ def calibrate_command(ctx: click.Context, source: str, data: Path | None, ids: s
 
         recorded = _events(ctx, events)
         if source == "requests":
-            from pipelines.tables import derive_requests
+            from replay.derive import derive_requests
 
             fit, recorded = calibrate_requests, derive_requests(recorded)
         else:

@@ -17,5 +17,5 @@ def test_importing_pipelines_does_not_import_dagster():
     import subprocess
     import sys
 
-    code = "import sys, pipelines, pipelines.tables; print('dagster' in sys.modules)"
+    code = "import sys, pipelines, pipelines.tables, pipelines.lake; print('dagster' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"

@@ -221,7 +221,7 @@ class MeasuredComparison:
 
 def latency_samples(events: pa.Table) -> dict[str, np.ndarray]:
     """TTFT and E2E per request (from the request table) and every per-token gap (ITL), seconds."""
-    from pipelines.tables import derive_requests
+    from replay.derive import derive_requests
 
     req = derive_requests(events)
     out = {

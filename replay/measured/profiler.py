@@ -44,6 +44,7 @@ from replay.errors import ReplayError
 from replay.measured.shapes import LlamaShape, shape_from_dict
 from schemas.types import doc
 from servelens.errors import DataNotFoundError
+from servelens.provenance import code_version
 
 PROFILE_VERSION = 1
 META_KEY = b"servelens.profile"
@@ -412,8 +413,6 @@ def _plain(obj: Any) -> Any:
 
 
 def _code_version() -> dict[str, str | None]:
-    from replay.run import code_version
-
     v = code_version()
     return {"servelens_version": v["servelens"], "git_commit": v["git_commit"]}
 

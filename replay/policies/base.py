@@ -46,6 +46,7 @@ from typing import ClassVar, Literal
 from replay.errors import ReplayError, unknown_name
 from replay.views import EngineView, RequestView
 from schemas.types import doc
+from servelens.settings import build
 
 AdmissionKind = Literal["accept", "queue", "degrade", "route", "downgrade", "reject"]
 
@@ -190,8 +191,6 @@ def make_policy(name: str, config: object | None = None) -> Policy:
 def load_policy_config(name: str, path: str | Path) -> object:
     """The named policy's config from a YAML (or JSON) mapping of its fields, types checked and unknown
     keys refused (nested sections, e.g. ``tenancy: {classes: [...], tenants: [...]}``, as lists of tables)."""
-    from servelens.config import build
-
     cls = policy_class(name)
     return build(cls.config_type, read_settings("policy", path, cls.config_type))
 

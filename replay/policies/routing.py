@@ -56,6 +56,7 @@ from replay.errors import ReplayError
 from replay.policies.base import Registry, read_settings
 from replay.views import RequestView
 from schemas.types import doc
+from servelens.settings import build
 
 
 class InstanceLoad(Protocol):
@@ -179,8 +180,6 @@ def load_router_config(name: str, path: str | Path) -> object:
     """The named router's config from a YAML (or JSON) mapping of its fields, e.g. ``shedding:
     {sheddable_classes: [batch], queue_threshold: 5}``: types checked, unknown keys refused."""
     import dataclasses
-
-    from servelens.config import build
 
     cls = ROUTERS.lookup(name).config_type
     data = read_settings("router", path, cls)

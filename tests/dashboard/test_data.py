@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from dashboard import data
 from dashboard.data import NS, Selection, TimeWindow
 from pipelines.lake import Lake
-from pipelines.tables import derive_requests
+from replay.derive import derive_requests
 from privacy.views import TenantScope, k_anonymous
 from replay.gate import load_config
 from replay.metrics import MetricsConfig, TenantWeight, attribution, load_requests, load_steps, run_metrics, tenant_metrics

@@ -113,7 +113,7 @@ def test_batch_composition_bins_every_step_of_the_instance_once(lake):
 
 
 def test_a_disaggregated_hand_off_shows_as_a_move_to_the_decode_instance_not_a_preemption(tmp_path):
-    from pipelines.tables import derive_requests
+    from replay.derive import derive_requests
     from replay.cluster import disaggregated_config, run_cluster_replay
     from tests.replay.conftest import make_workload
 

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dashboard import runs
-from pipelines.tables import derive_requests
+from replay.derive import derive_requests
 from replay.gate import STEP_COLUMNS, load_config
 from replay.metrics import run_metrics
 

@@ -19,7 +19,7 @@ from pipelines.exposition import (
     to_prometheus,
     token_buckets,
 )
-from pipelines.tables import derive_requests
+from replay.derive import derive_requests
 from replay.run import run_replay
 from servelens.errors import ServelensError
 from tests.replay.conftest import make_workload

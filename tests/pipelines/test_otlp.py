@@ -11,7 +11,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import TracesData
 
 from pipelines.decode import Decoder
 from pipelines.otlp import NOT_OTLP, UNKNOWN_SPAN, read_spans
-from pipelines.tables import derive_requests
+from replay.derive import derive_requests
 from schemas.validate import INCONSISTENT, MISSING_FIELD
 from servelens.errors import ConfigError
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipelines.tables import REQUESTS_SCHEMA, derive_requests, write_requests
+from replay.derive import REQUESTS_SCHEMA, derive_requests, write_requests
 from schemas.arrow import events_to_table
 from schemas.events import (
     AdmissionDecided,

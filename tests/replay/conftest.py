@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.tables import derive_requests
+from replay.derive import derive_requests
 from replay.run import ReplaySummary, run_replay
 from replay.traces import WORKLOAD_SCHEMA
 

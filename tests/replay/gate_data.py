@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from pipelines.tables import REQUESTS_SCHEMA
+from replay.derive import REQUESTS_SCHEMA
 
 T0 = 1_764_000_000_000_000_000
 

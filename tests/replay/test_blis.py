@@ -7,7 +7,7 @@ import pyarrow.compute as pc
 import pytest
 import yaml
 
-from pipelines.tables import derive_requests
+from replay.derive import derive_requests
 from replay.blis import (
     MODELLED_COLUMNS,
     UNMODELLED_COLUMNS,

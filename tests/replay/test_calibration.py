@@ -18,9 +18,10 @@ try:  # the dev extra pins PyTorch (`make env`): these CPU tests always run, nev
 except ImportError as exc:  # pragma: no cover
     raise ImportError("PyTorch is missing: `make env` (pip install -e '.[dev]') installs the pinned torch==2.13.0") from exc
 
-from pipelines.tables import derive_requests  # noqa: E402
+from replay.derive import derive_requests  # noqa: E402
 from replay.config import EngineConfig  # noqa: E402
-from replay.costmodel import StepShape, make_cost_model  # noqa: E402
+from replay.cost_models import make_cost_model  # noqa: E402
+from replay.costmodel import StepShape  # noqa: E402
 from replay.errors import ReplayError  # noqa: E402
 from replay.measured.fit import (  # noqa: E402
     FittedProfileConfig,

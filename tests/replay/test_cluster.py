@@ -176,7 +176,7 @@ def test_identical_inputs_give_byte_identical_events_and_manifest(tmp_path):
 
 
 def test_fast_and_reference_modes_route_and_time_every_request_alike(tmp_path):
-    from pipelines.tables import derive_requests
+    from replay.derive import derive_requests
 
     config = cluster_config(3, router="least-outstanding-tokens", scaling=[ScaleStep(at_s=0.3, delta=1)],
                             delays=ScalingDelays(startup_s=0.1, weight_load_s=0.1, cache_warm_s=0.0))
@@ -211,7 +211,7 @@ TRACE_CASES = {
 
 @pytest.mark.parametrize("case", list(TRACE_CASES))
 def test_fast_and_reference_modes_agree_on_traces(shared, tmp_path, case):
-    from pipelines.tables import derive_requests
+    from replay.derive import derive_requests
     from replay.traces import read_trace
     from replay.workload import scale_rate
 

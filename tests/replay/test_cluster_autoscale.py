@@ -99,7 +99,7 @@ def test_the_autoscaler_never_sees_the_future(tmp_path):
 
 
 def test_fast_and_reference_modes_scale_alike_on_a_trace(shared, tmp_path):
-    from pipelines.tables import derive_requests
+    from replay.derive import derive_requests
     from replay.traces import read_trace
     from replay.workload import scale_rate
 

@@ -97,7 +97,7 @@ def test_a_request_cancelled_while_its_kv_is_in_transit_ends_once_where_it_was_g
 
 
 def test_fast_and_reference_modes_agree_when_disaggregated(tmp_path):
-    from pipelines.tables import derive_requests
+    from replay.derive import derive_requests
 
     n = 300
     w = make_workload([i * 4 * MS for i in range(n)], [100 + 53 * (i % 29) for i in range(n)], [1 + 7 * (i % 19) for i in range(n)],
@@ -147,7 +147,7 @@ def test_disaggregated_configurations_that_cannot_run_are_refused():
 
 
 def test_fast_and_reference_modes_agree_on_the_azure_trace_when_disaggregated(shared, tmp_path):
-    from pipelines.tables import derive_requests
+    from replay.derive import derive_requests
     from replay.traces import read_trace
     from replay.workload import scale_rate
 

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from pipelines.tables import derive_requests
+from replay.derive import derive_requests
 from replay.cluster import (
     InstanceFailure,
     MigrationStep,

@@ -16,11 +16,11 @@ from replay.costmodel import (
     RooflineCostModel,
     StepShape,
     floor_sum,
-    make_cost_model,
     prefill_time_ns,
     search_run,
     single_line_run,
 )
+from replay.cost_models import make_cost_model
 from replay.errors import ReplayError
 
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipelines.tables import derive_requests
+from replay.derive import derive_requests
 from replay.config import EngineConfig, instance_config
 from replay.costmodel import ConstantCostConfig, RooflineCostModel, StepShape, prefill_time_ns
 from replay.errors import ReplayError

@@ -289,7 +289,7 @@ def _agg_and_disagg(tmp_path):
 def test_a_disaggregated_run_counts_its_hand_offs_as_migrations_not_preemptions(tmp_path):
     import pyarrow.compute as pc
 
-    from pipelines.tables import derive_requests
+    from replay.derive import derive_requests
 
     n, agg, dis = _agg_and_disagg(tmp_path)
     events = pq.read_table(dis.events_path)

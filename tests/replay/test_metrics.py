@@ -5,7 +5,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from pipelines.tables import derive_requests
+from replay.derive import derive_requests
 from privacy.views import TenantScope
 from replay.metrics import ClassObjectives, CostConfig, MetricsConfig, TenantWeight, run_metrics, tenant_metrics
 from schemas.arrow import events_to_table

@@ -8,7 +8,8 @@ import math
 import pytest
 
 from replay.config import instance_config
-from replay.costmodel import TICKS_PER_NS, CostModelBase, StepShape, make_cost_model
+from replay.cost_models import make_cost_model
+from replay.costmodel import TICKS_PER_NS, CostModelBase, StepShape
 from replay.profiles import ProfileCostModel
 from servelens.errors import DataNotFoundError
 

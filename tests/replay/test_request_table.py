@@ -1,4 +1,4 @@
-"""The replay's own request table (replay.request_table) equals the derivation (pipelines.tables) over the same events.
+"""The replay's own request table (replay.request_table) equals the derivation (replay.derive) over the same events.
 
 Every replay through ``tests/replay/conftest.run`` is compared too; here, the cases that stress it: real traces
 with the shipped calibration (client-side columns, async scheduling), fast and reference modes, tiny event
@@ -15,7 +15,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.tables import derive_requests
+from replay.derive import derive_requests
 from replay.abuse import TWO_CLASS_TENANCY
 from replay.calibration import default_calibration
 from replay.cluster import ClusterConfig, InstanceFailure, run_cluster_replay

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.tables import derive_requests
+from replay.derive import derive_requests
 from replay.cluster import ClusterConfig, ScaleStep, ScalingDelays, cluster_config, run_cluster_replay
 from replay.config import instance_config
 from replay.errors import ReplayError

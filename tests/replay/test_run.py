@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.tables import derive_requests
+from replay.derive import derive_requests
 from replay.request import Request
 from schemas.events import SCHEMA_VERSION
 from replay.run import ReplayProgress, run_replay

@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 
 from replay.config import EngineConfig, ModelConfig, SpeculativeConfig, instance_config
-from replay.costmodel import ConstantCostConfig, RooflineCostModel, StepShape, make_cost_model
+from replay.cost_models import make_cost_model
+from replay.costmodel import ConstantCostConfig, RooflineCostModel, StepShape
 from replay.errors import ReplayError
 from replay.policies.base import POLICIES, AdmissionDecision, Policy
 from replay.speculative import SpeculativeCostModel, step_advance, tokens_after_steps
