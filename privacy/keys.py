@@ -56,7 +56,7 @@ class KeyRing:
 
     active_id: str
     secrets: Mapping[str, bytes] = field(repr=False)
-    _macs: dict = field(init=False, repr=False, compare=False, default_factory=dict)
+    _macs: dict[str, hmac.HMAC] = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         # a keyed HMAC state per key, copied per message: half the cost of a fresh HMAC each time

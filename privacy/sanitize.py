@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -88,6 +89,8 @@ class KeyId:
 
 
 Policy = Pseudonym | Dimension | FreeText | Unchanged | KeyedInts | KeyId
+#: Maps a column's distinct values (and how often each occurs) to their stored values, in order.
+ColumnMapper = Callable[[list[Any], np.ndarray], list[Any]]
 
 #: The policy of every text-bearing field of the lake schema; numbers and booleans are unchanged.
 #: A string field without an entry here fails at import (see ``_POLICIES`` below).
@@ -166,7 +169,7 @@ def bounded_columns(config: PrivacyConfig) -> dict[str, int]:
     """Each scalar lake column whose values form a bounded dimension, with its budget."""
     budgets = dimension_budgets(config)
     return {name: budgets[policy.dimension] for name, policy in FIELD_POLICIES.items()
-            if getattr(policy, "dimension", None) and not pa.types.is_list(EVENTS_SCHEMA.field(name).type)}
+            if isinstance(policy, (Pseudonym, Dimension)) and policy.dimension and not pa.types.is_list(EVENTS_SCHEMA.field(name).type)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +184,7 @@ class PrivacyReport:
     cells_suppressed: int = 0
     labels_refused: Mapping[str, int] = field(default_factory=dict)  # per dimension: not a label's shape, or PII found
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "num_events": self.num_events,
             "fields_dropped": dict(self.fields_dropped),
@@ -193,7 +196,7 @@ class PrivacyReport:
         }
 
 
-class _BoundedCache(OrderedDict):
+class _BoundedCache(OrderedDict[Any, Any]):
     """A small LRU map (pseudonyms of recently seen ids, shown labels)."""
 
     def __init__(self, size: int) -> None:
@@ -216,7 +219,7 @@ def _as_array(column: pa.ChunkedArray | pa.Array) -> pa.Array:
     return column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
 
 
-def _map_distinct(values: pa.Array, mapper: Callable[[list, np.ndarray], list]) -> pa.Array:
+def _map_distinct(values: pa.Array, mapper: ColumnMapper) -> pa.Array:
     """Apply ``mapper(distinct values, their counts) -> new values`` and spread the result back."""
     encoded = pc.dictionary_encode(values)
     uniques = encoded.dictionary.to_pylist()
@@ -226,7 +229,7 @@ def _map_distinct(values: pa.Array, mapper: Callable[[list, np.ndarray], list]) 
     return pc.take(new_dictionary, indices)
 
 
-def _map_column(column: pa.ChunkedArray | pa.Array, mapper: Callable[[list, np.ndarray], list]) -> pa.Array:
+def _map_column(column: pa.ChunkedArray | pa.Array, mapper: ColumnMapper) -> pa.Array:
     """``_map_distinct`` over a scalar column or over the items of a list column."""
     array = _as_array(column)
     if not pa.types.is_list(array.type):
@@ -276,12 +279,12 @@ class Sanitizer:
 
     # -- policies -------------------------------------------------------------------------------
 
-    def _pseudonymize(self, policy: Pseudonym) -> Callable[[list, np.ndarray], list]:
+    def _pseudonymize(self, policy: Pseudonym) -> ColumnMapper:
         ring, kind, width = self.keyring, policy.kind, policy.hex_chars
         cache = None if kind == "ev" else self._pseudonyms.setdefault(kind, _BoundedCache(200_000))
         dimension = self.dimensions.get(policy.dimension) if policy.dimension else None
 
-        def mapper(uniques: list, counts: np.ndarray) -> list:
+        def mapper(uniques: list[Any], counts: np.ndarray) -> list[Any]:
             if cache is None:  # event ids are unique: caching them would only churn
                 out = ring.pseudonyms(kind, uniques, hex_chars=width)
             else:
@@ -293,7 +296,7 @@ class Sanitizer:
 
         return mapper
 
-    def _fold(self, dimension: BoundedDimension, values: list, counts: np.ndarray) -> list:
+    def _fold(self, dimension: BoundedDimension, values: list[Any], counts: np.ndarray) -> list[Any]:
         weights: dict[str, int] = {}
         for value, count in zip(values, counts):
             if value is not None and count:
@@ -335,24 +338,24 @@ class Sanitizer:
             return OTHER
         return kept
 
-    def _dimension(self, policy: Dimension, budget: list[int]) -> Callable[[list, np.ndarray], list]:
+    def _dimension(self, policy: Dimension, budget: list[int]) -> ColumnMapper:
         dimension = self.dimensions[policy.dimension]
         max_chars = self.config.label_max_chars
 
-        def mapper(uniques: list, counts: np.ndarray) -> list:
+        def mapper(uniques: list[Any], counts: np.ndarray) -> list[Any]:
             cut = [None if v is None else self._shape(policy, v[: max_chars * 4]) for v in uniques]
             folded = self._fold(dimension, cut, counts)
             return [None if v is None else OTHER if v == OTHER else self._label(v, budget, policy) for v in folded]
 
         return mapper
 
-    def _free_text(self, budget: list[int]) -> Callable[[list, np.ndarray], list]:
+    def _free_text(self, budget: list[int]) -> ColumnMapper:
         max_chars = self.config.text_max_chars
         return lambda uniques, counts: [
             None if v is None else self.scrubber.scrub(clean_text(v, max_chars), budget) for v in uniques
         ]
 
-    def _keyed_ints(self, policy: KeyedInts) -> Callable[[list, np.ndarray], list]:
+    def _keyed_ints(self, policy: KeyedInts) -> ColumnMapper:
         ring = self.keyring
         return lambda uniques, counts: [None if v is None else ring.remap_int(policy.kind, v) for v in uniques]
 
@@ -411,13 +414,13 @@ class Sanitizer:
 
 
 def sanitize_records(
-    sanitizer: Sanitizer, records: Iterable[dict]
+    sanitizer: Sanitizer, records: Iterable[dict[str, Any]]
 ) -> tuple[pa.Table, list[int]]:
     """Validate raw wire records, sanitize the valid ones; return (table, numbers of invalid records)."""
     from schemas.arrow import events_to_table
     from schemas.validate import validate_record
 
-    events, invalid, dropped = [], [], Counter()
+    events, invalid, dropped = [], [], Counter[str]()
     for number, record in enumerate(records, start=1):
         result = validate_record(record, number)
         if result.event is None:

@@ -34,6 +34,7 @@ import re
 from pathlib import Path
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 REDACTED = "<REDACTED>"
 _LABEL_UNSAFE = re.compile(r"[^A-Za-z0-9._:/@+=\-]")
@@ -89,7 +90,7 @@ def _ner_error(ner_model: str | None, why: str) -> Exception:
     )
 
 
-def _build_analyzer(ner_model: str | None):
+def _build_analyzer(ner_model: str | None) -> Any:
     # tldextract (used by Presidio's e-mail recognizer) would fetch the public suffix list over the
     # network; with no URLs it uses the snapshot it ships.
     os.environ.setdefault("TLDEXTRACT_PUBLIC_SUFFIX_LIST_URLS", "")
@@ -136,7 +137,7 @@ def _redact(text: str, spans: list[tuple[int, int, str]]) -> ScrubResult:
     if not spans:
         return ScrubResult(text, ())
     spans.sort(key=lambda s: (s[0], -(s[1] - s[0])))
-    merged: list[list] = []
+    merged: list[list[Any]] = []
     for start, end, entity in spans:
         if merged and start < merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], end)
@@ -156,10 +157,10 @@ class _Engine:
 
     def __init__(self, ner_model: str | None) -> None:
         self.ner_model = ner_model or None
-        self.analyzer = None
+        self.analyzer: Any = None  # presidio_analyzer.AnalyzerEngine, built on first use
         self.entities: dict[bool, list[str]] = {}
 
-    def get(self, labels: bool):
+    def get(self, labels: bool) -> tuple[Any, list[str]]:
         if self.analyzer is None:
             self.analyzer = _build_analyzer(self.ner_model)
             supported = set(self.analyzer.get_supported_entities("en"))
@@ -189,11 +190,11 @@ class Scrubber:
                         labels=True, _engine=self._engine)
 
     @property
-    def _analyzer(self):
+    def _analyzer(self) -> Any:
         return self._engine.analyzer
 
     @_analyzer.setter
-    def _analyzer(self, analyzer) -> None:  # benchmarks share one warm analyzer between sanitizers
+    def _analyzer(self, analyzer: Any) -> None:  # benchmarks share one warm analyzer between sanitizers
         self._engine.analyzer = analyzer
         supported = set(analyzer.get_supported_entities("en"))
         self._engine.entities = {False: sorted(supported - NOISY_ENTITIES), True: sorted(supported - NER_ENTITIES)}

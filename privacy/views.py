@@ -32,6 +32,7 @@ import numpy as np
 import pyarrow as pa
 
 from privacy.keys import KeyRing
+from privacy.sanitize import FIELD_POLICIES, Pseudonym
 
 
 def _quote(name: str) -> str:
@@ -111,9 +112,8 @@ class TenantScope:
     def for_tenant(cls, keyring: KeyRing, tenant: str) -> TenantScope:
         """A tenant's scope from its raw id (tenants beyond the tenant budget are stored as
         'other' and have no detail to scope: raise ``privacy.tenant_budget`` to keep them)."""
-        from privacy.sanitize import FIELD_POLICIES
-
         policy = FIELD_POLICIES["tenant"]
+        assert isinstance(policy, Pseudonym)
         return cls(keyring.pseudonyms_everywhere(policy.kind, tenant, hex_chars=policy.hex_chars))
 
     def where(self, column: str = "tenant") -> tuple[str, list[str]]:

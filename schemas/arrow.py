@@ -8,14 +8,13 @@ type that uses it (checked at import).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable
 from typing import Any
 
 import pyarrow as pa
 
 from schemas.events import EVENT_TYPES, SCHEMA_VERSION, Event
-from schemas.types import FieldSpec, field_specs
+from schemas.types import FieldSpec, cached_by_class, field_specs
 
 _ARROW_KIND: dict[str, pa.DataType] = {
     "string": pa.string(),
@@ -43,7 +42,7 @@ def arrow_field(spec: FieldSpec, *, nullable: bool | None = None) -> pa.Field:
     )
 
 
-@functools.cache
+@cached_by_class
 def arrow_schema(cls: type) -> pa.Schema:
     """The Arrow schema mirroring one record class field by field."""
     name = getattr(cls, "EVENT_TYPE", "") or getattr(cls, "TABLE", cls.__name__)

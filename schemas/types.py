@@ -12,7 +12,8 @@ import functools
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar, cast
 
 #: Scalar kinds a record field may have.
 Kind = Literal["string", "int", "float", "bool"]
@@ -55,6 +56,15 @@ class FieldSpec:
         return f"{base} or null" if self.nullable else base
 
 
+_T = TypeVar("_T")
+
+
+def cached_by_class(fn: Callable[[type], _T]) -> Callable[[type], _T]:
+    """``functools.cache`` for a function of a record class (the type checker does not see classes as
+    hashable)."""
+    return cast(Callable[[type], _T], functools.cache(fn))
+
+
 def _unwrap(annotation: Any) -> tuple[Any, bool]:
     """Strip ``X | None``; return (inner annotation, nullable)."""
     args = typing.get_args(annotation)
@@ -66,7 +76,7 @@ def _unwrap(annotation: Any) -> tuple[Any, bool]:
     return annotation, False
 
 
-def _spec(f: dataclasses.Field, annotation: Any) -> FieldSpec:
+def _spec(f: dataclasses.Field[Any], annotation: Any) -> FieldSpec:
     inner, nullable = _unwrap(annotation)
     is_list = typing.get_origin(inner) is list
     if is_list:
@@ -90,7 +100,7 @@ def _spec(f: dataclasses.Field, annotation: Any) -> FieldSpec:
     )
 
 
-@functools.cache
+@cached_by_class
 def field_specs(cls: type) -> tuple[FieldSpec, ...]:
     """The record's fields, in declaration order."""
     hints = typing.get_type_hints(cls)

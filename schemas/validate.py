@@ -186,8 +186,8 @@ def _consistency_errors(values: dict[str, Any]) -> list[FieldError]:
 def validate_record(record: Any, number: int = 0) -> RecordResult:
     """Check one decoded record; return the typed event or every error found."""
     if not isinstance(record, dict):
-        err = FieldError(NOT_AN_OBJECT, "$", "a record must be a JSON object", type_name(record), "an object")
-        return RecordResult(number, None, (err,))
+        not_object = FieldError(NOT_AN_OBJECT, "$", "a record must be a JSON object", type_name(record), "an object")
+        return RecordResult(number, None, (not_object,))
     errors: list[FieldError] = []
     if "schema_version" not in record:
         errors.append(FieldError(MISSING_FIELD, "$.schema_version", "required field is missing"))
@@ -247,7 +247,7 @@ def _iter_jsonl(path: Path) -> Iterator[RecordResult]:
                 continue
             record, reason, message = decode_json(line)
             if reason:
-                yield RecordResult(number, None, (FieldError(reason, "$", message),))
+                yield RecordResult(number, None, (FieldError(reason, "$", message or reason),))
             else:
                 yield validate_record(record, number)
 
@@ -384,4 +384,5 @@ def _parquet_event_tables(path: Path, batch_rows: int, ignored_fields: Counter[s
                 if name not in WIRE_SCHEMA.names and (count := n - table[name].null_count):
                     ignored_fields[name] += count
         number += n
+        assert clean is not None  # check_table gives a table whenever every row is valid
         yield clean.cast(EVENTS_SCHEMA)
