@@ -44,8 +44,11 @@ $(DEV): $(RUNTIME)
 demo: $(RUNTIME)
 	$(BIN)/servelens demo
 
-# The whole test suite (pytest exits non-zero when it collects no tests).
+# Lint, the type checker, then the whole test suite (the layering contract is tests/test_architecture.py;
+# pytest exits non-zero when it collects no tests).
 test: $(DEV)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest
 
 # The Dagster UI over the batch side (asset graph, partitions, checks, schedules) on 127.0.0.1:3000.

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Hashable
+from typing import Any
 
 
 class BlockPool:
@@ -38,7 +39,7 @@ class BlockPool:
             raise ValueError("a block pool needs at least one block")
         self.num_total = num_total
         self.num_free = num_total
-        self._queue: deque = deque([num_total])  # ints: anonymous runs; tuples: (key, stamp)
+        self._queue: deque[Any] = deque([num_total])  # ints: anonymous runs; tuples: (key, stamp)
         self._units: dict[Hashable, list[int]] = {}  # key -> [num_blocks, num_holders, stamp]
         self._stamp = 0
         self.num_evictions = 0

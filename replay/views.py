@@ -95,7 +95,7 @@ class RequestSequence(Sequence[RequestView]):
     def __getitem__(self, index: int) -> RequestView: ...
     @overload
     def __getitem__(self, index: slice) -> list[RequestView]: ...
-    def __getitem__(self, index):
+    def __getitem__(self, index: int | slice) -> RequestView | list[RequestView]:
         if isinstance(index, slice):
             return [r.view for r in list(self._items)[index]]
         return self._items[index].view
