@@ -45,6 +45,7 @@ from replay.derive import requests_sql
 from pipelines.tables import locked_connection, readable_dirs
 from privacy.views import KAnonymousResult, TenantScope, k_anonymous
 from replay.metrics import DEFAULT_CLASS, MetricsConfig
+from servelens.sql import sql_literal, sql_literal_list
 
 NS = 1_000_000_000
 #: The fixed, published time grid of every lake view (seconds, aligned to the epoch): time filters
@@ -72,14 +73,9 @@ DERIVED_FORMAT = 4
 DERIVED_COMPRESSION = "snappy"
 
 
-def sql_string(text: str) -> str:
-    """A SQL string literal (for file paths the dashboard itself chose; user values are parameters)."""
-    return "'" + text.replace("'", "''") + "'"
-
-
 def parquet_relation(files: Sequence[str | Path], *, hive: bool = False) -> str:
     """``read_parquet`` over files (``hive``: with the lake's dt/hour partition columns)."""
-    listed = ", ".join(sql_string(str(f)) for f in files)
+    listed = sql_literal_list([str(f) for f in files])
     extra = ", hive_partitioning = true, hive_types = {'dt': DATE, 'hour': INTEGER}" if hive else ""
     return f"read_parquet([{listed}], union_by_name = true{extra})"
 
@@ -281,7 +277,7 @@ def materialize_requests(event_files: Sequence[str | Path], out: str | Path, *, 
     """
     try:
         rows = _write_parquet(con.sql(query).to_arrow_reader(_ROW_GROUP_ROWS), tmp)
-        check_one_row_per_request(con, f"read_parquet({sql_string(str(tmp))})")
+        check_one_row_per_request(con, f"read_parquet({sql_literal(str(tmp))})")
         tmp.replace(out)
     finally:
         tmp.unlink(missing_ok=True)
@@ -403,7 +399,7 @@ def _selected(requests_path: str | Path, selection: Selection, scope: TenantScop
     relation = (
         f"(SELECT *, coalesce(service_class, '{DEFAULT_CLASS}') AS class_name, "
         f"{CROWD_ID} AS crowd_member "
-        f"FROM read_parquet({sql_string(str(requests_path))}) WHERE {' AND '.join(clauses)})"
+        f"FROM read_parquet({sql_literal(str(requests_path))}) WHERE {' AND '.join(clauses)})"
     )
     if k is None or scope is not None:
         return relation, params
@@ -428,7 +424,7 @@ class RequestsOverview:
 def requests_overview(requests_path: str | Path) -> RequestsOverview:
     """Row count, arrival range, classes and instances of a derived request file."""
     con = query_connection(requests_path)
-    source = f"read_parquet({sql_string(str(requests_path))})"
+    source = f"read_parquet({sql_literal(str(requests_path))})"
     n, first, last = con.execute(f"SELECT count(*), min(arrival_ns), max(arrival_ns) FROM {source} WHERE arrival_ns IS NOT NULL").fetchone()
     classes = [r[0] for r in con.execute(f"SELECT DISTINCT coalesce(service_class, '{DEFAULT_CLASS}') FROM {source} ORDER BY 1").fetchall()]
     instances = [r[0] for r in con.execute(f"SELECT DISTINCT instance_id FROM {source} WHERE instance_id IS NOT NULL ORDER BY 1").fetchall()]
@@ -843,7 +839,7 @@ def tenant_pseudonyms_present(requests_path: str | Path, scope: TenantScope) -> 
     """How many of the viewer's requests the file holds (0: the tenant is absent or folded into 'other')."""
     predicate, params = scope.where("tenant")
     con = query_connection(requests_path)
-    (n,) = con.execute(f"SELECT count(*) FROM read_parquet({sql_string(str(requests_path))}) WHERE {predicate}",
+    (n,) = con.execute(f"SELECT count(*) FROM read_parquet({sql_literal(str(requests_path))}) WHERE {predicate}",
                        params).fetchone()
     return int(n)
 

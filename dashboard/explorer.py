@@ -27,11 +27,12 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from dashboard.data import NS, BIN_LADDER_S, TimeWindow, parquet_relation, sql_string
+from dashboard.data import NS, BIN_LADDER_S, TimeWindow, parquet_relation
 from pipelines.tables import locked_connection, readable_dirs
 from privacy.sanitize import FIELD_POLICIES
 from privacy.views import TenantScope
 from schemas.events import LIFECYCLE_RANK
+from servelens.sql import sql_literal
 
 #: How long after a window's end a step that started in it may end (a coalesced run of decode steps).
 STEP_MARGIN_NS = 600 * NS
@@ -146,7 +147,7 @@ def candidate_requests(requests_path: str | Path, visibility: Visibility, *, win
         clauses.append("coalesce(service_class, 'default') = ?")
         params.append(service_class)
     query = (f"SELECT request_id, arrival_ns, coalesce(service_class, 'default') AS service_class, outcome, ttft_s, e2e_s, "
-             f"queue_s, num_preemptions FROM read_parquet({sql_string(str(requests_path))}) "
+             f"queue_s, num_preemptions FROM read_parquet({sql_literal(str(requests_path))}) "
              f"WHERE {' AND '.join(clauses)} ORDER BY {orders.get(order, orders['ttft'])}, request_id LIMIT {int(limit)}")
     return locked_connection(readable_dirs(requests_path)).sql(query, params=params).to_arrow_table()
 
@@ -156,7 +157,7 @@ def find_request(requests_path: str | Path, request_id: str, visibility: Visibil
     are indistinguishable on purpose)."""
     predicate, params = visibility.predicate()
     fields = RequestSummary.__dataclass_fields__
-    query = (f"SELECT {', '.join(fields)} FROM read_parquet({sql_string(str(requests_path))}) "
+    query = (f"SELECT {', '.join(fields)} FROM read_parquet({sql_literal(str(requests_path))}) "
              f"WHERE request_id = ? AND arrival_ns IS NOT NULL AND {predicate} LIMIT 1")
     rows = locked_connection(readable_dirs(requests_path)).execute(query, [request_id, *params]).fetchall()
     if not rows:

@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 from pipelines.lake import EVENTS, Lake
 from replay.derive import REQUESTS_SCHEMA, connect, requests_sql, typed_select
 from servelens.errors import ConfigError
+from servelens.sql import sql_literal, sql_literal_list
 
 DAY_NS = 86_400 * 1_000_000_000
 STEP_COLUMNS = ["event_type", "instance_id", "start_ns", "end_ns", "request_ids", "request_num_tokens"]
@@ -49,10 +50,6 @@ def day_start_ns(day: str) -> int:
 
 def _day_files(lake: Lake, *days: str) -> list[str]:
     return [f for f in lake.files(EVENTS) if any(f"dt={day}" in f for day in days)]
-
-
-def _quoted(files: list[str]) -> str:
-    return ", ".join("'" + f.replace("'", "''") + "'" for f in files)
 
 
 def days_committed_since(table, version: int) -> list[str]:
@@ -77,10 +74,10 @@ def request_table_for_day(lake: Lake, day: str, out_dir: Path) -> TableWritten:
         return TableWritten(path, 0)
     start = day_start_ns(day)
     con = connect(lake.config.duckdb_memory_limit)
-    source = f"read_parquet([{_quoted(files)}], union_by_name = true)"
+    source = f"read_parquet([{sql_literal_list(files)}], union_by_name = true)"
     query = typed_select(REQUESTS_SCHEMA, f"SELECT * FROM ({requests_sql(source)}) WHERE arrival_ns >= {start} "
                          f"AND arrival_ns < {start + DAY_NS}", "arrival_ns, request_id")
-    (count,) = con.execute(f"COPY ({query}) TO '{path}' (FORMAT parquet, COMPRESSION zstd)").fetchone()
+    (count,) = con.execute(f"COPY ({query}) TO {sql_literal(str(path))} (FORMAT parquet, COMPRESSION zstd)").fetchone()
     return TableWritten(path, count)
 
 
@@ -95,9 +92,9 @@ def step_table_for_day(lake: Lake, day: str, out_dir: Path) -> TableWritten:
         pq.write_table(pa.schema([EVENTS_SCHEMA.field(c) for c in STEP_COLUMNS]).empty_table(), path)
         return TableWritten(path, 0)
     con = connect(lake.config.duckdb_memory_limit)
-    query = (f"SELECT {', '.join(STEP_COLUMNS)} FROM read_parquet([{_quoted(files)}], union_by_name = true) "
+    query = (f"SELECT {', '.join(STEP_COLUMNS)} FROM read_parquet([{sql_literal_list(files)}], union_by_name = true) "
              "WHERE event_type = 'step_executed' ORDER BY end_ns")
-    (count,) = con.execute(f"COPY ({query}) TO '{path}' (FORMAT parquet, COMPRESSION zstd)").fetchone()
+    (count,) = con.execute(f"COPY ({query}) TO {sql_literal(str(path))} (FORMAT parquet, COMPRESSION zstd)").fetchone()
     return TableWritten(path, count)
 
 

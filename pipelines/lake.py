@@ -41,6 +41,7 @@ from schemas.arrow import EVENTS_SCHEMA, arrow_schema
 from schemas.records import DeadLetter
 from schemas.validate import detect_format, iter_event_tables
 from servelens.errors import ServelensError
+from servelens.sql import sql_literal_list
 
 EVENTS = "events"
 DEAD_LETTERS = "dead_letters"
@@ -271,7 +272,7 @@ class Lake:
         for name in TABLE_SCHEMAS:
             files = self.files(name)
             if files:
-                listed = ", ".join("'" + f.replace("'", "''") + "'" for f in files)
+                listed = sql_literal_list(files)
                 source = (f"read_parquet([{listed}], hive_partitioning = true, "
                           "hive_types = {'dt': DATE, 'hour': INTEGER}, union_by_name = true)")
                 if name == EVENTS:  # files written under an older minor version lack the newer fields

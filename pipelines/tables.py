@@ -14,7 +14,8 @@ from pathlib import Path
 
 import duckdb
 
-from replay.derive import connect, sql_literal
+from replay.derive import connect
+from servelens.sql import sql_literal
 
 
 class ReadOnlyViolation(ValueError):

@@ -33,10 +33,7 @@ import pyarrow as pa
 
 from privacy.keys import KeyRing
 from privacy.sanitize import FIELD_POLICIES, Pseudonym
-
-
-def _quote(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'
+from servelens.sql import sql_identifier
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,17 +75,17 @@ def k_anonymous(
     its tests). The tenant threshold is counted distinct either way.
     """
     min_tenants = k if min_tenants is None else min_tenants
-    num_requests = "count(*)" if one_row_per_request else f"count(DISTINCT {_quote(request_column)})"
-    group = ", ".join(_quote(c) for c in by)
-    metrics = ", ".join(f"{expr} AS {_quote(name)}" for name, expr in aggregates.items())
+    num_requests = "count(*)" if one_row_per_request else f"count(DISTINCT {sql_identifier(request_column)})"
+    group = ", ".join(sql_identifier(c) for c in by)
+    metrics = ", ".join(f"{expr} AS {sql_identifier(name)}" for name, expr in aggregates.items())
     filtered = f"WHERE {where}" if where else ""
     inner = (
-        f"SELECT {group}{', ' if group else ''}count(DISTINCT {_quote(tenant_column)}) AS num_tenants, "
+        f"SELECT {group}{', ' if group else ''}count(DISTINCT {sql_identifier(tenant_column)}) AS num_tenants, "
         f"{num_requests} AS num_requests{', ' if metrics else ''}{metrics} "
         f"FROM {relation} {filtered} {'GROUP BY ' + group if group else ''}"
     )
     small = f"(num_tenants < {int(min_tenants)} OR num_requests < {int(k)})"
-    hidden = ", ".join(f"CASE WHEN {small} THEN NULL ELSE {_quote(n)} END AS {_quote(n)}" for n in aggregates)
+    hidden = ", ".join(f"CASE WHEN {small} THEN NULL ELSE {sql_identifier(n)} END AS {sql_identifier(n)}" for n in aggregates)
     outer = (
         f"SELECT {group}{', ' if group else ''}"
         f"CASE WHEN {small} THEN NULL ELSE num_tenants END AS num_tenants, "
@@ -119,7 +116,7 @@ class TenantScope:
     def where(self, column: str = "tenant") -> tuple[str, list[str]]:
         """A SQL predicate (with parameters) restricting rows to this tenant."""
         marks = ", ".join("?" for _ in self.pseudonyms)
-        return f"{_quote(column)} IN ({marks})", sorted(self.pseudonyms)
+        return f"{sql_identifier(column)} IN ({marks})", sorted(self.pseudonyms)
 
 
 def coarsen_ns(timestamps_ns: np.ndarray, quantum_ns: int) -> np.ndarray:

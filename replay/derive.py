@@ -21,6 +21,7 @@ import pyarrow as pa
 
 from schemas.arrow import EVENTS_SCHEMA, arrow_schema
 from schemas.records import RequestRow
+from servelens.sql import sql_literal, sql_literal_list
 
 EventSource = pa.Table | str | Path | Sequence[str | Path]
 
@@ -168,18 +169,13 @@ def connect(memory_limit: str | None = None) -> duckdb.DuckDBPyConnection:
     return con
 
 
-def sql_literal(text: str) -> str:
-    """``text`` as a SQL string literal (quotes doubled)."""
-    return "'" + text.replace("'", "''") + "'"
-
-
 def _source_sql(con: duckdb.DuckDBPyConnection, source: EventSource) -> str:
     """Register the events and return the SQL relation that reads them (every contract column present)."""
     if isinstance(source, pa.Table):
         con.register("events_input", source)
         return with_all_columns(con, "events_input")
     paths = [source] if isinstance(source, (str, Path)) else list(source)
-    files = ", ".join(sql_literal(str(p)) for p in paths)
+    files = sql_literal_list([str(p) for p in paths])
     return with_all_columns(con, f"read_parquet([{files}], union_by_name = true)")
 
 
