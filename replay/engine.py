@@ -98,6 +98,23 @@ class _Flight:
         self.leases: list[int] | None = None  # their lease generations when planned (Engine.track_leases)
 
 
+class _StepTally:
+    """What a step's scheduled requests add up to (``Engine._advance_scheduled``): the step event's
+    composition, the tokens served per request (for a policy's ``observe_step``), and the requests
+    that hand off (a prefill instance) or join the lockstep set once the step is over."""
+
+    __slots__ = ("ids", "per", "served", "num_prefill", "num_decode", "joiners", "handoffs")
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+        self.per: list[int] = []
+        self.served: list[int] = []
+        self.num_prefill = 0
+        self.num_decode = 0  # the lockstep set's sequences and the scheduled decodes'
+        self.joiners: list[Request] = []
+        self.handoffs: list[Request] = []
+
+
 class EngineStats:
     """Counters of one instance's replay."""
 
@@ -993,33 +1010,57 @@ class Engine:
             self._schedule()
 
     def _complete_flight(self) -> None:
-        """Apply the flight's results at its end: progress, tokens, finishes, the step event."""
+        """Apply the flight's results at its end, in phases: the lockstep set's progress, the scheduled
+        requests' progress and tokens, the policy's observation, the finishes, the step event, the
+        handoffs of a prefill instance, and the decoders' (re)joining of the lockstep set."""
         f = self._flight
         if f.lockstep and not f.scheduled and self._short_completion:
             self._complete_run(f)
             return
         now = self.kernel.now_ns
-        writer = self.writer
-        iid = self.instance_id
-        lock = self._lock
+        finished = self._advance_lockstep(f, now)
+        tally = self._advance_scheduled(f, now, finished)
+        if self._report_steps:  # before finishing: finished requests drop their views
+            self._observe_step(f, tally.served)
+        for r, outcome in finished:
+            self._finish(r, now, outcome, "failed in the recorded trace" if outcome == "error" else None)
+        self._emit_step(f, now, tally)
+        for r in tally.handoffs:  # after the step: its KV leaves with it
+            self.handoff(r, self.release(r, True))
+        if self.fast:
+            self._rejoin_lockstep(f, tally.joiners)
+        if self.check:
+            self.check_invariants()
+        self._flush_countdown -= 1
+        if self._flush_countdown <= 0:
+            self._flush_if_full()
+
+    def _advance_lockstep(self, f: _Flight, now: int) -> list[tuple[Request, str]]:
+        """Phase 1: the lockstep set's clock advances by the flight's steps not yet applied (its run
+        event is written); returns its members that finished, as [(request, outcome)]."""
         finished: list[tuple[Request, str]] = []
         if f.lockstep and f.snapshot is not None:
+            lock = self._lock
             lock.ticks += f.num_steps - f.num_applied
             lock.ahead = 0
             if lock.members:
-                writer.runs.append((lock.snapshot or lock.current_snapshot(), now, f.num_steps, lock.ticks, f.num_steps > 1, iid))
+                self.writer.runs.append((lock.snapshot or lock.current_snapshot(), now, f.num_steps, lock.ticks,
+                                         f.num_steps > 1, self.instance_id))
             if lock.heap and lock.heap[0][0] <= lock.ticks:
                 finished.extend((r, "completed") for r in lock.pop_finished())
-        ids: list[str] = []
-        per: list[int] = []
-        served: list[int] = []  # tokens served per request, for observe_step
+        return finished
+
+    def _advance_scheduled(self, f: _Flight, now: int, finished: list[tuple[Request, str]]) -> _StepTally:
+        """Phase 2: each request scheduled one by one gains its computed tokens and, when it sampled, its
+        output tokens (delivered now); those done are added to ``finished``. Returns the step's tally
+        (its composition, the requests that hand off or join the lockstep set)."""
+        writer, iid, report, targets = self.writer, self.instance_id, self._report_steps, self._targets
+        tokens = writer.tokens
+        leases = f.leases
+        tally = _StepTally()
+        ids, per, served, joiners, handoffs = tally.ids, tally.per, tally.served, tally.joiners, tally.handoffs
         num_prefill = 0
         num_decode = f.snapshot.num_seqs if f.snapshot is not None else 0
-        targets = self._targets
-        tokens = writer.tokens
-        joiners: list[Request] = []
-        handoffs: list[Request] = []
-        leases = f.leases
         for i, (r, m) in enumerate(f.scheduled):
             ids.append(r.request_id)
             if r.first_step_ns is None:  # the first step event that lists it (the request table's scheduled_ns)
@@ -1030,7 +1071,7 @@ class Engine:
             spec = decode and r.num_speculative_tokens
             n = r.num_branches if decode else m
             per.append((spec + 1) * n if spec else n)  # a speculating decode processes k_r + 1 tokens per branch
-            if self._report_steps:
+            if report:
                 served.append(m * n if spec else n)  # a speculating decode serves its accepted tokens
             if decode:
                 num_decode += n
@@ -1065,40 +1106,39 @@ class Engine:
                 handoffs.append(r)
             elif self.fast and (r.num_branches == 1 or r.num_computed > r.num_prompt_tokens):
                 joiners.append(r)
-        if self._report_steps:  # before finishing: finished requests drop their views
-            members = [r for r in f.snapshot.requests if r.view is not None] if f.snapshot is not None else []
-            views = [r.view for r in members] + [r.view for r, _ in f.scheduled if r.view is not None]
-            counts = [r.num_branches for r in members] + [c for (r, _), c in zip(f.scheduled, served) if r.view is not None]
-            self.policy.observe_step(self.view, views, counts, f.num_steps - f.num_applied)
-        for r, outcome in finished:
-            self._finish(r, now, outcome, "failed in the recorded trace" if outcome == "error" else None)
+        tally.num_prefill, tally.num_decode = num_prefill, num_decode
+        return tally
+
+    def _observe_step(self, f: _Flight, served: list[int]) -> None:
+        """Phase 3 (a policy that wants step reports): the requests the flight served and their tokens."""
+        members = [r for r in f.snapshot.requests if r.view is not None] if f.snapshot is not None else []
+        views = [r.view for r in members] + [r.view for r, _ in f.scheduled if r.view is not None]
+        counts = [r.num_branches for r in members] + [c for (r, _), c in zip(f.scheduled, served) if r.view is not None]
+        self.policy.observe_step(self.view, views, counts, f.num_steps - f.num_applied)
+
+    def _emit_step(self, f: _Flight, now: int, tally: _StepTally) -> None:
+        """Phase 4: the step event (its composition and the KV pool after it); the flight is over."""
         pool = self.pool
-        writer.steps.append(
-            (iid, self._step_index, f.start_ns, now, f.num_steps, num_prefill, num_decode, f.snapshot or NO_MEMBERS,
-             ids, per, pool.num_total - pool.num_free, pool.num_free)
+        self.writer.steps.append(
+            (self.instance_id, self._step_index, f.start_ns, now, f.num_steps, tally.num_prefill, tally.num_decode,
+             f.snapshot or NO_MEMBERS, tally.ids, tally.per, pool.num_total - pool.num_free, pool.num_free)
         )
         self._step_index += 1
         self.stats.num_step_events += 1
         self.stats.busy_ns += now - f.start_ns  # the step event's end - start
         self._flight = None
         self._last_start_ns, self._last_end_ns = f.prev_end_ns, now
-        for r in handoffs:  # after the step: its KV leaves with it
-            self.handoff(r, self.release(r, True))
-        if self.fast:
-            if not f.lockstep:  # after a request-by-request pass, decoders rejoin the lockstep set
-                for r in self.running:
-                    if r.lock is None and r.num_tokens - r.num_computed == 1 and (
-                        r.num_computed > r.num_prompt_tokens or (r.num_branches == 1 and r.num_computed >= r.num_prompt_tokens)
-                    ):
-                        self._join(r)
-            else:
-                for r in joiners:
-                    self._join(r)
-        if self.check:
-            self.check_invariants()
-        self._flush_countdown -= 1
-        if self._flush_countdown <= 0:
-            self._flush_if_full()
+
+    def _rejoin_lockstep(self, f: _Flight, joiners: list[Request]) -> None:
+        """Phase 5 (fast mode): decoders join the lockstep set; after a request-by-request pass, every
+        running decoder outside it does."""
+        if f.lockstep:
+            for r in joiners:
+                self._join(r)
+            return
+        for r in self.running:
+            if r.lock is None and r.is_decoding and (r.num_branches == 1 or r.num_computed > r.num_prompt_tokens):
+                self._join(r)
 
     def _flush_if_full(self) -> None:
         """Every 64 steps: hand the buffered events to the writer once they make a chunk."""
