@@ -589,83 +589,105 @@ class Engine:
         """
         if self.held or self._waiting_first:
             return False
-        lock, running, pool, bs = self._lock, self.running, self.pool, self.block_size
+        lock, running, pool = self._lock, self.running, self.pool
         num_lock = len(lock.members)
         budget = self.max_batched - lock.num_seqs
         if budget < 0:
             return False  # not every decode fits the budget
-        t = lock.ticks
-        need = lock.hist[t % bs] if num_lock else 0
+        need = lock.hist[lock.ticks % self.block_size] if num_lock else 0
         if num_lock and num_lock == len(running) and not self.waiting:
-            # the common case: the lockstep set alone, nobody waiting: a run
-            if need > pool.num_free:
-                return False
-            if need:
-                pool.allocate(need)
-            k, duration, last = self._plan_run(now, lock.num_seqs, lock.ctx_base + lock.num_seqs * t, need)
-            lock.ahead = k
-            end = now + duration
-            self._flight = _Flight(now, end, end - last, k, True, lock.snapshot or lock.current_snapshot(), ())
-            self.stats.num_steps += k
-            return True
+            return self._launch_lockstep_run(now, need)  # the common case: the lockstep set alone, nobody waiting
         scheduled: list[tuple[Request, int]] = []
         if len(running) > num_lock:
-            tail = running[num_lock:]
-            for q in tail:
-                if q.lock is not None:
-                    return False  # a prefilling request sits between decoders
-            planned: list[tuple[Request, int, int]] = []
-            tail_need = 0  # blocks the prefilling requests need
-            policy, view = self.policy, self.view
-            for q in tail:
-                if budget <= 0:
-                    break
-                left = q.num_tokens - q.num_computed
-                if left == 1 and q.num_computed >= q.num_prompt_tokens:
-                    m, cost = 1, q.num_branches
-                    if cost > budget:
-                        continue
-                else:
-                    self._budget[0] = budget
-                    m = policy.chunk_tokens(view, q.view, left, budget)
-                    if m <= 0:
-                        continue
-                    m = min(m, left, budget)
-                    cost = m
-                q_need = blocks_for(q, q.num_computed + m, bs) - q.num_blocks
-                tail_need += q_need
-                planned.append((q, m, q_need))
-                budget -= cost
-            if need + tail_need > pool.num_free:
-                return False  # someone must be preempted: the request-by-request pass decides whom
-            # allocate in the request-by-request pass's order: the decodes' blocks, then each request's
-            # before its units are cached (an allocation may evict a unit with the key it caches)
-            if need:
-                pool.allocate(need)
-            for q, m, q_need in planned:
-                if q_need > 0:
-                    pool.allocate(q_need)
-                    q.num_blocks += q_need
-                    q.num_anon_blocks += q_need
-                if q.next_unit < len(q.unit_keys):
-                    self._register_units(q, q.num_computed + m)
-                scheduled.append((q, m))
+            budget = self._plan_prefill_tail(running[num_lock:], budget, need, scheduled)
+            if budget is None:
+                return False
         elif need > pool.num_free:
             return False
         elif need:
             pool.allocate(need)
         if self.waiting:
             self._plan_waiting(now, budget, scheduled)
+        return self._launch_lockstep_step(now, need, scheduled)
+
+    def _launch_lockstep_run(self, now: int, need: int) -> bool:
+        """The lockstep set alone decodes: a run of identical steps (False when its first step's blocks
+        do not fit: the request-by-request pass preempts)."""
+        lock, pool = self._lock, self.pool
+        if need > pool.num_free:
+            return False
+        if need:
+            pool.allocate(need)
+        k, duration, last = self._plan_run(now, lock.num_seqs, lock.ctx_base + lock.num_seqs * lock.ticks, need)
+        lock.ahead = k
+        end = now + duration
+        self._flight = _Flight(now, end, end - last, k, True, lock.snapshot or lock.current_snapshot(), ())
+        self.stats.num_steps += k
+        return True
+
+    def _plan_prefill_tail(self, tail: list[Request], budget: int, need: int,
+                           scheduled: list[tuple[Request, int]]) -> int | None:
+        """The running requests after the lockstep set, each a prefill chunk (or a lone decode) while the
+        budget lasts, their blocks allocated after the decodes' ``need``; returns the budget left, or None,
+        having allocated nothing, when the request-by-request pass is needed."""
+        for q in tail:
+            if q.lock is not None:
+                return None  # a prefilling request sits between decoders
+        pool, bs = self.pool, self.block_size
+        planned: list[tuple[Request, int, int]] = []
+        tail_need = 0  # blocks the prefilling requests need
+        policy, view = self.policy, self.view
+        for q in tail:
+            if budget <= 0:
+                break
+            left = q.num_tokens - q.num_computed
+            if left == 1 and q.num_computed >= q.num_prompt_tokens:
+                m, cost = 1, q.num_branches
+                if cost > budget:
+                    continue
+            else:
+                self._budget[0] = budget
+                m = policy.chunk_tokens(view, q.view, left, budget)
+                if m <= 0:
+                    continue
+                m = min(m, left, budget)
+                cost = m
+            q_need = blocks_for(q, q.num_computed + m, bs) - q.num_blocks
+            tail_need += q_need
+            planned.append((q, m, q_need))
+            budget -= cost
+        if need + tail_need > pool.num_free:
+            return None  # someone must be preempted: the request-by-request pass decides whom
+        # allocate in the request-by-request pass's order: the decodes' blocks, then each request's
+        # before its units are cached (an allocation may evict a unit with the key it caches)
+        if need:
+            pool.allocate(need)
+        for q, m, q_need in planned:
+            if q_need > 0:
+                pool.allocate(q_need)
+                q.num_blocks += q_need
+                q.num_anon_blocks += q_need
+            if q.next_unit < len(q.unit_keys):
+                self._register_units(q, q.num_computed + m)
+            scheduled.append((q, m))
+        return budget
+
+    def _launch_lockstep_step(self, now: int, need: int, scheduled: list[tuple[Request, int]]) -> bool:
+        """The flight of a lockstep pass with prefilling or admitted requests: one step (a run when none
+        was scheduled after all); True, as the pass was made (idle when there is nothing to run)."""
+        lock = self._lock
+        num_lock = len(lock.members)
+        decode_ctx = lock.ctx_base + lock.num_seqs * lock.ticks
         if not scheduled:
             if not num_lock:
-                if running:
+                if self.running:
                     raise ReplayError("the scheduler found nothing to run while requests are running (a policy bug)")
                 return True  # idle: waiting requests are blocked by the policy until something changes
-            k, duration, last = self._plan_run(now, lock.num_seqs, lock.ctx_base + lock.num_seqs * t, need)
+            k, duration, last = self._plan_run(now, lock.num_seqs, decode_ctx, need)
             lock.ahead = k
             snapshot = lock.current_snapshot()
         else:
-            shape = _step_shape(scheduled, now, lock.num_seqs, lock.ctx_base + lock.num_seqs * t)
+            shape = _step_shape(scheduled, now, lock.num_seqs, decode_ctx)
             k = 1
             duration = self.cost_model.step_time_ns(shape) + self._swap_ns
             last = duration
@@ -674,9 +696,7 @@ class Engine:
                 snapshot = lock.current_snapshot()
             else:
                 snapshot = None
-        end = now + duration
-        self._flight = _Flight(now, end, end - last, k, True, snapshot, _first_steps_pending(scheduled))
-        self.stats.num_steps += k
+        self._launch(now, duration, last, k, True, snapshot, scheduled)
         return True
 
     def _plan_run(self, now: int, num_decode: int, decode_ctx: int, first_need: int) -> tuple[int, int, int]:
@@ -717,20 +737,39 @@ class Engine:
         return k, duration, last
 
     def _plan_general(self, now: int) -> None:
-        """The request-by-request pass (the reference mode's, and the fast mode's fallback)."""
+        """The request-by-request pass (the reference mode's, and the fast mode's fallback): running
+        requests first, then waiting ones unless something was preempted (or in the other order when
+        the policy schedules waiting requests first), then the step's flight."""
         self._dissolve()
         self.stats.num_general_passes += 1
-        running, pool, policy, view = self.running, self.pool, self.policy, self.view
-        bs = self.block_size
         budget = self.max_batched
         scheduled: list[tuple[Request, int]] = []
-        preempted = False
         first: list[Request] = []
-        waiting_first = policy.schedule_waiting_first(view)
+        waiting_first = self.policy.schedule_waiting_first(self.view)
         if waiting_first:
             budget, first = self._plan_waiting(now, budget, scheduled)
+        budget, preempted = self._plan_running(now, budget, scheduled, first)
+        if not preempted and not waiting_first:
+            budget, first = self._plan_waiting(now, budget, scheduled)
+        if not scheduled:
+            if self.running:
+                raise ReplayError("the scheduler found nothing to run while requests are running (a policy bug)")
+            return  # idle until the next arrival: waiting requests are blocked by the policy
+        shape = _step_shape(scheduled, now)
+        if self.step_timer is None:
+            duration = self.cost_model.step_time_ns(shape) + self._swap_ns
+        else:
+            duration = self.step_timer(shape, scheduled) + self._swap_ns
+        self._launch(now, duration, duration, 1, False, None, scheduled)
 
-        # 1. running requests, in batch order
+    def _plan_running(self, now: int, budget: int, scheduled: list[tuple[Request, int]],
+                      first: list[Request]) -> tuple[int, bool]:
+        """Running requests in batch order (less ``first``, admitted by this pass already): a decode takes
+        a position, a prefilling request a chunk; the policy's victims are preempted until its blocks fit.
+        Returns (budget left, whether anyone was preempted)."""
+        running, pool, policy, view = self.running, self.pool, self.policy, self.view
+        bs = self.block_size
+        preempted = False
         i = 0
         while i < len(running) and budget > 0:
             r = running[i]
@@ -772,21 +811,7 @@ class Engine:
             scheduled.append((r, m))
             budget -= cost
             i += 1
-
-        # 2. waiting requests, in the policy's order, unless something was preempted
-        if not preempted and not waiting_first:
-            budget, first = self._plan_waiting(now, budget, scheduled)
-
-        if not scheduled:
-            if running:
-                raise ReplayError("the scheduler found nothing to run while requests are running (a policy bug)")
-            return  # idle until the next arrival: waiting requests are blocked by the policy
-        shape = _step_shape(scheduled, now)
-        if self.step_timer is None:
-            duration = self.cost_model.step_time_ns(shape) + self._swap_ns
-        else:
-            duration = self.step_timer(shape, scheduled) + self._swap_ns
-        self._launch(now, duration, duration, 1, False, None, scheduled)
+        return budget, preempted
 
     def _launch(self, now: int, duration: int, last: int, k: int, lockstep: bool, snapshot: Snapshot | None,
                 scheduled: list) -> None:
@@ -806,12 +831,12 @@ class Engine:
         return seen is not None and any((r.admitted_ns or 0) > seen for r in self.waiting)
 
     def _plan_waiting(self, now: int, budget: int, scheduled: list) -> tuple[int, list[Request]]:
-        """Admit waiting requests into the batch while they fit; returns (budget left, those admitted)."""
-        waiting, running, pool, policy, view = self.waiting, self.running, self.pool, self.policy, self.view
+        """Admit waiting requests into the batch, in the policy's order, while they fit (seats, budget,
+        adapter slots, KV blocks); returns (budget left, those admitted)."""
+        waiting, running, policy, view = self.waiting, self.running, self.policy, self.view
         if not waiting:
             return budget, []
         seen = self._seen_until_ns(now)
-        bs = self.block_size
         admitted: list[Request] = []
         self._budget[0] = budget
         seats = self.max_seqs - len(running)
@@ -829,54 +854,10 @@ class Engine:
                 if len(adapters) >= slots:
                     continue  # no adapter slot left in this batch: later requests may still fit (vLLM's max_loras)
                 adapters.add(r.adapter)
-            rv = r.view
-            hits: list[Hashable] = []
-            hit_blocks = loaded = 0
-            computed = r.swapped_tokens or r.moved_tokens
-            if not computed and self.prefix_caching and r.unit_keys:
-                hits, hit_blocks, loaded = self._lookup(r)
-                computed = (hit_blocks + loaded) * bs
-            left = r.num_tokens - computed
-            if left == 1 and computed >= r.num_prompt_tokens:
-                m, cost = self._speculate(r) if r.num_speculative_tokens else (1, r.num_branches)
-                if cost > budget:
-                    break
-            else:
-                self._budget[0] = budget
-                m = min(policy.chunk_tokens(view, rv, left, budget), left, budget)
-                if m <= 0 or (not self.chunked and m < left):
-                    break
-                cost = m
-            reused = sum(pool.cached_blocks(key) for key in hits if pool.is_free_unit(key)) if hits else 0
-            need = blocks_for(r, computed + m, bs) - hit_blocks
-            if need + reused > pool.num_free - self.watermark_blocks:
-                break
-            for key in hits:
-                pool.hold(key)
-            r.held_units = hits
-            r.next_unit = len(hits)
-            pool.allocate(need)
-            r.num_blocks = hit_blocks + need
-            r.num_anon_blocks = need
-            if loaded:  # prefix blocks found in the CPU tier are copied back, not recomputed
-                self._swap_ns += -(-loaded * self.kv_bytes_per_block * 1_000_000_000 // int(self.swap_bandwidth))
-            if r.swapped_tokens:
-                swap_bytes = need * self.kv_bytes_per_block
-                self._swap_ns += -(-swap_bytes * 1_000_000_000 // int(self.swap_bandwidth))
-                self.stats.num_swapped_bytes += swap_bytes
-                r.next_unit = len(r.unit_keys)
-                r.swapped_tokens = 0
-            elif r.moved_tokens:  # its KV came from another instance (the transfer was charged there)
-                r.next_unit = len(r.unit_keys)
-                r.moved_tokens = 0
-            elif r.num_preemptions == 0:
-                r.num_cached_prefix_tokens = computed
-                self.stats.num_prefix_hit_tokens += computed
-            if r.num_image_tokens and r.scheduled_ns is None:  # the encoder runs once, in its first prefill step
-                self._swap_ns += round(r.num_image_tokens * self.encoder_ns_per_token)
-            r.num_computed = computed
-            if r.next_unit < len(r.unit_keys):
-                self._register_units(r, computed + m)
+            fit = self._fit_waiting(r, budget)
+            if fit is None:
+                break  # the first that does not fit stops the pass
+            m, cost = fit
             r.state = RUNNING
             admitted.append(r)
             scheduled.append((r, m))
@@ -888,6 +869,68 @@ class Engine:
                 waiting.remove(r)
             running.append(r)
         return budget, admitted
+
+    def _fit_waiting(self, r: Request, budget: int) -> tuple[int, int] | None:
+        """``r``'s first chunk in the batch: its computed tokens (swapped out, moved here, or prefix-cache
+        hits), the tokens it schedules, their blocks placed (``_place_admitted``); returns (tokens, budget
+        cost), or None, having changed nothing, when it does not fit."""
+        pool, bs = self.pool, self.block_size
+        hits: list[Hashable] = []
+        hit_blocks = loaded = 0
+        computed = r.swapped_tokens or r.moved_tokens
+        if not computed and self.prefix_caching and r.unit_keys:
+            hits, hit_blocks, loaded = self._lookup(r)
+            computed = (hit_blocks + loaded) * bs
+        left = r.num_tokens - computed
+        if left == 1 and computed >= r.num_prompt_tokens:
+            m, cost = self._speculate(r) if r.num_speculative_tokens else (1, r.num_branches)
+            if cost > budget:
+                return None
+        else:
+            self._budget[0] = budget
+            m = min(self.policy.chunk_tokens(self.view, r.view, left, budget), left, budget)
+            if m <= 0 or (not self.chunked and m < left):
+                return None
+            cost = m
+        reused = sum(pool.cached_blocks(key) for key in hits if pool.is_free_unit(key)) if hits else 0
+        need = blocks_for(r, computed + m, bs) - hit_blocks
+        if need + reused > pool.num_free - self.watermark_blocks:
+            return None
+        self._place_admitted(r, hits, hit_blocks, loaded, computed, m, need)
+        return m, cost
+
+    def _place_admitted(self, r: Request, hits: list[Hashable], hit_blocks: int, loaded: int, computed: int, m: int,
+                        need: int) -> None:
+        """Give an admitted request its blocks: the prefix-cache ``hits`` held, ``need`` new ones allocated;
+        charge the copies (CPU-tier prefix blocks, a swapped-out request's KV) and the vision encoder to
+        the step; its units cached once the chunk of ``m`` tokens after ``computed`` is."""
+        pool = self.pool
+        for key in hits:
+            pool.hold(key)
+        r.held_units = hits
+        r.next_unit = len(hits)
+        pool.allocate(need)
+        r.num_blocks = hit_blocks + need
+        r.num_anon_blocks = need
+        if loaded:  # prefix blocks found in the CPU tier are copied back, not recomputed
+            self._swap_ns += -(-loaded * self.kv_bytes_per_block * 1_000_000_000 // int(self.swap_bandwidth))
+        if r.swapped_tokens:
+            swap_bytes = need * self.kv_bytes_per_block
+            self._swap_ns += -(-swap_bytes * 1_000_000_000 // int(self.swap_bandwidth))
+            self.stats.num_swapped_bytes += swap_bytes
+            r.next_unit = len(r.unit_keys)
+            r.swapped_tokens = 0
+        elif r.moved_tokens:  # its KV came from another instance (the transfer was charged there)
+            r.next_unit = len(r.unit_keys)
+            r.moved_tokens = 0
+        elif r.num_preemptions == 0:
+            r.num_cached_prefix_tokens = computed
+            self.stats.num_prefix_hit_tokens += computed
+        if r.num_image_tokens and r.scheduled_ns is None:  # the encoder runs once, in its first prefill step
+            self._swap_ns += round(r.num_image_tokens * self.encoder_ns_per_token)
+        r.num_computed = computed
+        if r.next_unit < len(r.unit_keys):
+            self._register_units(r, computed + m)
 
     # ------------------------------------------------------------------ prefix cache
 
