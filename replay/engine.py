@@ -103,7 +103,7 @@ class _StepTally:
     composition, the tokens served per request (for a policy's ``observe_step``), and the requests
     that hand off (a prefill instance) or join the lockstep set once the step is over."""
 
-    __slots__ = ("ids", "per", "served", "num_prefill", "num_decode", "joiners", "handoffs")
+    __slots__ = ("handoffs", "ids", "joiners", "num_decode", "num_prefill", "per", "served")
 
     def __init__(self) -> None:
         self.ids: list[str] = []
@@ -146,7 +146,6 @@ class Engine:
         step_timer: Callable[[StepShape, list], int] | None = None,
     ) -> None:
         check_clock(instance, mode, step_timer)
-        e = instance.engine
         self.kernel = kernel
         self.instance = instance
         self.cost_model = cost_model
@@ -163,6 +162,14 @@ class Engine:
         # on a device (replay.measured); policies still ask the cost model for their predictions
         self.step_timer = step_timer
         self.check = check_invariants
+        self._init_limits(instance, writer)
+        self._init_queues()
+        self._init_policy_flags(policy, check_invariants)
+        self._init_hooks(kernel)
+
+    def _init_limits(self, instance: InstanceConfig, writer: EventWriter) -> None:
+        """The instance's engine settings, and its KV block pool."""
+        e = instance.engine
         self.block_size = e.block_size_tokens
         self.max_batched = e.max_num_batched_tokens
         self.max_seqs = e.max_num_seqs
@@ -180,21 +187,28 @@ class Engine:
         self.kv_bytes_per_block = instance.model.kv_bytes_per_token * e.block_size_tokens
         self.pool = BlockPool(instance.num_kv_blocks, e.cpu_kv_offload_bytes // self.kv_bytes_per_block)
         self.watermark_blocks = int(e.kv_watermark_fraction * self.pool.num_total)
+
+    def _init_queues(self) -> None:
+        """Empty queues, lockstep set and counters; the policies' view of them."""
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
         self.held: deque[Request] = deque()
         self._targets: dict[Request, int] = {}  # true output length per branch: never reachable from views
         self._budget = [self.max_batched]
-        self.view = EngineView(
-            kernel, self.pool, self.running, self.waiting, self.held, self._budget, instance, cost_model, instance_id
-        )
+        self.view = EngineView(self.kernel, self.pool, self.running, self.waiting, self.held, self._budget,
+                               self.instance, self.cost_model, self.instance_id)
         self._waiting_view = RequestSequence(self.waiting)
-        self._lock = Lockstep(self.block_size, writer.snapshot)
+        self._lock = Lockstep(self.block_size, self.writer.snapshot)
         self._flight: _Flight | None = None
         self._flush_countdown = 64  # steps between checks of the writer's buffer
         self._schedule_pending = False
         self._swap_ns = 0  # extra time of the step being planned: swap copies, vision encoder work
         self._step_index = 0
+        self.stats = EngineStats()
+        self.num_active = 0  # submitted, not finished
+
+    def _init_policy_flags(self, policy: Policy, check_invariants: bool) -> None:
+        """Which of the policy's hooks are overridden (the defaults are skipped on the hot path)."""
         self._report_steps = policy.wants_step_reports()
         self._short_completion = not self._report_steps and not check_invariants
         self._waiting_first = type(policy).schedule_waiting_first is not Policy.schedule_waiting_first
@@ -202,8 +216,10 @@ class Engine:
         self._horizon = (
             None if type(policy).run_horizon_steps is Policy.run_horizon_steps else policy.run_horizon_steps
         )
-        self.stats = EngineStats()
-        self.num_active = 0  # submitted, not finished
+
+    def _init_hooks(self, kernel: Kernel) -> None:
+        """The hooks a cluster (``replay.cluster``) and multi-model residency (``replay.residency``) set on the
+        engine once it is built; these defaults are a lone instance's."""
         # when the next event that can reach this instance is due (a run stops at the step during which
         # it happens): any kernel action for a lone instance; a cluster narrows it (replay.cluster)
         self.next_event_ns: Callable[[], int | None] = kernel.next_time_ns
