@@ -98,6 +98,23 @@ class _Flight:
         self.leases: list[int] | None = None  # their lease generations when planned (Engine.track_leases)
 
 
+class _StepTally:
+    """What a step's scheduled requests add up to (``Engine._advance_scheduled``): the step event's
+    composition, the tokens served per request (for a policy's ``observe_step``), and the requests
+    that hand off (a prefill instance) or join the lockstep set once the step is over."""
+
+    __slots__ = ("handoffs", "ids", "joiners", "num_decode", "num_prefill", "per", "served")
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+        self.per: list[int] = []
+        self.served: list[int] = []
+        self.num_prefill = 0
+        self.num_decode = 0  # the lockstep set's sequences and the scheduled decodes'
+        self.joiners: list[Request] = []
+        self.handoffs: list[Request] = []
+
+
 class EngineStats:
     """Counters of one instance's replay."""
 
@@ -129,7 +146,6 @@ class Engine:
         step_timer: Callable[[StepShape, list], int] | None = None,
     ) -> None:
         check_clock(instance, mode, step_timer)
-        e = instance.engine
         self.kernel = kernel
         self.instance = instance
         self.cost_model = cost_model
@@ -146,6 +162,14 @@ class Engine:
         # on a device (replay.measured); policies still ask the cost model for their predictions
         self.step_timer = step_timer
         self.check = check_invariants
+        self._init_limits(instance, writer)
+        self._init_queues()
+        self._init_policy_flags(policy, check_invariants)
+        self._init_hooks(kernel)
+
+    def _init_limits(self, instance: InstanceConfig, writer: EventWriter) -> None:
+        """The instance's engine settings, and its KV block pool."""
+        e = instance.engine
         self.block_size = e.block_size_tokens
         self.max_batched = e.max_num_batched_tokens
         self.max_seqs = e.max_num_seqs
@@ -163,21 +187,28 @@ class Engine:
         self.kv_bytes_per_block = instance.model.kv_bytes_per_token * e.block_size_tokens
         self.pool = BlockPool(instance.num_kv_blocks, e.cpu_kv_offload_bytes // self.kv_bytes_per_block)
         self.watermark_blocks = int(e.kv_watermark_fraction * self.pool.num_total)
+
+    def _init_queues(self) -> None:
+        """Empty queues, lockstep set and counters; the policies' view of them."""
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
         self.held: deque[Request] = deque()
         self._targets: dict[Request, int] = {}  # true output length per branch: never reachable from views
         self._budget = [self.max_batched]
-        self.view = EngineView(
-            kernel, self.pool, self.running, self.waiting, self.held, self._budget, instance, cost_model, instance_id
-        )
+        self.view = EngineView(self.kernel, self.pool, self.running, self.waiting, self.held, self._budget,
+                               self.instance, self.cost_model, self.instance_id)
         self._waiting_view = RequestSequence(self.waiting)
-        self._lock = Lockstep(self.block_size, writer.snapshot)
+        self._lock = Lockstep(self.block_size, self.writer.snapshot)
         self._flight: _Flight | None = None
         self._flush_countdown = 64  # steps between checks of the writer's buffer
         self._schedule_pending = False
         self._swap_ns = 0  # extra time of the step being planned: swap copies, vision encoder work
         self._step_index = 0
+        self.stats = EngineStats()
+        self.num_active = 0  # submitted, not finished
+
+    def _init_policy_flags(self, policy: Policy, check_invariants: bool) -> None:
+        """Which of the policy's hooks are overridden (the defaults are skipped on the hot path)."""
         self._report_steps = policy.wants_step_reports()
         self._short_completion = not self._report_steps and not check_invariants
         self._waiting_first = type(policy).schedule_waiting_first is not Policy.schedule_waiting_first
@@ -185,8 +216,10 @@ class Engine:
         self._horizon = (
             None if type(policy).run_horizon_steps is Policy.run_horizon_steps else policy.run_horizon_steps
         )
-        self.stats = EngineStats()
-        self.num_active = 0  # submitted, not finished
+
+    def _init_hooks(self, kernel: Kernel) -> None:
+        """The hooks a cluster (``replay.cluster``) and multi-model residency (``replay.residency``) set on the
+        engine once it is built; these defaults are a lone instance's."""
         # when the next event that can reach this instance is due (a run stops at the step during which
         # it happens): any kernel action for a lone instance; a cluster narrows it (replay.cluster)
         self.next_event_ns: Callable[[], int | None] = kernel.next_time_ns
@@ -572,83 +605,105 @@ class Engine:
         """
         if self.held or self._waiting_first:
             return False
-        lock, running, pool, bs = self._lock, self.running, self.pool, self.block_size
+        lock, running, pool = self._lock, self.running, self.pool
         num_lock = len(lock.members)
         budget = self.max_batched - lock.num_seqs
         if budget < 0:
             return False  # not every decode fits the budget
-        t = lock.ticks
-        need = lock.hist[t % bs] if num_lock else 0
+        need = lock.hist[lock.ticks % self.block_size] if num_lock else 0
         if num_lock and num_lock == len(running) and not self.waiting:
-            # the common case: the lockstep set alone, nobody waiting: a run
-            if need > pool.num_free:
-                return False
-            if need:
-                pool.allocate(need)
-            k, duration, last = self._plan_run(now, lock.num_seqs, lock.ctx_base + lock.num_seqs * t, need)
-            lock.ahead = k
-            end = now + duration
-            self._flight = _Flight(now, end, end - last, k, True, lock.snapshot or lock.current_snapshot(), ())
-            self.stats.num_steps += k
-            return True
+            return self._launch_lockstep_run(now, need)  # the common case: the lockstep set alone, nobody waiting
         scheduled: list[tuple[Request, int]] = []
         if len(running) > num_lock:
-            tail = running[num_lock:]
-            for q in tail:
-                if q.lock is not None:
-                    return False  # a prefilling request sits between decoders
-            planned: list[tuple[Request, int, int]] = []
-            tail_need = 0  # blocks the prefilling requests need
-            policy, view = self.policy, self.view
-            for q in tail:
-                if budget <= 0:
-                    break
-                left = q.num_tokens - q.num_computed
-                if left == 1 and q.num_computed >= q.num_prompt_tokens:
-                    m, cost = 1, q.num_branches
-                    if cost > budget:
-                        continue
-                else:
-                    self._budget[0] = budget
-                    m = policy.chunk_tokens(view, q.view, left, budget)
-                    if m <= 0:
-                        continue
-                    m = min(m, left, budget)
-                    cost = m
-                q_need = blocks_for(q, q.num_computed + m, bs) - q.num_blocks
-                tail_need += q_need
-                planned.append((q, m, q_need))
-                budget -= cost
-            if need + tail_need > pool.num_free:
-                return False  # someone must be preempted: the request-by-request pass decides whom
-            # allocate in the request-by-request pass's order: the decodes' blocks, then each request's
-            # before its units are cached (an allocation may evict a unit with the key it caches)
-            if need:
-                pool.allocate(need)
-            for q, m, q_need in planned:
-                if q_need > 0:
-                    pool.allocate(q_need)
-                    q.num_blocks += q_need
-                    q.num_anon_blocks += q_need
-                if q.next_unit < len(q.unit_keys):
-                    self._register_units(q, q.num_computed + m)
-                scheduled.append((q, m))
+            budget = self._plan_prefill_tail(running[num_lock:], budget, need, scheduled)
+            if budget is None:
+                return False
         elif need > pool.num_free:
             return False
         elif need:
             pool.allocate(need)
         if self.waiting:
             self._plan_waiting(now, budget, scheduled)
+        return self._launch_lockstep_step(now, need, scheduled)
+
+    def _launch_lockstep_run(self, now: int, need: int) -> bool:
+        """The lockstep set alone decodes: a run of identical steps (False when its first step's blocks
+        do not fit: the request-by-request pass preempts)."""
+        lock, pool = self._lock, self.pool
+        if need > pool.num_free:
+            return False
+        if need:
+            pool.allocate(need)
+        k, duration, last = self._plan_run(now, lock.num_seqs, lock.ctx_base + lock.num_seqs * lock.ticks, need)
+        lock.ahead = k
+        end = now + duration
+        self._flight = _Flight(now, end, end - last, k, True, lock.snapshot or lock.current_snapshot(), ())
+        self.stats.num_steps += k
+        return True
+
+    def _plan_prefill_tail(self, tail: list[Request], budget: int, need: int,
+                           scheduled: list[tuple[Request, int]]) -> int | None:
+        """The running requests after the lockstep set, each a prefill chunk (or a lone decode) while the
+        budget lasts, their blocks allocated after the decodes' ``need``; returns the budget left, or None,
+        having allocated nothing, when the request-by-request pass is needed."""
+        for q in tail:
+            if q.lock is not None:
+                return None  # a prefilling request sits between decoders
+        pool, bs = self.pool, self.block_size
+        planned: list[tuple[Request, int, int]] = []
+        tail_need = 0  # blocks the prefilling requests need
+        policy, view = self.policy, self.view
+        for q in tail:
+            if budget <= 0:
+                break
+            left = q.num_tokens - q.num_computed
+            if left == 1 and q.num_computed >= q.num_prompt_tokens:
+                m, cost = 1, q.num_branches
+                if cost > budget:
+                    continue
+            else:
+                self._budget[0] = budget
+                m = policy.chunk_tokens(view, q.view, left, budget)
+                if m <= 0:
+                    continue
+                m = min(m, left, budget)
+                cost = m
+            q_need = blocks_for(q, q.num_computed + m, bs) - q.num_blocks
+            tail_need += q_need
+            planned.append((q, m, q_need))
+            budget -= cost
+        if need + tail_need > pool.num_free:
+            return None  # someone must be preempted: the request-by-request pass decides whom
+        # allocate in the request-by-request pass's order: the decodes' blocks, then each request's
+        # before its units are cached (an allocation may evict a unit with the key it caches)
+        if need:
+            pool.allocate(need)
+        for q, m, q_need in planned:
+            if q_need > 0:
+                pool.allocate(q_need)
+                q.num_blocks += q_need
+                q.num_anon_blocks += q_need
+            if q.next_unit < len(q.unit_keys):
+                self._register_units(q, q.num_computed + m)
+            scheduled.append((q, m))
+        return budget
+
+    def _launch_lockstep_step(self, now: int, need: int, scheduled: list[tuple[Request, int]]) -> bool:
+        """The flight of a lockstep pass with prefilling or admitted requests: one step (a run when none
+        was scheduled after all); True, as the pass was made (idle when there is nothing to run)."""
+        lock = self._lock
+        num_lock = len(lock.members)
+        decode_ctx = lock.ctx_base + lock.num_seqs * lock.ticks
         if not scheduled:
             if not num_lock:
-                if running:
+                if self.running:
                     raise ReplayError("the scheduler found nothing to run while requests are running (a policy bug)")
                 return True  # idle: waiting requests are blocked by the policy until something changes
-            k, duration, last = self._plan_run(now, lock.num_seqs, lock.ctx_base + lock.num_seqs * t, need)
+            k, duration, last = self._plan_run(now, lock.num_seqs, decode_ctx, need)
             lock.ahead = k
             snapshot = lock.current_snapshot()
         else:
-            shape = _step_shape(scheduled, now, lock.num_seqs, lock.ctx_base + lock.num_seqs * t)
+            shape = _step_shape(scheduled, now, lock.num_seqs, decode_ctx)
             k = 1
             duration = self.cost_model.step_time_ns(shape) + self._swap_ns
             last = duration
@@ -657,9 +712,7 @@ class Engine:
                 snapshot = lock.current_snapshot()
             else:
                 snapshot = None
-        end = now + duration
-        self._flight = _Flight(now, end, end - last, k, True, snapshot, _first_steps_pending(scheduled))
-        self.stats.num_steps += k
+        self._launch(now, duration, last, k, True, snapshot, scheduled)
         return True
 
     def _plan_run(self, now: int, num_decode: int, decode_ctx: int, first_need: int) -> tuple[int, int, int]:
@@ -700,20 +753,39 @@ class Engine:
         return k, duration, last
 
     def _plan_general(self, now: int) -> None:
-        """The request-by-request pass (the reference mode's, and the fast mode's fallback)."""
+        """The request-by-request pass (the reference mode's, and the fast mode's fallback): running
+        requests first, then waiting ones unless something was preempted (or in the other order when
+        the policy schedules waiting requests first), then the step's flight."""
         self._dissolve()
         self.stats.num_general_passes += 1
-        running, pool, policy, view = self.running, self.pool, self.policy, self.view
-        bs = self.block_size
         budget = self.max_batched
         scheduled: list[tuple[Request, int]] = []
-        preempted = False
         first: list[Request] = []
-        waiting_first = policy.schedule_waiting_first(view)
+        waiting_first = self.policy.schedule_waiting_first(self.view)
         if waiting_first:
             budget, first = self._plan_waiting(now, budget, scheduled)
+        budget, preempted = self._plan_running(now, budget, scheduled, first)
+        if not preempted and not waiting_first:
+            budget, first = self._plan_waiting(now, budget, scheduled)
+        if not scheduled:
+            if self.running:
+                raise ReplayError("the scheduler found nothing to run while requests are running (a policy bug)")
+            return  # idle until the next arrival: waiting requests are blocked by the policy
+        shape = _step_shape(scheduled, now)
+        if self.step_timer is None:
+            duration = self.cost_model.step_time_ns(shape) + self._swap_ns
+        else:
+            duration = self.step_timer(shape, scheduled) + self._swap_ns
+        self._launch(now, duration, duration, 1, False, None, scheduled)
 
-        # 1. running requests, in batch order
+    def _plan_running(self, now: int, budget: int, scheduled: list[tuple[Request, int]],
+                      first: list[Request]) -> tuple[int, bool]:
+        """Running requests in batch order (less ``first``, admitted by this pass already): a decode takes
+        a position, a prefilling request a chunk; the policy's victims are preempted until its blocks fit.
+        Returns (budget left, whether anyone was preempted)."""
+        running, pool, policy, view = self.running, self.pool, self.policy, self.view
+        bs = self.block_size
+        preempted = False
         i = 0
         while i < len(running) and budget > 0:
             r = running[i]
@@ -755,21 +827,7 @@ class Engine:
             scheduled.append((r, m))
             budget -= cost
             i += 1
-
-        # 2. waiting requests, in the policy's order, unless something was preempted
-        if not preempted and not waiting_first:
-            budget, first = self._plan_waiting(now, budget, scheduled)
-
-        if not scheduled:
-            if running:
-                raise ReplayError("the scheduler found nothing to run while requests are running (a policy bug)")
-            return  # idle until the next arrival: waiting requests are blocked by the policy
-        shape = _step_shape(scheduled, now)
-        if self.step_timer is None:
-            duration = self.cost_model.step_time_ns(shape) + self._swap_ns
-        else:
-            duration = self.step_timer(shape, scheduled) + self._swap_ns
-        self._launch(now, duration, duration, 1, False, None, scheduled)
+        return budget, preempted
 
     def _launch(self, now: int, duration: int, last: int, k: int, lockstep: bool, snapshot: Snapshot | None,
                 scheduled: list) -> None:
@@ -789,12 +847,12 @@ class Engine:
         return seen is not None and any((r.admitted_ns or 0) > seen for r in self.waiting)
 
     def _plan_waiting(self, now: int, budget: int, scheduled: list) -> tuple[int, list[Request]]:
-        """Admit waiting requests into the batch while they fit; returns (budget left, those admitted)."""
-        waiting, running, pool, policy, view = self.waiting, self.running, self.pool, self.policy, self.view
+        """Admit waiting requests into the batch, in the policy's order, while they fit (seats, budget,
+        adapter slots, KV blocks); returns (budget left, those admitted)."""
+        waiting, running, policy, view = self.waiting, self.running, self.policy, self.view
         if not waiting:
             return budget, []
         seen = self._seen_until_ns(now)
-        bs = self.block_size
         admitted: list[Request] = []
         self._budget[0] = budget
         seats = self.max_seqs - len(running)
@@ -812,54 +870,10 @@ class Engine:
                 if len(adapters) >= slots:
                     continue  # no adapter slot left in this batch: later requests may still fit (vLLM's max_loras)
                 adapters.add(r.adapter)
-            rv = r.view
-            hits: list[Hashable] = []
-            hit_blocks = loaded = 0
-            computed = r.swapped_tokens or r.moved_tokens
-            if not computed and self.prefix_caching and r.unit_keys:
-                hits, hit_blocks, loaded = self._lookup(r)
-                computed = (hit_blocks + loaded) * bs
-            left = r.num_tokens - computed
-            if left == 1 and computed >= r.num_prompt_tokens:
-                m, cost = self._speculate(r) if r.num_speculative_tokens else (1, r.num_branches)
-                if cost > budget:
-                    break
-            else:
-                self._budget[0] = budget
-                m = min(policy.chunk_tokens(view, rv, left, budget), left, budget)
-                if m <= 0 or (not self.chunked and m < left):
-                    break
-                cost = m
-            reused = sum(pool.cached_blocks(key) for key in hits if pool.is_free_unit(key)) if hits else 0
-            need = blocks_for(r, computed + m, bs) - hit_blocks
-            if need + reused > pool.num_free - self.watermark_blocks:
-                break
-            for key in hits:
-                pool.hold(key)
-            r.held_units = hits
-            r.next_unit = len(hits)
-            pool.allocate(need)
-            r.num_blocks = hit_blocks + need
-            r.num_anon_blocks = need
-            if loaded:  # prefix blocks found in the CPU tier are copied back, not recomputed
-                self._swap_ns += -(-loaded * self.kv_bytes_per_block * 1_000_000_000 // int(self.swap_bandwidth))
-            if r.swapped_tokens:
-                swap_bytes = need * self.kv_bytes_per_block
-                self._swap_ns += -(-swap_bytes * 1_000_000_000 // int(self.swap_bandwidth))
-                self.stats.num_swapped_bytes += swap_bytes
-                r.next_unit = len(r.unit_keys)
-                r.swapped_tokens = 0
-            elif r.moved_tokens:  # its KV came from another instance (the transfer was charged there)
-                r.next_unit = len(r.unit_keys)
-                r.moved_tokens = 0
-            elif r.num_preemptions == 0:
-                r.num_cached_prefix_tokens = computed
-                self.stats.num_prefix_hit_tokens += computed
-            if r.num_image_tokens and r.scheduled_ns is None:  # the encoder runs once, in its first prefill step
-                self._swap_ns += round(r.num_image_tokens * self.encoder_ns_per_token)
-            r.num_computed = computed
-            if r.next_unit < len(r.unit_keys):
-                self._register_units(r, computed + m)
+            fit = self._fit_waiting(r, budget)
+            if fit is None:
+                break  # the first that does not fit stops the pass
+            m, cost = fit
             r.state = RUNNING
             admitted.append(r)
             scheduled.append((r, m))
@@ -871,6 +885,68 @@ class Engine:
                 waiting.remove(r)
             running.append(r)
         return budget, admitted
+
+    def _fit_waiting(self, r: Request, budget: int) -> tuple[int, int] | None:
+        """``r``'s first chunk in the batch: its computed tokens (swapped out, moved here, or prefix-cache
+        hits), the tokens it schedules, their blocks placed (``_place_admitted``); returns (tokens, budget
+        cost), or None, having changed nothing, when it does not fit."""
+        pool, bs = self.pool, self.block_size
+        hits: list[Hashable] = []
+        hit_blocks = loaded = 0
+        computed = r.swapped_tokens or r.moved_tokens
+        if not computed and self.prefix_caching and r.unit_keys:
+            hits, hit_blocks, loaded = self._lookup(r)
+            computed = (hit_blocks + loaded) * bs
+        left = r.num_tokens - computed
+        if left == 1 and computed >= r.num_prompt_tokens:
+            m, cost = self._speculate(r) if r.num_speculative_tokens else (1, r.num_branches)
+            if cost > budget:
+                return None
+        else:
+            self._budget[0] = budget
+            m = min(self.policy.chunk_tokens(self.view, r.view, left, budget), left, budget)
+            if m <= 0 or (not self.chunked and m < left):
+                return None
+            cost = m
+        reused = sum(pool.cached_blocks(key) for key in hits if pool.is_free_unit(key)) if hits else 0
+        need = blocks_for(r, computed + m, bs) - hit_blocks
+        if need + reused > pool.num_free - self.watermark_blocks:
+            return None
+        self._place_admitted(r, hits, hit_blocks, loaded, computed, m, need)
+        return m, cost
+
+    def _place_admitted(self, r: Request, hits: list[Hashable], hit_blocks: int, loaded: int, computed: int, m: int,
+                        need: int) -> None:
+        """Give an admitted request its blocks: the prefix-cache ``hits`` held, ``need`` new ones allocated;
+        charge the copies (CPU-tier prefix blocks, a swapped-out request's KV) and the vision encoder to
+        the step; its units cached once the chunk of ``m`` tokens after ``computed`` is."""
+        pool = self.pool
+        for key in hits:
+            pool.hold(key)
+        r.held_units = hits
+        r.next_unit = len(hits)
+        pool.allocate(need)
+        r.num_blocks = hit_blocks + need
+        r.num_anon_blocks = need
+        if loaded:  # prefix blocks found in the CPU tier are copied back, not recomputed
+            self._swap_ns += -(-loaded * self.kv_bytes_per_block * 1_000_000_000 // int(self.swap_bandwidth))
+        if r.swapped_tokens:
+            swap_bytes = need * self.kv_bytes_per_block
+            self._swap_ns += -(-swap_bytes * 1_000_000_000 // int(self.swap_bandwidth))
+            self.stats.num_swapped_bytes += swap_bytes
+            r.next_unit = len(r.unit_keys)
+            r.swapped_tokens = 0
+        elif r.moved_tokens:  # its KV came from another instance (the transfer was charged there)
+            r.next_unit = len(r.unit_keys)
+            r.moved_tokens = 0
+        elif r.num_preemptions == 0:
+            r.num_cached_prefix_tokens = computed
+            self.stats.num_prefix_hit_tokens += computed
+        if r.num_image_tokens and r.scheduled_ns is None:  # the encoder runs once, in its first prefill step
+            self._swap_ns += round(r.num_image_tokens * self.encoder_ns_per_token)
+        r.num_computed = computed
+        if r.next_unit < len(r.unit_keys):
+            self._register_units(r, computed + m)
 
     # ------------------------------------------------------------------ prefix cache
 
@@ -993,33 +1069,57 @@ class Engine:
             self._schedule()
 
     def _complete_flight(self) -> None:
-        """Apply the flight's results at its end: progress, tokens, finishes, the step event."""
+        """Apply the flight's results at its end, in phases: the lockstep set's progress, the scheduled
+        requests' progress and tokens, the policy's observation, the finishes, the step event, the
+        handoffs of a prefill instance, and the decoders' (re)joining of the lockstep set."""
         f = self._flight
         if f.lockstep and not f.scheduled and self._short_completion:
             self._complete_run(f)
             return
         now = self.kernel.now_ns
-        writer = self.writer
-        iid = self.instance_id
-        lock = self._lock
+        finished = self._advance_lockstep(f, now)
+        tally = self._advance_scheduled(f, now, finished)
+        if self._report_steps:  # before finishing: finished requests drop their views
+            self._observe_step(f, tally.served)
+        for r, outcome in finished:
+            self._finish(r, now, outcome, "failed in the recorded trace" if outcome == "error" else None)
+        self._emit_step(f, now, tally)
+        for r in tally.handoffs:  # after the step: its KV leaves with it
+            self.handoff(r, self.release(r, True))
+        if self.fast:
+            self._rejoin_lockstep(f, tally.joiners)
+        if self.check:
+            self.check_invariants()
+        self._flush_countdown -= 1
+        if self._flush_countdown <= 0:
+            self._flush_if_full()
+
+    def _advance_lockstep(self, f: _Flight, now: int) -> list[tuple[Request, str]]:
+        """Phase 1: the lockstep set's clock advances by the flight's steps not yet applied (its run
+        event is written); returns its members that finished, as [(request, outcome)]."""
         finished: list[tuple[Request, str]] = []
         if f.lockstep and f.snapshot is not None:
+            lock = self._lock
             lock.ticks += f.num_steps - f.num_applied
             lock.ahead = 0
             if lock.members:
-                writer.runs.append((lock.snapshot or lock.current_snapshot(), now, f.num_steps, lock.ticks, f.num_steps > 1, iid))
+                self.writer.runs.append((lock.snapshot or lock.current_snapshot(), now, f.num_steps, lock.ticks,
+                                         f.num_steps > 1, self.instance_id))
             if lock.heap and lock.heap[0][0] <= lock.ticks:
                 finished.extend((r, "completed") for r in lock.pop_finished())
-        ids: list[str] = []
-        per: list[int] = []
-        served: list[int] = []  # tokens served per request, for observe_step
+        return finished
+
+    def _advance_scheduled(self, f: _Flight, now: int, finished: list[tuple[Request, str]]) -> _StepTally:
+        """Phase 2: each request scheduled one by one gains its computed tokens and, when it sampled, its
+        output tokens (delivered now); those done are added to ``finished``. Returns the step's tally
+        (its composition, the requests that hand off or join the lockstep set)."""
+        writer, iid, report, targets = self.writer, self.instance_id, self._report_steps, self._targets
+        tokens = writer.tokens
+        leases = f.leases
+        tally = _StepTally()
+        ids, per, served, joiners, handoffs = tally.ids, tally.per, tally.served, tally.joiners, tally.handoffs
         num_prefill = 0
         num_decode = f.snapshot.num_seqs if f.snapshot is not None else 0
-        targets = self._targets
-        tokens = writer.tokens
-        joiners: list[Request] = []
-        handoffs: list[Request] = []
-        leases = f.leases
         for i, (r, m) in enumerate(f.scheduled):
             ids.append(r.request_id)
             if r.first_step_ns is None:  # the first step event that lists it (the request table's scheduled_ns)
@@ -1030,7 +1130,7 @@ class Engine:
             spec = decode and r.num_speculative_tokens
             n = r.num_branches if decode else m
             per.append((spec + 1) * n if spec else n)  # a speculating decode processes k_r + 1 tokens per branch
-            if self._report_steps:
+            if report:
                 served.append(m * n if spec else n)  # a speculating decode serves its accepted tokens
             if decode:
                 num_decode += n
@@ -1065,40 +1165,39 @@ class Engine:
                 handoffs.append(r)
             elif self.fast and (r.num_branches == 1 or r.num_computed > r.num_prompt_tokens):
                 joiners.append(r)
-        if self._report_steps:  # before finishing: finished requests drop their views
-            members = [r for r in f.snapshot.requests if r.view is not None] if f.snapshot is not None else []
-            views = [r.view for r in members] + [r.view for r, _ in f.scheduled if r.view is not None]
-            counts = [r.num_branches for r in members] + [c for (r, _), c in zip(f.scheduled, served) if r.view is not None]
-            self.policy.observe_step(self.view, views, counts, f.num_steps - f.num_applied)
-        for r, outcome in finished:
-            self._finish(r, now, outcome, "failed in the recorded trace" if outcome == "error" else None)
+        tally.num_prefill, tally.num_decode = num_prefill, num_decode
+        return tally
+
+    def _observe_step(self, f: _Flight, served: list[int]) -> None:
+        """Phase 3 (a policy that wants step reports): the requests the flight served and their tokens."""
+        members = [r for r in f.snapshot.requests if r.view is not None] if f.snapshot is not None else []
+        views = [r.view for r in members] + [r.view for r, _ in f.scheduled if r.view is not None]
+        counts = [r.num_branches for r in members] + [c for (r, _), c in zip(f.scheduled, served) if r.view is not None]
+        self.policy.observe_step(self.view, views, counts, f.num_steps - f.num_applied)
+
+    def _emit_step(self, f: _Flight, now: int, tally: _StepTally) -> None:
+        """Phase 4: the step event (its composition and the KV pool after it); the flight is over."""
         pool = self.pool
-        writer.steps.append(
-            (iid, self._step_index, f.start_ns, now, f.num_steps, num_prefill, num_decode, f.snapshot or NO_MEMBERS,
-             ids, per, pool.num_total - pool.num_free, pool.num_free)
+        self.writer.steps.append(
+            (self.instance_id, self._step_index, f.start_ns, now, f.num_steps, tally.num_prefill, tally.num_decode,
+             f.snapshot or NO_MEMBERS, tally.ids, tally.per, pool.num_total - pool.num_free, pool.num_free)
         )
         self._step_index += 1
         self.stats.num_step_events += 1
         self.stats.busy_ns += now - f.start_ns  # the step event's end - start
         self._flight = None
         self._last_start_ns, self._last_end_ns = f.prev_end_ns, now
-        for r in handoffs:  # after the step: its KV leaves with it
-            self.handoff(r, self.release(r, True))
-        if self.fast:
-            if not f.lockstep:  # after a request-by-request pass, decoders rejoin the lockstep set
-                for r in self.running:
-                    if r.lock is None and r.num_tokens - r.num_computed == 1 and (
-                        r.num_computed > r.num_prompt_tokens or (r.num_branches == 1 and r.num_computed >= r.num_prompt_tokens)
-                    ):
-                        self._join(r)
-            else:
-                for r in joiners:
-                    self._join(r)
-        if self.check:
-            self.check_invariants()
-        self._flush_countdown -= 1
-        if self._flush_countdown <= 0:
-            self._flush_if_full()
+
+    def _rejoin_lockstep(self, f: _Flight, joiners: list[Request]) -> None:
+        """Phase 5 (fast mode): decoders join the lockstep set; after a request-by-request pass, every
+        running decoder outside it does."""
+        if f.lockstep:
+            for r in joiners:
+                self._join(r)
+            return
+        for r in self.running:
+            if r.lock is None and r.is_decoding and (r.num_branches == 1 or r.num_computed > r.num_prompt_tokens):
+                self._join(r)
 
     def _flush_if_full(self) -> None:
         """Every 64 steps: hand the buffered events to the writer once they make a chunk."""

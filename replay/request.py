@@ -143,8 +143,12 @@ class Request:
         self.num_speculative_tokens = 0  # k_r: tokens it drafts per decode step here (0: it does not speculate)
         self.speculative_cap: int | None = None  # at most this k_r on any instance (a degrade decision's)
         self.num_speculative_steps = 0  # speculative decode steps it completed (its token schedule's n)
+        self._init_state()
+
+    def _init_state(self) -> None:
+        """Its progress, KV blocks, lockstep membership and history as it arrives: nothing computed, none held."""
         self.state = WAITING
-        self.num_tokens = num_prompt_tokens
+        self.num_tokens = self.num_prompt_tokens
         self.num_computed = 0
         self.num_output = 0
         self.num_cached_prefix_tokens = 0
@@ -169,6 +173,11 @@ class Request:
         self.first_token_ns: int | None = None
         self.view = None
         self.owner = None
+
+    @property
+    def is_decoding(self) -> bool:
+        """Its next step decodes: one position left to compute, past its prompt (else it prefills or recomputes)."""
+        return self.num_tokens - self.num_computed == 1 and self.num_computed >= self.num_prompt_tokens
 
     def live_ticks(self) -> int:
         """Decode positions gained in lockstep since ``g0`` (0 outside the lockstep set)."""

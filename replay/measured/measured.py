@@ -87,7 +87,7 @@ class MeasuredStepTimer:
                 self.executor.free((r.index, b))
         work = []
         for r, m in scheduled:
-            if r.num_tokens - r.num_computed == 1 and r.num_computed >= r.num_prompt_tokens:  # as the engine decides
+            if r.is_decoding:  # as the engine decides
                 work.extend(SeqWork((r.index, b), 1, r.num_computed) for b in range(r.num_branches))
             else:
                 work.append(SeqWork((r.index, 0), m, r.num_computed, sample=r.num_computed + m >= r.num_prompt_tokens))
