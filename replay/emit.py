@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from itertools import chain
 from operator import attrgetter
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -37,6 +37,32 @@ from schemas.events import SCHEMA_VERSION
 
 if TYPE_CHECKING:
     from replay.request import Request
+
+# The rows the engine (and a cluster) append to an EventWriter's buffers, one tuple per event, its fields in
+# this order (plain tuples: appending one costs the least on the replay's hot path). Snapshots are
+# ``replay.lockstep.Snapshot``; an instance id of None is the cluster's frontend.
+#: (request, instance_id, num_cached_prefix_tokens)
+ArrivedRow = tuple["Request", "str | None", "int | None"]
+#: (request, ts_ns, AdmissionDecision or a cluster's route record, decision number, instance_id)
+AdmissionRow = tuple["Request", int, Any, int, "str | None"]
+#: (instance_id, step_index, start_ns, end_ns, num_steps, num_prefill_tokens, num_decode_seqs, lockstep Snapshot
+#: (or NO_MEMBERS), explicit request ids, their tokens per step, kv blocks used, kv blocks free)
+StepRow = tuple[str, int, int, int, int, int, int, Any, Any, Any, int, int]
+#: (request, ts_ns, mode, preemption number, num_lost_tokens, instance_id)
+PreemptedRow = tuple["Request", int, str, int, int, "str | None"]
+#: (request, ts_ns, instance_id)
+FirstTokenRow = tuple["Request", int, "str | None"]
+#: (request, ts_ns, num_tokens, tokens delivered in total after this delivery, coalesced, instance_id)
+TokensRow = tuple["Request", int, int, int, bool, "str | None"]
+#: (Snapshot, ts_ns = the run's last step end, num_steps, lockstep clock after it, coalesced, instance_id)
+RunRow = tuple[Any, int, int, int, bool, "str | None"]
+#: (request, ts_ns, instance_id)
+CancelledRow = tuple["Request", int, "str | None"]
+#: (request, ts_ns, outcome, num_output_tokens, error_message, instance_id)
+FinishedRow = tuple["Request", int, str, int, "str | None", "str | None"]
+#: (ts_ns, instance_id, state, num_kv_blocks_total, kv_block_size_tokens, resident_models, scale_action,
+#: resident_adapters (None: none), event id tag)
+StateRow = tuple[int, str, str, int, int, Any, Any, Any, Any]
 
 Sink = Callable[[pa.Table], None]
 #: One event type's rows of a chunk: the row count, and the function that builds their table.
@@ -132,7 +158,8 @@ class _TokenRows(_FirstTokenRows):
 
     __slots__ = ("num", "upto", "coalesced")
 
-    def __init__(self, reqs, ts, num, upto, coalesced, instance) -> None:
+    def __init__(self, reqs: tuple[Request, ...], ts: tuple[int, ...], num: tuple[int, ...], upto: tuple[int, ...],
+                 coalesced: tuple[bool, ...], instance: tuple[str, ...]) -> None:
         super().__init__(reqs, ts, instance)
         self.num, self.upto, self.coalesced = _int_array(num), _int_array(upto), np.array(coalesced, bool)
 
@@ -142,7 +169,7 @@ class _RunRows:
 
     __slots__ = ("members", "rows", "lengths", "n", "ts", "num_tokens", "upto", "coalesced", "instances")
 
-    def __init__(self, buf: list[tuple], members: _Members, log_number: int) -> None:
+    def __init__(self, buf: list[RunRow], members: _Members, log_number: int) -> None:
         # (Snapshot, ts_ns = the run's last step end, num_steps, lockstep clock after it, coalesced, instance_id)
         snaps, ts, steps, clock, coalesced, instance = zip(*buf)
         starts, lengths = members.rows(snaps, log_number)
@@ -256,17 +283,17 @@ class EventWriter:
         self.hash = hashlib.sha256()
         self.num_events = 0
         self.num_chunks = 0
-        # one list of tuples per event type; field order documented at each table builder
-        self.arrived: list[tuple] = []
-        self.admission: list[tuple] = []
-        self.steps: list[tuple] = []
-        self.preempted: list[tuple] = []
-        self.first_tokens: list[tuple] = []
-        self.tokens: list[tuple] = []
-        self.runs: list[tuple] = []
-        self.cancelled: list[tuple] = []
-        self.finished: list[tuple] = []
-        self.states: list[tuple] = []
+        # one list of rows per event type (the row types above)
+        self.arrived: list[ArrivedRow] = []
+        self.admission: list[AdmissionRow] = []
+        self.steps: list[StepRow] = []
+        self.preempted: list[PreemptedRow] = []
+        self.first_tokens: list[FirstTokenRow] = []
+        self.tokens: list[TokensRow] = []
+        self.runs: list[RunRow] = []
+        self.cancelled: list[CancelledRow] = []
+        self.finished: list[FinishedRow] = []
+        self.states: list[StateRow] = []
         # the member log: one row per member of each snapshot taken for this chunk (number _log_number)
         self._log_number = 0
         self._member_requests: list[Request] = []
@@ -368,6 +395,7 @@ class EventWriter:
             parts.append(Deliveries(tokens.idx(), tokens.ts, np.ones(n, np.int64), tokens.upto, tokens.num,
                                     tokens.coalesced, table.instance_codes(tokens.instance)))
         if runs is not None and runs.n:
+            assert runs.members.idx is not None  # a request table's chunks keep their members' indices
             parts.append(Deliveries(runs.members.idx[runs.rows], runs.ts, np.ones(runs.n, np.int64), runs.upto,
                                     runs.num_tokens, runs.coalesced, np.asarray(table.instance_codes(runs.instances))[
                                         np.repeat(np.arange(len(runs.instances)), runs.lengths)]))
@@ -476,11 +504,11 @@ class EventWriter:
         np.cumsum(snap_lengths + own_lengths, out=offsets[1:])
         flat_tokens = np.concatenate((members.tokens, own_tokens))[rows]
         member_ids = members.ids
-        index = np.array(index, np.int64)
+        step_index = np.array(index, np.int64)
         cols = {
             "ts_ns": _ints(end),
             "instance_id": _strings(instance),
-            "step_index": pa.array(index),
+            "step_index": pa.array(step_index),
             "start_ns": _ints(start),
             "end_ns": _ints(end),
             "num_prefill_tokens": _ints(prefill),
@@ -494,7 +522,7 @@ class EventWriter:
         def build() -> pa.Table:
             flat_ids = pa.concat_arrays([member_ids, own_ids]).take(rows)
             cols["request_ids"] = pa.ListArray.from_arrays(pa.array(offsets), flat_ids, type=_STRING_LIST)
-            cols["event_id"] = self._event_ids(cols["instance_id"], _numbered(":step", index))
+            cols["event_id"] = self._event_ids(cols["instance_id"], _numbered(":step", step_index))
             return self._table("step_executed", n, cols)
 
         return n, build

@@ -48,8 +48,8 @@ blocks requests hold add up to the pool's used count; every request ends with ex
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Hashable
-from typing import Literal
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Literal
 
 from replay.config import InstanceConfig
 from replay.costmodel import StepCostModel, StepShape
@@ -67,7 +67,7 @@ Mode = Literal["fast", "reference"]
 MODES: tuple[str, ...] = ("fast", "reference")
 
 
-def check_clock(instance: InstanceConfig, mode: str, step_timer: Callable | None) -> None:
+def check_clock(instance: InstanceConfig, mode: str, step_timer: Callable[..., int] | None) -> None:
     """Raise unless ``mode`` is a replay mode and a measured clock (``step_timer``) can time this instance's
     steps (run_replay checks before it opens its outputs)."""
     if mode not in MODES:
@@ -86,7 +86,7 @@ class _Flight:
                  "leases")
 
     def __init__(self, start_ns: int, end_ns: int, prev_end_ns: int, num_steps: int, lockstep: bool,
-                 snapshot: Snapshot | None, scheduled: list) -> None:
+                 snapshot: Snapshot | None, scheduled: Sequence[tuple[Request, int]]) -> None:
         self.start_ns = start_ns
         self.end_ns = end_ns
         self.prev_end_ns = prev_end_ns  # end of a run's second-to-last step
@@ -124,6 +124,22 @@ class EngineStats:
         "num_moved_out", "num_moved_in", "num_stale_refused", "busy_ns",
     )
 
+    num_submitted: int
+    num_finished: int
+    num_steps: int
+    num_step_events: int
+    num_runs: int
+    num_preemptions: int
+    num_prefix_hit_tokens: int
+    num_swapped_bytes: int
+    max_running: int
+    max_waiting: int
+    num_general_passes: int
+    num_moved_out: int
+    num_moved_in: int
+    num_stale_refused: int
+    busy_ns: int
+
     def __init__(self) -> None:
         for name in self.__slots__:
             setattr(self, name, 0)
@@ -143,7 +159,7 @@ class Engine:
         instance_id: str,
         mode: Mode = "fast",
         check_invariants: bool = False,
-        step_timer: Callable[[StepShape, list], int] | None = None,
+        step_timer: Callable[[StepShape, list[Any]], int] | None = None,
     ) -> None:
         check_clock(instance, mode, step_timer)
         self.kernel = kernel
@@ -395,11 +411,11 @@ class Engine:
         self._catch_up()
         f = self._flight
         if r.lock is not None:
-            in_run = f is not None and f.lockstep and f.num_steps > 1
+            run = f if f is not None and f.lockstep and f.num_steps > 1 else None
             self._lock.leave(r)
-            if in_run:  # the run's steps before its last one ended before now: their tokens were delivered
-                k = f.num_steps - 1
-                self._deliver(r, f.prev_end_ns, k * r.num_branches, k > 1)
+            if run is not None:  # the run's steps before its last one ended before now: their tokens were delivered
+                k = run.num_steps - 1
+                self._deliver(r, run.prev_end_ns, k * r.num_branches, k > 1)
         return self.kernel.now_ns
 
     def cancel(self, r: Request) -> None:
@@ -407,6 +423,7 @@ class Engine:
         if r.state == FINISHED:
             return
         if r.owner is not self:  # it moved to another instance since (replay.cluster)
+            assert self.cancel_elsewhere is not None, "a request owned elsewhere implies a cluster"
             self.cancel_elsewhere(r)
             return
         now = self._leave_now(r)
@@ -615,9 +632,10 @@ class Engine:
             return self._launch_lockstep_run(now, need)  # the common case: the lockstep set alone, nobody waiting
         scheduled: list[tuple[Request, int]] = []
         if len(running) > num_lock:
-            budget = self._plan_prefill_tail(running[num_lock:], budget, need, scheduled)
-            if budget is None:
+            left = self._plan_prefill_tail(running[num_lock:], budget, need, scheduled)
+            if left is None:
                 return False
+            budget = left
         elif need > pool.num_free:
             return False
         elif need:
@@ -830,7 +848,7 @@ class Engine:
         return budget, preempted
 
     def _launch(self, now: int, duration: int, last: int, k: int, lockstep: bool, snapshot: Snapshot | None,
-                scheduled: list) -> None:
+                scheduled: list[tuple[Request, int]]) -> None:
         end = now + duration
         self._flight = _Flight(now, end, end - last, k, lockstep, snapshot, _first_steps_pending(scheduled))
         self.stats.num_steps += k
@@ -846,7 +864,7 @@ class Engine:
         seen = self._seen_until_ns(now)
         return seen is not None and any((r.admitted_ns or 0) > seen for r in self.waiting)
 
-    def _plan_waiting(self, now: int, budget: int, scheduled: list) -> tuple[int, list[Request]]:
+    def _plan_waiting(self, now: int, budget: int, scheduled: list[tuple[Request, int]]) -> tuple[int, list[Request]]:
         """Admit waiting requests into the batch, in the policy's order, while they fit (seats, budget,
         adapter slots, KV blocks); returns (budget left, those admitted)."""
         waiting, running, policy, view = self.waiting, self.running, self.policy, self.view
@@ -867,7 +885,7 @@ class Engine:
             if seen is not None and (r.admitted_ns or 0) > seen:
                 continue  # async scheduling: it arrived after this step was planned
             if adapters is not None and r.adapter is not None and r.adapter not in adapters:
-                if len(adapters) >= slots:
+                if slots is not None and len(adapters) >= slots:
                     continue  # no adapter slot left in this batch: later requests may still fit (vLLM's max_loras)
                 adapters.add(r.adapter)
             fit = self._fit_waiting(r, budget)
@@ -1073,6 +1091,7 @@ class Engine:
         requests' progress and tokens, the policy's observation, the finishes, the step event, the
         handoffs of a prefill instance, and the decoders' (re)joining of the lockstep set."""
         f = self._flight
+        assert f is not None, "a step ended with no step in flight"
         if f.lockstep and not f.scheduled and self._short_completion:
             self._complete_run(f)
             return
@@ -1084,7 +1103,8 @@ class Engine:
         for r, outcome in finished:
             self._finish(r, now, outcome, "failed in the recorded trace" if outcome == "error" else None)
         self._emit_step(f, now, tally)
-        for r in tally.handoffs:  # after the step: its KV leaves with it
+        for r in tally.handoffs:  # after the step: its KV leaves with it (only a prefill instance hands off)
+            assert self.handoff is not None
             self.handoff(r, self.release(r, True))
         if self.fast:
             self._rejoin_lockstep(f, tally.joiners)
@@ -1223,6 +1243,7 @@ class Engine:
                 self._finish(r, now, "completed", None)
         pool = self.pool
         free = pool.num_free
+        assert f.snapshot is not None  # a lockstep flight carries its set's snapshot
         writer.steps.append(
             (self.instance_id, self._step_index, f.start_ns, now, k, 0, f.snapshot.num_seqs, f.snapshot, (), (),
              pool.num_total - free, free)

@@ -90,7 +90,8 @@ class Lockstep:
 
     def pop_finished(self) -> list[Request]:
         """Members whose last token is produced by the current clock, in (clock, index) order; they leave."""
-        heap, done = self.heap, []
+        heap = self.heap
+        done: list[Request] = []
         while heap and heap[0][0] <= self.ticks:
             r = heapq.heappop(heap)[2]
             if r.lock is self and r.g_finish <= self.ticks:

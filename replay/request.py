@@ -27,7 +27,8 @@ admitted to the destination's batch.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 WAITING = 0
 RUNNING = 1
@@ -106,7 +107,7 @@ class Request:
         num_prompt_tokens: int,
         *,
         num_branches: int = 1,
-        unit_keys: tuple[tuple[Hashable, int], ...] = (),
+        unit_keys: Sequence[tuple[Hashable, int, int]] = (),
         tenant: str | None = None,
         service_class: str | None = None,
         model: str | None = None,
@@ -158,7 +159,7 @@ class Request:
         self.next_unit = 0
         self.swapped_tokens = 0
         self.moved_tokens = 0  # tokens whose KV arrived from another instance (replay.cluster), not yet placed
-        self.lock = None
+        self.lock: Any = None  # its replay.lockstep.Lockstep while it decodes in lockstep
         self.g0 = 0
         self.lock_offset = 0
         self.lock_output = 0  # num_output - g0 while in lockstep: output at clock t is lock_output + t
@@ -171,8 +172,8 @@ class Request:
         self.first_step_ns: int | None = None  # start of the first step event listing it (a step lost to a failure is not)
         self.first_step_pending = False  # in a step in flight that would be its first
         self.first_token_ns: int | None = None
-        self.view = None
-        self.owner = None
+        self.view: Any = None  # its replay.views.RequestView while an engine holds it (policies see only views)
+        self.owner: Any = None
 
     @property
     def is_decoding(self) -> bool:

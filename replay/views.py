@@ -98,7 +98,8 @@ class RequestSequence(Sequence[RequestView]):
     def __getitem__(self, index: int | slice) -> RequestView | list[RequestView]:
         if isinstance(index, slice):
             return [r.view for r in list(self._items)[index]]
-        return self._items[index].view
+        view: RequestView = self._items[index].view
+        return view
 
     def __iter__(self) -> Iterator[RequestView]:
         return (r.view for r in self._items)
