@@ -974,67 +974,20 @@ def run_cluster_replay(
     """
     if mode not in MODES:
         raise ReplayError(f"unknown replay mode {mode!r}", "valid modes: fast, reference")
-    if calibration is not None:
-        cluster = _calibrated(cluster, calibration)
-        if cost_model == "roofline" and cost_model_config is None:
-            cost_model_config = calibration.roofline
-    if cluster.residency is not None:
-        cluster = _sized(cluster)
+    cluster, cost_model_config = _prepared(cluster, calibration, cost_model, cost_model_config)
     source = as_workload(workload)
     scenario = scenario or Scenario()
-    configs = list(dict.fromkeys(list(cluster.instances) + list(cluster.decode_instances)
-                                 + [s.instance for s in cluster.scaling if s.instance is not None]))
-    if not isinstance(cost_model, str) and len(configs) > 1:
-        raise ReplayError("one cost model object was given for instances that differ", "pass the cost model's name")
-    models = {
-        c: make_cost_model(cost_model, c, config=cost_model_config, shared=shared) if isinstance(cost_model, str) else cost_model
-        for c in configs
-    }
+    configs = _instance_configs(cluster)
+    models = _cost_models(cost_model, configs, cost_model_config, shared)
     first = cluster.instances[0]
     policy_cfg = make_policy(policy_name, policy_config).config
     router = make_router(cluster.router, cluster.router_config)
     manifest = _manifest(source, scenario, policy_name, policy_cfg, first, models[first], seed, mode)
     if calibration is not None:
         manifest["calibration"] = calibration_record(calibration, first)
-    manifest["cluster"] = {
-        "instances": [_plain(c) for c in cluster.instances],
-        "router": {"name": cluster.router, "config": _plain(router.config)},
-        "scaling": [_plain(s) for s in cluster.scaling],
-        "delays": _plain(cluster.delays),
-        "cost_models": [models[c].info().name for c in configs],
-    }
-    if cluster.decode_instances:  # only then: an aggregated cluster's manifest (and run id) stays as it was
-        manifest["cluster"]["disaggregation"] = {
-            "decode_instances": [_plain(c) for c in cluster.decode_instances],
-            "decode_router": {"name": cluster.decode_router,
-                              "config": _plain(make_router(cluster.decode_router, cluster.decode_router_config).config)},
-            "kv_transfer_bandwidth_bytes_per_s": cluster.kv_transfer_bandwidth_bytes_per_s,
-            "kv_transfer_latency_s": cluster.kv_transfer_latency_s,
-        }
-    if cluster.migrations or cluster.failures or cluster.failure_rate_per_s:  # likewise
-        manifest["cluster"]["faults"] = {
-            "migrations": [_plain(m) for m in cluster.migrations],
-            "failures": [_plain(f) for f in cluster.failures],
-            "failure_rate_per_s": cluster.failure_rate_per_s,
-            "failure_window_s": cluster.failure_window_s,
-            "failure_seed": cluster.failure_seed,
-            "kv_transfer_bandwidth_bytes_per_s": cluster.kv_transfer_bandwidth_bytes_per_s,
-            "kv_transfer_latency_s": cluster.kv_transfer_latency_s,
-        }
-    if cluster.max_reroutes:  # likewise
-        manifest["cluster"]["max_reroutes"] = cluster.max_reroutes
-    if cluster.autoscaler is not None:  # absent otherwise: a run without one keeps its manifest and run id
-        from replay.policies.autoscale import autoscaler_class
-
-        cfg = cluster.autoscaler_config or autoscaler_class(cluster.autoscaler).config_type()
-        manifest["cluster"]["autoscaler"] = {"name": cluster.autoscaler, "config": _plain(cfg),
-                                             "interval_s": cluster.autoscale_interval_s,
-                                             "window_s": cluster.autoscale_window_s}
-    if cluster.residency is not None:
-        manifest["cluster"]["residency"] = _plain(cluster.residency)
+    manifest["cluster"] = _cluster_record(cluster, router, models, configs)
     run_id = hashlib.sha256(json.dumps(manifest, sort_keys=True, default=str).encode()).hexdigest()[:12]
     engine_id = f"replay-{run_id}"
-
     outputs = _Outputs(out_dir, sink, write_requests=write_requests)
     writer = outputs.writer(_ClusterWriter, run_id=run_id, engine_id=engine_id, chunk_rows=chunk_rows)
     writer.engines = []
@@ -1049,17 +1002,108 @@ def run_cluster_replay(
     output_sha256, wall_s, wall0 = outputs.drive(kernel, feeder, cl, writer)
     if progress is not None:
         progress(feeder.report(wall0))
+    manifest_path = _write_cluster_manifest(outputs, manifest, run_id, engine_id, cl, output_sha256, writer.num_events)
+    return _cluster_summary(cluster, cl, kernel, feeder, outputs, manifest, manifest_path, mode=mode,
+                            output_sha256=output_sha256, wall_s=wall_s, num_events=writer.num_events)
 
-    start_ns = feeder.first_arrival_ns if feeder.first_arrival_ns is not None else 0
+
+def _prepared(cluster: ClusterConfig, calibration: Calibration | None, cost_model: str | StepCostModel,
+              cost_model_config: object | None) -> tuple[ClusterConfig, object | None]:
+    """``cluster`` calibrated (and its KV pools sized by its residency), and the cost model's config
+    (a calibration's roofline for the default roofline model without a config of its own)."""
+    if calibration is not None:
+        cluster = _calibrated(cluster, calibration)
+        if cost_model == "roofline" and cost_model_config is None:
+            cost_model_config = calibration.roofline
+    if cluster.residency is not None:
+        cluster = _sized(cluster)
+    return cluster, cost_model_config
+
+
+def _instance_configs(cluster: ClusterConfig) -> list[InstanceConfig]:
+    """The distinct instance configurations of ``cluster`` (its instances, decode pool, scaling steps), in order."""
+    return list(dict.fromkeys(list(cluster.instances) + list(cluster.decode_instances)
+                              + [s.instance for s in cluster.scaling if s.instance is not None]))
+
+
+def _cost_models(cost_model: str | StepCostModel, configs: list[InstanceConfig], config: object | None,
+                 shared: Path | None) -> dict[InstanceConfig, StepCostModel]:
+    """One cost model per instance configuration: built by name for each, or the one object given for all."""
+    if not isinstance(cost_model, str) and len(configs) > 1:
+        raise ReplayError("one cost model object was given for instances that differ", "pass the cost model's name")
+    return {
+        c: make_cost_model(cost_model, c, config=config, shared=shared) if isinstance(cost_model, str) else cost_model
+        for c in configs
+    }
+
+
+def _cluster_record(cluster: ClusterConfig, router: Router, models: dict[InstanceConfig, StepCostModel],
+                    configs: list[InstanceConfig]) -> dict:
+    """The manifest's ``cluster`` entry; the optional parts only when used, so that a run without them keeps
+    its manifest and run id."""
+    record: dict = {
+        "instances": [_plain(c) for c in cluster.instances],
+        "router": {"name": cluster.router, "config": _plain(router.config)},
+        "scaling": [_plain(s) for s in cluster.scaling],
+        "delays": _plain(cluster.delays),
+        "cost_models": [models[c].info().name for c in configs],
+    }
+    if cluster.decode_instances:  # only then: an aggregated cluster's manifest (and run id) stays as it was
+        record["disaggregation"] = {
+            "decode_instances": [_plain(c) for c in cluster.decode_instances],
+            "decode_router": {"name": cluster.decode_router,
+                              "config": _plain(make_router(cluster.decode_router, cluster.decode_router_config).config)},
+            "kv_transfer_bandwidth_bytes_per_s": cluster.kv_transfer_bandwidth_bytes_per_s,
+            "kv_transfer_latency_s": cluster.kv_transfer_latency_s,
+        }
+    if cluster.migrations or cluster.failures or cluster.failure_rate_per_s:  # likewise
+        record["faults"] = _faults_record(cluster)
+    if cluster.max_reroutes:  # likewise
+        record["max_reroutes"] = cluster.max_reroutes
+    if cluster.autoscaler is not None:  # absent otherwise: a run without one keeps its manifest and run id
+        from replay.policies.autoscale import autoscaler_class
+
+        cfg = cluster.autoscaler_config or autoscaler_class(cluster.autoscaler).config_type()
+        record["autoscaler"] = {"name": cluster.autoscaler, "config": _plain(cfg),
+                                "interval_s": cluster.autoscale_interval_s,
+                                "window_s": cluster.autoscale_window_s}
+    if cluster.residency is not None:
+        record["residency"] = _plain(cluster.residency)
+    return record
+
+
+def _faults_record(cluster: ClusterConfig) -> dict:
+    """The manifest's record of ``cluster``'s migrations and failures."""
+    return {
+        "migrations": [_plain(m) for m in cluster.migrations],
+        "failures": [_plain(f) for f in cluster.failures],
+        "failure_rate_per_s": cluster.failure_rate_per_s,
+        "failure_window_s": cluster.failure_window_s,
+        "failure_seed": cluster.failure_seed,
+        "kv_transfer_bandwidth_bytes_per_s": cluster.kv_transfer_bandwidth_bytes_per_s,
+        "kv_transfer_latency_s": cluster.kv_transfer_latency_s,
+    }
+
+
+def _busy_s(cl: Cluster) -> dict[str, float]:
+    """Seconds each instance that stepped spent in steps, by instance id."""
+    return {x.instance_id: x.engine.stats.busy_ns / 1e9 for x in cl.instances if x.engine.stats.num_step_events}
+
+
+def _write_cluster_manifest(outputs: _Outputs, manifest: dict, run_id: str, engine_id: str, cl: Cluster,
+                            output_sha256: str, num_events: int) -> Path | None:
+    """Complete ``manifest`` with the run's ids and outcomes, and write it."""
     manifest["run_id"] = run_id
     manifest["engine_id"] = engine_id
     manifest["instance_ids"] = [x.instance_id for x in cl.instances]
     if cl.autoscaling is not None:  # every consultation and why (after the run id: it is an outcome)
         manifest["cluster"]["autoscaler"]["decisions"] = [_plain(d) for d in cl.autoscaling.records]
-    manifest_path = outputs.write_manifest(
-        manifest, output_sha256, writer.num_events, default=str,
-        busy_s={x.instance_id: x.engine.stats.busy_ns / 1e9 for x in cl.instances if x.engine.stats.num_step_events})
-    instances = tuple(
+    return outputs.write_manifest(manifest, output_sha256, num_events, default=str, busy_s=_busy_s(cl))
+
+
+def _instance_summaries(cl: Cluster, start_ns: int) -> tuple[InstanceSummary, ...]:
+    """What each instance of ``cl`` did (``start_ns``: the first arrival)."""
+    return tuple(
         InstanceSummary(
             instance_id=x.instance_id, model=x.config.model.name, accelerator=x.config.accelerator.name, role=x.role,
             num_routed=x.num_routed, num_steps=x.engine.stats.num_steps, num_preemptions=x.engine.stats.num_preemptions,
@@ -1071,14 +1115,22 @@ def run_cluster_replay(
         )
         for x in cl.instances
     )
+
+
+def _cluster_summary(cluster: ClusterConfig, cl: Cluster, kernel: Kernel, feeder: _Feeder, outputs: _Outputs,
+                     manifest: dict, manifest_path: Path | None, *, mode: str, output_sha256: str, wall_s: float,
+                     num_events: int) -> ClusterSummary:
+    """The summary of a finished cluster replay."""
+    start_ns = feeder.first_arrival_ns if feeder.first_arrival_ns is not None else 0
+    instances = _instance_summaries(cl, start_ns)
     return ClusterSummary(
-        run_id=run_id,
-        engine_id=engine_id,
+        run_id=manifest["run_id"],
+        engine_id=manifest["engine_id"],
         mode=mode,
         router=cluster.router,
         num_requests=feeder.num_arrived,
         num_shed=cl.num_shed,
-        num_events=writer.num_events,
+        num_events=num_events,
         num_steps=sum(x.num_steps for x in instances),
         num_preemptions=sum(x.num_preemptions for x in instances),
         simulated_s=(kernel.now_ns - start_ns) / 1e9 if feeder.first_arrival_ns is not None else 0.0,
@@ -1097,7 +1149,7 @@ def run_cluster_replay(
         num_downgrades=cl.num_downgrades,
         num_prefix_hit_tokens=sum(x.engine.stats.num_prefix_hit_tokens for x in cl.instances),
         requests_path=outputs.requests_path,
-        busy_s=tuple((x.instance_id, x.engine.stats.busy_ns / 1e9) for x in cl.instances if x.engine.stats.num_step_events),
+        busy_s=tuple(_busy_s(cl).items()),
     )
 
 
