@@ -81,7 +81,7 @@ from replay.errors import ReplayError
 from replay.kernel import ARRIVAL, CONTROL, Kernel
 from replay.policies import make_policy
 from replay.policies.base import AdmissionDecision
-from replay.policies.routing import ROUTERS, RouteDecision, Router, make_router
+from replay.policies.routing import ROUTERS, RouteDecision, Router, load_router_config, make_router
 from replay.request import FINISHED, Request
 from replay.residency import Residency, ResidencyConfig, sized_instance
 from replay.run import PROGRESS_EVERY, ReplayProgress, _Feeder, _manifest, _Outputs, _plain
@@ -302,6 +302,83 @@ def disaggregated_config(num_prefill: int, num_decode: int, instance: InstanceCo
     instance = instance or instance_config()
     return ClusterConfig(instances=(instance,) * num_prefill, router=router,
                          decode_instances=(decode_instance or instance,) * num_decode, decode_router=decode_router, **fields)
+
+
+def cluster_from_options(
+    instance: InstanceConfig,
+    instances: int = 1,
+    *,
+    router: str | None = None,
+    router_config_file: str | Path | None = None,
+    scale: Sequence[str] = (),
+    startup_s: float | None = None,
+    weight_load_s: float | None = None,
+    weight_load_gbps: float | None = None,
+    cache_warm_s: float | None = None,
+    decode_instances: int = 0,
+    decode_router: str | None = None,
+    kv_transfer_gbps: float | None = None,
+    kv_transfer_latency_s: float | None = None,
+    fail: Sequence[str] = (),
+    failure_rate_per_hour: float | None = None,
+    autoscaler: str | None = None,
+    autoscaler_config_file: str | Path | None = None,
+    autoscale_interval_s: float | None = None,
+    autoscale_window_s: float | None = None,
+    failure_seed: int = 0,
+) -> ClusterConfig:
+    """The cluster of ``servelens replay``'s cluster options, in their plain units and names (``--instances``,
+    ``--scale AT_S:+N``, ``--weight-load-gbps`` ...): ``instances`` alike instances (``instance``), a decode
+    pool of ``decode_instances`` more (0: aggregated), the routers' and the autoscaler's settings read from
+    their YAML files. An option left None takes its ``ClusterConfig`` (or ``ScalingDelays``) field's default.
+    """
+    if instances < 1:
+        raise ReplayError(f"--instances must be at least 1, not {instances}")
+    if decode_instances < 0:
+        raise ReplayError(f"--decode-instances must be at least 0 (0: aggregated serving), not {decode_instances}")
+    delays = ScalingDelays(**_given(startup_s=startup_s, weight_load_s=weight_load_s, cache_warm_s=cache_warm_s,
+                                    weight_load_bandwidth_bytes_per_s=_times(weight_load_gbps, 1e9)))
+    router = "round-robin" if router is None else router
+    router_config = load_router_config(router, router_config_file) if router_config_file is not None else None
+    config = cluster_config(instances, instance, router, router_config=router_config,
+                            scaling=[parse_scale_step(s) for s in scale], delays=delays)
+    config = dataclasses.replace(
+        config,
+        decode_instances=(instance,) * decode_instances,
+        failures=tuple(parse_failure(f) for f in fail),
+        failure_seed=failure_seed,
+        **_given(decode_router=decode_router, kv_transfer_bandwidth_bytes_per_s=_times(kv_transfer_gbps, 1e9),
+                 kv_transfer_latency_s=kv_transfer_latency_s,
+                 failure_rate_per_s=None if failure_rate_per_hour is None else failure_rate_per_hour / 3600),
+    )
+    return _with_autoscaler(config, autoscaler, autoscaler_config_file, autoscale_interval_s, autoscale_window_s)
+
+
+def _with_autoscaler(config: ClusterConfig, autoscaler: str | None, config_file: str | Path | None,
+                     interval_s: float | None, window_s: float | None) -> ClusterConfig:
+    """``config`` sized by ``autoscaler`` (its settings from ``config_file``); the settings need one."""
+    if autoscaler is None:
+        if config_file is not None or interval_s is not None or window_s is not None:
+            raise ReplayError("--autoscaler-config, --autoscale-interval-s and --autoscale-window-s need --autoscaler",
+                              "name one: request-rate or workload-aware")
+        return config
+    from replay.policies.autoscale import load_autoscaler_config
+
+    return dataclasses.replace(
+        config,
+        autoscaler=autoscaler,
+        autoscaler_config=load_autoscaler_config(autoscaler, config_file) if config_file is not None else None,
+        **_given(autoscale_interval_s=interval_s, autoscale_window_s=window_s),
+    )
+
+
+def _given(**values: object) -> dict[str, object]:
+    """The values that are not None (the others keep their field's default)."""
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def _times(value: float | None, factor: float) -> float | None:
+    return None if value is None else value * factor
 
 
 def parse_scale_step(spec: str) -> ScaleStep:
