@@ -94,6 +94,43 @@ def event_key(event: Event) -> bytes:
     return (event.request_id or event.instance_id or event.engine_id).encode()
 
 
+def _check_options(compression: str, max_buffered_events: int, acks: str) -> None:
+    """Refuse an unknown codec or acks setting, and an empty buffer."""
+    if compression not in COMPRESSION_PACKAGES:
+        raise ConfigError(
+            f"unknown compression {compression!r}", f"valid codecs: {', '.join(COMPRESSION_PACKAGES)}"
+        )
+    if max_buffered_events < 1:
+        raise ConfigError(f"max_buffered_events must be >= 1, got {max_buffered_events}")
+    if acks not in ("all", "1", "0", "-1"):
+        raise ConfigError(f"unknown acks {acks!r}", "valid values: all, 1, 0")
+
+
+def _producer_config(bootstrap_servers: str, *, client_id: str, compression: str, linger_ms: int, batch_bytes: int,
+                     delivery_timeout_ms: int, max_block_ms: int, reconnect_backoff_ms: int,
+                     reconnect_backoff_max_ms: int, acks: str, enable_idempotence: bool,
+                     connect_timeout_s: float) -> dict[str, Any]:
+    """The Kafka producer's settings for the emitter's options."""
+    return {
+        "bootstrap_servers": bootstrap_servers,
+        "client_id": client_id,
+        "compression_type": None if compression == "none" else compression,
+        "linger_ms": linger_ms,
+        "batch_size": batch_bytes,
+        "delivery_timeout_ms": delivery_timeout_ms,
+        "request_timeout_ms": min(30_000, max(1, delivery_timeout_ms - linger_ms)),
+        "max_block_ms": max_block_ms,
+        "reconnect_backoff_ms": reconnect_backoff_ms,
+        "reconnect_backoff_max_ms": max(reconnect_backoff_ms, reconnect_backoff_max_ms),
+        "acks": "all" if acks in ("all", "-1") else int(acks),
+        "enable_idempotence": enable_idempotence,
+        # one request in flight per broker: a retried batch cannot overtake a later one, so a
+        # request's events stay in order even without the idempotent producer
+        "max_in_flight_requests_per_connection": 1,
+        "bootstrap_timeout_ms": int(connect_timeout_s * 1000),
+    }
+
+
 class Emitter:
     """Non-blocking producer of lifecycle events to one Kafka topic (see the module docstring)."""
 
@@ -117,36 +154,17 @@ class Emitter:
         strict: bool = False,
         max_future_skew_s: float = 3600.0,
     ) -> None:
-        if compression not in COMPRESSION_PACKAGES:
-            raise ConfigError(
-                f"unknown compression {compression!r}", f"valid codecs: {', '.join(COMPRESSION_PACKAGES)}"
-            )
-        if max_buffered_events < 1:
-            raise ConfigError(f"max_buffered_events must be >= 1, got {max_buffered_events}")
-        if acks not in ("all", "1", "0", "-1"):
-            raise ConfigError(f"unknown acks {acks!r}", "valid values: all, 1, 0")
+        _check_options(compression, max_buffered_events, acks)
         self.bootstrap_servers = bootstrap_servers
         self.topic = topic
         self.max_buffered_events = max_buffered_events
         self.connect_timeout_s = connect_timeout_s
-        self._producer_config: dict[str, Any] = {
-            "bootstrap_servers": bootstrap_servers,
-            "client_id": client_id,
-            "compression_type": None if compression == "none" else compression,
-            "linger_ms": linger_ms,
-            "batch_size": batch_bytes,
-            "delivery_timeout_ms": delivery_timeout_ms,
-            "request_timeout_ms": min(30_000, max(1, delivery_timeout_ms - linger_ms)),
-            "max_block_ms": max_block_ms,
-            "reconnect_backoff_ms": reconnect_backoff_ms,
-            "reconnect_backoff_max_ms": max(reconnect_backoff_ms, reconnect_backoff_max_ms),
-            "acks": "all" if acks in ("all", "-1") else int(acks),
-            "enable_idempotence": enable_idempotence,
-            # one request in flight per broker: a retried batch cannot overtake a later one, so a
-            # request's events stay in order even without the idempotent producer
-            "max_in_flight_requests_per_connection": 1,
-            "bootstrap_timeout_ms": int(connect_timeout_s * 1000),
-        }
+        self._producer_config: dict[str, Any] = _producer_config(
+            bootstrap_servers, client_id=client_id, compression=compression, linger_ms=linger_ms,
+            batch_bytes=batch_bytes, delivery_timeout_ms=delivery_timeout_ms, max_block_ms=max_block_ms,
+            reconnect_backoff_ms=reconnect_backoff_ms, reconnect_backoff_max_ms=reconnect_backoff_max_ms, acks=acks,
+            enable_idempotence=enable_idempotence, connect_timeout_s=connect_timeout_s,
+        )
         self._buffer: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._producer: Any = None
         self._thread: threading.Thread | None = None

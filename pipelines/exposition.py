@@ -270,6 +270,43 @@ def request_metrics(
     the GenAI conventions' ``gen_ai.operation.name`` and ``gen_ai.provider.name`` attributes.
     ``gaps`` is ``token_gaps(events)`` computed once, for callers that export many slices.
     """
+    _check_request_table(requests, labels, max_label_values, min_group_size)
+    cell, cells, folded = _labels(requests, labels, max_label_values, min_group_size)
+    groups = _Cells(cell, cells, labels, operation_name, provider_name)
+    outcome = np.array([o or "" for o in requests["outcome"].to_pylist()], dtype=object)
+    values = _request_values(requests, outcome == "completed")
+    if max_model_len is None:
+        largest = np.nanmax(np.concatenate([values["num_prompt_tokens"], values["num_output_tokens"], [1.0]]))
+        max_model_len = int(largest)
+    omitted = []
+    if gaps is None and events is not None:
+        gaps = token_gaps(events)
+    if gaps is None:
+        omitted.append("vllm:inter_token_latency_seconds: needs the events (per-token gaps); the request table keeps only their summary")
+    histograms = _histograms(values, outcome, groups, _gap_series(requests, gaps, cell), max_model_len)
+    counters = _counters(values, outcome, groups)
+    times = [requests[c] for c in ("finish_ns", "last_token_ns") if c in requests.column_names]
+    end = max((pc.max(t).as_py() for t in times if pc.max(t).as_py() is not None), default=None)
+    return MetricSet(tuple(histograms), tuple(counters), requests.num_rows, folded, tuple(omitted),
+                     pc.min(requests["arrival_ns"]).as_py(), end)
+
+
+@dataclass(frozen=True, slots=True)
+class _Cells:
+    """A request table's label cells: each request's cell, each cell's label values, and what names them."""
+
+    cell: np.ndarray
+    keys: list
+    labels: Sequence[str]
+    operation: str
+    provider: str | None
+
+    def pairs(self, family: str, key: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+        return _label_pairs(family, self.labels, key, self.operation, self.provider)
+
+
+def _check_request_table(requests: pa.Table, labels: Sequence[str], max_label_values: int, min_group_size: int) -> None:
+    """Refuse forbidden, unknown or repeated labels, bad limits, and a table without a request table's columns."""
     for dim in labels:
         if dim in FORBIDDEN_LABELS:
             raise ServelensError(f"{dim!r} can never be a metric label (an identifier; the guide's section 6)",
@@ -287,13 +324,14 @@ def request_metrics(
     if missing:
         raise ServelensError(f"not a request table: columns {', '.join(missing)} are missing",
                              "derive one with `servelens requests derive EVENTS --out requests.parquet`")
-    cell, cells, folded = _labels(requests, labels, max_label_values, min_group_size)
-    outcome = np.array([o or "" for o in requests["outcome"].to_pylist()], dtype=object)
-    success = outcome == "completed"
+
+
+def _request_values(requests: pa.Table, success: np.ndarray) -> dict[str, np.ndarray]:
+    """Each request's value of every histogram (NaN where it has none)."""
     duration = _float(requests["e2e_s"])
     no_token = np.isnan(duration)
     duration[no_token] = _ns_seconds(requests, "finish_ns", "arrival_ns")[no_token]
-    values = {
+    return {
         "ttft_s": _float(requests["ttft_s"]),
         "e2e_s": _float(requests["e2e_s"]),
         "queue_s": _float(requests["queue_s"]),
@@ -307,59 +345,65 @@ def request_metrics(
         "otel_tpot_s": np.where(success, _float(requests["tpot_s"]), np.nan),
         "duration_s": duration,
     }
-    if max_model_len is None:
-        largest = np.nanmax(np.concatenate([values["num_prompt_tokens"], values["num_output_tokens"], [1.0]]))
-        max_model_len = int(largest)
-    omitted = []
-    if gaps is None and events is not None:
-        gaps = token_gaps(events)
-    if gaps is not None:
-        row = {rid: i for i, rid in enumerate(requests["request_id"].to_pylist())}
-        gap_rows = np.array([row.get(r, -1) for r in gaps["request_id"].to_pylist()], dtype=np.int64)
-        known = gap_rows >= 0
-        gap_ns = _column(gaps, "gap_ns").astype(np.int64)[known]
-        weight = _column(gaps, "num_tokens").astype(np.int64)[known]
-        gap_cell = cell[gap_rows[known]]
-    else:
-        omitted.append("vllm:inter_token_latency_seconds: needs the events (per-token gaps); the request table keeps only their summary")
 
+
+def _gap_series(requests: pa.Table, gaps: pa.Table | None, cell: np.ndarray):
+    """(gap ns, tokens, cell) of the token gaps of the table's requests; None without gaps."""
+    if gaps is None:
+        return None
+    row = {rid: i for i, rid in enumerate(requests["request_id"].to_pylist())}
+    gap_rows = np.array([row.get(r, -1) for r in gaps["request_id"].to_pylist()], dtype=np.int64)
+    known = gap_rows >= 0
+    gap_ns = _column(gaps, "gap_ns").astype(np.int64)[known]
+    weight = _column(gaps, "num_tokens").astype(np.int64)[known]
+    return gap_ns, weight, cell[gap_rows[known]]
+
+
+def _histograms(values: dict[str, np.ndarray], outcome: np.ndarray, groups: _Cells, gap_series,
+                max_model_len: int) -> list[Histogram]:
+    """Every histogram of the specs (the inter-token latency only with ``gap_series``)."""
     histograms = []
+    cell, cells = groups.cell, groups.keys
     for spec in _specs(max_model_len):
         if spec.values == "duration_s":  # error.type splits the duration by outcome
-            out = _duration_by_outcome(values["duration_s"], outcome, cell, cells, spec, labels, operation_name, provider_name)
-        elif spec.values == "itl" and gaps is None:
+            out = _duration_by_outcome(values["duration_s"], outcome, cell, cells, spec, groups.labels,
+                                       groups.operation, groups.provider)
+        elif spec.values == "itl" and gap_series is None:
             continue
         else:
             if spec.values == "itl":
+                gap_ns, weight, gap_cell = gap_series
                 series = _histogram_series(gap_ns / weight / 1e9, gap_cell, spec.bounds, len(cells),
                                            weights=weight, sums_ns=gap_ns)
             else:
                 series = _histogram_series(values[spec.values], cell, spec.bounds, len(cells))
-            out = [HistogramSeries(_label_pairs(spec.family, labels, key, operation_name, provider_name), tuple(counts), count, total)
+            out = [HistogramSeries(groups.pairs(spec.family, key), tuple(counts), count, total)
                    for key, (counts, count, total) in zip(cells, series)]
         histograms.append(Histogram(spec.name, spec.help, spec.unit, spec.bounds, tuple(out), spec.otel_name))
+    return histograms
 
+
+def _counters(values: dict[str, np.ndarray], outcome: np.ndarray, groups: _Cells) -> list[Counter]:
+    """The token counters and the requests by outcome, per cell."""
+    cell, cells = groups.cell, groups.keys
     prompt = np.nan_to_num(values["num_prompt_tokens"]).astype(np.int64)
     generated = np.nan_to_num(values["num_output_tokens"]).astype(np.int64)
     counters = [
         Counter("vllm:prompt_tokens", "Prompt tokens of the requests.",
-                tuple(CounterSeries(_label_pairs("vllm", labels, k, operation_name, provider_name), int(prompt[cell == j].sum()))
+                tuple(CounterSeries(groups.pairs("vllm", k), int(prompt[cell == j].sum()))
                       for j, k in enumerate(cells))),
         Counter("vllm:generation_tokens", "Output tokens of the requests.",
-                tuple(CounterSeries(_label_pairs("vllm", labels, k, operation_name, provider_name), int(generated[cell == j].sum()))
+                tuple(CounterSeries(groups.pairs("vllm", k), int(generated[cell == j].sum()))
                       for j, k in enumerate(cells))),
     ]
     by_outcome = []
     for j, k in enumerate(cells):
         for name in sorted(set(outcome[cell == j].tolist())):
-            pairs = _label_pairs("vllm", labels, k, operation_name, provider_name) + (("outcome", name or "in_flight"),)
+            pairs = groups.pairs("vllm", k) + (("outcome", name or "in_flight"),)
             by_outcome.append(CounterSeries(pairs, int(((cell == j) & (outcome == name)).sum())))
     counters.append(Counter("servelens:requests", "Requests by outcome (rejections and cancellations are outcomes, not missing data).",
                             tuple(by_outcome)))
-    times = [requests[c] for c in ("finish_ns", "last_token_ns") if c in requests.column_names]
-    end = max((pc.max(t).as_py() for t in times if pc.max(t).as_py() is not None), default=None)
-    return MetricSet(tuple(histograms), tuple(counters), requests.num_rows, folded, tuple(omitted),
-                     pc.min(requests["arrival_ns"]).as_py(), end)
+    return counters
 
 
 def _label_pairs(family: str, dims: Sequence[str], key: tuple[str, ...], operation: str, provider: str | None) -> tuple[tuple[str, str], ...]:

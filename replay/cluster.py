@@ -81,7 +81,7 @@ from replay.errors import ReplayError
 from replay.kernel import ARRIVAL, CONTROL, Kernel
 from replay.policies import make_policy
 from replay.policies.base import AdmissionDecision
-from replay.policies.routing import ROUTERS, RouteDecision, Router, make_router
+from replay.policies.routing import ROUTERS, RouteDecision, Router, load_router_config, make_router
 from replay.request import FINISHED, Request
 from replay.residency import Residency, ResidencyConfig, sized_instance
 from replay.run import PROGRESS_EVERY, ReplayProgress, _Feeder, _manifest, _Outputs, _plain
@@ -302,6 +302,83 @@ def disaggregated_config(num_prefill: int, num_decode: int, instance: InstanceCo
     instance = instance or instance_config()
     return ClusterConfig(instances=(instance,) * num_prefill, router=router,
                          decode_instances=(decode_instance or instance,) * num_decode, decode_router=decode_router, **fields)
+
+
+def cluster_from_options(
+    instance: InstanceConfig,
+    instances: int = 1,
+    *,
+    router: str | None = None,
+    router_config_file: str | Path | None = None,
+    scale: Sequence[str] = (),
+    startup_s: float | None = None,
+    weight_load_s: float | None = None,
+    weight_load_gbps: float | None = None,
+    cache_warm_s: float | None = None,
+    decode_instances: int = 0,
+    decode_router: str | None = None,
+    kv_transfer_gbps: float | None = None,
+    kv_transfer_latency_s: float | None = None,
+    fail: Sequence[str] = (),
+    failure_rate_per_hour: float | None = None,
+    autoscaler: str | None = None,
+    autoscaler_config_file: str | Path | None = None,
+    autoscale_interval_s: float | None = None,
+    autoscale_window_s: float | None = None,
+    failure_seed: int = 0,
+) -> ClusterConfig:
+    """The cluster of ``servelens replay``'s cluster options, in their plain units and names (``--instances``,
+    ``--scale AT_S:+N``, ``--weight-load-gbps`` ...): ``instances`` alike instances (``instance``), a decode
+    pool of ``decode_instances`` more (0: aggregated), the routers' and the autoscaler's settings read from
+    their YAML files. An option left None takes its ``ClusterConfig`` (or ``ScalingDelays``) field's default.
+    """
+    if instances < 1:
+        raise ReplayError(f"--instances must be at least 1, not {instances}")
+    if decode_instances < 0:
+        raise ReplayError(f"--decode-instances must be at least 0 (0: aggregated serving), not {decode_instances}")
+    delays = ScalingDelays(**_given(startup_s=startup_s, weight_load_s=weight_load_s, cache_warm_s=cache_warm_s,
+                                    weight_load_bandwidth_bytes_per_s=_times(weight_load_gbps, 1e9)))
+    router = "round-robin" if router is None else router
+    router_config = load_router_config(router, router_config_file) if router_config_file is not None else None
+    config = cluster_config(instances, instance, router, router_config=router_config,
+                            scaling=[parse_scale_step(s) for s in scale], delays=delays)
+    config = dataclasses.replace(
+        config,
+        decode_instances=(instance,) * decode_instances,
+        failures=tuple(parse_failure(f) for f in fail),
+        failure_seed=failure_seed,
+        **_given(decode_router=decode_router, kv_transfer_bandwidth_bytes_per_s=_times(kv_transfer_gbps, 1e9),
+                 kv_transfer_latency_s=kv_transfer_latency_s,
+                 failure_rate_per_s=None if failure_rate_per_hour is None else failure_rate_per_hour / 3600),
+    )
+    return _with_autoscaler(config, autoscaler, autoscaler_config_file, autoscale_interval_s, autoscale_window_s)
+
+
+def _with_autoscaler(config: ClusterConfig, autoscaler: str | None, config_file: str | Path | None,
+                     interval_s: float | None, window_s: float | None) -> ClusterConfig:
+    """``config`` sized by ``autoscaler`` (its settings from ``config_file``); the settings need one."""
+    if autoscaler is None:
+        if config_file is not None or interval_s is not None or window_s is not None:
+            raise ReplayError("--autoscaler-config, --autoscale-interval-s and --autoscale-window-s need --autoscaler",
+                              "name one: request-rate or workload-aware")
+        return config
+    from replay.policies.autoscale import load_autoscaler_config
+
+    return dataclasses.replace(
+        config,
+        autoscaler=autoscaler,
+        autoscaler_config=load_autoscaler_config(autoscaler, config_file) if config_file is not None else None,
+        **_given(autoscale_interval_s=interval_s, autoscale_window_s=window_s),
+    )
+
+
+def _given(**values: object) -> dict[str, object]:
+    """The values that are not None (the others keep their field's default)."""
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def _times(value: float | None, factor: float) -> float | None:
+    return None if value is None else value * factor
 
 
 def parse_scale_step(spec: str) -> ScaleStep:
@@ -974,67 +1051,20 @@ def run_cluster_replay(
     """
     if mode not in MODES:
         raise ReplayError(f"unknown replay mode {mode!r}", "valid modes: fast, reference")
-    if calibration is not None:
-        cluster = _calibrated(cluster, calibration)
-        if cost_model == "roofline" and cost_model_config is None:
-            cost_model_config = calibration.roofline
-    if cluster.residency is not None:
-        cluster = _sized(cluster)
+    cluster, cost_model_config = _prepared(cluster, calibration, cost_model, cost_model_config)
     source = as_workload(workload)
     scenario = scenario or Scenario()
-    configs = list(dict.fromkeys(list(cluster.instances) + list(cluster.decode_instances)
-                                 + [s.instance for s in cluster.scaling if s.instance is not None]))
-    if not isinstance(cost_model, str) and len(configs) > 1:
-        raise ReplayError("one cost model object was given for instances that differ", "pass the cost model's name")
-    models = {
-        c: make_cost_model(cost_model, c, config=cost_model_config, shared=shared) if isinstance(cost_model, str) else cost_model
-        for c in configs
-    }
+    configs = _instance_configs(cluster)
+    models = _cost_models(cost_model, configs, cost_model_config, shared)
     first = cluster.instances[0]
     policy_cfg = make_policy(policy_name, policy_config).config
     router = make_router(cluster.router, cluster.router_config)
     manifest = _manifest(source, scenario, policy_name, policy_cfg, first, models[first], seed, mode)
     if calibration is not None:
         manifest["calibration"] = calibration_record(calibration, first)
-    manifest["cluster"] = {
-        "instances": [_plain(c) for c in cluster.instances],
-        "router": {"name": cluster.router, "config": _plain(router.config)},
-        "scaling": [_plain(s) for s in cluster.scaling],
-        "delays": _plain(cluster.delays),
-        "cost_models": [models[c].info().name for c in configs],
-    }
-    if cluster.decode_instances:  # only then: an aggregated cluster's manifest (and run id) stays as it was
-        manifest["cluster"]["disaggregation"] = {
-            "decode_instances": [_plain(c) for c in cluster.decode_instances],
-            "decode_router": {"name": cluster.decode_router,
-                              "config": _plain(make_router(cluster.decode_router, cluster.decode_router_config).config)},
-            "kv_transfer_bandwidth_bytes_per_s": cluster.kv_transfer_bandwidth_bytes_per_s,
-            "kv_transfer_latency_s": cluster.kv_transfer_latency_s,
-        }
-    if cluster.migrations or cluster.failures or cluster.failure_rate_per_s:  # likewise
-        manifest["cluster"]["faults"] = {
-            "migrations": [_plain(m) for m in cluster.migrations],
-            "failures": [_plain(f) for f in cluster.failures],
-            "failure_rate_per_s": cluster.failure_rate_per_s,
-            "failure_window_s": cluster.failure_window_s,
-            "failure_seed": cluster.failure_seed,
-            "kv_transfer_bandwidth_bytes_per_s": cluster.kv_transfer_bandwidth_bytes_per_s,
-            "kv_transfer_latency_s": cluster.kv_transfer_latency_s,
-        }
-    if cluster.max_reroutes:  # likewise
-        manifest["cluster"]["max_reroutes"] = cluster.max_reroutes
-    if cluster.autoscaler is not None:  # absent otherwise: a run without one keeps its manifest and run id
-        from replay.policies.autoscale import autoscaler_class
-
-        cfg = cluster.autoscaler_config or autoscaler_class(cluster.autoscaler).config_type()
-        manifest["cluster"]["autoscaler"] = {"name": cluster.autoscaler, "config": _plain(cfg),
-                                             "interval_s": cluster.autoscale_interval_s,
-                                             "window_s": cluster.autoscale_window_s}
-    if cluster.residency is not None:
-        manifest["cluster"]["residency"] = _plain(cluster.residency)
+    manifest["cluster"] = _cluster_record(cluster, router, models, configs)
     run_id = hashlib.sha256(json.dumps(manifest, sort_keys=True, default=str).encode()).hexdigest()[:12]
     engine_id = f"replay-{run_id}"
-
     outputs = _Outputs(out_dir, sink, write_requests=write_requests)
     writer = outputs.writer(_ClusterWriter, run_id=run_id, engine_id=engine_id, chunk_rows=chunk_rows)
     writer.engines = []
@@ -1049,17 +1079,108 @@ def run_cluster_replay(
     output_sha256, wall_s, wall0 = outputs.drive(kernel, feeder, cl, writer)
     if progress is not None:
         progress(feeder.report(wall0))
+    manifest_path = _write_cluster_manifest(outputs, manifest, run_id, engine_id, cl, output_sha256, writer.num_events)
+    return _cluster_summary(cluster, cl, kernel, feeder, outputs, manifest, manifest_path, mode=mode,
+                            output_sha256=output_sha256, wall_s=wall_s, num_events=writer.num_events)
 
-    start_ns = feeder.first_arrival_ns if feeder.first_arrival_ns is not None else 0
+
+def _prepared(cluster: ClusterConfig, calibration: Calibration | None, cost_model: str | StepCostModel,
+              cost_model_config: object | None) -> tuple[ClusterConfig, object | None]:
+    """``cluster`` calibrated (and its KV pools sized by its residency), and the cost model's config
+    (a calibration's roofline for the default roofline model without a config of its own)."""
+    if calibration is not None:
+        cluster = _calibrated(cluster, calibration)
+        if cost_model == "roofline" and cost_model_config is None:
+            cost_model_config = calibration.roofline
+    if cluster.residency is not None:
+        cluster = _sized(cluster)
+    return cluster, cost_model_config
+
+
+def _instance_configs(cluster: ClusterConfig) -> list[InstanceConfig]:
+    """The distinct instance configurations of ``cluster`` (its instances, decode pool, scaling steps), in order."""
+    return list(dict.fromkeys(list(cluster.instances) + list(cluster.decode_instances)
+                              + [s.instance for s in cluster.scaling if s.instance is not None]))
+
+
+def _cost_models(cost_model: str | StepCostModel, configs: list[InstanceConfig], config: object | None,
+                 shared: Path | None) -> dict[InstanceConfig, StepCostModel]:
+    """One cost model per instance configuration: built by name for each, or the one object given for all."""
+    if not isinstance(cost_model, str) and len(configs) > 1:
+        raise ReplayError("one cost model object was given for instances that differ", "pass the cost model's name")
+    return {
+        c: make_cost_model(cost_model, c, config=config, shared=shared) if isinstance(cost_model, str) else cost_model
+        for c in configs
+    }
+
+
+def _cluster_record(cluster: ClusterConfig, router: Router, models: dict[InstanceConfig, StepCostModel],
+                    configs: list[InstanceConfig]) -> dict:
+    """The manifest's ``cluster`` entry; the optional parts only when used, so that a run without them keeps
+    its manifest and run id."""
+    record: dict = {
+        "instances": [_plain(c) for c in cluster.instances],
+        "router": {"name": cluster.router, "config": _plain(router.config)},
+        "scaling": [_plain(s) for s in cluster.scaling],
+        "delays": _plain(cluster.delays),
+        "cost_models": [models[c].info().name for c in configs],
+    }
+    if cluster.decode_instances:  # only then: an aggregated cluster's manifest (and run id) stays as it was
+        record["disaggregation"] = {
+            "decode_instances": [_plain(c) for c in cluster.decode_instances],
+            "decode_router": {"name": cluster.decode_router,
+                              "config": _plain(make_router(cluster.decode_router, cluster.decode_router_config).config)},
+            "kv_transfer_bandwidth_bytes_per_s": cluster.kv_transfer_bandwidth_bytes_per_s,
+            "kv_transfer_latency_s": cluster.kv_transfer_latency_s,
+        }
+    if cluster.migrations or cluster.failures or cluster.failure_rate_per_s:  # likewise
+        record["faults"] = _faults_record(cluster)
+    if cluster.max_reroutes:  # likewise
+        record["max_reroutes"] = cluster.max_reroutes
+    if cluster.autoscaler is not None:  # absent otherwise: a run without one keeps its manifest and run id
+        from replay.policies.autoscale import autoscaler_class
+
+        cfg = cluster.autoscaler_config or autoscaler_class(cluster.autoscaler).config_type()
+        record["autoscaler"] = {"name": cluster.autoscaler, "config": _plain(cfg),
+                                "interval_s": cluster.autoscale_interval_s,
+                                "window_s": cluster.autoscale_window_s}
+    if cluster.residency is not None:
+        record["residency"] = _plain(cluster.residency)
+    return record
+
+
+def _faults_record(cluster: ClusterConfig) -> dict:
+    """The manifest's record of ``cluster``'s migrations and failures."""
+    return {
+        "migrations": [_plain(m) for m in cluster.migrations],
+        "failures": [_plain(f) for f in cluster.failures],
+        "failure_rate_per_s": cluster.failure_rate_per_s,
+        "failure_window_s": cluster.failure_window_s,
+        "failure_seed": cluster.failure_seed,
+        "kv_transfer_bandwidth_bytes_per_s": cluster.kv_transfer_bandwidth_bytes_per_s,
+        "kv_transfer_latency_s": cluster.kv_transfer_latency_s,
+    }
+
+
+def _busy_s(cl: Cluster) -> dict[str, float]:
+    """Seconds each instance that stepped spent in steps, by instance id."""
+    return {x.instance_id: x.engine.stats.busy_ns / 1e9 for x in cl.instances if x.engine.stats.num_step_events}
+
+
+def _write_cluster_manifest(outputs: _Outputs, manifest: dict, run_id: str, engine_id: str, cl: Cluster,
+                            output_sha256: str, num_events: int) -> Path | None:
+    """Complete ``manifest`` with the run's ids and outcomes, and write it."""
     manifest["run_id"] = run_id
     manifest["engine_id"] = engine_id
     manifest["instance_ids"] = [x.instance_id for x in cl.instances]
     if cl.autoscaling is not None:  # every consultation and why (after the run id: it is an outcome)
         manifest["cluster"]["autoscaler"]["decisions"] = [_plain(d) for d in cl.autoscaling.records]
-    manifest_path = outputs.write_manifest(
-        manifest, output_sha256, writer.num_events, default=str,
-        busy_s={x.instance_id: x.engine.stats.busy_ns / 1e9 for x in cl.instances if x.engine.stats.num_step_events})
-    instances = tuple(
+    return outputs.write_manifest(manifest, output_sha256, num_events, default=str, busy_s=_busy_s(cl))
+
+
+def _instance_summaries(cl: Cluster, start_ns: int) -> tuple[InstanceSummary, ...]:
+    """What each instance of ``cl`` did (``start_ns``: the first arrival)."""
+    return tuple(
         InstanceSummary(
             instance_id=x.instance_id, model=x.config.model.name, accelerator=x.config.accelerator.name, role=x.role,
             num_routed=x.num_routed, num_steps=x.engine.stats.num_steps, num_preemptions=x.engine.stats.num_preemptions,
@@ -1071,14 +1192,22 @@ def run_cluster_replay(
         )
         for x in cl.instances
     )
+
+
+def _cluster_summary(cluster: ClusterConfig, cl: Cluster, kernel: Kernel, feeder: _Feeder, outputs: _Outputs,
+                     manifest: dict, manifest_path: Path | None, *, mode: str, output_sha256: str, wall_s: float,
+                     num_events: int) -> ClusterSummary:
+    """The summary of a finished cluster replay."""
+    start_ns = feeder.first_arrival_ns if feeder.first_arrival_ns is not None else 0
+    instances = _instance_summaries(cl, start_ns)
     return ClusterSummary(
-        run_id=run_id,
-        engine_id=engine_id,
+        run_id=manifest["run_id"],
+        engine_id=manifest["engine_id"],
         mode=mode,
         router=cluster.router,
         num_requests=feeder.num_arrived,
         num_shed=cl.num_shed,
-        num_events=writer.num_events,
+        num_events=num_events,
         num_steps=sum(x.num_steps for x in instances),
         num_preemptions=sum(x.num_preemptions for x in instances),
         simulated_s=(kernel.now_ns - start_ns) / 1e9 if feeder.first_arrival_ns is not None else 0.0,
@@ -1097,7 +1226,7 @@ def run_cluster_replay(
         num_downgrades=cl.num_downgrades,
         num_prefix_hit_tokens=sum(x.engine.stats.num_prefix_hit_tokens for x in cl.instances),
         requests_path=outputs.requests_path,
-        busy_s=tuple((x.instance_id, x.engine.stats.busy_ns / 1e9) for x in cl.instances if x.engine.stats.num_step_events),
+        busy_s=tuple(_busy_s(cl).items()),
     )
 
 

@@ -117,45 +117,59 @@ def run_replay(
     With ``out_dir``, the run also writes its own request table, ``requests.parquet``
     (``replay.request_table``; ``write_requests=False``: not).
     """
-    instance = instance or instance_config()
-    if calibration is not None:
-        instance, roofline = apply_calibration(instance, calibration)
-        if cost_model == "roofline" and cost_model_config is None:
-            cost_model_config = roofline
+    instance, cost_model_config = _calibrated(instance or instance_config(), calibration, cost_model, cost_model_config)
     check_clock(instance, mode, step_timer)  # before the outputs open
     source = as_workload(workload)
     scenario = scenario or Scenario()
     policy = make_policy(policy_name, policy_config)
-    model = (
-        make_cost_model(cost_model, instance, config=cost_model_config, shared=shared)
-        if isinstance(cost_model, str)
-        else cost_model
-    )
+    model = (make_cost_model(cost_model, instance, config=cost_model_config, shared=shared)
+             if isinstance(cost_model, str) else cost_model)
     manifest = _manifest(source, scenario, policy_name, policy.config, instance, model, seed, mode)
-    if calibration is not None:
-        manifest["calibration"] = calibration_record(calibration, instance)
-    if step_timer is not None:
-        manifest["clock"] = step_timer.info() if hasattr(step_timer, "info") else {"measured": True}
+    _record_calibration_and_clock(manifest, calibration, instance, step_timer)
     run_id = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:12]
     engine_id = f"replay-{run_id}"
     instance_id = f"{engine_id}-i0"
-
     outputs = _Outputs(out_dir, sink, write_requests=write_requests)
     writer = outputs.writer(EventWriter, run_id=run_id, engine_id=engine_id, chunk_rows=chunk_rows)
     kernel = Kernel()
-    engine = Engine(
-        kernel, instance, model, policy, writer, instance_id=instance_id, mode=mode,
-        check_invariants=check_invariants, step_timer=step_timer,
-    )
+    engine = Engine(kernel, instance, model, policy, writer, instance_id=instance_id, mode=mode,
+                    check_invariants=check_invariants, step_timer=step_timer)
     feeder = _Feeder(kernel, engine, source, scenario, seed, instance, progress, progress_every)
     output_sha256, wall_s, wall0 = outputs.drive(kernel, feeder, engine, writer)
     if progress is not None:
         progress(feeder.report(wall0))
+    return _finish(outputs, manifest, (run_id, engine_id, instance_id), kernel, engine, feeder, mode=mode,
+                   output_sha256=output_sha256, wall_s=wall_s, num_events=writer.num_events)
 
+
+def _calibrated(instance: InstanceConfig, calibration: Calibration | None, cost_model: str | StepCostModel,
+                cost_model_config: object | None) -> tuple[InstanceConfig, object | None]:
+    """``instance`` with ``calibration``'s defaults, and the cost model's config (the calibration's roofline
+    terms for the roofline model without a config of its own)."""
+    if calibration is not None:
+        instance, roofline = apply_calibration(instance, calibration)
+        if cost_model == "roofline" and cost_model_config is None:
+            cost_model_config = roofline
+    return instance, cost_model_config
+
+
+def _record_calibration_and_clock(manifest: dict, calibration: Calibration | None, instance: InstanceConfig,
+                                  step_timer: Callable | None) -> None:
+    """Name the calibration and the measured clock in ``manifest`` (when there are)."""
+    if calibration is not None:
+        manifest["calibration"] = calibration_record(calibration, instance)
+    if step_timer is not None:
+        manifest["clock"] = step_timer.info() if hasattr(step_timer, "info") else {"measured": True}
+
+
+def _finish(outputs: _Outputs, manifest: dict, ids: tuple[str, str, str], kernel: Kernel, engine: Engine,
+            feeder: _Feeder, *, mode: str, output_sha256: str, wall_s: float, num_events: int) -> ReplaySummary:
+    """Write the manifest of a finished replay (``ids``: its run, engine and instance ids) and summarize the run."""
+    run_id, engine_id, instance_id = ids
     manifest["run_id"] = run_id
     manifest["engine_id"] = engine_id
     manifest["instance_id"] = instance_id
-    manifest_path = outputs.write_manifest(manifest, output_sha256, writer.num_events,
+    manifest_path = outputs.write_manifest(manifest, output_sha256, num_events,
                                            busy_s={instance_id: engine.stats.busy_ns / 1e9})
     simulated_s = (kernel.now_ns - feeder.first_arrival_ns) / 1e9 if feeder.first_arrival_ns is not None else 0.0
     stats = engine.stats
@@ -165,7 +179,7 @@ def run_replay(
         instance_id=instance_id,
         mode=mode,
         num_requests=feeder.num_arrived,
-        num_events=writer.num_events,
+        num_events=num_events,
         num_steps=stats.num_steps,
         num_step_events=stats.num_step_events,
         num_preemptions=stats.num_preemptions,
@@ -181,7 +195,6 @@ def run_replay(
         requests_path=outputs.requests_path,
         busy_s=((instance_id, stats.busy_ns / 1e9),),
     )
-
 
 
 class _Outputs:

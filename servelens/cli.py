@@ -8,11 +8,13 @@ Nothing prints a traceback unless ``SERVELENS_DEBUG=1``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,6 @@ from servelens.engine_options import DEFAULT_ENGINE, ENGINE_HELP, engine_instanc
 from servelens.errors import ServelensError
 from servelens.fidelity_cli import COMMANDS as FIDELITY_COMMANDS
 from servelens.replay_options import echo_summary, prepare, scenario_options
-from servelens.settings import build
 
 EXIT_INVALID = 1  # a check failed (invalid events; a failed gate)
 EXIT_ERROR = 3  # the command could not run: usage, configuration or input errors (gate: 2 is inconclusive)
@@ -853,7 +854,7 @@ def _cluster_options(command):
         click.option("--router", expose_value=False, callback=_stash("router"),
                      help="Cluster router: round-robin (default), least-outstanding-tokens, least-load, gie."),
         click.option("--router-config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-                     expose_value=False, callback=_stash("router_config"),
+                     expose_value=False, callback=_stash("router_config_file"),
                      help="YAML file of the router's settings, e.g. shedding: {sheddable_classes: [batch]}."),
         click.option("--scale", multiple=True, expose_value=False, callback=_stash("scale"),
                      help="Scaling step AT_S:+N or AT_S:-N (seconds after the first arrival; repeatable), e.g. 120:+2."),
@@ -882,7 +883,7 @@ def _cluster_options(command):
                      help="Autoscaler that sizes an aggregated cluster as it runs: request-rate, workload-aware "
                           "(docs/policies.md); --instances is then the start."),
         click.option("--autoscaler-config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-                     expose_value=False, callback=_stash("autoscaler_config"),
+                     expose_value=False, callback=_stash("autoscaler_config_file"),
                      help="YAML file of the autoscaler's settings, e.g. {target_requests_per_s: 4, max_instances: 16}."),
         click.option("--autoscale-interval-s", type=float, expose_value=False, callback=_stash("autoscale_interval_s"),
                      help="Seconds between the autoscaler's decisions (default 15)."),
@@ -894,80 +895,22 @@ def _cluster_options(command):
     return command
 
 
-def _autoscaler_config(name: str, path: Path) -> object:
-    """The named autoscaler's config from a YAML mapping of its fields (types checked, unknown keys refused)."""
-    from replay.policies.autoscale import autoscaler_class
-    from replay.policies.base import read_settings
-    cls = autoscaler_class(name).config_type  # an unknown name: the error lists the valid ones
-    return build(cls, read_settings("autoscaler", path, cls))
-
-
 def _replay_cluster(ctx: click.Context, workload_name: str, policy_name: str, policy_config: Path | None,
                     engine_spec: str, cost_model: str, profile_path: Path | None, mode: str,
                     num_requests: int | None, seed: int, out: Path) -> None:
-    """`servelens replay` with cluster options: the cluster replay (replay.cluster)."""
-    import dataclasses
+    """`servelens replay` with cluster options: the cluster replay (replay.cluster; the options'
+    assembly: replay.cluster.cluster_from_options)."""
+    from replay.cluster import cluster_from_options, run_cluster_replay
 
-    from replay.cluster import ScalingDelays, cluster_config, parse_failure, parse_scale_step, run_cluster_replay
-    from replay.policies.routing import load_router_config
-
-    meta = {k.removeprefix("cluster."): v for k, v in ctx.meta.items() if k.startswith("cluster.")}
+    options = {k.removeprefix("cluster."): v for k, v in ctx.meta.items() if k.startswith("cluster.")}
     if ctx.params.get("measured"):
         raise ServelensError("--measured replays one instance", "drop --instances, --router and --scale")
-    num_instances = meta.get("instances", 1)
-    if num_instances < 1:
-        raise ServelensError(f"--instances must be at least 1, not {num_instances}")
-    delays = ScalingDelays(
-        startup_s=meta.get("startup_s", 30.0),
-        weight_load_s=meta.get("weight_load_s"),
-        weight_load_bandwidth_bytes_per_s=meta.get("weight_load_gbps", 2.0) * 1e9,
-        cache_warm_s=meta.get("cache_warm_s", 10.0),
-    )
-    calibration = None
-    if profile_path is not None:
-        instance, model_arg = _fitted_profile(ctx, profile_path)
-    else:
-        (instance, calibration), model_arg = engine_instance(ctx, _config(ctx), engine_spec, cost_model), cost_model
-    router = meta.get("router", "round-robin")
-    router_config = load_router_config(router, meta["router_config"]) if "router_config" in meta else None
-    config = cluster_config(num_instances, instance, router, router_config=router_config,
-                            scaling=[parse_scale_step(s) for s in meta.get("scale", ())], delays=delays)
-    num_decode = meta.get("decode_instances", 0)
-    if num_decode < 0:
-        raise ServelensError(f"--decode-instances must be at least 1, not {num_decode}")
-    config = dataclasses.replace(
-        config,
-        decode_instances=(instance,) * num_decode,
-        decode_router=meta.get("decode_router", "least-outstanding-tokens"),
-        kv_transfer_bandwidth_bytes_per_s=meta.get("kv_transfer_gbps", 50.0) * 1e9,
-        kv_transfer_latency_s=meta.get("kv_transfer_latency_s", 20e-6),
-        failures=tuple(parse_failure(f) for f in meta.get("fail", ())),
-        failure_rate_per_s=meta.get("failure_rate_per_hour", 0.0) / 3600,
-        failure_seed=seed,
-    )
-    if "autoscaler" in meta or any(k in meta for k in ("autoscaler_config", "autoscale_interval_s", "autoscale_window_s")):
-        if "autoscaler" not in meta:
-            raise ServelensError("--autoscaler-config, --autoscale-interval-s and --autoscale-window-s need --autoscaler",
-                                 "name one: request-rate or workload-aware")
-        config = dataclasses.replace(
-            config,
-            autoscaler=meta["autoscaler"],
-            autoscaler_config=(_autoscaler_config(meta["autoscaler"], meta["autoscaler_config"])
-                               if "autoscaler_config" in meta else None),
-            autoscale_interval_s=meta.get("autoscale_interval_s", config.autoscale_interval_s),
-            autoscale_window_s=meta.get("autoscale_window_s", config.autoscale_window_s),
-        )
+    instance, calibration, model_arg = _instance_and_model(ctx, engine_spec, cost_model, profile_path)
+    config = cluster_from_options(instance, failure_seed=seed, **options)
     workload, preset, policy_cfg = prepare(ctx, workload_name, _shared_or_none(ctx, workload_name), num_requests, seed,
                                            policy_name, policy_config)
     shared = shared_dir(_config(ctx)) if cost_model == "profile" and profile_path is None else None
-    with click.progressbar(length=workload.num_requests or 0, label="replaying", file=sys.stderr,
-                           item_show_func=lambda p: f"{p.simulated_ns / 1e9:,.0f} s simulated in {p.wall_s:,.1f} s" if p else None) as bar:
-        done = [0]
-
-        def progress(p) -> None:
-            bar.update(p.num_arrived - done[0], p)
-            done[0] = p.num_arrived
-
+    with _replay_progress(workload.num_requests) as progress:
         summary = run_cluster_replay(workload, config, scenario=preset.scenario, policy_name=policy_name,
                                      policy_config=policy_cfg, cost_model=model_arg, shared=shared, seed=seed,
                                      out_dir=out, mode=mode, progress=progress,
@@ -987,6 +930,34 @@ def _replay_cluster(ctx: click.Context, workload_name: str, policy_name: str, po
         role = "" if x.role == "serve" else f" ({x.role})"
         click.echo(f"  {x.instance_id}{role}: {x.num_routed:,} requests routed, {ready}")
     echo_summary(summary, preset, calibration, instance)
+    _echo_outputs(summary)
+
+
+def _instance_and_model(ctx: click.Context, engine_spec: str, cost_model: str, profile_path: Path | None, *,
+                        full_layers: bool = True) -> tuple:
+    """(instance, calibration or None, cost model) of `servelens replay`: a fitted profile's, or the engine's."""
+    if profile_path is not None:
+        instance, model_arg = _fitted_profile(ctx, profile_path, full_layers=full_layers)
+        return instance, None, model_arg
+    instance, calibration = engine_instance(ctx, _config(ctx), engine_spec, cost_model)
+    return instance, calibration, cost_model
+
+
+@contextlib.contextmanager
+def _replay_progress(num_requests: int | None) -> Iterator[Callable]:
+    """A progress bar on stderr (simulated against wall time) while a replay runs; yields its progress callback."""
+    with click.progressbar(length=num_requests or 0, label="replaying", file=sys.stderr,
+                           item_show_func=lambda p: f"{p.simulated_ns / 1e9:,.0f} s simulated in {p.wall_s:,.1f} s" if p else None) as bar:
+        done = [0]
+
+        def progress(p) -> None:
+            bar.update(p.num_arrived - done[0], p)
+            done[0] = p.num_arrived
+
+        yield progress
+
+
+def _echo_outputs(summary) -> None:
     click.echo(f"events:   {summary.events_path}\nrequests: {summary.requests_path}\n"
                f"manifest: {summary.manifest_path} (run {summary.run_id})")
 
@@ -1050,37 +1021,14 @@ def replay_command(ctx: click.Context, workload_name: str, policy_name: str, pol
         raise ServelensError("--measured needs --profile", "profile the model first: servelens profile --model tiny --out FILE")
     if measured and mode == "fast" and ctx.get_parameter_source("mode") == click.core.ParameterSource.COMMANDLINE:
         raise ServelensError("--measured runs every step (reference mode): drop --mode fast")
-    calibration = None
-    if profile_path is not None:
-        instance, model_arg = _fitted_profile(ctx, profile_path, full_layers=not measured)
-    else:
-        (instance, calibration), model_arg = engine_instance(ctx, _config(ctx), engine_spec, cost_model), cost_model
+    instance, calibration, model_arg = _instance_and_model(ctx, engine_spec, cost_model, profile_path,
+                                                           full_layers=not measured)
     workload, preset, config = prepare(ctx, workload_name, _shared_or_none(ctx, workload_name), num_requests, seed,
                                        policy_name, policy_config)
     shared = shared_dir(_config(ctx)) if cost_model == "profile" and profile_path is None else None
     if measured:
-        from replay.measured.measured import run_measured_replay
-        from replay.measured.profiler import read_profile
-
-        meta = read_profile(profile_path).meta
-        click.echo(f"executing every step of {meta.shape.name} on {meta.device} ({meta.device_name})", err=True)
-        summary, timer = run_measured_replay(workload, meta.shape, device=meta.device, instance=instance,
-                                             cost_model=model_arg, policy_name=policy_name, policy_config=config,
-                                             seed=seed, out_dir=out, scenario=preset.scenario)
-        click.echo(
-            f"replayed {summary.num_requests:,} requests ({summary.simulated_s:,.1f} s of trace time on the measured clock) in "
-            f"{summary.wall_s:,.1f} s: {len(timer.steps):,} steps executed, {summary.num_events:,} events\n"
-            f"events:   {summary.events_path}\nmanifest: {summary.manifest_path} (run {summary.run_id})"
-        )
-        return
-    with click.progressbar(length=workload.num_requests or 0, label="replaying", file=sys.stderr,
-                           item_show_func=lambda p: f"{p.simulated_ns / 1e9:,.0f} s simulated in {p.wall_s:,.1f} s" if p else None) as bar:
-        done = [0]
-
-        def progress(p) -> None:
-            bar.update(p.num_arrived - done[0], p)
-            done[0] = p.num_arrived
-
+        return _replay_measured(workload, preset, profile_path, instance, model_arg, policy_name, config, seed, out)
+    with _replay_progress(workload.num_requests) as progress:
         summary = run_replay(workload, scenario=preset.scenario, policy_name=policy_name, policy_config=config,
                              instance=instance, cost_model=model_arg, shared=shared, seed=seed, out_dir=out, mode=mode,
                              progress=progress, progress_every=max(1, (workload.num_requests or 100_000) // 200),
@@ -1091,8 +1039,25 @@ def replay_command(ctx: click.Context, workload_name: str, policy_name: str, pol
         f"{summary.num_steps:,} engine steps, {summary.num_preemptions:,} preemptions"
     )
     echo_summary(summary, preset, calibration, instance)
-    click.echo(f"events:   {summary.events_path}\nrequests: {summary.requests_path}\n"
-               f"manifest: {summary.manifest_path} (run {summary.run_id})")
+    _echo_outputs(summary)
+
+
+def _replay_measured(workload, preset, profile_path: Path, instance, model_arg, policy_name: str,
+                     policy_config: object, seed: int, out: Path) -> None:
+    """`servelens replay --measured`: every step executed on the profile's device (replay.measured)."""
+    from replay.measured.measured import run_measured_replay
+    from replay.measured.profiler import read_profile
+
+    meta = read_profile(profile_path).meta
+    click.echo(f"executing every step of {meta.shape.name} on {meta.device} ({meta.device_name})", err=True)
+    summary, timer = run_measured_replay(workload, meta.shape, device=meta.device, instance=instance,
+                                         cost_model=model_arg, policy_name=policy_name, policy_config=policy_config,
+                                         seed=seed, out_dir=out, scenario=preset.scenario)
+    click.echo(
+        f"replayed {summary.num_requests:,} requests ({summary.simulated_s:,.1f} s of trace time on the measured clock) in "
+        f"{summary.wall_s:,.1f} s: {len(timer.steps):,} steps executed, {summary.num_events:,} events\n"
+        f"events:   {summary.events_path}\nmanifest: {summary.manifest_path} (run {summary.run_id})"
+    )
 
 
 def _fitted_profile(ctx: click.Context, profile_path: Path, *, full_layers: bool = True):

@@ -159,37 +159,18 @@ def run_demo(
     """Run stages 1 to 6 on ``trace`` (its first ``num_requests``, if given) under ``out_dir``
     (emptied first); the dashboard is ``serve_demo``."""
     from pipelines.broker import LocalBroker
-    from privacy.keys import demo_keyring
     from replay.abuse import scenario_for
     from replay.calibration import default_calibration
-    from replay.policies import policy_class
     from replay.vllm import read_vllm_settings, vllm_instance
     from replay.run import run_replay
-    from replay.traces import read_trace
-    from replay.workload import TableWorkload, workload_stats
+    from replay.workload import TableWorkload
 
     started = time.monotonic()
     production = config.nightly.production
-    for name in (production, *candidates):
-        policy_class(name)  # an unknown policy fails now, naming the valid ones
-    if len(candidates) < 1:
-        raise ServelensError("the demo needs at least one candidate policy", "pass --candidates a,b,c")
-    key_path = Path(config.privacy.demo_key_file)
-    keyring, key_created = demo_keyring(key_path)
-    if key_created:
-        progress(f"generated a local pseudonym key for the demo at {key_path} (demo only: configure your own key)")
-    for stale in ("lake", "out", "engine", "dagster"):
-        shutil.rmtree(out_dir / stale, ignore_errors=True)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    config = demo_config(config, out_dir)
-    write_demo_settings(out_dir)
+    config, key_path, keyring = _prepare_demo(config, out_dir, candidates, progress)
 
     progress(f"[1/6] reading trace {trace}; {len(DEMO_TENANTS)} tenants drawn by a Zipf skew (docs/operations.md, The demo)")
-    workload = read_trace(trace, shared)
-    if num_requests is not None:
-        workload = workload.slice(0, num_requests)
-    stats = workload_stats(workload)
-    workload = demo_workload(workload)
+    workload, stats = _demo_trace(trace, shared, num_requests)
 
     topic = config.kafka.topic
     with LocalBroker(topics={topic: config.kafka.num_partitions}) as broker:
@@ -214,6 +195,40 @@ def run_demo(
     policies = policy_figures(out, days[0], (production, *candidates), loads)
     return DemoResult(trace, stats, out_dir, fleet.num_events, ingest.events_written, ingest.dead_letters, emit_wall_s,
                       speedup, key_path, days, metrics, verdicts, failed_checks, time.monotonic() - started, policies)
+
+
+def _prepare_demo(config: Config, out_dir: Path, candidates: tuple[str, ...], progress: Callable[[str], None]):
+    """Check the policies, get the demo's pseudonym key (created on first use), empty ``out_dir``'s stages and
+    write the demo's settings there; returns (the demo's configuration, the key's path, the keyring)."""
+    from privacy.keys import demo_keyring
+    from replay.policies import policy_class
+
+    for name in (config.nightly.production, *candidates):
+        policy_class(name)  # an unknown policy fails now, naming the valid ones
+    if len(candidates) < 1:
+        raise ServelensError("the demo needs at least one candidate policy", "pass --candidates a,b,c")
+    key_path = Path(config.privacy.demo_key_file)
+    keyring, key_created = demo_keyring(key_path)
+    if key_created:
+        progress(f"generated a local pseudonym key for the demo at {key_path} (demo only: configure your own key)")
+    for stale in ("lake", "out", "engine", "dagster"):
+        shutil.rmtree(out_dir / stale, ignore_errors=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = demo_config(config, out_dir)
+    write_demo_settings(out_dir)
+    return config, key_path, keyring
+
+
+def _demo_trace(trace: str, shared: Path | None, num_requests: int | None) -> tuple[pa.Table, WorkloadStats]:
+    """The trace (its first ``num_requests``, if given) with the demo's tenants, and its statistics."""
+    from replay.traces import read_trace
+    from replay.workload import workload_stats
+
+    workload = read_trace(trace, shared)
+    if num_requests is not None:
+        workload = workload.slice(0, num_requests)
+    stats = workload_stats(workload)
+    return demo_workload(workload), stats
 
 
 def stream_through_kafka(events_path: Path, kafka, config: Config, keyring, speedup: float,

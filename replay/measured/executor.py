@@ -79,6 +79,19 @@ class SeqWork(NamedTuple):
     sample: bool = True  # compute logits for the last new token
 
 
+class _StepPlan(NamedTuple):
+    """A step's tokens laid out (``StepExecutor._plan``)."""
+
+    positions: list[int]
+    slots: list[int]  # cache slots of the new tokens
+    decode_rows: list[int]  # token rows of one-token sequences
+    decode_tables: list[list[int]]  # their block tables
+    decode_lengths: list[int]  # their keys: context + the new token
+    chunks: list[tuple[int, int, int, list[int]]]  # (first row, tokens, context, block table)
+    sample_rows: list[int]
+    num_tokens: int
+
+
 @dataclass(frozen=True, slots=True)
 class LayerWeights:
     """One decoder layer's weights (matrices as [in, out])."""
@@ -195,111 +208,137 @@ class StepExecutor:
         if not work:
             raise ReplayError("a step has at least one sequence")
         s = self.shape
+        plan = self._plan(work)
+        num_tokens = plan.num_tokens
+        if token_ids is None:
+            token_ids = self.random_tokens(num_tokens)
+        elif len(token_ids) != num_tokens:
+            raise ReplayError(f"{len(token_ids)} token ids for a step of {num_tokens} tokens")
+        pos_t = self._as_long(plan.positions)
+        slot_t = self._as_long(plan.slots)
+        freqs = pos_t.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        cos = torch.cos(freqs).repeat(1, 2)[:, None, :].to(self.dtype)  # [T, 1, D]
+        sin = torch.sin(freqs).repeat(1, 2)[:, None, :].to(self.dtype)
+        decode_buckets = self._decode_buckets(plan)
+        chunk_views = self._chunk_views(plan.chunks)
+        x = self.embedding[token_ids]
+        for i, layer in enumerate(self.layers):
+            x = self._layer(x, layer, self.k_cache[i], self.v_cache[i], cos, sin, slot_t, decode_buckets, chunk_views)
+        if not plan.sample_rows:
+            return torch.empty((0, s.vocab_size), device=self.device, dtype=torch.float32)
+        last = self._rms_norm(x[self._as_long(plan.sample_rows)], self.final_norm)
+        return (last @ self.lm_head).float()
+
+    def _as_long(self, values):
+        return self.torch.tensor(values, dtype=self.torch.long, device=self.device)
+
+    def _plan(self, work: Sequence[SeqWork]) -> _StepPlan:
+        """Lay out a step's tokens: their positions and cache slots (growing the block tables), the decode
+        rows and the prefill chunks, the rows that sample."""
         bs = self.block_size
-        positions: list[int] = []
-        slots: list[int] = []  # cache slots of the new tokens
-        decode_rows: list[int] = []  # token rows of one-token sequences
-        decode_tables: list[list[int]] = []  # their block tables
-        decode_lengths: list[int] = []  # their keys: context + the new token
-        chunks: list[tuple[int, int, int, list[int]]] = []  # (first row, tokens, context, block table)
-        sample_rows: list[int] = []
+        plan = _StepPlan([], [], [], [], [], [], [], 0)
         row = 0
         for w in work:
             n, ctx = w.num_new_tokens, w.num_context_tokens
             if n < 1 or ctx < 0:
                 raise ReplayError(f"sequence {w.seq_id!r}: {n} new tokens over {ctx} context tokens is not a step")
             table = self._ensure(w.seq_id, ctx + n)
-            slots.extend(table[p // bs] * bs + p % bs for p in range(ctx, ctx + n))
-            positions.extend(range(ctx, ctx + n))
+            plan.slots.extend(table[p // bs] * bs + p % bs for p in range(ctx, ctx + n))
+            plan.positions.extend(range(ctx, ctx + n))
             if n == 1:
-                decode_rows.append(row)
-                decode_tables.append(table)
-                decode_lengths.append(ctx + 1)
+                plan.decode_rows.append(row)
+                plan.decode_tables.append(table)
+                plan.decode_lengths.append(ctx + 1)
             else:
-                chunks.append((row, n, ctx, table))
+                plan.chunks.append((row, n, ctx, table))
             row += n
             if w.sample:
-                sample_rows.append(row - 1)
-        num_tokens = row
-        if token_ids is None:
-            token_ids = self.random_tokens(num_tokens)
-        elif len(token_ids) != num_tokens:
-            raise ReplayError(f"{len(token_ids)} token ids for a step of {num_tokens} tokens")
-        dev = self.device
-        as_long = lambda values: torch.tensor(values, dtype=torch.long, device=dev)  # noqa: E731
-        pos_t = as_long(positions)
-        slot_t = as_long(slots)
-        freqs = pos_t.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        cos = torch.cos(freqs).repeat(1, 2)[:, None, :].to(self.dtype)  # [T, 1, D]
-        sin = torch.sin(freqs).repeat(1, 2)[:, None, :].to(self.dtype)
-        group = s.num_attention_heads // s.num_kv_heads
-        decode_buckets = []
-        if decode_rows:
-            # sequences of similar context (the longest at most twice the shortest) share one padded
-            # call: work stays within 2x of the keys read (as in paged attention), in a few calls
-            order = sorted(range(len(decode_rows)), key=lambda i: -decode_lengths[i])
-            groups: list[list[int]] = []
-            for i in order:
-                if not groups or decode_lengths[i] * 2 <= decode_lengths[groups[-1][0]]:
-                    groups.append([])
-                groups[-1].append(i)
-            for members in groups:
-                longest = decode_lengths[members[0]]
-                widest = -(-longest // bs)
-                tables = as_long([decode_tables[i][:widest] + [0] * (widest - min(widest, len(decode_tables[i])))
-                                  for i in members])  # [b, blocks]
-                pos = torch.arange(longest, device=dev)
-                keys_t = tables[:, pos // bs] * bs + pos % bs  # [b, longest]
-                lengths = as_long([decode_lengths[i] for i in members])
-                mask = (pos[None, :] < lengths[:, None])[:, None, None, :]
-                decode_buckets.append((as_long([decode_rows[i] for i in members]), keys_t, mask))
-        chunk_views = []
+                plan.sample_rows.append(row - 1)
+        return plan._replace(num_tokens=row)
+
+    def _decode_buckets(self, plan: _StepPlan) -> list:
+        """(rows, key slots, mask) of each group of decode sequences that share one attention call."""
+        if not plan.decode_rows:
+            return []
+        torch, bs, as_long = self.torch, self.block_size, self._as_long
+        lengths_of, tables_of = plan.decode_lengths, plan.decode_tables
+        # sequences of similar context (the longest at most twice the shortest) share one padded
+        # call: work stays within 2x of the keys read (as in paged attention), in a few calls
+        order = sorted(range(len(plan.decode_rows)), key=lambda i: -lengths_of[i])
+        groups: list[list[int]] = []
+        for i in order:
+            if not groups or lengths_of[i] * 2 <= lengths_of[groups[-1][0]]:
+                groups.append([])
+            groups[-1].append(i)
+        buckets = []
+        for members in groups:
+            longest = lengths_of[members[0]]
+            widest = -(-longest // bs)
+            tables = as_long([tables_of[i][:widest] + [0] * (widest - min(widest, len(tables_of[i])))
+                              for i in members])  # [b, blocks]
+            pos = torch.arange(longest, device=self.device)
+            keys_t = tables[:, pos // bs] * bs + pos % bs  # [b, longest]
+            lengths = as_long([lengths_of[i] for i in members])
+            mask = (pos[None, :] < lengths[:, None])[:, None, None, :]
+            buckets.append((as_long([plan.decode_rows[i] for i in members]), keys_t, mask))
+        return buckets
+
+    def _chunk_views(self, chunks: list[tuple[int, int, int, list[int]]]) -> list:
+        """(first row, tokens, key slots, causal mask) of each prefill chunk."""
+        torch, bs, dev = self.torch, self.block_size, self.device
+        group = self.shape.num_attention_heads // self.shape.num_kv_heads
+        views = []
         for first, n, ctx, table in chunks:
             pos = torch.arange(ctx + n, device=dev)
-            keys_t = as_long(table)[pos // bs] * bs + pos % bs
+            keys_t = self._as_long(table)[pos // bs] * bs + pos % bs
             mask = pos[None, :] <= (ctx + torch.arange(n, device=dev))[:, None]  # [n, ctx + n], causal
             # rows are (token, query head of the group): each token's row repeated once per group member
-            chunk_views.append((first, n, keys_t, mask.repeat_interleave(group, dim=0)[None, None]))
+            views.append((first, n, keys_t, mask.repeat_interleave(group, dim=0)[None, None]))
+        return views
 
-        x = self.embedding[token_ids]
+    def _layer(self, x, layer: LayerWeights, kc, vc, cos, sin, slot_t, decode_buckets, chunk_views):
+        """One decoder layer over the step's tokens ``x``, writing their keys and values to the cache (kc, vc)."""
+        s = self.shape
+        num_tokens = x.shape[0]
         q_dim, kv_dim = s.num_attention_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        h = self._rms_norm(x, layer.input_norm)
+        qkv = h @ layer.qkv
+        q = qkv[:, :q_dim].view(num_tokens, s.num_attention_heads, s.head_dim)
+        k = qkv[:, q_dim:q_dim + kv_dim].view(num_tokens, s.num_kv_heads, s.head_dim)
+        v = qkv[:, q_dim + kv_dim:].view(num_tokens, s.num_kv_heads, s.head_dim)
+        q = q * cos + self._rotate_half(q) * sin
+        k = k * cos + self._rotate_half(k) * sin
+        kc[slot_t] = k
+        vc[slot_t] = v
+        attn = self._attention(q, kc, vc, decode_buckets, chunk_views)
+        x = x + attn.reshape(num_tokens, q_dim) @ layer.o
+        h = self._rms_norm(x, layer.post_norm)
+        gate, up = (h @ layer.gate_up).chunk(2, dim=-1)
+        return x + (self.torch.nn.functional.silu(gate) * up) @ layer.down
+
+    def _attention(self, q, kc, vc, decode_buckets, chunk_views):
+        """Attention of the step's queries ``q`` over the cached keys and values."""
+        s = self.shape
+        group = s.num_attention_heads // s.num_kv_heads
         scale = 1.0 / math.sqrt(s.head_dim)
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        for i, layer in enumerate(self.layers):
-            h = self._rms_norm(x, layer.input_norm)
-            qkv = h @ layer.qkv
-            q = qkv[:, :q_dim].view(num_tokens, s.num_attention_heads, s.head_dim)
-            k = qkv[:, q_dim:q_dim + kv_dim].view(num_tokens, s.num_kv_heads, s.head_dim)
-            v = qkv[:, q_dim + kv_dim:].view(num_tokens, s.num_kv_heads, s.head_dim)
-            q = q * cos + self._rotate_half(q) * sin
-            k = k * cos + self._rotate_half(k) * sin
-            kc, vc = self.k_cache[i], self.v_cache[i]
-            kc[slot_t] = k
-            vc[slot_t] = v
-            attn = torch.empty_like(q)
-            # grouped-query attention as plain attention per KV head: the query heads sharing a KV head
-            # (h = kv_head * group + g) are that head's query rows, so no backend needs GQA support
-            for rows_t, keys_t, mask in decode_buckets:
-                b = rows_t.numel()
-                qd = q[rows_t].view(b, s.num_kv_heads, group, s.head_dim)  # [b, Hkv, G, D]
-                kd = kc[keys_t].transpose(1, 2)  # [b, Hkv, L, D]
-                vd = vc[keys_t].transpose(1, 2)
-                attn[rows_t] = sdpa(qd, kd, vd, attn_mask=mask, scale=scale).reshape(b, s.num_attention_heads, s.head_dim)
-            for first, n, keys_t, mask in chunk_views:
-                qc = q[first:first + n].view(n, s.num_kv_heads, group, s.head_dim).transpose(0, 1)
-                qc = qc.reshape(1, s.num_kv_heads, n * group, s.head_dim)  # rows (token, g)
-                kk = kc[keys_t].transpose(0, 1)[None]  # [1, Hkv, ctx + n, D]
-                vv = vc[keys_t].transpose(0, 1)[None]
-                out = sdpa(qc, kk, vv, attn_mask=mask, scale=scale).view(s.num_kv_heads, n, group, s.head_dim)
-                attn[first:first + n] = out.transpose(0, 1).reshape(n, s.num_attention_heads, s.head_dim)
-            x = x + attn.reshape(num_tokens, q_dim) @ layer.o
-            h = self._rms_norm(x, layer.post_norm)
-            gate, up = (h @ layer.gate_up).chunk(2, dim=-1)
-            x = x + (torch.nn.functional.silu(gate) * up) @ layer.down
-        if not sample_rows:
-            return torch.empty((0, s.vocab_size), device=dev, dtype=torch.float32)
-        last = self._rms_norm(x[as_long(sample_rows)], self.final_norm)
-        return (last @ self.lm_head).float()
+        sdpa = self.torch.nn.functional.scaled_dot_product_attention
+        attn = self.torch.empty_like(q)
+        # grouped-query attention as plain attention per KV head: the query heads sharing a KV head
+        # (h = kv_head * group + g) are that head's query rows, so no backend needs GQA support
+        for rows_t, keys_t, mask in decode_buckets:
+            b = rows_t.numel()
+            qd = q[rows_t].view(b, s.num_kv_heads, group, s.head_dim)  # [b, Hkv, G, D]
+            kd = kc[keys_t].transpose(1, 2)  # [b, Hkv, L, D]
+            vd = vc[keys_t].transpose(1, 2)
+            attn[rows_t] = sdpa(qd, kd, vd, attn_mask=mask, scale=scale).reshape(b, s.num_attention_heads, s.head_dim)
+        for first, n, keys_t, mask in chunk_views:
+            qc = q[first:first + n].view(n, s.num_kv_heads, group, s.head_dim).transpose(0, 1)
+            qc = qc.reshape(1, s.num_kv_heads, n * group, s.head_dim)  # rows (token, g)
+            kk = kc[keys_t].transpose(0, 1)[None]  # [1, Hkv, ctx + n, D]
+            vv = vc[keys_t].transpose(0, 1)[None]
+            out = sdpa(qc, kk, vv, attn_mask=mask, scale=scale).view(s.num_kv_heads, n, group, s.head_dim)
+            attn[first:first + n] = out.transpose(0, 1).reshape(n, s.num_attention_heads, s.head_dim)
+        return attn
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":

@@ -269,12 +269,7 @@ def compare_measured(
     _check_size(source, max_requests)
     profile = read_profile(profile_path)
     meta = profile.meta
-    if device is not None and device != meta.device:
-        raise ReplayError(
-            f"the profile was measured on {meta.device}: measuring on {device} would compare a {meta.device} model "
-            f"with {device} times",
-            f"profile on {device} first (servelens profile --device {device})",
-        )
+    _check_device(meta.device, device)
     table, report = evaluate_profile(profile, seed)
     model = FittedProfileCostModel(table, source=Path(profile_path).name, report=report)
     instance = profile_instance(meta, engine or EngineConfig(block_size_tokens=meta.block_size), full_layers=False)
@@ -291,26 +286,12 @@ def compare_measured(
         out_dir=out / "measured" if out else None, sink=measured_events.append, max_requests=max_requests,
         num_threads=num_threads,
     )
-    a = latency_samples(pa.concat_tables(modelled_events))
-    b = latency_samples(pa.concat_tables(measured_events))
-    rows = []
-    for metric in LATENCY_METRICS:
-        for label, q in QUANTILES:
-            m, x = _q(a[metric], q), _q(b[metric], q)
-            err = (m - x) / x if m is not None and x else None
-            rows.append(LatencyRow(metric, label, m, x, err))
+    rows = _latency_rows(pa.concat_tables(modelled_events), pa.concat_tables(measured_events))
     predicted = np.array([model.step_time_ns(s) for s, _ in timer.steps], dtype=float)
     measured_ns = np.array([ns for _, ns in timer.steps], dtype=float)
-    errors = np.abs(predicted - measured_ns) / measured_ns if measured_ns.size else np.array([])
-    step_error = ErrorSummary(
-        int(errors.size),
-        float(np.median(errors)) if errors.size else float("nan"),
-        float(np.quantile(errors, 0.95)) if errors.size else float("nan"),
-        float(errors.max()) if errors.size else float("nan"),
-    )
     result = MeasuredComparison(
-        rows=tuple(rows),
-        step_error=step_error,
+        rows=rows,
+        step_error=_step_error(predicted, measured_ns),
         num_steps=len(timer.steps),
         modelled_busy_s=float(predicted.sum()) / 1e9,
         measured_busy_s=float(measured_ns.sum()) / 1e9,
@@ -324,6 +305,40 @@ def compare_measured(
         out.mkdir(parents=True, exist_ok=True)
         (out / "comparison.json").write_text(json.dumps(result.as_dict(), indent=2, default=str) + "\n")
     return result
+
+
+def _check_device(profiled: str, device: str | None) -> None:
+    """Refuse to measure on another device than the profile's (``device`` None: the profile's)."""
+    if device is not None and device != profiled:
+        raise ReplayError(
+            f"the profile was measured on {profiled}: measuring on {device} would compare a {profiled} model "
+            f"with {device} times",
+            f"profile on {device} first (servelens profile --device {device})",
+        )
+
+
+def _latency_rows(modelled_events: pa.Table, measured_events: pa.Table) -> tuple[LatencyRow, ...]:
+    """Each latency metric's percentiles, modelled against measured."""
+    a = latency_samples(modelled_events)
+    b = latency_samples(measured_events)
+    rows = []
+    for metric in LATENCY_METRICS:
+        for label, q in QUANTILES:
+            m, x = _q(a[metric], q), _q(b[metric], q)
+            err = (m - x) / x if m is not None and x else None
+            rows.append(LatencyRow(metric, label, m, x, err))
+    return tuple(rows)
+
+
+def _step_error(predicted: np.ndarray, measured_ns: np.ndarray) -> ErrorSummary:
+    """The relative errors of the predicted step times against the measured ones."""
+    errors = np.abs(predicted - measured_ns) / measured_ns if measured_ns.size else np.array([])
+    return ErrorSummary(
+        int(errors.size),
+        float(np.median(errors)) if errors.size else float("nan"),
+        float(np.quantile(errors, 0.95)) if errors.size else float("nan"),
+        float(errors.max()) if errors.size else float("nan"),
+    )
 
 
 def comparison_lines(c: MeasuredComparison) -> list[str]:

@@ -347,6 +347,19 @@ def _run_profile(torch, shape: LlamaShape, device: str, sweep: SweepConfig | Non
     # blocks for the largest shape: its tokens, plus at most one partly filled block per sequence
     blocks = max(-(-s.kv_tokens // block_size) + len(s.prefill_chunks) + len(s.decode_contexts) for s in shapes)
     executor = StepExecutor(shape, device=device, num_kv_blocks=blocks, block_size=block_size, seed=sweep.seed)
+    rows, truncated, wall_s = _sweep(torch, executor, sweep, shapes, progress)
+    meta = _profile_meta(torch, executor, shape, block_size, sweep, num_shapes_planned=len(shapes),
+                         truncated=truncated, wall_s=wall_s)
+    profile = Profile(pa.Table.from_pydict(rows, schema=PROFILE_SCHEMA), meta)
+    if out is not None:
+        write_profile(profile, out)
+    return profile
+
+
+def _sweep(torch, executor, sweep: SweepConfig, shapes: list[ProfileShape],
+           progress: Callable[[int, int, ProfileShape, int], None] | None) -> tuple[dict[str, list], bool, float]:
+    """Time ``shapes`` in interleaved groups: the profile's rows, whether ``max_seconds`` cut the sweep short,
+    and its wall time, seconds."""
     timed = step_timer(executor)
     rows: dict[str, list] = {f.name: [] for f in PROFILE_SCHEMA}
     wall0 = time.perf_counter()
@@ -357,51 +370,58 @@ def _run_profile(torch, shape: LlamaShape, device: str, sweep: SweepConfig | Non
                 truncated = True
                 break
             group = shapes[first:first + INTERLEAVE]
-            works = [shape_work(s) for s in group]
-            for work in works:
-                for _ in range(sweep.warmup):
-                    executor.execute(work)
-                executor.free_all()
-            executor.synchronize()
-            times: list[list[int]] = [[] for _ in group]
-            for _ in range(sweep.repeats):  # round robin: a burst of outside load hits one repeat of many shapes
-                for j, work in enumerate(works):
-                    times[j].append(timed(work))
-                    executor.free_all()
+            times = _time_group(executor, timed, sweep, [shape_work(s) for s in group])
             for j, s in enumerate(group):
                 i = first + j
                 median = _add_row(rows, i, s, times[j])
                 if progress is not None:
                     progress(i + 1, len(shapes), s, median)
-    wall_s = time.perf_counter() - wall0
+    return rows, truncated, time.perf_counter() - wall0
+
+
+def _time_group(executor, timed: Callable[[list], int], sweep: SweepConfig, works: list[list]) -> list[list[int]]:
+    """Warm up on each step's work, then time each ``sweep.repeats`` times, round robin; ns per work."""
+    for work in works:
+        for _ in range(sweep.warmup):
+            executor.execute(work)
+        executor.free_all()
+    executor.synchronize()
+    times: list[list[int]] = [[] for _ in works]
+    for _ in range(sweep.repeats):  # round robin: a burst of outside load hits one repeat of many shapes
+        for j, work in enumerate(works):
+            times[j].append(timed(work))
+            executor.free_all()
+    return times
+
+
+def _profile_meta(torch, executor, shape: LlamaShape, block_size: int, sweep: SweepConfig, *,
+                  num_shapes_planned: int, truncated: bool, wall_s: float) -> ProfileMeta:
+    """Where, how and with what the profile was measured."""
+    cuda = executor.device.type == "cuda"
     peak_flops, peak_bw, source = device_peaks(executor)
-    meta = ProfileMeta(
+    return ProfileMeta(
         device=executor.device.type,
         device_name=device_name(executor),
-        driver=nvidia_driver() if executor.device.type == "cuda" else None,
-        cuda=torch.version.cuda if executor.device.type == "cuda" else None,
+        driver=nvidia_driver() if cuda else None,
+        cuda=torch.version.cuda if cuda else None,
         torch=torch.__version__,
         num_threads=torch.get_num_threads(),
         dtype=executor.dtype_name,
         model=shape,
         block_size=block_size,
-        timer="cuda-events" if executor.device.type == "cuda" else "perf_counter",
+        timer="cuda-events" if cuda else "perf_counter",
         peak_flops=peak_flops,
         peak_bytes_per_s=peak_bw,
         peak_source=source,
         memory_bytes=device_memory_bytes(executor),
         sweep=sweep,
-        num_shapes_planned=len(shapes),
+        num_shapes_planned=num_shapes_planned,
         truncated=truncated,
         wall_s=round(wall_s, 3),
         date_utc=datetime.now(UTC).isoformat(timespec="seconds"),
         host=platform.node(),
         **_code_version(),
     )
-    profile = Profile(pa.Table.from_pydict(rows, schema=PROFILE_SCHEMA), meta)
-    if out is not None:
-        write_profile(profile, out)
-    return profile
 
 
 def _plain(obj: Any) -> Any:

@@ -44,13 +44,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 from replay.config import InstanceConfig
 from replay.costmodel import StepCostModel, StepShape, prefill_time_ns
 from replay.errors import ReplayError
-from replay.policies.base import Registry
+from replay.policies.base import Registry, read_settings
 from schemas.types import doc
+from servelens.settings import build
 
 NS = 1_000_000_000
 
@@ -132,6 +134,13 @@ class Autoscaler:
 AUTOSCALERS = Registry("autoscaler")
 register_autoscaler = AUTOSCALERS.register
 autoscaler_class = AUTOSCALERS.lookup
+
+
+def load_autoscaler_config(name: str, path: str | Path) -> object:
+    """The named autoscaler's config from a YAML (or JSON) mapping of its fields: types checked, unknown keys
+    refused."""
+    cls = autoscaler_class(name).config_type  # an unknown name: the error lists the valid ones
+    return build(cls, read_settings("autoscaler", path, cls))
 
 
 def make_autoscaler(name: str, config: object | None, instance: InstanceConfig, cost_model: StepCostModel,

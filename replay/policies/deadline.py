@@ -508,6 +508,13 @@ class DeadlinePolicy(Policy):
                 kv_wait_s = max(kv_wait_s, 1 / rate if rate > 0 else math.inf)
         if kv_wait_s == math.inf:
             return math.inf
+        return self._prefill_wait_s(view, request, kv_wait_s, ahead_tokens, tokens_per_s, target)
+
+    def _prefill_wait_s(self, view: EngineView, request: RequestView, kv_wait_s: float, ahead_tokens: int,
+                        tokens_per_s: float, target: int | None) -> float:
+        """``predicted_ttft_s`` once the KV wait is known: the prefill backlog ahead of the request (its
+        ``ahead_tokens`` and the running chunks' rest), stretched by the overtaking arrivals' load, then its
+        own prefill, in chunks beside the current decodes (``target``: the ITL objective sizing them)."""
         batch = self.chunks.batch.refresh(view)
         d, ctx, spec_decodes = batch.num_decode_seqs, batch.decode_context_tokens, batch.speculative_decodes
         chunk = max(1, view.instance.engine.max_num_batched_tokens - d)
@@ -543,8 +550,30 @@ class DeadlinePolicy(Policy):
         interval = {"predicted_output_tokens_low": lo, "predicted_output_tokens_high": hi}
         waited_s = (now - request.arrival_ns) / NS
         budget_s = math.inf if offset == NEVER else offset / NS * (1 - c.overload_margin) - waited_s
+        branches, blocks, spec, late_s, cap = self._fit(view, request, cls, hi, blocks, key, waited_s, budget_s)
+        if late_s > 0:
+            return self._late(view, request, late_s, interval)
+        service = request.num_prompt_tokens * c.input_token_weight + hi * branches * c.output_token_weight
+        over = self.quotas.wait_s(request.tenant, service, now, self._num_admitted)
+        if over is not None:
+            return self._over_quota(request, over, late_s, now, interval)
+        self._retry_at.pop(request.request_id, None)
+        self.quotas.take(request.tenant, service, now)
+        if self.fair is not None:
+            self.fair.arrive(request)
+        if cap is not None or branches != request.num_branches or spec != request.num_speculative_tokens:
+            return self._degraded(view, request, cls, hi, blocks, service, key, cap, branches, spec, interval)
+        self._admit_to_ledger(request, cls, hi, blocks, service, key, now, spec=spec)
+        return AdmissionDecision(decision="accept", **interval)
+
+    def _fit(self, view: EngineView, request: RequestView, cls: ClassConfig, hi: int, blocks: int, key: tuple,
+             waited_s: float, budget_s: float) -> tuple[int, int, int, float, int | None]:
+        """(branches, KV blocks, speculative tokens, seconds late, output cap) of the request admitted now,
+        dropping optional work to fit its horizon, the cheapest first: its speculative drafts when
+        speculation does not pay, then parallel samples."""
+        c = self.config
         branches = request.num_branches
-        granted = spec = request.num_speculative_tokens  # the engine's grant here: the instance's k (0: none)
+        spec = request.num_speculative_tokens  # the engine's grant here: the instance's k (0: none)
         late_s, cap = self._lateness(view, request, cls, hi, blocks, branches, key, waited_s, budget_s, spec)
         if (spec and c.cap_speculative_drafts and (late_s > 0 or cap is not None)
                 and not self._speculation_pays(view, request, hi, branches, spec)):
@@ -561,59 +590,65 @@ class DeadlinePolicy(Policy):
                 if k_late_s <= 0:
                     branches, blocks, late_s, cap = k, k_blocks, k_late_s, k_cap
                     break
-        if late_s > 0:
-            self._retry_at.pop(request.request_id, None)
-            if view.can_route(request):  # a cluster offers another instance: say "not here", it picks where
-                return AdmissionDecision(decision="route", reason="would miss its deadline here", **interval)
-            if request.model is not None:
-                for smaller in self._downgrades.get(request.model, ()):
-                    if view.can_downgrade(request, smaller):  # another instance serves it: there, as that model
-                        return AdmissionDecision(decision="downgrade", target=smaller, **interval,
-                                                 reason=f"would miss its deadline here as {request.model}")
-            retry = late_s if late_s < math.inf else c.drain_window_s
-            return AdmissionDecision(decision="reject", reason="would miss its deadline",
-                                     retry_after_s=max(c.retry_after_min_s, retry), **interval)
-        service = request.num_prompt_tokens * c.input_token_weight + hi * branches * c.output_token_weight
-        over = self.quotas.wait_s(request.tenant, service, now, self._num_admitted)
-        if over is not None:
-            wait_s, why = over
-            if wait_s <= -late_s:  # the quota frees in time: hold it until then
-                if wait_s == 0:  # a concurrency slot: it frees when one of the tenant's requests leaves
-                    retry = None
-                elif self._retry_at.get(request.request_id, -1) >= now:
-                    retry = None  # its re-offer is already due
-                else:
-                    retry = wait_s
-                    self._retry_at[request.request_id] = now + max(1, round(wait_s * NS))
-                return AdmissionDecision(decision="queue", reason=why, retry_after_s=retry, **interval)
-            self._retry_at.pop(request.request_id, None)
-            return AdmissionDecision(decision="reject", reason=why,
-                                     retry_after_s=max(c.retry_after_min_s, wait_s), **interval)
+        return branches, blocks, spec, late_s, cap
+
+    def _late(self, view: EngineView, request: RequestView, late_s: float, interval: dict) -> AdmissionDecision:
+        """The decision for a request that would miss its deadline here: another instance (route), a smaller
+        model elsewhere (downgrade), else reject with when to retry."""
+        c = self.config
         self._retry_at.pop(request.request_id, None)
-        self.quotas.take(request.tenant, service, now)
-        if self.fair is not None:
-            self.fair.arrive(request)
+        if view.can_route(request):  # a cluster offers another instance: say "not here", it picks where
+            return AdmissionDecision(decision="route", reason="would miss its deadline here", **interval)
+        if request.model is not None:
+            for smaller in self._downgrades.get(request.model, ()):
+                if view.can_downgrade(request, smaller):  # another instance serves it: there, as that model
+                    return AdmissionDecision(decision="downgrade", target=smaller, **interval,
+                                             reason=f"would miss its deadline here as {request.model}")
+        retry = late_s if late_s < math.inf else c.drain_window_s
+        return AdmissionDecision(decision="reject", reason="would miss its deadline",
+                                 retry_after_s=max(c.retry_after_min_s, retry), **interval)
+
+    def _over_quota(self, request: RequestView, over: tuple[float, str], late_s: float, now: int,
+                    interval: dict) -> AdmissionDecision:
+        """The decision for a request in time but over its tenant's quota (``over``: the wait until the quota
+        frees, and why): queue it when the quota frees in time, else reject."""
+        wait_s, why = over
+        if wait_s <= -late_s:  # the quota frees in time: hold it until then
+            if wait_s == 0:  # a concurrency slot: it frees when one of the tenant's requests leaves
+                retry = None
+            elif self._retry_at.get(request.request_id, -1) >= now:
+                retry = None  # its re-offer is already due
+            else:
+                retry = wait_s
+                self._retry_at[request.request_id] = now + max(1, round(wait_s * NS))
+            return AdmissionDecision(decision="queue", reason=why, retry_after_s=retry, **interval)
+        self._retry_at.pop(request.request_id, None)
+        return AdmissionDecision(decision="reject", reason=why,
+                                 retry_after_s=max(self.config.retry_after_min_s, wait_s), **interval)
+
+    def _degraded(self, view: EngineView, request: RequestView, cls: ClassConfig, hi: int, blocks: int,
+                  service: float, key: tuple, cap: int | None, branches: int, spec: int,
+                  interval: dict) -> AdmissionDecision:
+        """Admit the request with less work than it asked (drafts off, fewer branches, a capped output)."""
+        granted = request.num_speculative_tokens
         drafts_off = spec != granted
-        if cap is not None or branches != request.num_branches or drafts_off:
-            reasons = []
-            if drafts_off:
-                reasons.append(f"speculative drafts off (k {granted} to {spec}): "
-                               "speculation does not pay at its predicted batch")
-            if branches != request.num_branches:
-                reasons.append(f"branches reduced from {request.num_branches} to {branches} to fit its horizon")
-            if cap is not None:
-                _, shared = view.cached_prefix_blocks(request)
-                blocks = view.blocks_for_tokens(request, request.num_prompt_tokens + cap, branches) - shared
-                reasons.append(f"output capped at {cap} tokens to meet its E2E objective")
-            self._admit_to_ledger(request, cls, cap if cap is not None else hi, blocks, service, key, now, cap, branches,
-                                  spec)
-            return AdmissionDecision(
-                decision="degrade", reason="; ".join(reasons), max_output_tokens=cap,
-                num_branches=branches if branches != request.num_branches else None,
-                num_speculative_tokens=spec if drafts_off else None, **interval,
-            )
-        self._admit_to_ledger(request, cls, hi, blocks, service, key, now, spec=spec)
-        return AdmissionDecision(decision="accept", **interval)
+        reasons = []
+        if drafts_off:
+            reasons.append(f"speculative drafts off (k {granted} to {spec}): "
+                           "speculation does not pay at its predicted batch")
+        if branches != request.num_branches:
+            reasons.append(f"branches reduced from {request.num_branches} to {branches} to fit its horizon")
+        if cap is not None:
+            _, shared = view.cached_prefix_blocks(request)
+            blocks = view.blocks_for_tokens(request, request.num_prompt_tokens + cap, branches) - shared
+            reasons.append(f"output capped at {cap} tokens to meet its E2E objective")
+        self._admit_to_ledger(request, cls, cap if cap is not None else hi, blocks, service, key, view.now_ns, cap,
+                              branches, spec)
+        return AdmissionDecision(
+            decision="degrade", reason="; ".join(reasons), max_output_tokens=cap,
+            num_branches=branches if branches != request.num_branches else None,
+            num_speculative_tokens=spec if drafts_off else None, **interval,
+        )
 
     def _lateness(self, view: EngineView, request: RequestView, cls: ClassConfig, hi: int, blocks: int, branches: int,
                   key: tuple, waited_s: float, budget_s: float, spec: int = 0) -> tuple[float, int | None]:

@@ -269,3 +269,27 @@ def test_sheddable_requests_are_shed_when_the_pool_saturates(tmp_path):
     outcomes = {e["request_id"]: e["outcome"] for e in events if e["event_type"] == "request_finished"}
     assert all(outcomes[e["request_id"]] == "rejected" for e in shed)
     assert all(outcomes[f"r{i}"] == "completed" for i in range(0, n, 2))  # interactive: always routed
+
+
+def test_cluster_from_options_defaults_are_the_configs_and_units_convert():
+    from replay.cluster import cluster_from_options
+
+    instance = instance_config()
+    plain = cluster_from_options(instance, 2)
+    assert plain == ClusterConfig(instances=(instance,) * 2)
+    assert plain.delays == ScalingDelays()
+    given = cluster_from_options(instance, 2, router="least-load", scale=["5:+1"], weight_load_gbps=4.0,
+                                 decode_instances=0, kv_transfer_gbps=25.0, fail=["30:1"], failure_rate_per_hour=36.0,
+                                 failure_seed=7)
+    assert (given.router, given.scaling[0].delta, given.delays.weight_load_bandwidth_bytes_per_s) == ("least-load", 1, 4e9)
+    assert (given.kv_transfer_bandwidth_bytes_per_s, given.failure_rate_per_s, given.failure_seed) == (25e9, 0.01, 7)
+    assert given.failures[0].instance == 1 and given.decode_instances == ()
+    scaled = cluster_from_options(instance, autoscaler="request-rate", autoscale_window_s=30.0)
+    assert (scaled.autoscaler, scaled.autoscale_window_s, scaled.autoscale_interval_s) == ("request-rate", 30.0, 15.0)
+    for kwargs, message in (
+        ({"instances": 0}, "--instances must be at least 1, not 0"),
+        ({"decode_instances": -1}, "--decode-instances must be at least 0"),
+        ({"autoscale_interval_s": 5.0}, "need --autoscaler"),
+    ):
+        with pytest.raises(ReplayError, match=message):
+            cluster_from_options(instance, **kwargs)
