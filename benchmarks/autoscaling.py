@@ -63,8 +63,8 @@ def run_case(name: str, workload, t0: int, burst_ns: int, burst_end_ns: int, con
     import numpy as np
     import pyarrow.compute as pc
 
-    from replay.derive import derive_requests
     from replay.cluster import run_cluster_replay
+    from replay.derive import derive_requests
     from replay.metrics import MetricsConfig, load_requests
 
     summary = run_cluster_replay(workload, config, out_dir=out / name.replace(" ", "_").replace(":", ""))

@@ -57,9 +57,9 @@ def workload(minutes: float, copies: int):
 def run_case(name: str, num_prefill: int, num_decode: int, decode_max_seqs: int | None, w, out: Path) -> dict:
     import numpy as np
 
-    from replay.derive import derive_requests
     from replay.cluster import cluster_config, disaggregated_config, run_cluster_replay
     from replay.config import EngineConfig, instance_config
+    from replay.derive import derive_requests
     from replay.metrics import MetricsConfig, load_requests, percentile
 
     instance = instance_config("llama-3-8b", "h100-sxm")

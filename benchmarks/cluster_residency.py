@@ -87,8 +87,8 @@ def run_case(scenario_name: str, scenario, case: str, residency, table, out: Pat
     import numpy as np
     import pyarrow.compute as pc
 
-    from replay.derive import derive_requests
     from replay.cluster import cluster_config, run_cluster_replay
+    from replay.derive import derive_requests
     from replay.residency import sized_instance
 
     config = dataclasses.replace(cluster_config(NUM_INSTANCES, router="least-outstanding-tokens"), residency=residency)
@@ -117,7 +117,9 @@ def run_case(scenario_name: str, scenario, case: str, residency, table, out: Pat
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the trace's first 5.5 minutes, without the mixed both-resident case (under a minute)")
+    parser.add_argument(
+        "--quick", action="store_true", help="the trace's first 5.5 minutes, without the mixed both-resident case (under a minute)"
+    )
     args = parser.parse_args()
     t0 = time.perf_counter()
     table = workload(args.quick)

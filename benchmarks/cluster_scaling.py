@@ -47,8 +47,8 @@ def run_case(name: str, workload, burst_ns: int, delays, scale: bool, out: Path)
     import numpy as np
     import pyarrow.compute as pc
 
-    from replay.derive import derive_requests
     from replay.cluster import ScaleStep, cluster_config, run_cluster_replay
+    from replay.derive import derive_requests
     from replay.metrics import MetricsConfig, load_requests
 
     t0 = workload["arrival_ns"][0].as_py()

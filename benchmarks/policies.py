@@ -34,15 +34,14 @@ from __future__ import annotations
 
 import argparse
 import json
-from fractions import Fraction
 import sys
 import tempfile
 import time
+from fractions import Fraction
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.compute as pc  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
@@ -53,6 +52,7 @@ GPU_MEMORY_UTILIZATION = 0.5  # the engine gets half of the two GPUs' memory: KV
 POLICIES = ("fcfs", "priority", "decode-first", "prefill-first", "sarathi", "vtc", "deadline", "deadline-vtc")
 LOADS = (1.0, 1.5, 2.0)
 from replay.presets import TWO_CLASS as PRESET  # noqa: E402  (the documented two-class scenario, docs/policies.md)
+
 ABUSE_POLICIES = ("fcfs", "vtc", "deadline", "deadline-vtc")
 BEGIN, END = "<!-- policies:begin -->", "<!-- policies:end -->"
 NS = 1_000_000_000

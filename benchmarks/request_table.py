@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.synthetic import generate  # noqa: E402
 
+
 def derive_in_this_process(path: Path, out: Path, memory_limit: str) -> dict:
     from replay.derive import connect, write_requests
 

@@ -239,7 +239,7 @@ def run_soak(num_events: int, out: Path, *, kill_every_s: float = 3.0, events_pe
             # let it start and commit (a kill during start-up tests little), then kill it at random
             version = lake_version(lake_root)
             watch(proc, time.monotonic() + 300, samples, started,
-                  until=lambda: not producer.is_alive() or lake_version(lake_root) > version)
+                  until=lambda version=version: not producer.is_alive() or lake_version(lake_root) > version)
             committed = lake_version(lake_root) > version
             watch(proc, time.monotonic() + rng.uniform(0.0, 2 * kill_every_s), samples, started)
             if proc.poll() is None:

@@ -52,8 +52,6 @@ def synthetic_chunk(rng: np.random.Generator, first: int, num_requests: int, t0_
     finish_extra = k * 25_000_000
     parts = []
 
-    position = {}
-
     def envelope(m, kind, ids, ts, suffix, rows=None):
         rows = np.arange(n) if rows is None else rows
         return {
@@ -70,7 +68,18 @@ def synthetic_chunk(rng: np.random.Generator, first: int, num_requests: int, t0_
         }
 
     users = np.char.add("user-", rng.integers(0, 50_000, n).astype(str))
-    parts.append(_table(n, {**envelope(n, "request_arrived", rid, arrival, ":a"), "num_prompt_tokens": rng.integers(10, 4000, n), "num_branches": _constant(n, 1), "user": users, "session_id": np.char.add("s-", users)}))
+    parts.append(
+        _table(
+            n,
+            {
+                **envelope(n, "request_arrived", rid, arrival, ":a"),
+                "num_prompt_tokens": rng.integers(10, 4000, n),
+                "num_branches": _constant(n, 1),
+                "user": users,
+                "session_id": np.char.add("s-", users),
+            },
+        )
+    )
     parts.append(_table(n, {**envelope(n, "admission_decided", rid, admit, ":d"), "decision": _constant(n, "accept")}))
     parts.append(_table(n, envelope(n, "first_token", rid, first_tok, ":f")))
     d_rows = np.repeat(np.arange(n), k)
@@ -78,8 +87,26 @@ def synthetic_chunk(rng: np.random.Generator, first: int, num_requests: int, t0_
     d_idx = np.concatenate([np.arange(x) for x in k]).astype(str)
     d_ts = np.repeat(first_tok, k) + (np.concatenate([np.arange(1, x + 1) for x in k]) * 25_000_000)
     m = len(d_rid)
-    parts.append(_table(m, {**envelope(m, "tokens_delivered", d_rid, d_ts, np.char.add(":t", d_idx), d_rows), "num_tokens": _constant(m, 1), "coalesced": _constant(m, False)}))
-    parts.append(_table(n, {**envelope(n, "request_finished", rid, first_tok + finish_extra, ":z"), "outcome": _constant(n, "completed"), "num_output_tokens": k + 1}))
+    parts.append(
+        _table(
+            m,
+            {
+                **envelope(m, "tokens_delivered", d_rid, d_ts, np.char.add(":t", d_idx), d_rows),
+                "num_tokens": _constant(m, 1),
+                "coalesced": _constant(m, False),
+            },
+        )
+    )
+    parts.append(
+        _table(
+            n,
+            {
+                **envelope(n, "request_finished", rid, first_tok + finish_extra, ":z"),
+                "outcome": _constant(n, "completed"),
+                "num_output_tokens": k + 1,
+            },
+        )
+    )
     # engine steps: each holds BATCH consecutive requests (their prefill)
     s = (n + BATCH - 1) // BATCH
     starts = admit[::BATCH]

@@ -37,7 +37,17 @@ def _quantiles(columns: Sequence[str]) -> dict[str, str]:
 def percentile_table(requests_path: str | Path, selection: Selection, k: int) -> tuple[pa.Table, int]:
     """Per class: requests and the p50 / p90 / p99 of each latency (seconds); (table, classes suppressed)."""
     relation, params = _selected(requests_path, selection)
-    result = k_anonymous(query_connection(), relation, ["class_name"], _quantiles([c for c, _ in LATENCIES]), k=k, tenant_column="crowd_member", request_column=REQUEST_SEQ, params=params, one_row_per_request=True)
+    result = k_anonymous(
+        query_connection(),
+        relation,
+        ["class_name"],
+        _quantiles([c for c, _ in LATENCIES]),
+        k=k,
+        tenant_column="crowd_member",
+        request_column=REQUEST_SEQ,
+        params=params,
+        one_row_per_request=True,
+    )
     return result.table.sort_by("class_name"), result.num_suppressed
 
 
@@ -46,7 +56,17 @@ def latency_over_time(requests_path: str | Path, selection: Selection, bin_s: fl
     bin_ns = max(1, round(bin_s * NS))
     relation, params = _selected(requests_path, selection)
     binned = f"(SELECT *, (arrival_ns // {bin_ns}) * {bin_ns} AS bin_start_ns FROM {relation})"
-    result = k_anonymous(query_connection(), binned, ["bin_start_ns"], _quantiles(["ttft_s", "itl_p99_s", "e2e_s"]), k=k, tenant_column="crowd_member", request_column=REQUEST_SEQ, params=params, one_row_per_request=True)
+    result = k_anonymous(
+        query_connection(),
+        binned,
+        ["bin_start_ns"],
+        _quantiles(["ttft_s", "itl_p99_s", "e2e_s"]),
+        k=k,
+        tenant_column="crowd_member",
+        request_column=REQUEST_SEQ,
+        params=params,
+        one_row_per_request=True,
+    )
     return result.table.sort_by("bin_start_ns"), result.num_suppressed
 
 

@@ -1,8 +1,9 @@
 """The servelens dashboard's entry point: ``servelens dashboard``, or ``streamlit run dashboard/app.py``.
 
-Pages (``dashboard/app_pages/``; not ``pages/``, which Streamlit would also list before ``st.navigation`` runs): Overview, Traffic, Service levels, Policies, Gate, Request explorer,
-Tenants. Each is a thin script over ``dashboard.data``, ``dashboard.runs`` and
-``dashboard.explorer``; settings come from the server (``dashboard.config``), never from the URL.
+Pages (``dashboard/app_pages/``; not ``pages/``, which Streamlit would also list before ``st.navigation``
+runs): Overview, Traffic, Service levels, Load and latency, Policies, Gate, Request explorer, Tenants. Each is
+a thin script over ``dashboard.data``, ``dashboard.runs`` and ``dashboard.explorer``; settings come from the
+server (``dashboard.config``), never from the URL.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from dashboard.ui import PAGES  # noqa: E402
 
 def _preload() -> None:
     """Import what the chart pages need (plotly, pandas: about a second) while the first page shows."""
-    import dashboard.charts  # noqa: F401
     import pandas  # noqa: F401
+
+    import dashboard.charts  # noqa: F401
 
 
 if "dashboard.charts" not in sys.modules:

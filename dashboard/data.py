@@ -41,9 +41,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipelines.config import LakeConfig
-from replay.derive import requests_sql
 from pipelines.tables import locked_connection, readable_dirs
 from privacy.views import KAnonymousResult, TenantScope, k_anonymous
+from replay.derive import requests_sql
 from replay.metrics import DEFAULT_CLASS, MetricsConfig
 from servelens.sql import sql_literal, sql_literal_list
 
@@ -245,11 +245,11 @@ def check_one_row_per_request(con: duckdb.DuckDBPyConnection, relation: str) -> 
 def materialize_requests(event_files: Sequence[str | Path], out: str | Path, *, memory_limit: str | None = None) -> int:
     """Derive the request table of ``event_files`` into one Parquet file sorted by arrival.
 
-    Columns: ``schemas.records.RequestRow`` plus ``busy_accelerator_s``, each step's duration split
-    among its members by the tokens each processed (``replay.metrics.attribution``), so a tenant's
-    cost is a sum, and the integer keys ``request_seq`` and ``crowd_id`` (see ``CROWD_ID``). DuckDB streams the events (and spills under ``memory_limit``); the file is
-    written under a temporary name and renamed, so readers never see half of it, and only once
-    ``check_one_row_per_request`` passes on it. Returns the rows.
+    Columns: ``schemas.records.RequestRow`` plus ``busy_accelerator_s``, each step's duration split among its
+    members by the tokens each processed (``replay.metrics.attribution``), so a tenant's cost is a sum, and
+    the integer keys ``request_seq`` and ``crowd_id`` (see ``CROWD_ID``). DuckDB streams the events (and
+    spills under ``memory_limit``); the file is written under a temporary name and renamed, so readers never
+    see half of it, and only once ``check_one_row_per_request`` passes on it. Returns the rows.
     """
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -427,7 +427,9 @@ def requests_overview(requests_path: str | Path) -> RequestsOverview:
     source = f"read_parquet({sql_literal(str(requests_path))})"
     n, first, last = con.execute(f"SELECT count(*), min(arrival_ns), max(arrival_ns) FROM {source} WHERE arrival_ns IS NOT NULL").fetchone()
     classes = [r[0] for r in con.execute(f"SELECT DISTINCT coalesce(service_class, '{DEFAULT_CLASS}') FROM {source} ORDER BY 1").fetchall()]
-    instances = [r[0] for r in con.execute(f"SELECT DISTINCT instance_id FROM {source} WHERE instance_id IS NOT NULL ORDER BY 1").fetchall()]
+    instances = [
+        r[0] for r in con.execute(f"SELECT DISTINCT instance_id FROM {source} WHERE instance_id IS NOT NULL ORDER BY 1").fetchall()
+    ]
     return RequestsOverview(int(n), first, last, tuple(classes), tuple(instances))
 
 
@@ -549,9 +551,10 @@ def _with_verdicts(con: duckdb.DuckDBPyConnection, relation: str, objectives: Se
     return f"""(
         SELECT *, meets_ttft AND meets_itl AND meets_e2e AS good FROM (
             SELECT r.*,
-                coalesce(r.outcome = 'completed' AND r.ttft_s <= coalesce({limit('ttft_limit_s')}, {inf}), false) AS meets_ttft,
-                coalesce(r.outcome = 'completed' AND (r.itl_p99_s IS NULL OR r.itl_p99_s <= coalesce({limit('itl_limit_s')}, {inf})), false) AS meets_itl,
-                coalesce(r.outcome = 'completed' AND r.e2e_s <= coalesce({limit('e2e_limit_s')}, {inf}), false) AS meets_e2e
+                coalesce(r.outcome = 'completed' AND r.ttft_s <= coalesce({limit("ttft_limit_s")}, {inf}), false) AS meets_ttft,
+                coalesce(r.outcome = 'completed'
+                         AND (r.itl_p99_s IS NULL OR r.itl_p99_s <= coalesce({limit("itl_limit_s")}, {inf})), false) AS meets_itl,
+                coalesce(r.outcome = 'completed' AND r.e2e_s <= coalesce({limit("e2e_limit_s")}, {inf}), false) AS meets_e2e
             FROM {relation} r
             LEFT JOIN dashboard_objectives o ON o.objective_class = r.class_name
             LEFT JOIN dashboard_objectives d ON d.objective_class = '{DEFAULT_CLASS}'

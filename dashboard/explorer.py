@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from dashboard.data import NS, BIN_LADDER_S, TimeWindow, parquet_relation
+from dashboard.data import BIN_LADDER_S, NS, TimeWindow, parquet_relation
 from pipelines.tables import locked_connection, readable_dirs
 from privacy.sanitize import FIELD_POLICIES
 from privacy.views import TenantScope
@@ -171,8 +171,8 @@ def _time_filter(lo_ns: int, hi_ns: int, hive: bool) -> str:
     if hive:
         import datetime as dt
 
-        lo = dt.datetime.fromtimestamp(lo_ns / NS, dt.timezone.utc).date().isoformat()
-        hi = dt.datetime.fromtimestamp(hi_ns / NS, dt.timezone.utc).date().isoformat()
+        lo = dt.datetime.fromtimestamp(lo_ns / NS, dt.UTC).date().isoformat()
+        hi = dt.datetime.fromtimestamp(hi_ns / NS, dt.UTC).date().isoformat()
         clause += f" AND dt BETWEEN DATE '{lo}' AND DATE '{hi}'"
     return clause
 

@@ -332,21 +332,21 @@ def parse_time(text: str | None) -> int | None:
     except ValueError:
         return None
     if stamp.tzinfo is None:
-        stamp = stamp.replace(tzinfo=dt.timezone.utc)
+        stamp = stamp.replace(tzinfo=dt.UTC)
     return int(stamp.timestamp()) * NS + stamp.microsecond * 1000
 
 
 def format_time(ns: int) -> str:
     """UTC ISO 8601 with a Z, to the second (what the URL carries)."""
-    return dt.datetime.fromtimestamp(ns // NS, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return dt.datetime.fromtimestamp(ns // NS, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _naive(ns: int) -> dt.datetime:
-    return dt.datetime.fromtimestamp(ns // NS, dt.timezone.utc).replace(tzinfo=None)
+    return dt.datetime.fromtimestamp(ns // NS, dt.UTC).replace(tzinfo=None)
 
 
 def _ns(value: dt.datetime) -> int:
-    return int(value.replace(tzinfo=dt.timezone.utc).timestamp()) * NS
+    return int(value.replace(tzinfo=dt.UTC).timestamp()) * NS
 
 
 def window_filter(ov: RequestsOverview, page: str) -> TimeWindow:

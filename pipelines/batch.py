@@ -44,7 +44,7 @@ class TableWritten:
 
 def day_start_ns(day: str) -> int:
     """UTC midnight of ``YYYY-MM-DD`` in epoch ns."""
-    start = dt.datetime.strptime(day, "%Y-%m-%d").replace(tzinfo=dt.timezone.utc)
+    start = dt.datetime.strptime(day, "%Y-%m-%d").replace(tzinfo=dt.UTC)
     return int(start.timestamp()) * 1_000_000_000
 
 

@@ -15,8 +15,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from replay.derive import derive_requests, read_events
 from replay.blis import BlisExport, BlisHeader, to_blis
+from replay.derive import derive_requests, read_events
 from replay.traces import BUNDLED_TRACES, detect_format
 from replay.workload import arrival_events, load_workload
 from schemas.validate import detect_format as events_format

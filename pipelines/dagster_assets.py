@@ -39,7 +39,7 @@ class DayConfig(dg.Config):
     day: str = ""
 
     def resolved(self) -> str:
-        return self.day or (dt.datetime.now(dt.timezone.utc).date() - dt.timedelta(days=1)).isoformat()
+        return self.day or (dt.datetime.now(dt.UTC).date() - dt.timedelta(days=1)).isoformat()
 
 
 # ------------------------------------------------------------------------------------------ assets

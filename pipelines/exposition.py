@@ -148,19 +148,34 @@ class _Spec:
 def _specs(max_tokens: int) -> tuple[_Spec, ...]:
     tokens = token_buckets(max_tokens)
     return (
-        _Spec("vllm:time_to_first_token_seconds", "Time to first token, s: first_token - arrival (servelens's user-facing definition).", "ttft_s", VLLM_TTFT_BUCKETS_S),
-        _Spec("vllm:e2e_request_latency_seconds", "End-to-end request latency, s: last_token - arrival.", "e2e_s", VLLM_REQUEST_LATENCY_BUCKETS_S),
-        _Spec("vllm:request_queue_time_seconds", "Queue time, s: first batch membership - arrival.", "queue_s", VLLM_REQUEST_LATENCY_BUCKETS_S),
-        _Spec("vllm:request_prefill_time_seconds", "Prefill time, s: first_token - scheduled.", "prefill_s", VLLM_REQUEST_LATENCY_BUCKETS_S),
+        _Spec("vllm:time_to_first_token_seconds", "Time to first token, s: first_token - arrival (servelens's user-facing definition).",
+              "ttft_s", VLLM_TTFT_BUCKETS_S),
+        _Spec("vllm:e2e_request_latency_seconds", "End-to-end request latency, s: last_token - arrival.",
+              "e2e_s", VLLM_REQUEST_LATENCY_BUCKETS_S),
+        _Spec("vllm:request_queue_time_seconds", "Queue time, s: first batch membership - arrival.",
+              "queue_s", VLLM_REQUEST_LATENCY_BUCKETS_S),
+        _Spec("vllm:request_prefill_time_seconds", "Prefill time, s: first_token - scheduled.",
+              "prefill_s", VLLM_REQUEST_LATENCY_BUCKETS_S),
         _Spec("vllm:request_decode_time_seconds", "Decode time, s: last_token - first_token.", "decode_s", VLLM_REQUEST_LATENCY_BUCKETS_S),
-        _Spec("vllm:request_inference_time_seconds", "Inference time, s: last_token - scheduled.", "inference_s", VLLM_REQUEST_LATENCY_BUCKETS_S),
-        _Spec("vllm:request_time_per_output_token_seconds", "Time per output token of each request, s: (last_token - first_token) / (output tokens - 1).", "tpot_s", VLLM_TOKEN_LATENCY_BUCKETS_S),
-        _Spec("vllm:inter_token_latency_seconds", "Inter-token latency, s: each gap between tokens (a chunk of k tokens after a gap g counts k gaps of g/k).", "itl", VLLM_TOKEN_LATENCY_BUCKETS_S),
+        _Spec("vllm:request_inference_time_seconds", "Inference time, s: last_token - scheduled.",
+              "inference_s", VLLM_REQUEST_LATENCY_BUCKETS_S),
+        _Spec("vllm:request_time_per_output_token_seconds",
+              "Time per output token of each request, s: (last_token - first_token) / (output tokens - 1).",
+              "tpot_s", VLLM_TOKEN_LATENCY_BUCKETS_S),
+        _Spec("vllm:inter_token_latency_seconds",
+              "Inter-token latency, s: each gap between tokens (a chunk of k tokens after a gap g counts k gaps of g/k).",
+              "itl", VLLM_TOKEN_LATENCY_BUCKETS_S),
         _Spec("vllm:request_prompt_tokens", "Prompt tokens per request.", "num_prompt_tokens", tokens, unit="{token}"),
         _Spec("vllm:request_generation_tokens", "Output tokens per request.", "num_output_tokens", tokens, unit="{token}"),
-        _Spec("gen_ai_server_time_to_first_token_seconds", "GenAI server time to first token of successful requests, s (first_token - arrival).", "otel_ttft_s", OTEL_TTFT_BUCKETS_S, family="otel", otel_name="gen_ai.server.time_to_first_token"),
-        _Spec("gen_ai_server_time_per_output_token_seconds", "GenAI server time per output token after the first, of successful requests, s.", "otel_tpot_s", OTEL_TPOT_BUCKETS_S, family="otel", otel_name="gen_ai.server.time_per_output_token"),
-        _Spec("gen_ai_server_request_duration_seconds", "GenAI server request duration, s: last_token - arrival, or finish - arrival for a request that ended without a token.", "duration_s", OTEL_DURATION_BUCKETS_S, family="otel", otel_name="gen_ai.server.request.duration"),
+        _Spec("gen_ai_server_time_to_first_token_seconds",
+              "GenAI server time to first token of successful requests, s (first_token - arrival).",
+              "otel_ttft_s", OTEL_TTFT_BUCKETS_S, family="otel", otel_name="gen_ai.server.time_to_first_token"),
+        _Spec("gen_ai_server_time_per_output_token_seconds",
+              "GenAI server time per output token after the first, of successful requests, s.",
+              "otel_tpot_s", OTEL_TPOT_BUCKETS_S, family="otel", otel_name="gen_ai.server.time_per_output_token"),
+        _Spec("gen_ai_server_request_duration_seconds",
+              "GenAI server request duration, s: last_token - arrival, or finish - arrival for a request that ended without a token.",
+              "duration_s", OTEL_DURATION_BUCKETS_S, family="otel", otel_name="gen_ai.server.request.duration"),
     )
 
 
@@ -406,7 +421,8 @@ def _counters(values: dict[str, np.ndarray], outcome: np.ndarray, groups: _Cells
     return counters
 
 
-def _label_pairs(family: str, dims: Sequence[str], key: tuple[str, ...], operation: str, provider: str | None) -> tuple[tuple[str, str], ...]:
+def _label_pairs(family: str, dims: Sequence[str], key: tuple[str, ...], operation: str,
+                 provider: str | None) -> tuple[tuple[str, str], ...]:
     if family == "vllm":
         return tuple((LABEL_DIMENSIONS[d][1], v) for d, v in zip(dims, key))
     pairs = [("gen_ai.operation.name", operation)]

@@ -179,7 +179,7 @@ class Lake:
         incarnations = {(r.topic, r.topic_id, r.epoch) for r in ranges if r.topic_id is not None}
         for topic, topic_id, epoch in sorted(incarnations, key=str):
             transactions += [Transaction(epoch_app_id(topic, topic_id), epoch), Transaction(epoch_app_id(topic), epoch)]
-        for attempt in range(self.COMMIT_ATTEMPTS):
+        for _attempt in range(self.COMMIT_ATTEMPTS):
             table = self.table(name)
             if table is None:
                 self.ensure_tables()
@@ -265,8 +265,8 @@ class Lake:
         """A DuckDB connection with the views ``events``, ``dead_letters`` and ``requests``;
         ``read_only``: locked to the lake's folder (``pipelines.tables.lock_down``: no other file, no
         network, no extension, the configuration locked), for ``lake sql``."""
-        from replay.derive import connect, requests_sql, with_all_columns
         from pipelines.tables import lock_down
+        from replay.derive import connect, requests_sql, with_all_columns
 
         con = con or connect(self.config.duckdb_memory_limit)
         for name in TABLE_SCHEMAS:

@@ -19,10 +19,11 @@ start + ``gen_ai.latency.e2e``              ``tokens_delivered``: completion_tok
                                             cancelled if its finish reason is abort)
 ==========================================  ================================================================
 
-So the request table's ``queue_s``, ``ttft_s`` and ``e2e_s`` equal the span's values (to the
-nanosecond). For a one-token response our E2E is its TTFT by definition (last token = first); a
-larger ``e2e`` of vLLM's (output processing after the token) then bounds only the finish from below. What the attributes measure differs from servelens's boundaries, and some things
-cannot be recovered at all (per-token gaps, preemptions, the engine's batches): ``docs/interop.md``.
+So the request table's ``queue_s``, ``ttft_s`` and ``e2e_s`` equal the span's values (to the nanosecond). For
+a one-token response our E2E is its TTFT by definition (last token = first); a larger ``e2e`` of vLLM's
+(output processing after the token) then bounds only the finish from below. What the attributes measure
+differs from servelens's boundaries, and some things cannot be recovered at all (per-token gaps, preemptions,
+the engine's batches): ``docs/interop.md``.
 
 A span that is not a vLLM request span, or lacks a required attribute, or carries an impossible
 value, makes its message a dead letter with the reason and the span's path; the message's good
@@ -229,7 +230,8 @@ def span_events(span: Span) -> tuple[list[Event], list[FieldError]]:
               for key in REQUIRED if attrs.get(key) is None]
     rid = attrs.get(REQUEST_ID)
     if rid is not None and (not isinstance(rid, str) or not rid):
-        errors.append(FieldError(WRONG_TYPE, f"{span.path}.attributes['{REQUEST_ID}']", "wrong type", type(rid).__name__, "a non-empty string"))
+        path = f"{span.path}.attributes['{REQUEST_ID}']"
+        errors.append(FieldError(WRONG_TYPE, path, "wrong type", type(rid).__name__, "a non-empty string"))
     prompt = _number(attrs, PROMPT_TOKENS, span.path, errors, integer=True)
     completion = _number(attrs, COMPLETION_TOKENS, span.path, errors, integer=True)
     queue_s = _number(attrs, QUEUE, span.path, errors, integer=False)

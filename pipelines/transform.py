@@ -35,8 +35,8 @@ import ctypes
 import dataclasses
 import os
 import pickle
-import signal
 import queue
+import signal
 import subprocess
 import sys
 import threading

@@ -27,7 +27,7 @@ import secrets
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from servelens.errors import ConfigError
@@ -137,7 +137,7 @@ def load_keyring(path: str | Path | None = None, env: Mapping[str, str] | None =
 
 
 def new_key_id() -> str:
-    return "k" + datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+    return "k" + datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
 
 
 def write_keyfile(path: str | Path, ring: KeyRing) -> None:

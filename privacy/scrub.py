@@ -31,9 +31,9 @@ from __future__ import annotations
 import logging
 import os
 import re
-from pathlib import Path
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 REDACTED = "<REDACTED>"

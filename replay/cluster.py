@@ -91,7 +91,6 @@ from replay.workload import Workload, as_workload
 from schemas.types import doc
 
 
-
 def _INDEX(r: Request) -> int:
     return r.index
 
@@ -925,12 +924,10 @@ class Cluster:
         now = self.kernel.now_ns
         dest = self._in_transit.pop(r, None)
         if dest is None:  # released at this instant, not yet routed (a hand-off): it ends where it was
-            for k, (q, _, src) in enumerate(self._moves):
-                if q is r:
-                    del self._moves[k]
-                    break
-            else:
+            k = next((k for k, move in enumerate(self._moves) if move[0] is r), None)
+            if k is None:
                 raise ReplayError(f"request {r.request_id} is held by no engine and on no move (a cluster bug)")
+            src = self._moves.pop(k)[2]
             self.writer.cancelled.append((r, now, src.instance_id))
             self._end_moved(r, src, "cancelled", None, counted=False)
             return

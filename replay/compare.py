@@ -152,7 +152,7 @@ def _quantile(hist: np.ndarray, q: float, bins: np.ndarray | None = None) -> np.
     return np.where(total[:, 0] > 0, out, np.nan)
 
 
-def _resampled_quantiles(s: "WindowStats", c: np.ndarray, dist: str, *qs: float) -> list[np.ndarray]:
+def _resampled_quantiles(s: WindowStats, c: np.ndarray, dist: str, *qs: float) -> list[np.ndarray]:
     """Quantiles of each resample's histogram (over the bins the run fills). The resampled
     histograms are kept for the resampling they came from: p50, p99 and spread share them."""
     if not s.hists[dist].shape[1]:

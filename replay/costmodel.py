@@ -162,7 +162,7 @@ class AffineDecode:
             split = min(k, da // -db + 1) if da >= 0 else 0
             first_is_1 = True
         else:  # line 2 on [0, j), line 1 after
-            split = min(k, max(0, -(-(-da) // db)))
+            split = min(k, max(0, -(da // db)))  # ceil(-da / db)
             first_is_1 = False
         if first_is_1:
             varying = _ceil_sum(0, split, a1, b1) + _ceil_sum(split, k, a2, b2)

@@ -37,6 +37,7 @@ from replay.compare import (
     window_stats,
     windows_with,
 )
+from replay.figures import read_step_timing
 from replay.gate_config import (  # noqa: F401  (the gate's public names, re-exported)
     DEFAULT_CONDITIONS,
     DEFAULT_METRICS,
@@ -69,14 +70,11 @@ from replay.judge import (  # noqa: F401
     judge_condition,
     judge_metric,
     judge_run,
-    label,
     needs,
 )
-from replay.figures import read_step_timing
 from replay.metrics import Requests, load_requests, load_steps
 from replay.request_table import REQUESTS_FILE
 from servelens.errors import DataNotFoundError, ServelensError
-
 
 # ------------------------------------------------------------------------------------------ runs
 

@@ -279,7 +279,9 @@ def judge_condition(diff: Difference, cond: Condition, need: Needs, model_error:
                     baseline_need: Needs | None = None) -> ConditionVerdict:
     """The candidate against an absolute bound (its own interval); the baseline's standing beside it
     (``baseline_need``: the baseline's evidence, judged by the same minimums)."""
-    margin_of = (lambda v: (model_error[0] if model_error else 0.0) * abs(v) if v is not None else 0.0)
+    def margin_of(v: float | None) -> float:
+        return (model_error[0] if model_error else 0.0) * abs(v) if v is not None else 0.0
+
     status, reason = _side(cond, diff.group, "candidate", diff.candidate, diff.candidate_ci, margin_of(diff.candidate))
     base_status, base_reason = _side(cond, diff.group, "baseline", diff.baseline, diff.baseline_ci,
                                      margin_of(diff.baseline))

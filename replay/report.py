@@ -310,7 +310,8 @@ td,th{{border:1px solid #d0d7de;padding:4px 8px;vertical-align:top;font-size:13p
 <table><tr><th>condition</th><th>class</th><th>candidate</th><th>why</th><th>baseline</th></tr>{conditions}</table>
 {charts}
 <h2>Every metric</h2>
-<table class="metrics"><tr><th>metric</th><th>class</th><th>baseline</th><th>candidate</th><th>bad effect [interval]</th><th>allowed / critical</th><th>status</th><th>reason, evidence and statistics</th></tr>
+<table class="metrics"><tr><th>metric</th><th>class</th><th>baseline</th><th>candidate</th><th>bad effect [interval]</th>
+<th>allowed / critical</th><th>status</th><th>reason, evidence and statistics</th></tr>
 {rows}</table>
 </body></html>
 """

@@ -192,7 +192,7 @@ class RequestTable:
 
     def add_first_tokens(self, buf: list[tuple], out_delay_ns: int | None) -> None:
         """``first_token``: (request, ts, instance_id) tuples (also deliveries: ``add_deliveries``)."""
-        for r, ts, instance in buf:
+        for r, ts, _instance in buf:
             row = self._row(r)
             if row.first_token_ns is None or ts < row.first_token_ns:
                 row.first_token_ns = ts

@@ -31,12 +31,12 @@ from replay.config import InstanceConfig, instance_config
 from replay.cost_models import make_cost_model
 from replay.costmodel import StepCostModel
 from replay.emit import EventChunk, EventWriter, ParquetSink, Sink
-from replay.request_table import REQUESTS_FILE, RequestTable
 from replay.engine import Engine, Mode, check_clock
 from replay.errors import ReplayError
 from replay.kernel import ARRIVAL, Kernel
 from replay.policies import make_policy
 from replay.request import Request
+from replay.request_table import REQUESTS_FILE, RequestTable
 from replay.scenario import Scenario, apply_scenario, image_tokens
 from replay.workload import Workload, as_workload
 from schemas.events import SCHEMA_VERSION

@@ -11,8 +11,8 @@ import dataclasses
 import functools
 import types
 import typing
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, cast
 
 #: Scalar kinds a record field may have.

@@ -256,7 +256,7 @@ class UnreadableFileError(ValueError):
     """A file that claims to be Parquet (magic bytes or suffix) and cannot be read as Parquet."""
 
 
-def _parquet_batches(path: Path, batch_rows: int, columns: list[str] | None = None) -> Iterator["pa.RecordBatch"]:
+def _parquet_batches(path: Path, batch_rows: int, columns: list[str] | None = None) -> Iterator[pa.RecordBatch]:
     """The file's record batches; a corrupt file raises ``UnreadableFileError`` (not pyarrow's error)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -326,7 +326,7 @@ class InvalidEventsError(ValueError):
 
 def iter_event_tables(
     path: Path | str, *, batch_rows: int = 65_536, ignored_fields: Counter[str] | None = None
-) -> Iterator["pa.Table"]:
+) -> Iterator[pa.Table]:
     """The valid events of a JSONL or Parquet file as ``EVENTS_SCHEMA`` tables, streaming.
 
     Raises ``InvalidEventsError`` at the first invalid record: callers that must not lose data
@@ -354,7 +354,7 @@ def iter_event_tables(
         yield events_to_table(batch)
 
 
-def _parquet_event_tables(path: Path, batch_rows: int, ignored_fields: Counter[str] | None) -> Iterator["pa.Table"]:
+def _parquet_event_tables(path: Path, batch_rows: int, ignored_fields: Counter[str] | None) -> Iterator[pa.Table]:
     import pyarrow as pa
 
     from schemas.arrow import EVENTS_SCHEMA, events_to_table

@@ -776,7 +776,9 @@ def lake() -> None:
 
 
 @lake.command("compact")
-@click.option("--vacuum-hours", type=int, default=None, help="Then delete replaced files older than this [default: lake.vacuum_retention_hours].")
+@click.option(
+    "--vacuum-hours", type=int, default=None, help="Then delete replaced files older than this [default: lake.vacuum_retention_hours]."
+)
 @click.pass_context
 def lake_compact(ctx: click.Context, vacuum_hours: int | None) -> None:
     """Merge the small files of crowded dt/hour partitions, then vacuum replaced files.
@@ -1011,7 +1013,7 @@ def replay_command(ctx: click.Context, workload_name: str, policy_name: str, pol
       servelens replay --workload azure-conv --instances 2 --decode-instances 2 --kv-transfer-gbps 50 --fail 300:1 --out out/disagg
       servelens replay --workload azure-conv --instances 2 --autoscaler workload-aware --autoscale-interval-s 15 --out out/autoscaled
       servelens replay --workload azure-conv --requests 40 --profile out/profiles/tiny-cpu.parquet --measured --out out/measured
-    """
+    """  # noqa: E501 (help examples run as written: one command per line)
     if any(key.startswith("cluster.") for key in ctx.meta):
         return _replay_cluster(ctx, workload_name, policy_name, policy_config, engine_spec, cost_model, profile_path,
                                mode, num_requests, seed, out)
@@ -1113,11 +1115,10 @@ def profile_command(model_name: str, device: str, num_layers: int | None, out: P
       servelens profile --model llama-8b --device cuda --out profiles/llama-8b-h200.parquet --max-seconds 240
       servelens profile --model llama-70b --layers 8 --device cuda --out profiles/llama-70b-8l-h200.parquet
     """
+    from replay.measured.executor import resolve_device
     from replay.measured.fit import evaluate_profile, fit_report_lines, write_fit_report
     from replay.measured.profiler import default_sweep, run_profile
     from replay.measured.shapes import llama_shape
-
-    from replay.measured.executor import resolve_device
 
     shape = llama_shape(model_name, num_layers)
     resolve_device(device)  # a missing torch or CUDA is said before anything runs
@@ -1218,9 +1219,19 @@ def compare_measured_command(ctx: click.Context, workload_name: str, profile_pat
 
 
 @cli.command()
-@click.option("--baseline", type=click.Path(exists=True, path_type=Path), help="Baseline run: a replay output folder, an events file or a request table.")
+@click.option(
+    "--baseline",
+    type=click.Path(exists=True, path_type=Path),
+    help="Baseline run: a replay output folder, an events file or a request table.",
+)
 @click.option("--candidate", type=click.Path(exists=True, path_type=Path), help="Candidate run, likewise.")
-@click.option("--config", "gate_config", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Gate configuration (YAML) [default: the built-in one].")
+@click.option(
+    "--config",
+    "gate_config",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Gate configuration (YAML) [default: the built-in one].",
+)
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None, help="Report folder [default: <out_dir>/gate].")
 @click.option("--live", is_flag=True, help="Judge two live pools from the lake (by the events' pool label) instead of two runs.")
 @click.option("--baseline-pool", default="baseline", show_default=True, help="With --live: the baseline pool label.")
@@ -1231,7 +1242,12 @@ def compare_measured_command(ctx: click.Context, workload_name: str, profile_pat
 @click.option("--model-error", "model_error", multiple=True, metavar="NAME=FRACTION",
               help="The replay model's known error on a metric or fidelity figure (e.g. itl_mean=0.05): a pass by "
                    "a smaller margin is undecided. Repeatable; adds to the configuration's model_error; replays only.")
-@click.option("--write-default-config", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the built-in configuration as YAML and stop.")
+@click.option(
+    "--write-default-config",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the built-in configuration as YAML and stop.",
+)
 @click.option("--list-metrics", is_flag=True, help="List every metric: unit, worse direction, thresholds, meaning; then stop.")
 @click.pass_context
 def gate(ctx: click.Context, baseline: Path | None, candidate: Path | None, gate_config: Path | None, out: Path | None,
@@ -1253,7 +1269,7 @@ def gate(ctx: click.Context, baseline: Path | None, candidate: Path | None, gate
       servelens gate --live --candidate-pool canary --since 1h --previous-config policy=fcfs@v12
       servelens gate --baseline out/demo/out/replay/2023-11-16/fcfs@1x --candidate out/demo/out/replay/2023-11-16/vtc@1x --model-error itl_mean=0.05
       servelens gate --list-metrics
-    """
+    """  # noqa: E501 (help examples run as written: one command per line)
     from replay.gate import compare_runs, config_yaml, decide, default_config, headline, load_config, parse_model_error
     from replay.gate_config import describe_metrics, with_model_error
     from replay.report import write_reports

@@ -161,8 +161,8 @@ def run_demo(
     from pipelines.broker import LocalBroker
     from replay.abuse import scenario_for
     from replay.calibration import default_calibration
-    from replay.vllm import read_vllm_settings, vllm_instance
     from replay.run import run_replay
+    from replay.vllm import read_vllm_settings, vllm_instance
     from replay.workload import TableWorkload
 
     started = time.monotonic()

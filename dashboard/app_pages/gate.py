@@ -69,7 +69,7 @@ for reason in report.reasons:
 if report.score is not None:
     st.caption(f"Score {report.score:.0f}: Kayenta's share of decided metrics that passed (undecided and informative "
                "metrics not counted). The verdict's rule is above: any critical failure or missed condition fails the run.")
-st.caption("Written " + dt.datetime.fromtimestamp(report.written_ns / 1e9, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"))
+st.caption("Written " + dt.datetime.fromtimestamp(report.written_ns / 1e9, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"))
 
 st.subheader("Runs compared")
 st.text(f"baseline:  {report.baseline}")

@@ -33,7 +33,7 @@ st.subheader("Where the data comes from")
 st.text(f"lake (lake.root): {s.lake.root}")
 if snapshot.last_commit_ms is not None:
     st.text("last commit to the events table: "
-            + dt.datetime.fromtimestamp(snapshot.last_commit_ms / 1000, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"))
+            + dt.datetime.fromtimestamp(snapshot.last_commit_ms / 1000, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"))
 st.text(f"replay runs (dashboard.runs_dir): {s.dashboard.runs_dir}")
 st.text(f"gate reports (dashboard.gate_dir): {report_dir}")
 st.text(f"derived tables (dashboard.cache_dir): {s.dashboard.cache_dir}")

@@ -113,14 +113,17 @@ class MeasuredStepTimer:
         }
 
 
+def _column(batch: object, name: str, fill: int) -> np.ndarray:
+    return pc.fill_null(batch.column(name), fill).to_numpy(zero_copy_only=False)
+
+
 def _device_blocks(workload: Workload, block_size: int) -> int:
     """Device KV blocks for every request of the workload at its full length at once (never runs out)."""
     total = 0
     for batch in workload.batches():
-        column = lambda name, fill: pc.fill_null(batch.column(name), fill).to_numpy(zero_copy_only=False)  # noqa: E731
-        prompt = np.maximum(1, column("num_prompt_tokens", 1))
-        output = np.maximum(0, column("num_output_tokens", 0))
-        branches = np.maximum(1, column("num_branches", 1))
+        prompt = np.maximum(1, _column(batch, "num_prompt_tokens", 1))
+        output = np.maximum(0, _column(batch, "num_output_tokens", 0))
+        branches = np.maximum(1, _column(batch, "num_branches", 1))
         total += int((((prompt + output + block_size) // block_size + 1) * branches).sum())
     return total
 

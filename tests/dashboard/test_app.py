@@ -144,15 +144,15 @@ def test_every_page_on_an_empty_lake_says_how_to_get_data(empty, app, page):
 def test_filters_come_from_the_url_and_go_back_into_it(sample, app):
     requests = _lake_requests(sample)
     first = pc.min(requests["arrival_ns"]).as_py() // 10**9
-    start = dt.datetime.fromtimestamp(first + 30, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    end = dt.datetime.fromtimestamp(first + 90, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    start = dt.datetime.fromtimestamp(first + 30, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    end = dt.datetime.fromtimestamp(first + 90, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     at = app(sample.settings, "service_levels", {"class": "interactive", "from": start, "to": end})
     _clean(at)
     assert at.selectbox(key="service.class").value == "interactive"
     lo, hi = at.slider(key="service.window").value
     grid = data.WINDOW_GRID_S
     snapped = ((first + 30) // grid * grid, -(-(first + 90) // grid) * grid)  # whole cells of the fixed grid
-    iso = [dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") for t in snapped]
+    iso = [dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ") for t in snapped]
     assert [lo.strftime("%Y-%m-%dT%H:%M:%SZ"), hi.strftime("%Y-%m-%dT%H:%M:%SZ")] == iso
     per_class = at.dataframe[1].value
     assert list(per_class["service_class"]) == ["interactive"]

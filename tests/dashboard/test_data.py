@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from dashboard import data
 from dashboard.data import NS, Selection, TimeWindow
 from pipelines.lake import Lake
-from replay.derive import derive_requests
 from privacy.views import TenantScope, k_anonymous
+from replay.derive import derive_requests
 from replay.gate import load_config
 from replay.metrics import MetricsConfig, TenantWeight, attribution, load_requests, load_steps, run_metrics, tenant_metrics
 
@@ -298,8 +298,14 @@ def test_dead_letters_by_reason_and_ingest_health(sample, lake_tables):
 
 def test_getting_started_names_the_exact_commands_with_the_configured_paths(empty):
     text = data.getting_started(empty)
-    for command in ("servelens broker", "servelens ingest", f"servelens replay --workload azure-conv --policy fcfs --out {empty.dashboard.runs_dir}/fcfs",
-                    f"servelens gate --baseline {empty.dashboard.runs_dir}/fcfs", f"--out {empty.dashboard.gate_dir}", "servelens demo"):
+    for command in (
+        "servelens broker",
+        "servelens ingest",
+        f"servelens replay --workload azure-conv --policy fcfs --out {empty.dashboard.runs_dir}/fcfs",
+        f"servelens gate --baseline {empty.dashboard.runs_dir}/fcfs",
+        f"--out {empty.dashboard.gate_dir}",
+        "servelens demo",
+    ):
         assert command in text
     assert "keygen" not in text  # a key file is configured
 

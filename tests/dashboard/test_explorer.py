@@ -54,7 +54,7 @@ def test_only_the_lake_files_of_the_hours_in_question_are_read():
     import datetime as dt
 
     def ns(text: str) -> int:
-        return int(dt.datetime.fromisoformat(text).replace(tzinfo=dt.timezone.utc).timestamp()) * NS
+        return int(dt.datetime.fromisoformat(text).replace(tzinfo=dt.UTC).timestamp()) * NS
 
     files = ["s3://b/events/dt=2023-11-16/hour=23/part-0.parquet", "/l/events/dt=2023-11-17/hour=0/p.parquet",
              "/l/events/dt=2023-11-17/hour=1/p.parquet", "/l/events/dt=2023-11-17/hour=10/p.parquet", "/l/events/odd.parquet"]
@@ -113,8 +113,8 @@ def test_batch_composition_bins_every_step_of_the_instance_once(lake):
 
 
 def test_a_disaggregated_hand_off_shows_as_a_move_to_the_decode_instance_not_a_preemption(tmp_path):
-    from replay.derive import derive_requests
     from replay.cluster import disaggregated_config, run_cluster_replay
+    from replay.derive import derive_requests
     from tests.replay.conftest import make_workload
 
     ms = 1_000_000

@@ -43,7 +43,6 @@ from schemas.arrow import events_to_table
 from schemas.events import RequestArrived
 from tests.pipelines.test_ingest import KEYRING, consumer
 
-
 DAY = "2023-11-16"
 NUM_REQUESTS = 300
 ENGINE = "llama-3-8b@h100-sxm"
@@ -370,7 +369,7 @@ def test_the_nightly_schedule_replays_yesterday_through_every_candidate_at_every
 
     with dg.instance_for_test() as instance, registered(ShortestPromptFirst):
         context = dg.build_schedule_context(instance=instance, resources=resources(),
-                                            scheduled_execution_time=dt.datetime(2023, 11, 17, 2, tzinfo=dt.timezone.utc))
+                                            scheduled_execution_time=dt.datetime(2023, 11, 17, 2, tzinfo=dt.UTC))
         requests = assets.nightly_replay(context)
         assert sorted((r.partition_key, r.run_config["ops"]["replay_runs"]["config"]["day"]) for r in requests) == [
             ("1x|fcfs", DAY), ("1x|test-spf", DAY), ("2x|fcfs", DAY), ("2x|test-spf", DAY)]

@@ -131,7 +131,9 @@ def messages(draw) -> bytes:
     elif mutation == "unknown":
         record[draw(st.sampled_from(["prompt", "zz_new", "x"]))] = draw(WRONG_VALUES)
     elif mutation == "foreign":
-        record[draw(st.sampled_from(["decision", "num_tokens", "request_ids", "outcome"]))] = draw(st.sampled_from(["accept", 3, ["a"], "completed"]))
+        record[draw(st.sampled_from(["decision", "num_tokens", "request_ids", "outcome"]))] = draw(
+            st.sampled_from(["accept", 3, ["a"], "completed"])
+        )
     elif mutation == "type":
         record["event_type"] = draw(st.sampled_from([*EVENT_TYPES, "nope", 5]))
     elif mutation == "version":

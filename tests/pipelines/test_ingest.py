@@ -456,7 +456,7 @@ def _canary_records() -> list[tuple[bytes, bytes]]:
 
     items = []
     for t, cls in enumerate(EVENT_TYPES.values()):
-        for c, (kind, canary) in enumerate(CANARIES.items()):
+        for c, canary in enumerate(CANARIES.values()):
             record = {"schema_version": "1.1", "event_type": cls.EVENT_TYPE}
             for spec in field_specs(cls):
                 if spec.name in record:

@@ -28,7 +28,9 @@ def test_commits_carry_offsets_and_views_show_exactly_the_committed_rows(tmp_pat
     lake = Lake(tmp_path / "lake")
     lake.ensure_tables()
     lake.commit(EVENTS, _events(0, 10), [OffsetRange("t", 0, 0, 0, 10)], {("t", 0, 0): None})
-    lake.commit(EVENTS, _events(10, 5), [OffsetRange("t", 0, 0, 10, 15), OffsetRange("t", 1, 0, 0, 7)], {("t", 0, 0): 10, ("t", 1, 0): None})
+    lake.commit(
+        EVENTS, _events(10, 5), [OffsetRange("t", 0, 0, 10, 15), OffsetRange("t", 1, 0, 0, 7)], {("t", 0, 0): 10, ("t", 1, 0): None}
+    )
     assert lake.high_water_mark(EVENTS, "t", 0, 0) == 15 and lake.high_water_mark(EVENTS, "t", 1, 0) == 7
     assert lake.high_water_mark(DEAD_LETTERS, "t", 0, 0) is None
     con = lake.connect()

@@ -7,7 +7,6 @@ import pyarrow.compute as pc
 import pytest
 import yaml
 
-from replay.derive import derive_requests
 from replay.blis import (
     MODELLED_COLUMNS,
     UNMODELLED_COLUMNS,
@@ -20,6 +19,7 @@ from replay.blis import (
     trace_rows,
     write_blis,
 )
+from replay.derive import derive_requests
 from replay.traces import WORKLOAD_SCHEMA
 from schemas.arrow import events_to_table
 from schemas.events import FirstToken, RequestArrived, RequestFinished
@@ -57,7 +57,7 @@ request_id,client_id,tenant_id,slo_class,vllm_priority,session_id,round_index,pr
 3,batch-b,tenant-2,batch,3,,0,sys-b,20,false,12,5,32,0,0,0,0,meta-llama/Llama-3.1-8B-Instruct,0,0,32,1350000,1350150,1500000,1900000,2,error,"upstream reset
 by peer",abort,7f3e0c9a-4,
 4,chat-c,tenant-3,critical,0,,0,,0,true,40,30,40,0,0,0,0,meta-llama/Llama-3.1-8B-Instruct,0,500000,0,1400000,1400100,1450000,1700000,7,incomplete,,,7f3e0c9a-5,
-"""
+"""  # noqa: E501 (a BLIS trace, one request per line)
 
 
 def export(events: pa.Table, **options):

@@ -18,11 +18,12 @@ try:  # the dev extra pins PyTorch (`make env`): these CPU tests always run, nev
 except ImportError as exc:  # pragma: no cover
     raise ImportError("PyTorch is missing: `make env` (pip install -e '.[dev]') installs the pinned torch==2.13.0") from exc
 
-from replay.derive import derive_requests  # noqa: E402
 from replay.config import EngineConfig  # noqa: E402
 from replay.cost_models import make_cost_model  # noqa: E402
 from replay.costmodel import StepShape  # noqa: E402
+from replay.derive import derive_requests  # noqa: E402
 from replay.errors import ReplayError  # noqa: E402
+from replay.measured.executor import StepExecutor  # noqa: E402
 from replay.measured.fit import (  # noqa: E402
     FittedProfileConfig,
     FittedProfileCostModel,
@@ -30,7 +31,6 @@ from replay.measured.fit import (  # noqa: E402
     fit_table,
     profile_instance,
 )
-from replay.measured.executor import StepExecutor  # noqa: E402
 from replay.measured.measured import (  # noqa: E402
     MeasuredStepTimer,
     compare_measured,
@@ -49,7 +49,6 @@ from replay.measured.shapes import llama_shape  # noqa: E402
 from replay.run import run_replay  # noqa: E402
 from servelens.errors import DataNotFoundError  # noqa: E402
 from tests.replay.conftest import make_workload  # noqa: E402
-
 
 #: A sweep small enough for the test suite (the default tiny sweep covers the engine's whole range)
 QUICK = dict(

@@ -37,7 +37,7 @@ def test_a_request_is_prefilled_on_the_prefill_pool_and_decoded_on_the_decode_po
     roles = {x.instance_id: x.role for x in summary.instances}
     assert sorted(roles.values()) == ["decode", "decode", "prefill", "prefill"]
     events = _events(summary)
-    for rid, evs in _by_request(events).items():
+    for evs in _by_request(events).values():
         first = [e for e in evs if e["event_type"] == "first_token"]
         assert len(first) == 1 and roles[first[0]["instance_id"]] == "prefill"
         t = first[0]["ts_ns"]

@@ -16,7 +16,6 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from replay.derive import derive_requests
 from replay.cluster import (
     InstanceFailure,
     MigrationStep,
@@ -26,6 +25,7 @@ from replay.cluster import (
 )
 from replay.config import EngineConfig, instance_config
 from replay.costmodel import ConstantCostConfig
+from replay.derive import derive_requests
 from replay.errors import ReplayError
 from tests.replay.conftest import make_workload
 from tests.replay.test_cluster_properties import requests
@@ -185,7 +185,7 @@ def _check_moves(events: list[dict], workload_ids: set[str]) -> None:
         leases = sorted((e["ts_ns"], e["lease_generation"]) for e in evs if e["event_type"] == "request_preempted")
         assert [g for _, g in leases] == list(range(1, len(leases) + 1)), leases  # bumped by one at each move
 
-        def holder(ts: int) -> str | None:  # the lease holder at ts: the last move decided before ts
+        def holder(ts: int, routes: list = routes) -> str | None:  # the lease holder at ts: the last move before ts
             before = [target for t, target in routes if t < ts]
             return before[-1] if before else None
 

@@ -10,9 +10,9 @@ import pyarrow.parquet as pq
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from replay.derive import derive_requests
 from replay.cluster import ScaleStep, ScalingDelays, cluster_config, run_cluster_replay
 from replay.config import EngineConfig, instance_config
+from replay.derive import derive_requests
 from replay.errors import ReplayError
 from replay.policies.routing import (
     GieConfig,

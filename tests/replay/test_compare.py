@@ -16,8 +16,7 @@ from replay.compare import (
     resampling,
     window_stats,
 )
-from replay.metrics import HIST_EDGES_S
-from replay.metrics import MetricsConfig, Requests
+from replay.metrics import HIST_EDGES_S, MetricsConfig, Requests
 
 CONFIG = MetricsConfig(window_s=10.0)
 

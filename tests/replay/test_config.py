@@ -52,7 +52,7 @@ def test_kv_capacity_by_hand():
 
 def test_a_model_that_does_not_fit_says_so():
     with pytest.raises(ReplayError, match="does not fit on 1 x a100-80g") as err:
-        instance_config("llama-2-70b", "a100-80g").num_kv_blocks
+        _ = instance_config("llama-2-70b", "a100-80g").num_kv_blocks
     assert "tensor parallelism" in err.value.hint
 
 

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from replay.config import EngineConfig, instance_config
+from replay.cost_models import make_cost_model
 from replay.costmodel import (
     AffineDecode,
     ConstantCostConfig,
@@ -20,7 +21,6 @@ from replay.costmodel import (
     search_run,
     single_line_run,
 )
-from replay.cost_models import make_cost_model
 from replay.errors import ReplayError
 
 

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from replay.derive import derive_requests
 from replay.config import EngineConfig, instance_config
 from replay.costmodel import ConstantCostConfig, RooflineCostModel, StepShape, prefill_time_ns
+from replay.derive import derive_requests
 from replay.errors import ReplayError
 from replay.policies import FcfsPolicy, register
 from replay.run import run_replay

@@ -146,7 +146,8 @@ def azure_31_minutes():
     """The Azure conversation trace's first 31 minutes (31 one-minute windows of the gate)."""
     from replay.traces import read_trace
     from replay.workload import trim
-    from servelens.config import load_config as servelens_config, shared_dir
+    from servelens.config import load_config as servelens_config
+    from servelens.config import shared_dir
 
     trace = read_trace("azure-conv", shared_dir(servelens_config()))
     t0 = int(trace["arrival_ns"][0].as_py())

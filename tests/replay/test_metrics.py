@@ -5,8 +5,8 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from replay.derive import derive_requests
 from privacy.views import TenantScope
+from replay.derive import derive_requests
 from replay.metrics import ClassObjectives, CostConfig, MetricsConfig, TenantWeight, run_metrics, tenant_metrics
 from schemas.arrow import events_to_table
 from schemas.events import FirstToken, RequestArrived, RequestFinished, StepExecuted, TokensDelivered

@@ -150,9 +150,9 @@ def test_route_rejects_fewer_on_the_azure_conversation_trace(shared, tmp_path):
     # scenario; deadline admission everywhere. One re-route per request turns part of the rejections into
     # requests served by the other instance; every request still ends once, and fast = reference. (Fewer
     # rejections is not more goodput here, nor fewer rejections in every cluster: docs/policies.md.)
-    from replay.derive import derive_requests
     from replay.abuse import TWO_CLASS_TENANCY, scenario_for
     from replay.config import parse_instance
+    from replay.derive import derive_requests
     from replay.traces import read_trace
     from replay.workload import scale_rate
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from replay.config import EngineConfig, instance_config
-from replay.costmodel import CostModelBase, CostModelInfo, ConstantCostConfig, StepShape
+from replay.costmodel import ConstantCostConfig, CostModelBase, CostModelInfo, StepShape
 from replay.policies import DecodeFirstConfig, SarathiConfig
 from replay.policies.tenancy import ClassConfig, Tenancy
 from tests.replay.conftest import make_workload

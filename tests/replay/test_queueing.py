@@ -45,5 +45,7 @@ def test_every_wait_follows_lindleys_recursion(run):
     waits = np.zeros(len(arrivals), dtype=np.int64)
     for i in range(1, len(arrivals)):
         waits[i] = max(0, waits[i - 1] + SERVICE_NS - (arrivals[i] - arrivals[i - 1]))
-    by_id = dict(zip(out.requests["request_id"].to_pylist(), pc.subtract(out.requests["scheduled_ns"], out.requests["arrival_ns"]).to_pylist()))
+    by_id = dict(
+        zip(out.requests["request_id"].to_pylist(), pc.subtract(out.requests["scheduled_ns"], out.requests["arrival_ns"]).to_pylist())
+    )
     assert [by_id[r] for r in w["request_id"].to_pylist()] == waits.tolist()

@@ -15,11 +15,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from replay.derive import derive_requests
 from replay.abuse import TWO_CLASS_TENANCY
 from replay.calibration import default_calibration
 from replay.cluster import ClusterConfig, InstanceFailure, run_cluster_replay
 from replay.config import EngineConfig, instance_config, parse_instance
+from replay.derive import derive_requests
 from replay.policies import DeadlineConfig
 from replay.presets import TWO_CLASS, LoadShape, prepared_workload
 from replay.request_table import Deliveries, _delivery_order

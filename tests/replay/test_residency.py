@@ -9,9 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from replay.derive import derive_requests
 from replay.cluster import ClusterConfig, ScaleStep, ScalingDelays, cluster_config, run_cluster_replay
 from replay.config import instance_config
+from replay.derive import derive_requests
 from replay.errors import ReplayError
 from replay.residency import ResidencyConfig, Weights, WeightTransfer, lora_weights, model_weights, sized_instance
 from replay.scenario import Scenario, alternating_models, apply_scenario

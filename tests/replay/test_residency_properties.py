@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from replay.derive import derive_requests
 from replay.cluster import ScaleStep, ScalingDelays, cluster_config, run_cluster_replay
 from replay.config import EngineConfig, instance_config
+from replay.derive import derive_requests
 from replay.residency import ResidencyConfig, Weights, WeightTransfer
 from tests.replay.conftest import make_workload
 

@@ -12,12 +12,12 @@ import pytest
 
 from replay.derive import derive_requests
 from replay.request import Request
-from schemas.events import SCHEMA_VERSION
 from replay.run import ReplayProgress, run_replay
 from replay.scenario import Scenario, TenantSpec
 from replay.traces import read_trace
 from replay.workload import TableWorkload
 from schemas.arrow import EVENTS_SCHEMA
+from schemas.events import SCHEMA_VERSION
 from schemas.validate import validate_record
 from schemas.wire import iter_table_json
 

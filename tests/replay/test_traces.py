@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
@@ -19,7 +19,7 @@ from servelens.errors import ServelensError
 def _azure_ns(stamp: str) -> int:
     """Independent parse of '2023-11-16 18:15:46.6805900' (UTC) to epoch ns, with integer arithmetic."""
     base, _, frac = stamp.partition(".")
-    seconds = int(datetime.strptime(base, "%Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc).timestamp())
+    seconds = int(datetime.strptime(base, "%Y-%m-%d %H:%M:%S").replace(tzinfo=UTC).timestamp())
     return seconds * 10**9 + int(frac.ljust(9, "0"))
 
 

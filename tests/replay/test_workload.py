@@ -54,7 +54,10 @@ def test_tiled_copies_keep_cv_and_peak_to_mean_per_1s_and_10s(azure):
 def test_superposed_shifted_copies_rescaled_to_the_original_rate_keep_the_burst_statistics(azure):
     original = _stats(azure)
     doubled = superpose(azure, 2, shift_ns=60 * 10**9)  # rate x 2
-    span = lambda t: int(t["arrival_ns"].to_numpy()[-1] - t["arrival_ns"].to_numpy()[0])
+
+    def span(t):
+        return int(t["arrival_ns"].to_numpy()[-1] - t["arrival_ns"].to_numpy()[0])
+
     assert doubled.num_rows == 2 * azure.num_rows
     assert doubled.num_rows / span(doubled) == pytest.approx(2 * azure.num_rows / span(azure), rel=0.05)
     rescaled = scale_rate(doubled, 0.5)

@@ -25,7 +25,7 @@ from schemas.validate import (
     iter_file,
     validate_record,
 )
-from schemas.wire import INVALID_JSON, NOT_UTF8, encode_event
+from schemas.wire import INVALID_JSON, NOT_UTF8
 
 ARRIVED = {
     "event_id": "e1",

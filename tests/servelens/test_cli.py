@@ -13,9 +13,8 @@ import urllib.request
 import pyarrow.parquet as pq
 import pytest
 
-from schemas.records import WorkloadRequest
 from schemas.arrow import arrow_schema
-
+from schemas.records import WorkloadRequest
 
 KEY_ENV = {"SERVELENS_PSEUDONYM_KEY": "test-key:" + base64.b64encode(bytes(range(32))).decode()}
 
