@@ -38,7 +38,7 @@ def percentile_table(requests_path: str | Path, selection: Selection, k: int) ->
     """Per class: requests and the p50 / p90 / p99 of each latency (seconds); (table, classes suppressed)."""
     relation, params = _selected(requests_path, selection)
     result = k_anonymous(
-        query_connection(),
+        query_connection(requests_path),
         relation,
         ["class_name"],
         _quantiles([c for c, _ in LATENCIES]),
@@ -57,7 +57,7 @@ def latency_over_time(requests_path: str | Path, selection: Selection, bin_s: fl
     relation, params = _selected(requests_path, selection)
     binned = f"(SELECT *, (arrival_ns // {bin_ns}) * {bin_ns} AS bin_start_ns FROM {relation})"
     result = k_anonymous(
-        query_connection(),
+        query_connection(requests_path),
         binned,
         ["bin_start_ns"],
         _quantiles(["ttft_s", "itl_p99_s", "e2e_s"]),
@@ -84,7 +84,7 @@ def queue_over_time(requests_path: str | Path, selection: Selection, bin_s: floa
     )
     expanded = (f"(SELECT crowd_member, {REQUEST_SEQ}, state, unnest(range(lo // {bin_ns}, hi // {bin_ns} + 1)) * {bin_ns} "
                 f"AS bin_start_ns FROM {spans})")
-    result = k_anonymous(query_connection(), expanded, ["bin_start_ns", "state"], {}, k=k,
+    result = k_anonymous(query_connection(requests_path), expanded, ["bin_start_ns", "state"], {}, k=k,
                          tenant_column="crowd_member", request_column=REQUEST_SEQ, params=[*params, *params])
     return result.table.sort_by([("bin_start_ns", "ascending"), ("state", "ascending")]), result.num_suppressed
 
@@ -98,7 +98,7 @@ def length_heatmap(requests_path: str | Path, selection: Selection, k: int) -> t
         return f"CASE WHEN coalesce({column}, 0) < 1 THEN 0 ELSE 2 ** floor(log2({column}))::BIGINT END"
 
     cells = f"(SELECT *, {bucket('num_prompt_tokens')} AS prompt_bucket, {bucket('num_output_tokens')} AS output_bucket FROM {relation})"
-    result = k_anonymous(query_connection(), cells, ["prompt_bucket", "output_bucket"], {}, k=k,
+    result = k_anonymous(query_connection(requests_path), cells, ["prompt_bucket", "output_bucket"], {}, k=k,
                          tenant_column="crowd_member", request_column=REQUEST_SEQ, params=params, one_row_per_request=True)
     return result.table, result.num_suppressed
 
@@ -108,7 +108,7 @@ def finish_reasons(requests_path: str | Path, selection: Selection, k: int) -> t
     relation, params = _selected(requests_path, selection)
     cells = (f"(SELECT *, coalesce(outcome, 'in flight') AS finish, coalesce(admission_decision, 'none') AS decision "
              f"FROM {relation})")
-    result = k_anonymous(query_connection(), cells, ["class_name", "finish", "decision"], {},
+    result = k_anonymous(query_connection(requests_path), cells, ["class_name", "finish", "decision"], {},
                          k=k, tenant_column="crowd_member", request_column=REQUEST_SEQ, params=params,
                          one_row_per_request=True)
     return result.table.sort_by([("class_name", "ascending"), ("num_requests", "descending")]), result.num_suppressed
@@ -130,4 +130,4 @@ def kv_usage_over_time(event_files: Sequence[str], selection: Selection, bin_s: 
         "avg(len(request_ids)) AS batch_requests_mean "
         f"FROM {parquet_relation(event_files, hive=True)} WHERE {' AND '.join(clauses)} GROUP BY ALL ORDER BY 1, 2"
     )
-    return query_connection().sql(query).to_arrow_table()
+    return query_connection(*event_files).sql(query).to_arrow_table()
