@@ -122,9 +122,9 @@ def _replay(workload: pa.Table, seed: int, out: Path):
     from replay.gate import load_run
     from replay.run import run_replay
     from replay.workload import TableWorkload
-    from servelens.demo import DEMO_SCENARIO
+    from replay.presets import THREE_TENANT_SCENARIO
 
-    run_replay(TableWorkload(workload, name="slice"), scenario=DEMO_SCENARIO, instance=parse_instance(ENGINE), seed=seed,
+    run_replay(TableWorkload(workload, name="slice"), scenario=THREE_TENANT_SCENARIO, instance=parse_instance(ENGINE), seed=seed,
                out_dir=out)
     return load_run(out, out.name)
 

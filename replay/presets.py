@@ -34,12 +34,21 @@ from replay.errors import ReplayError
 from replay.metrics import MetricsConfig
 from replay.policies import policy_class
 from replay.policies.tenancy import Tenancy, TenantConfig
-from replay.scenario import Scenario
+from replay.scenario import Scenario, ServiceClassSpec, TenantSpec
 from replay.workload import TableWorkload, TiledWorkload, Workload, block_bootstrap, scale_rate, superpose
 from schemas.types import doc
 
 NS = 1_000_000_000
 PRESETS = ("auto", "two-class", "as-recorded")
+#: The scenario the gate's error rates were measured on (``benchmarks/gate_power.py``, ``docs/gate.md``) and its
+#: known-answer tests use: three tenants of unequal volume (3:1:1), interactive requests (TTFT objective 2 s)
+#: and batch ones (2:1), seeded draws per request.
+THREE_TENANT_SCENARIO = Scenario(
+    name="demo-three-tenants",  # the name it was measured under (manifests record it)
+    tenants=(TenantSpec(name="acme", share=3), TenantSpec(name="globex", share=1), TenantSpec(name="initech", share=1)),
+    service_classes=(ServiceClassSpec(name="interactive", share=2, ttft_objective_s=2.0),
+                     ServiceClassSpec(name="batch", share=1)),
+)
 
 
 def parse_load(text: str | float | Fraction) -> Fraction:

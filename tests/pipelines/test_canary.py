@@ -99,7 +99,7 @@ def test_a_live_canary_with_doubled_itl_rolls_back(tmp_path):
     from replay.traces import read_trace
     from replay.workload import TableWorkload, trim
     from servelens.config import load_config, shared_dir
-    from servelens.demo import DEMO_SCENARIO
+    from replay.presets import THREE_TENANT_SCENARIO
 
     trace = read_trace("azure-conv", shared_dir(load_config()))
     t0 = int(trace["arrival_ns"][0].as_py())
@@ -111,7 +111,7 @@ def test_a_live_canary_with_doubled_itl_rolls_back(tmp_path):
     to_canary = np.random.default_rng(0).random(workload.num_rows) < 0.5
     lake = Lake(tmp_path / "lake")
     for pool, instance, rows in (("baseline", h100, ~to_canary), ("canary", slow, to_canary)):
-        run_replay(TableWorkload(workload.filter(pa.array(rows)), name=pool), scenario=DEMO_SCENARIO, instance=instance,
+        run_replay(TableWorkload(workload.filter(pa.array(rows)), name=pool), scenario=THREE_TENANT_SCENARIO, instance=instance,
                    sink=_PoolSink(lake, pool))
     proc = _gate(tmp_path / "lake", "--previous-config", "policy=fcfs@v12", "--out", str(tmp_path / "gate"))
     assert proc.returncode == 1, proc.stdout + proc.stderr

@@ -158,9 +158,9 @@ def _replay(workload: pa.Table, engine: str, out, seed: int = 0):
     from replay.config import parse_instance
     from replay.run import run_replay
     from replay.workload import TableWorkload
-    from servelens.demo import DEMO_SCENARIO
+    from replay.presets import THREE_TENANT_SCENARIO
 
-    run_replay(TableWorkload(workload, name="azure-31min"), scenario=DEMO_SCENARIO, instance=parse_instance(engine),
+    run_replay(TableWorkload(workload, name="azure-31min"), scenario=THREE_TENANT_SCENARIO, instance=parse_instance(engine),
                seed=seed, out_dir=out)
     return out
 

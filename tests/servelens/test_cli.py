@@ -15,6 +15,7 @@ import pytest
 
 from schemas.arrow import arrow_schema
 from schemas.records import WorkloadRequest
+from servelens.demo import DEMO_CANDIDATES, DEMO_LOADS
 
 KEY_ENV = {"SERVELENS_PSEUDONYM_KEY": "test-key:" + base64.b64encode(bytes(range(32))).decode()}
 
@@ -59,8 +60,8 @@ def test_the_demo_runs_the_whole_path_serves_the_dashboard_and_stops_on_ctrl_c(t
     assert key.read_text() not in summary + stderr
     assert "azure-conv: Azure LLM inference 2023" in summary and "1,500 requests over" in summary
     assert "stored once each, 0 dead letters" in summary and "all asset checks passed" in summary
-    verdicts = [line.split() for line in summary.splitlines() if line.startswith("    ") and "@" in line]
-    assert sorted(v[0] for v in verdicts) == [f"{p}@{load}" for p in ("deadline", "sarathi", "vtc") for load in ("1x", "2x")]
+    verdicts = _verdicts(summary)
+    assert sorted(v[0] for v in verdicts) == sorted(f"{p}@{load}" for p in DEMO_CANDIDATES for load in DEMO_LOADS)
     assert all(v[1] in ("PASS", "FAIL", "INCONCLUSIVE") for v in verdicts)
     for v in verdicts:
         day = next((out / "out" / "gate").iterdir()).name
@@ -73,8 +74,20 @@ def test_the_demo_runs_the_whole_path_serves_the_dashboard_and_stops_on_ctrl_c(t
                            text=True, env=env, timeout=900)
     assert again.returncode == 0, again.stderr
     assert "generated a local pseudonym key" not in again.stderr
-    assert [line.split()[:2] for line in again.stdout.splitlines() if line.startswith("    sarathi@1x")] == \
+    assert [v[:2] for v in _verdicts(again.stdout)] == \
         [v[:2] for v in verdicts if v[0] == "sarathi@1x"]  # the same verdict: every stage is deterministic
+
+
+def _verdicts(summary: str) -> list[list[str]]:
+    """The verdict lines of a demo summary (its ``verdicts`` block), split into words."""
+    lines = summary.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("  verdicts"))
+    block = []
+    for line in lines[start + 1:]:
+        if not line.startswith("    "):
+            break
+        block.append(line.split())
+    return block
 
 
 def test_trace_convert_and_requests_derive_chain(tmp_path):

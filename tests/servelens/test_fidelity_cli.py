@@ -20,7 +20,7 @@ def test_replay_takes_vllm_settings_an_inference_perf_spec_and_the_shipped_calib
                      str(engine_file), "--max-num-seqs", "32", "--num-gpu-blocks-override", "20000", "--out", str(out),
                      env={"SERVELENS_SHARED_DIR": str(shared)})
     assert done.returncode == 0, done.stderr
-    assert "latency (client side" in done.stdout and "calibration vllm-0.15.1-h100" in done.stdout
+    assert "TTFT (client side: send -> receipt)" in done.stdout and "calibration vllm-0.15.1-h100" in done.stdout
     manifest = json.loads((out / "manifest.json").read_text())
     engine = manifest["instance"]["engine"]
     assert (engine["max_num_seqs"], engine["num_kv_blocks_override"], engine["async_scheduling"]) == (32, 20000, True)

@@ -35,6 +35,8 @@ NOT_HERE = {
     "servelens ingest status": "reads ingest's status files: the other tests of ingest cover it (the demo's consumer "
                                "ran in process and left none)",
     "promtool tsdb create-blocks-from openmetrics run.om /prometheus/data": "Prometheus's tool, not servelens",
+    "blis replay --trace-header blis/trace.yaml --trace-data blis/trace.csv ...": "BLIS's own command (inference-sim), "
+                                                                                  "not servelens",
 }
 #: Commands that serve until Ctrl-C: started, seen up, stopped.
 SERVING = ("servelens broker", "servelens dashboard")
