@@ -120,9 +120,9 @@ def inject(table: pa.Table, effect: str, seed: int) -> pa.Table:
 def _replay(workload: pa.Table, seed: int, out: Path):
     from replay.config import parse_instance
     from replay.gate import load_run
+    from replay.presets import THREE_TENANT_SCENARIO
     from replay.run import run_replay
     from replay.workload import TableWorkload
-    from replay.presets import THREE_TENANT_SCENARIO
 
     run_replay(TableWorkload(workload, name="slice"), scenario=THREE_TENANT_SCENARIO, instance=parse_instance(ENGINE), seed=seed,
                out_dir=out)

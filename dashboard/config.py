@@ -20,6 +20,7 @@ from typing import Any
 from pipelines.config import LakeConfig
 from privacy.config import PrivacyConfig
 from schemas.types import doc
+from servelens import layout
 from servelens.settings import build, read_settings
 
 #: Environment variable carrying the resolved settings from ``serve`` to the Streamlit process.
@@ -90,7 +91,7 @@ def _plain(obj: Any) -> Any:
 
 
 #: Where the folders the dashboard reads and writes go when unset, below ``paths.out_dir``.
-OUT_SUBFOLDERS = {"runs_dir": "replay", "gate_dir": "gate", "cache_dir": "dashboard-cache"}
+OUT_SUBFOLDERS = {"runs_dir": layout.REPLAY, "gate_dir": layout.GATE, "cache_dir": layout.DASHBOARD_CACHE}
 
 
 def with_defaults(section: DashboardConfig, out_dir: str = "out") -> DashboardConfig:

@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 
 from pipelines.lake import EVENTS, Lake
 from replay.derive import REQUESTS_SCHEMA, connect, requests_sql, typed_select
+from servelens import layout
 from servelens.errors import ConfigError
 from servelens.sql import sql_literal, sql_literal_list
 
@@ -157,7 +158,7 @@ def scaled_workload(out_dir: Path, day: str, load: str) -> TableWritten:
 
 
 def replay_dir(out_dir: Path, day: str, case: ReplayCase) -> Path:
-    return out_dir / "replay" / day / case.key
+    return layout.replay_dir(out_dir, day, case.key)
 
 
 def replay_day(out_dir: Path, day: str, case: ReplayCase, *, engine: str, seed: int = 0, scenario=None,
@@ -207,7 +208,7 @@ def compare_day(out_dir: Path, day: str, production: str, cases: list[ReplayCase
             continue
         base = load_run(replay_dir(out_dir, day, dataclasses.replace(case, policy=production)), "baseline")
         cand = load_run(replay_dir(out_dir, day, case), "candidate")
-        report = out_dir / "gate" / day / case.key
+        report = layout.gate_dir(out_dir, day, case.key)
         write_reports(compare_runs(base, cand, config), base, cand, report)
         written.append(report)
     return written
@@ -221,7 +222,7 @@ VERDICTS_SCHEMA = pa.schema([("day", pa.string()), ("candidate", pa.string()), (
 def verdicts_for_day(out_dir: Path, day: str) -> TableWritten:
     """One row per comparison of the day (from its gate.json): candidate, load, status, score, reasons."""
     rows = []
-    for report in sorted((out_dir / "gate" / day).glob("*/gate.json")):
+    for report in sorted(layout.gate_dir(out_dir, day).glob("*/gate.json")):
         verdict = json.loads(report.read_text())
         candidate, _, load = report.parent.name.rpartition("@")
         rows.append({"day": day, "candidate": candidate, "load": load, "status": verdict["status"],

@@ -23,6 +23,7 @@ from pipelines import batch
 from pipelines.dagster_resources import KafkaResource, LakeResource, PrivacyKeyResource, ReplayPlanResource
 from pipelines.ingest import read_statuses
 from pipelines.lake import DEAD_LETTERS, EVENTS
+from servelens import layout
 from servelens.errors import ServelensError
 
 DAYS = dg.DailyPartitionsDefinition(start_date="2023-01-01", timezone="UTC")
@@ -253,7 +254,7 @@ def scaled_workload_keeps_bursts(lake: LakeResource) -> dg.AssetCheckResult:
 def replay_is_deterministic(context: dg.AssetCheckExecutionContext, lake: LakeResource,
                             plan: ReplayPlanResource) -> dg.AssetCheckResult:
     out = lake.out_dir()
-    manifests = sorted((out / "replay").glob("*/*/manifest.json"))
+    manifests = layout.replay_manifests(out)
     if context.op_execution_context.has_partition_key:
         keys = context.op_execution_context.partition_key.keys_by_dimension
         mine = [m for m in manifests if m.parent.name == f"{keys['policy']}@{keys['load']}"]

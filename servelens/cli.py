@@ -21,7 +21,7 @@ from typing import Any
 import click
 
 from schemas.validate import UnreadableFileError
-from servelens import __version__
+from servelens import __version__, layout
 from servelens.config import Config, load_config, shared_dir
 from servelens.engine_options import DEFAULT_ENGINE, ENGINE_HELP, engine_instance, vllm_options
 from servelens.errors import ServelensError
@@ -1287,7 +1287,7 @@ def gate(ctx: click.Context, baseline: Path | None, candidate: Path | None, gate
     base_run, cand_run = _gate_runs(ctx, baseline, candidate, live, baseline_pool, candidate_pool, since_s)
     verdict = compare_runs(base_run, cand_run, config)
     decision = decide(verdict, previous_config) if live else None
-    paths = write_reports(verdict, base_run, cand_run, out or Path(_config(ctx).paths.out_dir) / "gate", decision)
+    paths = write_reports(verdict, base_run, cand_run, out or layout.gate_dir(_config(ctx).paths.out_dir), decision)
     click.echo(f"gate: {headline(verdict, decision)}")
     for line in (*verdict.notes, *verdict.reasons):
         click.echo(f"  - {line}")

@@ -2,7 +2,8 @@
 function-level and ``TYPE_CHECKING`` ones included.
 
 - A module imports only modules of its own layer or a layer below. Bottom up: the contract (``schemas``), the
-  base (``servelens.errors``, ``servelens.settings``, ``servelens.provenance``, ``servelens.sql``, the ``servelens`` package's
+  base (``servelens.errors``, ``servelens.settings``, ``servelens.provenance``, ``servelens.sql``, ``servelens.layout``, the
+  ``servelens`` package's
   version), ``privacy``, ``replay`` (the engine, its models and the analysis: metrics, comparison, gate),
   ``pipelines``, ``dashboard``, and the entry points (the rest of ``servelens``: the CLI, the configuration
   tree, the demo; and Dagster's code location: ``pipelines.definitions``, ``pipelines.dagster_*``).
@@ -23,8 +24,8 @@ PACKAGES = ("schemas", "privacy", "pipelines", "replay", "dashboard", "servelens
 ENTRY_POINTS = ("servelens", "pipelines.definitions", "pipelines.dagster_assets", "pipelines.dagster_resources")
 #: Bottom up; a module belongs to the layer of its longest matching prefix (``servelens`` itself, the package
 #: with the version, is base).
-LAYERS = (("schemas",), ("servelens.errors", "servelens.settings", "servelens.provenance", "servelens.sql"), ("privacy",), ("replay",),
-          ("pipelines",), ("dashboard",), ENTRY_POINTS)
+BASE = ("servelens.errors", "servelens.settings", "servelens.provenance", "servelens.sql", "servelens.layout")
+LAYERS = (("schemas",), BASE, ("privacy",), ("replay",), ("pipelines",), ("dashboard",), ENTRY_POINTS)
 MAX_FUNCTION_LINES = 60
 
 

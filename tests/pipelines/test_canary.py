@@ -95,11 +95,11 @@ def test_a_live_canary_with_doubled_itl_rolls_back(tmp_path):
     H100) and a canary whose accelerator has half the memory bandwidth: every decode step, hence
     every inter-token gap of a decoding request, takes twice as long."""
     from replay.config import parse_instance
+    from replay.presets import THREE_TENANT_SCENARIO
     from replay.run import run_replay
     from replay.traces import read_trace
     from replay.workload import TableWorkload, trim
     from servelens.config import load_config, shared_dir
-    from replay.presets import THREE_TENANT_SCENARIO
 
     trace = read_trace("azure-conv", shared_dir(load_config()))
     t0 = int(trace["arrival_ns"][0].as_py())

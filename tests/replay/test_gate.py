@@ -156,9 +156,9 @@ def azure_31_minutes():
 
 def _replay(workload: pa.Table, engine: str, out, seed: int = 0):
     from replay.config import parse_instance
+    from replay.presets import THREE_TENANT_SCENARIO
     from replay.run import run_replay
     from replay.workload import TableWorkload
-    from replay.presets import THREE_TENANT_SCENARIO
 
     run_replay(TableWorkload(workload, name="azure-31min"), scenario=THREE_TENANT_SCENARIO, instance=parse_instance(engine),
                seed=seed, out_dir=out)
