@@ -2,11 +2,11 @@
 function-level and ``TYPE_CHECKING`` ones included.
 
 - A module imports only modules of its own layer or a layer below. Bottom up: the contract (``schemas``), the
-  base (``servelens.errors``, ``servelens.settings``, ``servelens.provenance``, ``servelens.sql``, ``servelens.layout``, the
-  ``servelens`` package's
-  version), ``privacy``, ``replay`` (the engine, its models and the analysis: metrics, comparison, gate),
-  ``pipelines``, ``dashboard``, and the entry points (the rest of ``servelens``: the CLI, the configuration
-  tree, the demo; and Dagster's code location: ``pipelines.definitions``, ``pipelines.dagster_*``).
+  base (``servelens.errors``, ``servelens.settings``, ``servelens.provenance``, ``servelens.sql``,
+  ``servelens.layout``, the ``servelens`` package's version), ``privacy``, ``replay`` (the engine, its models
+  and the analysis: metrics, comparison, gate), ``pipelines``, ``dashboard``, and the entry points (the rest
+  of ``servelens``: the CLI, the configuration tree, the demo; and Dagster's code location:
+  ``pipelines.definitions``, ``pipelines.dagster_*``).
 - No import cycle among the project's modules.
 - No function in the production packages over 60 lines.
 """
