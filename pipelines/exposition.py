@@ -10,7 +10,7 @@ Every histogram is computed from the request table alone, except ``vllm:inter_to
 which needs the per-token gaps and therefore the events (the table keeps only their summary); given
 no events it is left out and ``MetricSet.omitted`` says why.
 
-Labels are bounded (``../shared/GUIDE.md`` section 6): only model, service class and pool may be
+Labels are bounded (``docs/design.md``, Privacy and cardinality): only model, service class and pool may be
 labels (a tenant, request, session or instance id never is); each dimension keeps its
 ``max_label_values`` largest values and folds the rest into ``other``; and a label combination with
 fewer than ``min_group_size`` requests folds whole into the all-``other`` series. Folding moves

@@ -1,6 +1,6 @@
 """Lifecycle event records: one envelope, one flat frozen dataclass per event type.
 
-Measurement boundaries follow ``../shared/GUIDE.md`` section 2: one clock per engine, UTC epoch
+Measurement boundaries follow ``docs/design.md`` (Measurement boundaries): one clock per engine, UTC epoch
 nanoseconds. ``ts_ns`` is the moment the event happened at the engine:
 
 ========================  ==========================================================================

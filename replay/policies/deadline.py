@@ -1,6 +1,6 @@
 """Deadline-aware admission control: admit a request only if it is safe for its whole service horizon.
 
-Mechanism (GUIDE section 4, "the seed's thesis"; in the spirit of SLO-aware admission such as
+Mechanism (``docs/design.md``, Deadline-aware admission; in the spirit of SLO-aware admission such as
 Llumnix's and DistServe's capacity planning, and of QLM's waiting-time estimation):
 
 1. **Predict the work as a conservative interval.** Output tokens per branch are the

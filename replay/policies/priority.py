@@ -3,7 +3,7 @@
 Mechanism: vLLM v1's priority scheduler (waiting requests ordered by priority, lower first, ties by
 arrival; the preemption victim is the lowest-priority, latest-arriving running request), with
 the two guards that keep a low class from starving under a busy high class (aging as in
-classic multilevel schedulers, e.g. Silberschatz's "aging"; the residence limit as GUIDE section 3's
+classic multilevel schedulers, e.g. Silberschatz's "aging"; the residence limit as ``docs/design.md``'s
 starvation objective):
 
 - **aging**: a waiting request gains one priority level per ``aging_s`` seconds since it arrived

@@ -3,7 +3,7 @@
 A class is what a tenant is entitled to, looked up by the authenticated tenant pseudonym the
 request carries (``RequestView.tenant``) in ``Tenancy.tenants``; tenants not listed get
 ``default_class``. The class a client wrote into its request (``RequestView.service_class``) is
-never consulted, so no client can promote itself (GUIDE section 3). A class carries its scheduling
+never consulted, so no client can promote itself (``docs/design.md``, Objectives and service classes). A class carries its scheduling
 priority, its objectives and its starvation limit; a tenant carries its entitlement weight (VTC
 divides service by it) and optional quotas (token rate, concurrency).
 
