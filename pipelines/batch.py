@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipelines.lake import EVENTS, Lake
-from pipelines.tables import REQUESTS_SCHEMA, connect, requests_sql, typed_select
+from pipelines.tables import REQUESTS_SCHEMA, requests_sql, typed_select
 from servelens.errors import ConfigError
 
 DAY_NS = 86_400 * 1_000_000_000
@@ -55,12 +55,14 @@ def _quoted(files: list[str]) -> str:
     return ", ".join("'" + f.replace("'", "''") + "'" for f in files)
 
 
-def days_committed_since(table, version: int) -> list[str]:
+def days_committed_since(table, version: int, storage_options: dict[str, str] | None = None) -> list[str]:
     """The UTC days (``dt`` partitions) of the files a Delta table gained after ``version``
-    (-1: all); a compaction counts, re-deriving its days changes nothing."""
+    (-1: all); a compaction counts, re-deriving its days changes nothing. ``storage_options``:
+    the object store's, for a table on S3 (``Lake.storage``)."""
     from deltalake import DeltaTable
 
-    before = set() if version < 0 else set(DeltaTable(table.table_uri, version=version).file_uris())
+    before = set() if version < 0 else set(
+        DeltaTable(table.table_uri, version=version, storage_options=storage_options).file_uris())
     added = set(table.file_uris()) - before
     return sorted({part.removeprefix("dt=") for uri in added for part in uri.split("/") if part.startswith("dt=")})
 
@@ -76,7 +78,7 @@ def request_table_for_day(lake: Lake, day: str, out_dir: Path) -> TableWritten:
         pq.write_table(REQUESTS_SCHEMA.empty_table(), path)
         return TableWritten(path, 0)
     start = day_start_ns(day)
-    con = connect(lake.config.duckdb_memory_limit)
+    con = lake.duckdb()
     source = f"read_parquet([{_quoted(files)}], union_by_name = true)"
     query = typed_select(REQUESTS_SCHEMA, f"SELECT * FROM ({requests_sql(source)}) WHERE arrival_ns >= {start} "
                          f"AND arrival_ns < {start + DAY_NS}", "arrival_ns, request_id")
@@ -94,7 +96,7 @@ def step_table_for_day(lake: Lake, day: str, out_dir: Path) -> TableWritten:
 
         pq.write_table(pa.schema([EVENTS_SCHEMA.field(c) for c in STEP_COLUMNS]).empty_table(), path)
         return TableWritten(path, 0)
-    con = connect(lake.config.duckdb_memory_limit)
+    con = lake.duckdb()
     query = (f"SELECT {', '.join(STEP_COLUMNS)} FROM read_parquet([{_quoted(files)}], union_by_name = true) "
              "WHERE event_type = 'step_executed' ORDER BY end_ns")
     (count,) = con.execute(f"COPY ({query}) TO '{path}' (FORMAT parquet, COMPRESSION zstd)").fetchone()

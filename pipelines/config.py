@@ -12,8 +12,8 @@ class LakeConfig:
     """Where sanitized events land: Delta Lake tables of zstd Parquet, hive-partitioned by dt/hour."""
 
     root: str = doc(
-        "Lake folder (or an object-store URI such as s3://bucket/lake, with storage options from the "
-        "environment). Holds the Delta tables events/ and dead_letters/.",
+        "Lake folder, or an S3 URI (s3://bucket/lake, AWS or an S3-compatible store such as MinIO; credentials "
+        "from the environment or storage_options_file). Holds the Delta tables events/ and dead_letters/.",
         "lake",
     )
     target_file_bytes: int = doc("Compaction merges small files of a partition up to about this size.", 128 * 1024 * 1024)
@@ -22,6 +22,12 @@ class LakeConfig:
         "Files replaced by compaction are deleted after this long (readers of older versions keep working).", 24
     )
     duckdb_memory_limit: str | None = doc("DuckDB memory limit for lake queries (e.g. '2GB'); unset: DuckDB's default.", None)
+    storage_options_file: str | None = doc(
+        "For a lake on S3 or an S3-compatible store: a TOML file of the store's options (AWS_ACCESS_KEY_ID, "
+        "AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION, AWS_ENDPOINT_URL, AWS_ALLOW_HTTP), e.g. a mounted "
+        "secret; its values win over the same variables in the environment. Never logged.",
+        None,
+    )
 
 
 @dataclass(frozen=True, slots=True)

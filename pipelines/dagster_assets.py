@@ -145,8 +145,9 @@ def events_schema_conforms(lake: LakeResource) -> dg.AssetCheckResult:
     from schemas.arrow import EVENTS_SCHEMA
 
     missing, wrong = set(), set()
-    for path in lake.lake().files(EVENTS):
-        schema = pq.read_schema(path)
+    store = lake.lake()
+    for path in store.files(EVENTS):
+        schema = store.read_schema(path)
         for field in EVENTS_SCHEMA:
             if field.name not in schema.names:
                 missing.add(field.name)
@@ -280,7 +281,7 @@ def new_ingest_commits(context: dg.SensorEvaluationContext, lake: LakeResource):
     version, seen = table.version(), int(context.cursor or -1)
     if version <= seen:
         return dg.SkipReason(f"no new commit since version {version}")
-    days = batch.days_committed_since(table, seen)
+    days = batch.days_committed_since(table, seen, store.storage.as_dict() if store.is_remote else None)
     context.update_cursor(str(version))
     return [dg.RunRequest(run_key=f"events-v{version}-{day}", partition_key=day) for day in days]
 

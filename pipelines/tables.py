@@ -156,9 +156,15 @@ LEFT JOIN itl USING (request_id)
 REQUESTS_SCHEMA = arrow_schema(RequestRow)
 
 
-def connect(memory_limit: str | None = None) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB connection for derivations; ``memory_limit`` (e.g. "1GB") makes it spill."""
-    con = duckdb.connect()
+def connect(memory_limit: str | None = None, *, storage=None) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection for derivations; ``memory_limit`` (e.g. "1GB") makes it spill.
+
+    It reads ``s3://`` files through the object store of ``storage`` (``pipelines.objectstore``;
+    default: the one the environment configures, if any) and never downloads an extension."""
+    from pipelines import objectstore
+
+    con = duckdb.connect(config={"autoinstall_known_extensions": False})
+    objectstore.register(con, objectstore.storage_options() if storage is None else storage)
     con.execute("SET enable_progress_bar = false")
     if memory_limit:
         con.execute(f"SET memory_limit = '{memory_limit}'")
