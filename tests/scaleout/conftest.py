@@ -86,6 +86,15 @@ def object_store(tmp_path_factory) -> Iterator[ObjectStore]:
         log.close()
 
 
+@pytest.fixture(scope="module")
+def store_env(object_store) -> Iterator[ObjectStore]:
+    """This process reads the object store too (its variables set for the module's tests)."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in object_store.env().items():
+            patch.setenv(name, value)
+        yield object_store
+
+
 def _postgres_bin(name: str) -> str:
     found = shutil.which(name) or next(iter(sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"), reverse=True)), None)
     if found is None:
@@ -138,3 +147,6 @@ def postgres() -> Iterator[Postgres]:
         subprocess.run([*as_user, _postgres_bin("pg_ctl"), "-D", str(data / "db"), "-m", "immediate", "stop"],
                        capture_output=True)
         shutil.rmtree(data, ignore_errors=True)
+
+
+from tests.pipelines.conftest import broker, topic  # noqa: E402,F401  (the Kafka fixtures, for these tests too)
