@@ -129,6 +129,15 @@ class ReplayCase:
     def key(self) -> str:
         return f"{self.policy}@{self.load}"
 
+    @classmethod
+    def from_key(cls, key: str) -> ReplayCase:
+        """``"sarathi@1.5x"`` -> ReplayCase("sarathi", "1.5x"), with a clear error for anything else."""
+        policy, _, load = key.rpartition("@")
+        if not policy:
+            raise ConfigError(f"replay case {key!r} is not POLICY@LOAD", "write it like fcfs@1x or sarathi@1.5x")
+        load_factor(load)
+        return cls(policy, load)
+
 
 def load_factor(load: str) -> Fraction:
     """``"1.5x"`` -> 3/2, with a clear error for anything else."""

@@ -1,4 +1,4 @@
-"""The ``[lake]``, ``[ingest]`` and ``[nightly]`` sections of the configuration tree."""
+"""The ``[lake]``, ``[ingest]``, ``[nightly]`` and ``[dagster]`` sections of the configuration tree."""
 
 from __future__ import annotations
 
@@ -89,3 +89,21 @@ class NightlyConfig:
     loads: str = doc("Comma-separated load scenarios, multiples of the recorded arrival rate.", "1x,2x")
     engine: str = doc("The modelled instance of the replays, MODEL@GPU[xTP].", "llama-3-8b@h100-sxm")
     seed: int = doc("Seed of every replay.", 0)
+
+
+@dataclass(frozen=True, slots=True)
+class DagsterConfig:
+    """Where Dagster executes the steps of a run (``pipelines/definitions.py``); where runs execute and
+    how many at once is the instance's ``dagster.yaml`` (``deploy/``, ``docs/pipelines.md``)."""
+
+    executor: str = doc(
+        "multiprocess (each step a process beside the run worker), in_process, k8s (each step a Kubernetes Job: "
+        "dagster-k8s) or celery (steps on Celery workers: dagster-celery). k8s and celery need the scaleout extra.",
+        "multiprocess",
+    )
+    max_concurrent_steps: int = doc("Steps of one run at once (multiprocess, k8s); 0: one per CPU.", 0)
+    celery_broker: str = doc("The Celery executor's broker URL (e.g. a Redis or RabbitMQ service).",
+                             "pyamqp://guest@localhost//")
+    celery_backend: str = doc("The Celery executor's result backend.", "rpc://")
+    k8s_namespace: str | None = doc("Namespace of the k8s executor's step Jobs; unset: the run's own.", None)
+    k8s_image: str | None = doc("Image of the k8s executor's step Jobs; unset: the run's own (the servelens image).", None)

@@ -23,7 +23,7 @@ import pytest
 from pipelines.lake import EVENTS, Lake
 from tests.pipelines.conftest import NUM_TEST_PARTITIONS
 from tests.pipelines.test_ingest import KEY_ENV, arrivals, produce, pseudonyms
-from tests.scaleout.conftest import SECRET_KEY
+from benchmarks.servers import SECRET_KEY
 
 TOTAL = 30_000
 WRITERS = ("ingest-a", "ingest-b")
