@@ -259,10 +259,9 @@ CHECKS = [events_schema_conforms, no_raw_identifiers, cardinality_within_budget,
 
 # ------------------------------------------------------------------------------------------ automation
 
-derive_day_job = dg.define_asset_job("derive_day", selection=[request_table, step_table, workload, scaled_workload],
-                                     partitions_def=DAYS)
-replay_job = dg.define_asset_job("replay", selection=[replay_runs], tags={REPLAY_TAG: "true"}, partitions_def=RUNS)
-verdicts_job = dg.define_asset_job("verdicts", selection=[comparisons, gate_verdicts], partitions_def=DAYS)
+derive_day_job = dg.define_asset_job("derive_day", selection=[request_table, step_table, workload, scaled_workload])
+replay_job = dg.define_asset_job("replay", selection=[replay_runs], tags={REPLAY_TAG: "true"})
+verdicts_job = dg.define_asset_job("verdicts", selection=[comparisons, gate_verdicts])
 
 
 @dg.sensor(job=derive_day_job, minimum_interval_seconds=60,

@@ -148,8 +148,9 @@ def executor_for(config: DagsterConfig) -> dg.ExecutorDefinition:
     """The step executor ``config`` names: multiprocess (default), in_process, k8s (each step a
     Kubernetes Job, ``dagster-k8s``) or celery (steps on Celery workers, ``dagster-celery``)."""
     steps = {"max_concurrent": config.max_concurrent_steps} if config.max_concurrent_steps else {}
-    if config.executor == "multiprocess":
-        return dg.multiprocess_executor.configured(steps, name="multiprocess") if steps else dg.multiprocess_executor
+    if config.executor == "multiprocess":  # steps forked from a server that imported the definitions once
+        start = {"start_method": {"forkserver": {"preload_modules": ["pipelines.definitions"]}}}
+        return dg.multiprocess_executor.configured({**steps, **start}, name="multiprocess")
     if config.executor == "in_process":
         return dg.in_process_executor
     if config.executor == "k8s":
