@@ -178,7 +178,8 @@ class DagsterDeployment:
     def start(cls, home: Path, env: dict[str, str], max_concurrent_runs: int) -> DagsterDeployment:
         home.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / "deploy" / "dagster.yaml", home / "dagster.yaml")
-        env = {**env, "DAGSTER_HOME": str(home), "DAGSTER_MAX_CONCURRENT_RUNS": str(max_concurrent_runs)}
+        env = {**env, "DAGSTER_HOME": str(home), "DAGSTER_MAX_CONCURRENT_RUNS": str(max_concurrent_runs),
+               "DAGSTER_STORAGE_DIR": str(home / "storage")}
         deployment = cls(home, env, free_port())
         bin_dir = Path(sys.executable).parent
         commands = {"daemon": [str(bin_dir / "dagster-daemon"), "run", "-m", "pipelines.definitions"],
