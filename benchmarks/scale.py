@@ -16,7 +16,7 @@ hour count from the first submission to the last run's end. The parallel figure 
 machine's cores (``cpu_count`` in the output): a replay is one single-threaded process.
 
     python benchmarks/scale.py            # 19,366 requests (the whole trace), 8 runs, 4 at once
-    python benchmarks/scale.py --quick    # 100 requests, 2 runs, 2 at once: about a minute
+    python benchmarks/scale.py --quick    # 100 requests, 2 runs, 2 at once: under a minute
 
 The last line is one JSON object with the figures.
 """
