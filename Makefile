@@ -50,18 +50,22 @@ $(DEV): $(RUNTIME) requirements/dev.txt
 	touch $@
 
 # The lock files, from pyproject.toml: runtime.txt and image.txt for any platform (the image is Linux, users'
-# machines anything), dev.txt for the Linux x86-64 machines that run the tests, with PyTorch's CPU build (its
-# pin written without the +cpu tag, so that a GPU machine's build satisfies it too). uv keeps the versions
-# already locked unless pyproject.toml rules them out; LOCK_FLAGS adds options (--upgrade, --find-links DIR).
+# machines anything), dev.txt for the Linux x86-64 machines that run the tests. dev.txt pins PyPI's torch
+# (with its CUDA libraries): `make env` takes the CPU build of the same version from TORCH_INDEX, which the
+# pin admits (torch==2.13.0 matches 2.13.0+cpu), and the CUDA pins apply only where they are installed. uv
+# keeps the versions already locked unless pyproject.toml rules them out; LOCK_FLAGS adds options
+# (--upgrade, --upgrade-package NAME).
 UV_COMPILE = $(BIN)/uv pip compile pyproject.toml --quiet --python-version 3.11 --annotation-style line \
 	--custom-compile-command 'make lock' $(LOCK_FLAGS)
 
-lock: $(DEV)
+# Needs uv only (not the environments, whose installs the old locks constrain: a changed pyproject.toml could
+# conflict with them until this has run).
+lock:
+	@[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV)
+	@[ -x $(BIN)/uv ] || $(BIN)/python -m pip install --quiet 'uv>=0.5'
 	$(UV_COMPILE) --universal -o requirements/runtime.txt
 	$(UV_COMPILE) --universal --extra scaleout -o requirements/image.txt
-	$(UV_COMPILE) --extra dev --python-platform x86_64-manylinux_2_28 \
-	  $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX) --index-strategy unsafe-best-match) -o requirements/dev.txt
-	sed -i -E 's/^(torch==[^+ ]+)\+[a-z0-9.]+/\1/' requirements/dev.txt
+	$(UV_COMPILE) --extra dev --python-platform x86_64-manylinux_2_28 -o requirements/dev.txt
 
 # The end-to-end path on embedded defaults and the bundled Azure conversation trace.
 demo: $(RUNTIME)
