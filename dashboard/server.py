@@ -75,6 +75,8 @@ def serve(config, *, dashboard: DashboardConfig | None = None, port: int | None 
         port = free_port(host)
     env = dict(os.environ)
     env[SETTINGS_ENV] = settings_json(settings)
+    if settings.lake.storage_options_file:  # the lake's object store (pipelines.objectstore), for every reader
+        env["SERVELENS_LAKE__STORAGE_OPTIONS_FILE"] = settings.lake.storage_options_file
     env.setdefault("PYTHONUNBUFFERED", "1")
     return subprocess.Popen(streamlit_command(host, port, headless=headless), env=env, start_new_session=True,
                             stdout=stdout, stderr=stderr)

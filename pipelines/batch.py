@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipelines.lake import EVENTS, Lake
-from replay.derive import REQUESTS_SCHEMA, connect, requests_sql, typed_select
+from replay.derive import REQUESTS_SCHEMA, requests_sql, typed_select
 from servelens import layout
 from servelens.errors import ConfigError
 from servelens.sql import sql_literal, sql_literal_list
@@ -53,12 +53,14 @@ def _day_files(lake: Lake, *days: str) -> list[str]:
     return [f for f in lake.files(EVENTS) if any(f"dt={day}" in f for day in days)]
 
 
-def days_committed_since(table, version: int) -> list[str]:
+def days_committed_since(table, version: int, storage_options: dict[str, str] | None = None) -> list[str]:
     """The UTC days (``dt`` partitions) of the files a Delta table gained after ``version``
-    (-1: all); a compaction counts, re-deriving its days changes nothing."""
+    (-1: all); a compaction counts, re-deriving its days changes nothing. ``storage_options``:
+    the object store's, for a table on S3 (``Lake.storage``)."""
     from deltalake import DeltaTable
 
-    before = set() if version < 0 else set(DeltaTable(table.table_uri, version=version).file_uris())
+    before = set() if version < 0 else set(
+        DeltaTable(table.table_uri, version=version, storage_options=storage_options).file_uris())
     added = set(table.file_uris()) - before
     return sorted({part.removeprefix("dt=") for uri in added for part in uri.split("/") if part.startswith("dt=")})
 
@@ -74,7 +76,7 @@ def request_table_for_day(lake: Lake, day: str, out_dir: Path) -> TableWritten:
         pq.write_table(REQUESTS_SCHEMA.empty_table(), path)
         return TableWritten(path, 0)
     start = day_start_ns(day)
-    con = connect(lake.config.duckdb_memory_limit)
+    con = lake.duckdb()
     source = f"read_parquet([{sql_literal_list(files)}], union_by_name = true)"
     query = typed_select(REQUESTS_SCHEMA, f"SELECT * FROM ({requests_sql(source)}) WHERE arrival_ns >= {start} "
                          f"AND arrival_ns < {start + DAY_NS}", "arrival_ns, request_id")
@@ -92,7 +94,7 @@ def step_table_for_day(lake: Lake, day: str, out_dir: Path) -> TableWritten:
 
         pq.write_table(pa.schema([EVENTS_SCHEMA.field(c) for c in STEP_COLUMNS]).empty_table(), path)
         return TableWritten(path, 0)
-    con = connect(lake.config.duckdb_memory_limit)
+    con = lake.duckdb()
     query = (f"SELECT {', '.join(STEP_COLUMNS)} FROM read_parquet([{sql_literal_list(files)}], union_by_name = true) "
              "WHERE event_type = 'step_executed' ORDER BY end_ns")
     (count,) = con.execute(f"COPY ({query}) TO {sql_literal(str(path))} (FORMAT parquet, COMPRESSION zstd)").fetchone()
@@ -124,6 +126,15 @@ class ReplayCase:
     @property
     def key(self) -> str:
         return f"{self.policy}@{self.load}"
+
+    @classmethod
+    def from_key(cls, key: str) -> ReplayCase:
+        """``"sarathi@1.5x"`` -> ReplayCase("sarathi", "1.5x"), with a clear error for anything else."""
+        policy, _, load = key.rpartition("@")
+        if not policy:
+            raise ConfigError(f"replay case {key!r} is not POLICY@LOAD", "write it like fcfs@1x or sarathi@1.5x")
+        load_factor(load)
+        return cls(policy, load)
 
 
 def load_factor(load: str) -> Fraction:

@@ -10,6 +10,7 @@ names the label and the pools it does hold, never an empty comparison.
 
 from __future__ import annotations
 
+from pipelines.config import LakeConfig
 from pipelines.lake import Lake
 from replay.gate import STEP_COLUMNS, Run
 from servelens.errors import DataNotFoundError
@@ -57,10 +58,11 @@ def _check_pools(counts: dict[str | None, int], pools: tuple[str, str], lake_roo
 
 
 def lake_pools(lake_root: str, baseline_pool: str, candidate_pool: str, since_ns: int | None, until_ns: int | None,
-               ) -> tuple[Run, Run]:
+               lake_config: LakeConfig | None = None) -> tuple[Run, Run]:
     """Two live pools from the lake over the same period (by the events' ``pool`` label); both
-    ``measured`` (the replay model's error does not apply)."""
-    con = Lake(lake_root).connect()
+    ``measured`` (the replay model's error does not apply). ``lake_config``: the lake's settings
+    (memory limit, object store)."""
+    con = Lake(lake_root, lake_config).connect()
     period = "" if since_ns is None and until_ns is None else " in the period asked"
     _check_pools(pool_counts(con, since_ns, until_ns), (baseline_pool, candidate_pool), lake_root, period)
     runs = []

@@ -1,4 +1,4 @@
-"""The ``[lake]``, ``[ingest]`` and ``[nightly]`` sections of the configuration tree."""
+"""The ``[lake]``, ``[ingest]``, ``[nightly]`` and ``[dagster]`` sections of the configuration tree."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ class LakeConfig:
     """Where sanitized events land: Delta Lake tables of zstd Parquet, hive-partitioned by dt/hour."""
 
     root: str = doc(
-        "Lake folder (or an object-store URI such as s3://bucket/lake, with storage options from the "
-        "environment). Holds the Delta tables events/ and dead_letters/.",
+        "Lake folder, or an S3 URI (s3://bucket/lake, AWS or an S3-compatible store such as MinIO; credentials "
+        "from the environment or storage_options_file). Holds the Delta tables events/ and dead_letters/.",
         "lake",
     )
     target_file_bytes: int = doc("Compaction merges small files of a partition up to about this size.", 128 * 1024 * 1024)
@@ -22,6 +22,12 @@ class LakeConfig:
         "Files replaced by compaction are deleted after this long (readers of older versions keep working).", 24
     )
     duckdb_memory_limit: str | None = doc("DuckDB memory limit for lake queries (e.g. '2GB'); unset: DuckDB's default.", None)
+    storage_options_file: str | None = doc(
+        "For a lake on S3 or an S3-compatible store: a TOML file of the store's options (AWS_ACCESS_KEY_ID, "
+        "AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION, AWS_ENDPOINT_URL, AWS_ALLOW_HTTP), e.g. a mounted "
+        "secret; its values win over the same variables in the environment. Never logged.",
+        None,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,3 +101,21 @@ class NightlyConfig:
         "Calibration of the replays' roofline model: auto (the shipped one, as `servelens replay` uses), none, "
         "a shipped name or a file.", "auto")
     seed: int = doc("Seed of every replay.", 0)
+
+
+@dataclass(frozen=True, slots=True)
+class DagsterConfig:
+    """Where Dagster executes the steps of a run (``pipelines/definitions.py``); where runs execute and
+    how many at once is the instance's ``dagster.yaml`` (``deploy/``, ``docs/pipelines.md``)."""
+
+    executor: str = doc(
+        "multiprocess (each step a process beside the run worker), in_process, k8s (each step a Kubernetes Job: "
+        "dagster-k8s) or celery (steps on Celery workers: dagster-celery). k8s and celery need the scaleout extra.",
+        "multiprocess",
+    )
+    max_concurrent_steps: int = doc("Steps of one run at once (multiprocess, k8s); 0: one per CPU.", 0)
+    celery_broker: str = doc("The Celery executor's broker URL (e.g. a Redis or RabbitMQ service).",
+                             "pyamqp://guest@localhost//")
+    celery_backend: str = doc("The Celery executor's result backend.", "rpc://")
+    k8s_namespace: str | None = doc("Namespace of the k8s executor's step Jobs; unset: the run's own.", None)
+    k8s_image: str | None = doc("Image of the k8s executor's step Jobs; unset: the run's own (the servelens image).", None)

@@ -1,16 +1,17 @@
 """The assets, checks, jobs, sensor and schedule of ``pipelines.definitions``: thin wrappers over
 ``pipelines.batch``, which does the work and needs no Dagster.
 
-Partitions: the daily tables and workload by UTC day; the scaled workloads by load; the replay runs
-by policy (dynamic: a new candidate is a new partition) x load. Replays, comparisons and verdicts
-take their day from run config (the nightly schedule passes yesterday), so that re-running one
-policy at one load is one partition.
+Partitions: the day (UTC) is a partition of every asset downstream of the lake: the day's tables,
+workload and load scenarios, its comparisons and verdicts by day, its replay runs by day x case (a
+case is ``policy@load``, a dynamic dimension: a new candidate or load is a new partition). So
+re-running one policy at one load on one day is one partition, a backfill is a range of days, and
+lineage reads per day. The nightly schedule launches one run per case (the queued run coordinator
+bounds how many run at once, ``deploy/dagster.yaml``).
 """
 
 import datetime as dt
 import json
 import tempfile
-import warnings
 from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
@@ -27,20 +28,18 @@ from servelens import layout
 from servelens.errors import ServelensError
 
 DAYS = dg.DailyPartitionsDefinition(start_date="2023-01-01", timezone="UTC")
-LOADS = dg.StaticPartitionsDefinition(list(batch.LOAD_SCENARIOS))
-POLICIES = dg.DynamicPartitionsDefinition(name="policy")
-RUNS = dg.MultiPartitionsDefinition({"policy": POLICIES, "load": LOADS})
+CASES = dg.DynamicPartitionsDefinition(name="replay_case")  # policy@load
+RUNS = dg.MultiPartitionsDefinition({"day": DAYS, "case": CASES})
+#: The tag of every replay run: the queued run coordinator's concurrency limit counts it.
+REPLAY_TAG = "servelens/replay"
 MAX_DEAD_LETTER_RATE = 0.01
 MAX_BURSTINESS_DRIFT = 0.1  # relative change of the inter-arrival CV a workload may show
+_BY_DAY = dg.MultiToSingleDimensionPartitionMapping(partition_dimension_name="day")
 
 
-class DayConfig(dg.Config):
-    """The day whose workload the replays, comparisons and verdicts use (default: yesterday, UTC)."""
-
-    day: str = ""
-
-    def resolved(self) -> str:
-        return self.day or (dt.datetime.now(dt.UTC).date() - dt.timedelta(days=1)).isoformat()
+def run_partition(day: str, case: batch.ReplayCase) -> dg.MultiPartitionKey:
+    """The partition of ``replay_runs`` that replays ``case`` on ``day``."""
+    return dg.MultiPartitionKey({"day": day, "case": case.key})
 
 
 # ------------------------------------------------------------------------------------------ assets
@@ -87,28 +86,23 @@ def workload(context: dg.AssetExecutionContext, lake: LakeResource) -> dg.Materi
     return dg.MaterializeResult(metadata={"path": str(written.path), "num_requests": written.num_rows})
 
 
-@dg.asset(group_name="servelens", partitions_def=LOADS,
-          deps=[dg.AssetDep(workload, partition_mapping=dg.AllPartitionMapping())],
-          description="A load scenario of the day's workload: its arrival rate times 1, 1.5 or 2 (gaps divided, "
-                      "bursts kept).")
-def scaled_workload(context: dg.AssetExecutionContext, config: DayConfig, lake: LakeResource) -> dg.MaterializeResult:
-    written = batch.scaled_workload(lake.out_dir(), config.resolved(), context.partition_key)
-    return dg.MaterializeResult(metadata={"day": config.resolved(), "path": str(written.path),
-                                          "num_requests": written.num_rows})
-
-
-with warnings.catch_warnings():  # beta in Dagster 1.13, and the only mapping that says this
-    warnings.simplefilter("ignore", dg.BetaWarning)
-    _LOAD_OF_RUN = dg.MultiToSingleDimensionPartitionMapping(partition_dimension_name="load")
+@dg.asset(group_name="servelens", partitions_def=DAYS, deps=[workload],
+          description="The day's load scenarios (the nightly plan's loads): its workload at 1.5x, 2x... its arrival "
+                      "rate (gaps divided, bursts kept).")
+def scaled_workload(context: dg.AssetExecutionContext, lake: LakeResource, plan: ReplayPlanResource) -> dg.MaterializeResult:
+    day = context.partition_key
+    written = {load: batch.scaled_workload(lake.out_dir(), day, load) for load in plan.loads}
+    return dg.MaterializeResult(metadata={"day": day, "loads": list(written),
+                                          "paths": [str(w.path) for w in written.values()],
+                                          "num_requests": max((w.num_rows for w in written.values()), default=0)})
 
 
 @dg.asset(group_name="servelens", partitions_def=RUNS,
-          deps=[dg.AssetDep(scaled_workload, partition_mapping=_LOAD_OF_RUN)],
+          deps=[dg.AssetDep(scaled_workload, partition_mapping=_BY_DAY)],
           description="A replay of the day's workload through one policy at one load: events.parquet + manifest.json.")
-def replay_runs(context: dg.AssetExecutionContext, config: DayConfig, lake: LakeResource,
-                plan: ReplayPlanResource) -> dg.MaterializeResult:
+def replay_runs(context: dg.AssetExecutionContext, lake: LakeResource, plan: ReplayPlanResource) -> dg.MaterializeResult:
     keys = context.partition_key.keys_by_dimension
-    case, day = batch.ReplayCase(keys["policy"], keys["load"]), config.resolved()
+    case, day = batch.ReplayCase.from_key(keys["case"]), keys["day"]
     summary = batch.replay_day(lake.out_dir(), day, case, seed=plan.seed, **plan.engine_kwargs())
     return dg.MaterializeResult(metadata={
         "day": day, "run": case.key, "manifest": str(summary.manifest_path), "num_requests": summary.num_requests,
@@ -116,18 +110,18 @@ def replay_runs(context: dg.AssetExecutionContext, config: DayConfig, lake: Lake
     })
 
 
-@dg.asset(group_name="servelens", deps=[dg.AssetDep(replay_runs, partition_mapping=dg.AllPartitionMapping())],
+@dg.asset(group_name="servelens", partitions_def=DAYS, deps=[dg.AssetDep(replay_runs, partition_mapping=_BY_DAY)],
           description="Every candidate's replay against production's at the same load: gate.json/.md/.html each.")
-def comparisons(config: DayConfig, lake: LakeResource, plan: ReplayPlanResource) -> dg.MaterializeResult:
-    day = config.resolved()
+def comparisons(context: dg.AssetExecutionContext, lake: LakeResource, plan: ReplayPlanResource) -> dg.MaterializeResult:
+    day = context.partition_key
     reports = batch.compare_day(lake.out_dir(), day, plan.production, plan.cases())
     return dg.MaterializeResult(metadata={"day": day, "reports": [str(r) for r in reports]})
 
 
-@dg.asset(group_name="servelens", deps=[comparisons],
+@dg.asset(group_name="servelens", partitions_def=DAYS, deps=[comparisons],
           description="The day's gate verdicts: pass, fail or inconclusive per candidate and load, with reasons.")
-def gate_verdicts(config: DayConfig, lake: LakeResource) -> dg.MaterializeResult:
-    written = batch.verdicts_for_day(lake.out_dir(), config.resolved())
+def gate_verdicts(context: dg.AssetExecutionContext, lake: LakeResource) -> dg.MaterializeResult:
+    written = batch.verdicts_for_day(lake.out_dir(), context.partition_key)
     verdicts = pq.read_table(written.path).to_pylist()
     lines = [f"- {v['candidate']}@{v['load']}: **{v['status']}** ({v['reasons']})" for v in verdicts]
     return dg.MaterializeResult(metadata={
@@ -146,8 +140,9 @@ def events_schema_conforms(lake: LakeResource) -> dg.AssetCheckResult:
     from schemas.arrow import EVENTS_SCHEMA
 
     missing, wrong = set(), set()
-    for path in lake.lake().files(EVENTS):
-        schema = pq.read_schema(path)
+    store = lake.lake()
+    for path in store.files(EVENTS):
+        schema = store.read_schema(path)
         for field in EVENTS_SCHEMA:
             if field.name not in schema.names:
                 missing.add(field.name)
@@ -257,7 +252,7 @@ def replay_is_deterministic(context: dg.AssetCheckExecutionContext, lake: LakeRe
     manifests = layout.replay_manifests(out)
     if context.op_execution_context.has_partition_key:
         keys = context.op_execution_context.partition_key.keys_by_dimension
-        mine = [m for m in manifests if m.parent.name == f"{keys['policy']}@{keys['load']}"]
+        mine = [m for m in manifests if m.parent.name == keys["case"] and m.parent.parent.name == keys["day"]]
         manifests = sorted(mine, key=lambda m: m.stat().st_mtime_ns)[-1:]
     mismatched = []
     for manifest_path in manifests:
@@ -278,9 +273,8 @@ CHECKS = [events_schema_conforms, no_raw_identifiers, cardinality_within_budget,
 
 # ------------------------------------------------------------------------------------------ automation
 
-derive_day_job = dg.define_asset_job("derive_day", selection=[request_table, step_table, workload])
-load_scenarios_job = dg.define_asset_job("load_scenarios", selection=[scaled_workload])
-replay_job = dg.define_asset_job("replay", selection=[replay_runs], tags={"servelens/replay": "true"})
+derive_day_job = dg.define_asset_job("derive_day", selection=[request_table, step_table, workload, scaled_workload])
+replay_job = dg.define_asset_job("replay", selection=[replay_runs], tags={REPLAY_TAG: "true"})
 verdicts_job = dg.define_asset_job("verdicts", selection=[comparisons, gate_verdicts])
 
 
@@ -294,41 +288,38 @@ def new_ingest_commits(context: dg.SensorEvaluationContext, lake: LakeResource):
     version, seen = table.version(), int(context.cursor or -1)
     if version <= seen:
         return dg.SkipReason(f"no new commit since version {version}")
-    days = batch.days_committed_since(table, seen)
+    days = batch.days_committed_since(table, seen, store.storage.as_dict() if store.is_remote else None)
     context.update_cursor(str(version))
     return [dg.RunRequest(run_key=f"events-v{version}-{day}", partition_key=day) for day in days]
 
 
 @dg.schedule(cron_schedule="0 2 * * *", execution_timezone="UTC", job=replay_job,
-             description="Every night: replay yesterday through production and the candidates at every load.")
+             description="Every night: replay yesterday through production and the candidates at every load, one run "
+                         "per (policy, load); the queued run coordinator runs them in parallel up to its limit.")
 def nightly_replay(context: dg.ScheduleEvaluationContext, plan: ReplayPlanResource):
     day = (context.scheduled_execution_time.date() - dt.timedelta(days=1)).isoformat()
-    policies = [plan.production, *plan.candidate_names()]
-    known = set(context.instance.get_dynamic_partitions(POLICIES.name))
-    context.instance.add_dynamic_partitions(POLICIES.name, [p for p in policies if p not in known])
-    return [
-        dg.RunRequest(run_key=f"{day}-{policy}@{load}", partition_key=dg.MultiPartitionKey({"policy": policy, "load": load}),
-                      run_config=day_config(day, "replay_runs"))
-        for policy in policies for load in plan.loads
-    ]
+    cases = plan.cases()
+    add_cases(context.instance, cases)
+    return [dg.RunRequest(run_key=f"{day}-{case.key}", partition_key=run_partition(day, case)) for case in cases]
+
+
+def add_cases(instance: dg.DagsterInstance, cases: list[batch.ReplayCase]) -> None:
+    """Register the replay cases (``policy@load``) as partitions of ``replay_runs``."""
+    known = set(instance.get_dynamic_partitions(CASES.name))
+    instance.add_dynamic_partitions(CASES.name, [c.key for c in dict.fromkeys(cases) if c.key not in known])
 
 
 @dg.run_status_sensor(run_status=dg.DagsterRunStatus.SUCCESS, monitored_jobs=[replay_job], request_job=verdicts_job,
                       description="Once every planned replay of a day succeeded, ask for that day's comparisons and "
                                   "verdicts (once per day).")
 def verdicts_when_replays_done(context: dg.RunStatusSensorContext, lake: LakeResource, plan: ReplayPlanResource):
-    day = context.dagster_run.run_config.get("ops", {}).get("replay_runs", {}).get("config", {}).get("day")
+    day = context.dagster_run.tags.get("dagster/partition/day")
     if not day:
-        return dg.SkipReason("the replay run named no day")
+        return dg.SkipReason("the replay run has no day partition")
     missing = [c.key for c in plan.cases() if not (batch.replay_dir(lake.out_dir(), day, c) / "manifest.json").is_file()]
     if missing:
         return dg.SkipReason(f"{day}: waiting for {', '.join(missing)}")
-    return dg.RunRequest(run_key=f"verdicts-{day}", run_config=day_config(day, "comparisons", "gate_verdicts"))
-
-
-def day_config(day: str, *assets: str) -> dict:
-    """Run config that gives ``assets`` the day to work on."""
-    return {"ops": {name: {"config": {"day": day}} for name in assets}}
+    return dg.RunRequest(run_key=f"verdicts-{day}", partition_key=day)
 
 
 def materialize_day(day: str, resources: dict, instance: dg.DagsterInstance,
@@ -336,30 +327,28 @@ def materialize_day(day: str, resources: dict, instance: dg.DagsterInstance,
                     log_level: str = "INFO") -> list[dg.ExecuteInProcessResult]:
     """Every asset of the graph for ``day``, in process, in the order the sensor, the nightly
     schedule and the run-status sensor launch them in a deployment: the ingested events, the day's
-    tables and workload, the load scenarios, one run per (policy, load) replay, then comparisons
-    and verdicts. Asset checks run with their assets (a failed check is in the results, not raised).
+    tables, workload and load scenarios, one run per (policy, load) replay, then comparisons and
+    verdicts (a deployment runs the replays in parallel: ``docs/pipelines.md``). Asset checks run with
+    their assets (a failed check is in the results, not raised).
     ``log_level`` is the console logger's (Dagster logs each step at DEBUG).
     """
     plan: ReplayPlanResource = resources["plan"]
     cases = plan.cases()
-    instance.add_dynamic_partitions(POLICIES.name, list(dict.fromkeys(c.policy for c in cases)))
+    add_cases(instance, cases)
     definitions = [*ASSETS, *CHECKS]
+    run_config = {"loggers": {"console": {"config": {"log_level": log_level}}}}
 
-    def run(selection, partition_key=None, ops=()) -> dg.ExecuteInProcessResult:
-        run_config = {**day_config(day, *ops), "loggers": {"console": {"config": {"log_level": log_level}}}}
+    def run(selection, partition_key=None) -> dg.ExecuteInProcessResult:
         return dg.materialize(definitions, selection=selection, partition_key=partition_key, instance=instance,
                               resources=resources, run_config=run_config)
 
-    progress(f"deriving the request table, steps and workload of {day}")
-    results = [run([ingested_events]), run([request_table, step_table, workload], day)]
-    for load in plan.loads:
-        results.append(run([scaled_workload], load, ["scaled_workload"]))
+    progress(f"deriving the request table, steps, workload and load scenarios of {day}")
+    results = [run([ingested_events]), run([request_table, step_table, workload, scaled_workload], day)]
     for n, case in enumerate(cases, 1):
         progress(f"replay {n}/{len(cases)}: {case.policy} at {case.load} load")
-        key = dg.MultiPartitionKey({"policy": case.policy, "load": case.load})
-        results.append(run([replay_runs], key, ["replay_runs"]))
+        results.append(run([replay_runs], run_partition(day, case)))
     progress("comparing each candidate with production and writing the verdicts")
-    results.append(run([comparisons, gate_verdicts], ops=["comparisons", "gate_verdicts"]))
+    results.append(run([comparisons, gate_verdicts], day))
     return results
 
 
@@ -392,4 +381,4 @@ def compare_candidate_job():
     compare_candidate()
 
 
-JOBS = [derive_day_job, load_scenarios_job, replay_job, verdicts_job, compare_candidate_job]
+JOBS = [derive_day_job, replay_job, verdicts_job, compare_candidate_job]

@@ -16,6 +16,7 @@ from pathlib import Path
 import dagster as dg
 
 from pipelines.batch import LOAD_SCENARIOS, ReplayCase
+from pipelines.config import DagsterConfig
 from pipelines.ingest import PartitionLag, topic_backlog
 from pipelines.kafka_config import KafkaConfig
 from pipelines.lake import Lake
@@ -134,3 +135,43 @@ def resources_for_env(env: str | None = None) -> dict[str, dg.ConfigurableResour
                               calibration=nightly.calibration, seed=nightly.seed)
     return {"lake": LakeResource(env=env), "kafka": KafkaResource(env=env), "privacy_key": PrivacyKeyResource(env=env),
             "plan": plan}
+
+
+#: The step executors ``dagster.executor`` may name.
+EXECUTORS = ("multiprocess", "in_process", "k8s", "celery")
+
+
+def _scaleout_module(name: str, executor: str):
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise ConfigError(f"dagster.executor {executor} needs {name.replace('_', '-')}",
+                          "pip install 'servelens[scaleout]' (the image has it)") from None
+
+
+def executor_for(config: DagsterConfig) -> dg.ExecutorDefinition:
+    """The step executor ``config`` names: multiprocess (default), in_process, k8s (each step a
+    Kubernetes Job, ``dagster-k8s``) or celery (steps on Celery workers, ``dagster-celery``)."""
+    steps = {"max_concurrent": config.max_concurrent_steps} if config.max_concurrent_steps else {}
+    if config.executor == "multiprocess":  # steps forked from a server that imported the definitions once
+        start = {"start_method": {"forkserver": {"preload_modules": ["pipelines.definitions"]}}}
+        return dg.multiprocess_executor.configured({**steps, **start}, name="multiprocess")
+    if config.executor == "in_process":
+        return dg.in_process_executor
+    if config.executor == "k8s":
+        k8s = _scaleout_module("dagster_k8s", "k8s")
+        settings = {**steps, **({"job_namespace": config.k8s_namespace} if config.k8s_namespace else {}),
+                    **({"job_image": config.k8s_image} if config.k8s_image else {})}
+        return k8s.k8s_job_executor.configured(settings, name="k8s") if settings else k8s.k8s_job_executor
+    if config.executor == "celery":
+        celery = _scaleout_module("dagster_celery", "celery")
+        return celery.celery_executor.configured({"broker": config.celery_broker, "backend": config.celery_backend},
+                                                 name="celery")
+    raise ConfigError(f"unknown dagster.executor {config.executor!r}", f"valid: {', '.join(EXECUTORS)}")
+
+
+def executor_for_env(env: str | None = None) -> dg.ExecutorDefinition:
+    """The step executor of the definitions, from the ``[dagster]`` section of ``env``'s configuration."""
+    return executor_for(profile_config(env or os.environ.get(ENV_VARIABLE, "local")).dagster)

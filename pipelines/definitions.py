@@ -7,13 +7,15 @@ Resources for the lake, Kafka and the pseudonym key come from one environment va
 ``SERVELENS_ENV`` (``local``, ``compose`` or ``production``; see ``pipelines.dagster_resources``).
 Checks guard the assets. A sensor derives the days of new ingest commits; a schedule replays the
 previous day every night and, once every replay of that night succeeded, a run-status sensor asks
-for the day's verdicts; a job compares a new candidate on demand.
+for the day's verdicts; a job compares a new candidate on demand. Steps run on the executor the
+``[dagster]`` section names (``SERVELENS_DAGSTER__EXECUTOR``: multiprocess, in_process, k8s or
+celery); runs on the instance's run launcher, queued under its concurrency limits (``deploy/``).
 """
 
 import dagster as dg
 
 from pipelines import dagster_assets as assets
-from pipelines.dagster_resources import resources_for_env
+from pipelines.dagster_resources import executor_for_env, resources_for_env
 
 defs = dg.Definitions(
     assets=assets.ASSETS,
@@ -22,4 +24,5 @@ defs = dg.Definitions(
     sensors=[assets.new_ingest_commits, assets.verdicts_when_replays_done],
     schedules=[assets.nightly_replay],
     resources=resources_for_env(),
+    executor=executor_for_env(),  # [dagster] executor: multiprocess (default), in_process, k8s or celery
 )

@@ -433,11 +433,11 @@ class IngestConsumer:
         expected = lambda marks: {(self.topic, r.partition, r.epoch): marks[r.partition] for r in batch.ranges}  # noqa: E731
         try:
             dead_ranges = _not_before(batch.ranges, dead_marks)
-            self.lake.commit(DEAD_LETTERS, dead_rows, dead_ranges, expected(dead_marks))
+            self.lake.commit(DEAD_LETTERS, dead_rows, dead_ranges, expected(dead_marks), writer=self.name)
             for r in dead_ranges:
                 parts[r.partition].dead_mark = r.end
             event_ranges = _not_before(batch.ranges, event_marks)
-            self.lake.commit(EVENTS, clean, event_ranges, expected(event_marks))
+            self.lake.commit(EVENTS, clean, event_ranges, expected(event_marks), writer=self.name)
         except CommitFenced as exc:
             return _Outcome(batch.ranges, 0, 0, 0, exc)
         self.recent.add(clean["event_id"])  # seen, now that they are stored

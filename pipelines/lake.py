@@ -24,6 +24,7 @@ file) through the same validation and sanitization.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from pipelines import objectstore
 from pipelines.config import LakeConfig
 from privacy.sanitize import Sanitizer
 from schemas.arrow import EVENTS_SCHEMA, arrow_schema
@@ -102,6 +104,32 @@ class Lake:
         self.root = str(root)
         self.config = config or LakeConfig()
 
+    @functools.cached_property
+    def storage(self) -> objectstore.StorageOptions:
+        """The object store's options (``pipelines.objectstore``), read on first use; a root no
+        reader can reach (another scheme, S3 without credentials) fails here with the fix."""
+        options = objectstore.storage_options(self.config.storage_options_file)
+        objectstore.check_root(self.root, options)
+        return options
+
+    @property
+    def is_remote(self) -> bool:
+        return objectstore.is_remote(self.root)
+
+    def _options(self) -> dict[str, str] | None:
+        return self.storage.as_dict() if self.is_remote else None
+
+    def duckdb(self) -> duckdb.DuckDBPyConnection:
+        """A DuckDB connection that reads this lake's files (local or ``s3://``), under its memory limit."""
+        from pipelines.tables import connect
+
+        return connect(self.config.duckdb_memory_limit, storage=self.storage)
+
+    def read_schema(self, path: str) -> pa.Schema:
+        """The Arrow schema of one of the lake's Parquet files."""
+        filesystem, where = objectstore.open_input(path, self.storage)
+        return pq.read_schema(where, filesystem=filesystem)
+
     def uri(self, name: str) -> str:
         return f"{self.root.rstrip('/')}/{name}"
 
@@ -113,7 +141,7 @@ class Lake:
         from deltalake.exceptions import TableNotFoundError
 
         try:
-            return DeltaTable(self.uri(name))
+            return DeltaTable(self.uri(name), storage_options=self._options())
         except TableNotFoundError:
             return None
 
@@ -127,7 +155,8 @@ class Lake:
             if "://" not in self.root:
                 Path(self.uri(name)).mkdir(parents=True, exist_ok=True)
             try:
-                DeltaTable.create(self.uri(name), _stored_schema(name), partition_by=list(PARTITION_COLUMNS), mode="ignore")
+                DeltaTable.create(self.uri(name), _stored_schema(name), partition_by=list(PARTITION_COLUMNS), mode="ignore",
+                                  storage_options=self._options())
             except Exception:  # another consumer created it first
                 if self.table(name) is None:
                     raise
@@ -164,12 +193,15 @@ class Lake:
         rows: pa.Table,
         ranges: Sequence[OffsetRange],
         expected: dict[tuple[str, int, int], int | None],
+        *,
+        writer: str | None = None,
     ) -> int:
         """Append ``rows`` with the ranges' end offsets in one atomic commit; return the version.
 
         ``expected`` maps (topic, partition, epoch) to the high-water mark the caller resumed from;
         if the lake holds another one, or another commit for those partitions lands first, raises
-        ``CommitFenced`` and writes nothing.
+        ``CommitFenced`` and writes nothing. ``writer`` (the ingest process's name) is recorded in
+        the commit's info (``servelens.writer``), so the table's history says who wrote what.
         """
         from deltalake import CommitProperties, Transaction, WriterProperties, write_deltalake
         from deltalake.exceptions import CommitFailedError
@@ -201,7 +233,10 @@ class Lake:
                     schema_mode="merge",  # a newer minor version of the contract adds nullable columns
                     partition_by=list(PARTITION_COLUMNS),
                     writer_properties=WriterProperties(compression="ZSTD"),
-                    commit_properties=CommitProperties(app_transactions=transactions),
+                    commit_properties=CommitProperties(
+                        app_transactions=transactions,
+                        custom_metadata={"servelens.writer": writer} if writer else None,
+                    ),
                 )
                 return table.version() + 1
             except CommitFailedError as exc:
@@ -266,9 +301,9 @@ class Lake:
         ``read_only``: locked to the lake's folder (``pipelines.tables.lock_down``: no other file, no
         network, no extension, the configuration locked), for ``lake sql``."""
         from pipelines.tables import lock_down
-        from replay.derive import connect, requests_sql, with_all_columns
+        from replay.derive import requests_sql, with_all_columns
 
-        con = con or connect(self.config.duckdb_memory_limit)
+        con = self.duckdb() if con is None else con
         for name in TABLE_SCHEMAS:
             files = self.files(name)
             if files:
@@ -308,10 +343,8 @@ class Lake:
             rows += num_records or 0
             if rows >= limit:
                 break
-        from replay.derive import connect
-
         query = "SELECT event_id FROM read_parquet($files) ORDER BY ts_ns DESC LIMIT $limit"
-        return [r[0] for r in connect(self.config.duckdb_memory_limit).execute(query, {"files": files, "limit": limit}).fetchall()]
+        return [r[0] for r in self.duckdb().execute(query, {"files": files, "limit": limit}).fetchall()]
 
 
 class RecentIds:

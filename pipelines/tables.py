@@ -14,8 +14,18 @@ from pathlib import Path
 
 import duckdb
 
-from replay.derive import connect
+from pipelines import objectstore
+from replay import derive
 from servelens.sql import sql_literal
+
+
+def connect(memory_limit: str | None = None, *, storage: objectstore.StorageOptions | None = None) -> duckdb.DuckDBPyConnection:
+    """``replay.derive.connect`` that also reads ``s3://`` files through the object store of ``storage``
+    (``pipelines.objectstore``; default: the one the environment configures, if any): the connection for
+    anything that reads the lake."""
+    con = derive.connect(memory_limit)
+    objectstore.register(con, objectstore.storage_options() if storage is None else storage)
+    return con
 
 
 class ReadOnlyViolation(ValueError):

@@ -162,7 +162,7 @@ REQUESTS_SCHEMA = arrow_schema(RequestRow)
 
 def connect(memory_limit: str | None = None) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB connection for derivations; ``memory_limit`` (e.g. "1GB") makes it spill."""
-    con = duckdb.connect()
+    con = duckdb.connect(config={"autoinstall_known_extensions": False})  # never downloads an extension
     con.execute("SET enable_progress_bar = false")
     if memory_limit:
         con.execute(f"SET memory_limit = {sql_literal(memory_limit)}")

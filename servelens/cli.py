@@ -1304,7 +1304,7 @@ def _gate_runs(ctx: click.Context, baseline: Path | None, candidate: Path | None
         from pipelines.canary import lake_pools
 
         since_ns = None if since_s is None else time.time_ns() - int(since_s * 1e9)
-        return lake_pools(_config(ctx).lake.root, baseline_pool, candidate_pool, since_ns, None)
+        return lake_pools(_config(ctx).lake.root, baseline_pool, candidate_pool, since_ns, None, _config(ctx).lake)
     if baseline is None or candidate is None:
         raise ServelensError("--baseline and --candidate are both needed", "or use --live to judge two pools of the lake")
     limit = _config(ctx).lake.duckdb_memory_limit

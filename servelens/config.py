@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dashboard.config import DashboardConfig
-from pipelines.config import IngestConfig, LakeConfig, NightlyConfig
+from pipelines.config import DagsterConfig, IngestConfig, LakeConfig, NightlyConfig
 from pipelines.kafka_config import KafkaConfig
 from privacy.config import PrivacyConfig
 from schemas.types import doc
@@ -51,6 +51,7 @@ class Config:
     lake: LakeConfig = field(default_factory=LakeConfig, metadata={"doc": "The Parquet/Delta lake."})
     ingest: IngestConfig = field(default_factory=IngestConfig, metadata={"doc": "The ingest consumer."})
     nightly: NightlyConfig = field(default_factory=NightlyConfig, metadata={"doc": "The nightly replay and gate."})
+    dagster: DagsterConfig = field(default_factory=DagsterConfig, metadata={"doc": "Dagster's step executor."})
     dashboard: DashboardConfig = field(default_factory=DashboardConfig, metadata={"doc": "The Streamlit dashboard."})
 
 

@@ -145,14 +145,13 @@ def ingested(broker, tmp_path_factory, shared) -> Deployment:
     return deployment
 
 
-def materialize(selection, *, instance, partition_key=None, day_ops=(), **plan) -> dg.ExecuteInProcessResult:
+def materialize(selection, *, instance, partition_key=None, **plan) -> dg.ExecuteInProcessResult:
     return dg.materialize([*assets.ASSETS, *assets.CHECKS], selection=selection, partition_key=partition_key,
-                          instance=instance, resources=resources(**plan),
-                          run_config=assets.day_config(DAY, *day_ops) if day_ops else None)
+                          instance=instance, resources=resources(**plan))
 
 
 def run_key(policy: str, load: str) -> dg.MultiPartitionKey:
-    return dg.MultiPartitionKey({"policy": policy, "load": load})
+    return assets.run_partition(DAY, batch.ReplayCase(policy, load))
 
 
 def check_results(result: dg.ExecuteInProcessResult) -> dict[str, dg.AssetCheckEvaluation]:
@@ -265,11 +264,10 @@ def test_rematerializing_one_replay_partition_touches_only_that_replay(materiali
     counts = {key: len(instance.fetch_materializations(key, limit=100).records) for key in
               (dg.AssetKey(a.key.path) for a in assets.ASSETS)}
     with deployment.environment(), registered(ShortestPromptFirst):
-        result = materialize([assets.replay_runs], instance=instance, partition_key=run_key("test-spf", "2x"),
-                             day_ops=["replay_runs"])
+        result = materialize([assets.replay_runs], instance=instance, partition_key=run_key("test-spf", "2x"))
     assert result.success
     [event] = result.get_asset_materialization_events()
-    assert event.asset_key == dg.AssetKey("replay_runs") and event.partition == "2x|test-spf"
+    assert event.asset_key == dg.AssetKey("replay_runs") and event.partition == f"test-spf@2x|{DAY}"
     after = _snapshot(deployment.out_dir)
     changed = {path for path in after if after[path] != before.get(path)}
     assert changed and all(path.startswith(f"replay/{DAY}/test-spf@2x/") for path in changed)
@@ -342,10 +340,10 @@ def test_a_shuffled_workload_fails_the_burstiness_check(materialized, tmp_path):
 
 def test_a_nondeterministic_replay_fails_the_determinism_check(materialized, instance, tmp_path):
     deployment = materialized[0].copy(tmp_path / "deployment")
-    instance.add_dynamic_partitions("policy", ["test-coin-flip"])
+    instance.add_dynamic_partitions("replay_case", ["test-coin-flip@2x"])
     with deployment.environment(), registered(CoinFlipAdmission):
         result = materialize([assets.replay_runs, assets.replay_is_deterministic], instance=instance,
-                             partition_key=run_key("test-coin-flip", "2x"), day_ops=["replay_runs"])
+                             partition_key=run_key("test-coin-flip", "2x"))
     evaluation = check_results(result)["replay_is_deterministic"]
     assert not evaluation.passed
     assert evaluation.metadata["mismatched"].value == [f"{DAY}/test-coin-flip@2x"]
@@ -371,9 +369,10 @@ def test_the_nightly_schedule_replays_yesterday_through_every_candidate_at_every
         context = dg.build_schedule_context(instance=instance, resources=resources(),
                                             scheduled_execution_time=dt.datetime(2023, 11, 17, 2, tzinfo=dt.UTC))
         requests = assets.nightly_replay(context)
-        assert sorted((r.partition_key, r.run_config["ops"]["replay_runs"]["config"]["day"]) for r in requests) == [
-            ("1x|fcfs", DAY), ("1x|test-spf", DAY), ("2x|fcfs", DAY), ("2x|test-spf", DAY)]
-        assert sorted(instance.get_dynamic_partitions("policy")) == ["fcfs", "test-spf"]
+        assert sorted(r.partition_key for r in requests) == [
+            f"fcfs@1x|{DAY}", f"fcfs@2x|{DAY}", f"test-spf@1x|{DAY}", f"test-spf@2x|{DAY}"]
+        assert sorted(instance.get_dynamic_partitions("replay_case")) == ["fcfs@1x", "fcfs@2x", "test-spf@1x",
+                                                                          "test-spf@2x"]
 
 
 def test_the_on_demand_job_replays_and_gates_a_new_candidate(ingested, instance, tmp_path):
