@@ -332,7 +332,7 @@ def trace_from_blis(data_file: Path, out: Path) -> None:
     \b
     Example:
       servelens trace from-blis blis/trace.csv --out blis.events.parquet
-      servelens requests derive blis.events.parquet --out blis.requests.parquet
+      SERVELENS_PRIVACY__KEY_FILE=.servelens/demo-pseudonym-key.toml servelens requests derive blis.events.parquet --out blis.req.parquet
     """
     import pyarrow.parquet as pq
 
@@ -382,7 +382,6 @@ def requests_derive(ctx: click.Context, events_file: Path, out: Path) -> None:
     \b
     Example:
       servelens requests derive out/demo/engine/events.parquet --out out/requests.parquet
-      servelens requests derive out/demo/lake/events/dt=2023-11-16/hour=18/*.parquet --out out/hour18.parquet
     """
     import shutil
 

@@ -33,7 +33,7 @@ def test_replay_takes_vllm_settings_an_inference_perf_spec_and_the_shipped_calib
     raw = servelens("replay", "--workload", "general-lite", "--engine", "llama-3-8b@h100", "--calibration", "none",
                     "--requests", "300", "--out", str(tmp_path / "raw"), env={"SERVELENS_SHARED_DIR": str(shared)})
     assert raw.returncode == 0, raw.stderr
-    assert "latency (engine side" in raw.stdout and "calibration" not in json.loads((tmp_path / "raw/manifest.json").read_text())
+    assert "TTFT (engine side)" in raw.stdout and "calibration" not in json.loads((tmp_path / "raw/manifest.json").read_text())
 
 
 @pytest.mark.parametrize(
