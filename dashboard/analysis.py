@@ -23,7 +23,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from dashboard.data import NS, REQUEST_SEQ, Selection, _selected, parquet_relation, query_connection
-from privacy.views import k_anonymous
+from privacy.views import KAnonymousResult, k_anonymous
 
 #: (column, its label) of the latency columns, in the order tables show them.
 LATENCIES = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_p99_s", "ITL p99"), ("e2e_s", "E2E"), ("queue_s", "queue"))
@@ -37,18 +37,15 @@ def _quantiles(columns: Sequence[str]) -> dict[str, str]:
 def percentile_table(requests_path: str | Path, selection: Selection, k: int) -> tuple[pa.Table, int]:
     """Per class: requests and the p50 / p90 / p99 of each latency (seconds); (table, classes suppressed)."""
     relation, params = _selected(requests_path, selection)
-    result = k_anonymous(
-        query_connection(requests_path),
-        relation,
-        ["class_name"],
-        _quantiles([c for c, _ in LATENCIES]),
-        k=k,
-        tenant_column="crowd_member",
-        request_column=REQUEST_SEQ,
-        params=params,
-        one_row_per_request=True,
-    )
+    result = _per_request(requests_path, relation, ["class_name"], _quantiles([c for c, _ in LATENCIES]), params, k)
     return result.table.sort_by("class_name"), result.num_suppressed
+
+
+def _per_request(requests_path: str | Path, relation: str, groups: list[str], aggregates: dict[str, str],
+                 params: list[object], k: int) -> KAnonymousResult:
+    """k-anonymous groups of a relation with one row per request of the request table."""
+    return k_anonymous(query_connection(requests_path), relation, groups, aggregates, k=k, tenant_column="crowd_member",
+                       request_column=REQUEST_SEQ, params=params, one_row_per_request=True)
 
 
 def latency_over_time(requests_path: str | Path, selection: Selection, bin_s: float, k: int) -> tuple[pa.Table, int]:
@@ -56,17 +53,7 @@ def latency_over_time(requests_path: str | Path, selection: Selection, bin_s: fl
     bin_ns = max(1, round(bin_s * NS))
     relation, params = _selected(requests_path, selection)
     binned = f"(SELECT *, (arrival_ns // {bin_ns}) * {bin_ns} AS bin_start_ns FROM {relation})"
-    result = k_anonymous(
-        query_connection(requests_path),
-        binned,
-        ["bin_start_ns"],
-        _quantiles(["ttft_s", "itl_p99_s", "e2e_s"]),
-        k=k,
-        tenant_column="crowd_member",
-        request_column=REQUEST_SEQ,
-        params=params,
-        one_row_per_request=True,
-    )
+    result = _per_request(requests_path, binned, ["bin_start_ns"], _quantiles(["ttft_s", "itl_p99_s", "e2e_s"]), params, k)
     return result.table.sort_by("bin_start_ns"), result.num_suppressed
 
 
@@ -98,8 +85,7 @@ def length_heatmap(requests_path: str | Path, selection: Selection, k: int) -> t
         return f"CASE WHEN coalesce({column}, 0) < 1 THEN 0 ELSE 2 ** floor(log2({column}))::BIGINT END"
 
     cells = f"(SELECT *, {bucket('num_prompt_tokens')} AS prompt_bucket, {bucket('num_output_tokens')} AS output_bucket FROM {relation})"
-    result = k_anonymous(query_connection(requests_path), cells, ["prompt_bucket", "output_bucket"], {}, k=k,
-                         tenant_column="crowd_member", request_column=REQUEST_SEQ, params=params, one_row_per_request=True)
+    result = _per_request(requests_path, cells, ["prompt_bucket", "output_bucket"], {}, params, k)
     return result.table, result.num_suppressed
 
 
@@ -108,9 +94,7 @@ def finish_reasons(requests_path: str | Path, selection: Selection, k: int) -> t
     relation, params = _selected(requests_path, selection)
     cells = (f"(SELECT *, coalesce(outcome, 'in flight') AS finish, coalesce(admission_decision, 'none') AS decision "
              f"FROM {relation})")
-    result = k_anonymous(query_connection(requests_path), cells, ["class_name", "finish", "decision"], {},
-                         k=k, tenant_column="crowd_member", request_column=REQUEST_SEQ, params=params,
-                         one_row_per_request=True)
+    result = _per_request(requests_path, cells, ["class_name", "finish", "decision"], {}, params, k)
     return result.table.sort_by([("class_name", "ascending"), ("num_requests", "descending")]), result.num_suppressed
 
 

@@ -697,14 +697,18 @@ class Engine:
         if need:
             pool.allocate(need)
         for q, m, q_need in planned:
-            if q_need > 0:
-                pool.allocate(q_need)
-                q.num_blocks += q_need
-                q.num_anon_blocks += q_need
-            if q.next_unit < len(q.unit_keys):
-                self._register_units(q, q.num_computed + m)
-            scheduled.append((q, m))
+            self._place(q, m, q_need, scheduled)
         return budget
+
+    def _place(self, r: Request, m: int, need: int, scheduled: list[tuple[Request, int]]) -> None:
+        """``r`` takes its ``need`` new blocks, caches the prompt units its ``m`` tokens complete, and is scheduled."""
+        if need > 0:
+            self.pool.allocate(need)
+            r.num_blocks += need
+            r.num_anon_blocks += need
+        if r.next_unit < len(r.unit_keys):
+            self._register_units(r, r.num_computed + m)
+        scheduled.append((r, m))
 
     def _launch_lockstep_step(self, now: int, need: int, scheduled: list[tuple[Request, int]]) -> bool:
         """The flight of a lockstep pass with prefilling or admitted requests: one step (a run when none
@@ -836,13 +840,7 @@ class Engine:
                     break
             if r.state != RUNNING:
                 continue  # r itself was preempted: running[i] is now the next request
-            if need > 0:
-                pool.allocate(need)
-                r.num_blocks += need
-                r.num_anon_blocks += need
-            if r.next_unit < len(r.unit_keys):
-                self._register_units(r, r.num_computed + m)
-            scheduled.append((r, m))
+            self._place(r, m, need, scheduled)
             budget -= cost
             i += 1
         return budget, preempted
