@@ -17,6 +17,7 @@ from dashboard.config import SETTINGS_ENV, DashboardConfig, Settings, settings_j
 from pipelines.config import LakeConfig
 from privacy.config import PrivacyConfig
 from privacy.keys import KeyRing, write_keyfile
+from tests.scaleout.conftest import object_store  # noqa: F401  (moto's S3 server, for test_browser_s3)
 
 APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
 PAGES = ("traffic", "service_levels", "load_latency", "policies", "gate", "request_explorer", "tenants")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,15 +22,6 @@ from .browse import PAGES, visit_pages, wait_rendered
 pytestmark = pytest.mark.scaleout
 
 
-@pytest.fixture(scope="module")
-def s3_server(tmp_path_factory) -> Iterator[S3Server]:
-    server = S3Server.start(tmp_path_factory.mktemp("moto") / "moto.log")
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 def _upload(server: S3Server, folder: Path, bucket: str, prefix: str) -> int:
     import boto3
 
@@ -44,16 +34,16 @@ def _upload(server: S3Server, folder: Path, bucket: str, prefix: str) -> int:
     return len(files)
 
 
-def test_every_page_reads_an_s3_lake_in_chromium(sample, s3_server, tmp_path, monkeypatch):
+def test_every_page_reads_an_s3_lake_in_chromium(sample, object_store, tmp_path, monkeypatch):
     from dashboard.data import lake_snapshot
 
     for name in list(os.environ):
         if name.startswith("AWS_"):
             monkeypatch.delenv(name)
-    bucket = s3_server.bucket()
-    assert _upload(s3_server, sample.root / "lake", bucket, "lake") > 0
+    bucket = object_store.bucket()
+    assert _upload(object_store, sample.root / "lake", bucket, "lake") > 0
     options = tmp_path / "s3.toml"
-    options.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in s3_server.env().items()))
+    options.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in object_store.env().items()))
     lake = dataclasses.replace(sample.settings.lake, root=f"s3://{bucket}/lake", storage_options_file=str(options))
     dashboard = dataclasses.replace(sample.settings.dashboard, cache_dir=str(tmp_path / "cache"))
     local = lake_snapshot(sample.settings.lake.root)
