@@ -270,7 +270,7 @@ def _fail_first_events_commit_behind_a_second_batch(ingest: IngestConsumer, erro
         submitted += 1
         return submit(*args)
 
-    def commit(name, rows, ranges, expected):
+    def commit(name, rows, ranges, expected, **options):
         nonlocal failed
         if name == EVENTS and not failed:
             deadline = time.monotonic() + 30
@@ -279,7 +279,7 @@ def _fail_first_events_commit_behind_a_second_batch(ingest: IngestConsumer, erro
             assert submitted >= 2, "the next batch never entered the pipeline"
             failed = True
             raise error
-        version = real(name, rows, ranges, expected)
+        version = real(name, rows, ranges, expected, **options)
         if name == EVENTS:
             done.append(rows.num_rows)
         return version
