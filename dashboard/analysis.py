@@ -22,8 +22,9 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from dashboard.data import NS, REQUEST_SEQ, Selection, _selected, parquet_relation, query_connection
+from dashboard.data import NS, REQUEST_SEQ, Selection, _selected, query_connection
 from privacy.views import KAnonymousResult, k_anonymous
+from servelens.sql import parquet_relation
 
 #: (column, its label) of the latency columns, in the order tables show them.
 LATENCIES = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_p99_s", "ITL p99"), ("e2e_s", "E2E"), ("queue_s", "queue"))

@@ -45,7 +45,7 @@ from pipelines.tables import locked_connection, readable_dirs
 from privacy.views import KAnonymousResult, TenantScope, k_anonymous
 from replay.derive import requests_sql
 from replay.metrics import DEFAULT_CLASS, MetricsConfig
-from servelens.sql import sql_literal, sql_literal_list
+from servelens.sql import parquet_relation, sql_literal
 
 NS = 1_000_000_000
 #: The fixed, published time grid of every lake view (seconds, aligned to the epoch): time filters
@@ -71,13 +71,6 @@ DERIVED_FORMAT = 4
 #: Compression of the derived request file: every page query decodes it, and Snappy decodes in
 #: about a fifth less CPU time than zstd for these pages (1,000,000 requests: 133 MB against 76 MB).
 DERIVED_COMPRESSION = "snappy"
-
-
-def parquet_relation(files: Sequence[str | Path], *, hive: bool = False) -> str:
-    """``read_parquet`` over files (``hive``: with the lake's dt/hour partition columns)."""
-    listed = sql_literal_list([str(f) for f in files])
-    extra = ", hive_partitioning = true, hive_types = {'dt': DATE, 'hour': INTEGER}" if hive else ""
-    return f"read_parquet([{listed}], union_by_name = true{extra})"
 
 
 # ------------------------------------------------------------------------------------------ windows

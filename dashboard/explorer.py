@@ -27,12 +27,12 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from dashboard.data import BIN_LADDER_S, NS, TimeWindow, parquet_relation
+from dashboard.data import BIN_LADDER_S, NS, TimeWindow
 from pipelines.tables import locked_connection, readable_dirs
 from privacy.sanitize import FIELD_POLICIES
 from privacy.views import TenantScope
 from schemas.events import LIFECYCLE_RANK
-from servelens.sql import sql_literal
+from servelens.sql import parquet_relation, sql_literal
 
 #: How long after a window's end a step that started in it may end (a coalesced run of decode steps).
 STEP_MARGIN_NS = 600 * NS

@@ -29,7 +29,7 @@ from pipelines.lake import EVENTS, Lake
 from replay.derive import REQUESTS_SCHEMA, requests_sql, typed_select
 from servelens import layout
 from servelens.errors import ConfigError
-from servelens.sql import sql_literal, sql_literal_list
+from servelens.sql import parquet_relation, sql_literal
 
 DAY_NS = 86_400 * 1_000_000_000
 STEP_COLUMNS = ["event_type", "instance_id", "start_ns", "end_ns", "request_ids", "request_num_tokens"]
@@ -77,7 +77,7 @@ def request_table_for_day(lake: Lake, day: str, out_dir: Path) -> TableWritten:
         return TableWritten(path, 0)
     start = day_start_ns(day)
     con = lake.duckdb()
-    source = f"read_parquet([{sql_literal_list(files)}], union_by_name = true)"
+    source = parquet_relation(files)
     query = typed_select(REQUESTS_SCHEMA, f"SELECT * FROM ({requests_sql(source)}) WHERE arrival_ns >= {start} "
                          f"AND arrival_ns < {start + DAY_NS}", "arrival_ns, request_id")
     (count,) = con.execute(f"COPY ({query}) TO {sql_literal(str(path))} (FORMAT parquet, COMPRESSION zstd)").fetchone()
@@ -95,7 +95,7 @@ def step_table_for_day(lake: Lake, day: str, out_dir: Path) -> TableWritten:
         pq.write_table(pa.schema([EVENTS_SCHEMA.field(c) for c in STEP_COLUMNS]).empty_table(), path)
         return TableWritten(path, 0)
     con = lake.duckdb()
-    query = (f"SELECT {', '.join(STEP_COLUMNS)} FROM read_parquet([{sql_literal_list(files)}], union_by_name = true) "
+    query = (f"SELECT {', '.join(STEP_COLUMNS)} FROM {parquet_relation(files)} "
              "WHERE event_type = 'step_executed' ORDER BY end_ns")
     (count,) = con.execute(f"COPY ({query}) TO {sql_literal(str(path))} (FORMAT parquet, COMPRESSION zstd)").fetchone()
     return TableWritten(path, count)

@@ -43,7 +43,7 @@ from schemas.arrow import EVENTS_SCHEMA, arrow_schema
 from schemas.records import DeadLetter
 from schemas.validate import detect_format, iter_event_tables
 from servelens.errors import ServelensError
-from servelens.sql import sql_literal_list
+from servelens.sql import parquet_relation
 
 EVENTS = "events"
 DEAD_LETTERS = "dead_letters"
@@ -307,9 +307,7 @@ class Lake:
         for name in TABLE_SCHEMAS:
             files = self.files(name)
             if files:
-                listed = sql_literal_list(files)
-                source = (f"read_parquet([{listed}], hive_partitioning = true, "
-                          "hive_types = {'dt': DATE, 'hour': INTEGER}, union_by_name = true)")
+                source = parquet_relation(files, hive=True)
                 if name == EVENTS:  # files written under an older minor version lack the newer fields
                     source = with_all_columns(con, source)
                 con.execute(f"CREATE OR REPLACE VIEW {name} AS SELECT * FROM {source}")

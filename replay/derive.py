@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from schemas.arrow import EVENTS_SCHEMA, arrow_schema
 from schemas.records import RequestRow
-from servelens.sql import sql_literal, sql_literal_list
+from servelens.sql import parquet_relation, sql_literal
 
 EventSource = pa.Table | str | Path | Sequence[str | Path]
 
@@ -175,8 +175,7 @@ def _source_sql(con: duckdb.DuckDBPyConnection, source: EventSource) -> str:
         con.register("events_input", source)
         return with_all_columns(con, "events_input")
     paths = [source] if isinstance(source, (str, Path)) else list(source)
-    files = sql_literal_list([str(p) for p in paths])
-    return with_all_columns(con, f"read_parquet([{files}], union_by_name = true)")
+    return with_all_columns(con, parquet_relation(paths))
 
 
 def with_all_columns(con: duckdb.DuckDBPyConnection, relation: str) -> str:

@@ -6,8 +6,9 @@ import pyarrow as pa
 import streamlit as st
 
 from dashboard import charts, ui
-from dashboard.data import NS, TimeWindow, parquet_relation
+from dashboard.data import NS, TimeWindow
 from dashboard.explorer import STEP_MARGIN_NS, Visibility, event_mark, is_preemption, lake_events
+from servelens.sql import parquet_relation
 
 s = ui.page("Request explorer", "One request's life: queue, admission, prefill chunks, decode, preemptions and the batches "
             "it shared; and the batch composition of an instance over time.")

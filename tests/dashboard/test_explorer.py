@@ -9,9 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from dashboard import data, explorer
-from dashboard.data import NS, TimeWindow, parquet_relation
+from dashboard.data import NS, TimeWindow
 from dashboard.explorer import Visibility
 from privacy.views import TenantScope
+from servelens.sql import parquet_relation
 
 from .conftest import KEYRING, VIEWER
 
