@@ -170,7 +170,7 @@ class _RunRows:
     __slots__ = ("members", "rows", "lengths", "n", "ts", "num_tokens", "upto", "coalesced", "instances")
 
     def __init__(self, buf: list[RunRow], members: _Members, log_number: int) -> None:
-        # (Snapshot, ts_ns = the run's last step end, num_steps, lockstep clock after it, coalesced, instance_id)
+        # RunRow fields
         snaps, ts, steps, clock, coalesced, instance = zip(*buf)
         starts, lengths = members.rows(snaps, log_number)
         self.members = members
@@ -338,9 +338,9 @@ class EventWriter:
         self._log_number += 1
         self._member_requests, self._member_offsets, self._member_branches = [], [], False
         runs = _RunRows(self.runs, members, log_number) if self.runs else None
-        # (request, ts_ns, instance_id)
+        # FirstTokenRow fields
         first = _FirstTokenRows(*zip(*self.first_tokens)) if self.first_tokens else None
-        # (request, ts_ns, num_tokens, tokens delivered in total after this delivery, coalesced, instance_id)
+        # TokensRow fields
         tokens = _TokenRows(*zip(*self.tokens)) if self.tokens else None
         if self.requests is not None:
             self._feed_requests(self.requests, first, tokens, runs)
@@ -442,7 +442,7 @@ class EventWriter:
         buf, self.arrived = self.arrived, []
         if not buf:
             return None
-        # (request, instance_id, num_cached_prefix_tokens)
+        # ArrivedRow fields
         reqs, instance, cached = zip(*buf)
         (arrival, prompt, max_output, branches, ttft_deadline, e2e_deadline, session, block_ids, sent) = zip(
             *map(_ARRIVAL_FIELDS, reqs)
@@ -466,7 +466,7 @@ class EventWriter:
         buf, self.admission = self.admission, []
         if not buf:
             return None
-        # (request, ts_ns, AdmissionDecision or a cluster's route record, decision number, instance_id)
+        # AdmissionRow fields
         reqs, ts, decisions, number, instance = zip(*buf)
         decision, reason, retry_after, low, high = zip(*map(_DECISION_FIELDS, decisions))
         cols = self._request_columns(reqs)
@@ -486,8 +486,7 @@ class EventWriter:
         if not buf:
             return None
         n = len(buf)
-        # (instance_id, step_index, start_ns, end_ns, num_steps, num_prefill_tokens, num_decode_seqs,
-        #  lockstep Snapshot (or NO_MEMBERS), explicit request ids, their tokens per step, kv used, kv free)
+        # StepRow fields
         instance, index, start, end, num_steps, prefill, decode, snaps, ids, tokens, used, free = zip(*buf)
         # a step's members: its snapshot's rows of the chunk's members, then those scheduled one by one
         # (their own rows, appended after all the snapshots' rows)
@@ -531,7 +530,7 @@ class EventWriter:
         buf, self.preempted = self.preempted, []
         if not buf:
             return None
-        # (request, ts_ns, mode, preemption number, num_lost_tokens, instance_id)
+        # PreemptedRow fields
         reqs, ts, mode, number, lost, instance = zip(*buf)
         cols = self._request_columns(reqs)
         cols["ts_ns"] = _ints(ts)
@@ -596,7 +595,7 @@ class EventWriter:
         buf, self.cancelled = self.cancelled, []
         if not buf:
             return None
-        # (request, ts_ns, instance_id)
+        # CancelledRow fields
         reqs, ts, instance = zip(*buf)
         cols = self._request_columns(reqs)
         cols["ts_ns"] = _ints(ts)
@@ -607,7 +606,7 @@ class EventWriter:
         buf, self.finished = self.finished, []
         if not buf:
             return None
-        # (request, ts_ns, outcome, num_output_tokens, error_message, instance_id)
+        # FinishedRow fields
         reqs, ts, outcome, num_output, error, instance = zip(*buf)
         cols = self._request_columns(reqs)
         cols["ts_ns"] = _ints(ts)
@@ -626,8 +625,7 @@ class EventWriter:
         buf, self.states = self.states, []
         if not buf:
             return None
-        # (ts_ns, instance_id, state, num_kv_blocks_total, kv_block_size_tokens, resident_models, scale_action,
-        #  resident_adapters (None: none), event id tag)
+        # StateRow fields
         ts, inst, state, blocks, size, models, scale, adapters, tags = zip(*buf)
         cols = {
             "ts_ns": pa.array(ts, pa.int64()),
