@@ -51,6 +51,7 @@ from replay.fidelity import (
     experiment_instance,
     experiment_spec,
     experiment_workload,
+    output_count_ratio,
     stage_starts_s,
     summarize,
 )
@@ -118,11 +119,14 @@ class Target:
     workload_table: object | None = None  # a pyarrow workload table
     client_side: bool = True
     recorded_stages: tuple[tuple[int, tuple[tuple[str, float], ...]], ...] = ()
+    #: output tokens the recording counted per token generated (``replay.fidelity.output_count_ratio``): the
+    #: replay's ITL is taken over its generated tokens times this, as the recorded one was
+    output_count_ratio: float = 1.0
 
     @classmethod
     def of_experiment(cls, experiment: FidelityExperiment, shared: Path | None) -> Target:
         return cls(experiment.id, experiment.recorded, experiment_instance(experiment, shared), experiment,
-                   recorded_stages=experiment.recorded_stages)
+                   recorded_stages=experiment.recorded_stages, output_count_ratio=output_count_ratio(experiment))
 
     def stage_starts_s(self, max_stage_s: float | None) -> list[float]:
         """Stage boundaries of the (possibly shortened) workload a replay of this target uses."""
@@ -180,6 +184,7 @@ class EngineSample:
     jitter: np.ndarray  # each request's standard exponential draw (``replay.config.standard_exponential``)
     stage: np.ndarray  # the load stage each request was sent in
     client_side: bool = True  # compared with client-side figures: the frontend's time is added
+    output_count_ratio: float = 1.0  # output tokens counted per token generated (``Target.output_count_ratio``)
 
     def metrics(self, frontend: Sequence[float], stage: int | None = None) -> dict[str, float]:
         """The client-side figures (of one load stage's requests, or all) with the frontend's time added to
@@ -188,7 +193,8 @@ class EngineSample:
         rows = slice(None) if stage is None else self.stage == stage
         extra = (frontend[0] + frontend[1] * self.num_prompt_tokens[rows] + frontend[2] * self.jitter[rows]
                  if self.client_side else 0.0)
-        return summarize(self.ttft_s[rows] + extra, self.e2e_s[rows] + extra, self.num_output_tokens[rows])
+        return summarize(self.ttft_s[rows] + extra, self.e2e_s[rows] + extra,
+                         self.num_output_tokens[rows] * self.output_count_ratio)
 
     def residuals(self, target: Target, frontend: Sequence[float]) -> list[float]:
         """Log errors of the whole run's metrics and of each recorded load stage's."""
@@ -217,7 +223,7 @@ def simulate(target: Target, roofline: RooflineConfig, async_scheduling: bool, s
     jitter = np.array([standard_exponential(r) for r in lat["request_id"]])
     stage = np.searchsorted(np.array(target.stage_starts_s(max_stage_s)), lat["start_s"], side="right") - 1
     return EngineSample(lat["ttft_s"], lat["e2e_s"], lat["num_output_tokens"], lat["num_prompt_tokens"], jitter,
-                        stage, target.client_side)
+                        stage, target.client_side, target.output_count_ratio)
 
 
 def _simulate_job(args: tuple) -> EngineSample:
@@ -359,9 +365,7 @@ def replay_target(target: Target, calibration: Calibration, seed: int = 0) -> di
     times = RequestTimes()
     run_replay(target.workload(seed, None), instance=instance, cost_model_config=roofline, sink=times, seed=seed)
     lat = times.latencies()
-    return summarize(lat["ttft_s"], lat["e2e_s"], lat["num_output_tokens"])
-
-
+    return summarize(lat["ttft_s"], lat["e2e_s"], lat["num_output_tokens"] * target.output_count_ratio)
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,7 +66,7 @@ def small_spec(tmp_path):
 def _synthetic(shared, spec, model, tp, frontend):
     exp = FidelityExperiment(id=f"{model}-tp{tp}", model=model, accelerator="h100-sxm", tensor_parallel_size=tp,
                              precision="FP16", max_num_seqs=128, max_num_batched_tokens=2048, num_gpu_blocks=None,
-                             cpu_kv_blocks=0, profile="small", workload_path=spec, mean_output_tokens=None, recorded=())
+                             cpu_kv_blocks=0, profile="small", workload_path=spec, counted_output_tokens=None, recorded=())
     target = Target.of_experiment(exp, shared)
     recorded = simulate(target, TRUTH, True, 0, None).metrics(frontend)
     return dataclasses.replace(target, recorded_items=tuple(recorded.items()))

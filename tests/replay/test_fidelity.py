@@ -1,0 +1,32 @@
+"""Fidelity experiments as inference-perf ran them: every request generates its max_tokens (ignore_eos), and the
+recorded ITL is over the output tokens the client counted by tokenizing the streamed text again."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from replay.fidelity import FIDELITY_DIR, experiment_workload, output_count_ratio, read_experiments
+from replay.fit import EngineSample, Target
+
+
+def _experiment(shared, exp_id):
+    return next(e for e in read_experiments(shared / FIDELITY_DIR) if e.id == exp_id)
+
+
+def test_requests_generate_the_spec_length_and_the_client_counts_fewer(shared):
+    exp = _experiment(shared, "20260217-155451")  # Llama-2-7B codegen: 195.1 tokens counted, 247 asked for
+    workload = experiment_workload(exp, seed=0, max_stage_s=60.0)
+    assert set(workload["num_output_tokens"].to_numpy()) == {247}  # codegen.yaml's output_len, every request
+    assert output_count_ratio(exp) == pytest.approx(195.1 / 247)  # 0.7899, by hand
+    assert Target.of_experiment(exp, shared).output_count_ratio == pytest.approx(195.1 / 247)
+
+
+def test_the_replay_s_itl_divides_by_the_tokens_the_client_counted():
+    sample = EngineSample(ttft_s=np.array([0.1, 0.1]), e2e_s=np.array([2.1, 2.1]), num_output_tokens=np.array([201.0, 201.0]),
+                          num_prompt_tokens=np.array([500.0, 500.0]), jitter=np.zeros(2), stage=np.zeros(2, dtype=int),
+                          client_side=False, output_count_ratio=0.5)
+    figures = sample.metrics((0.0, 0.0, 0.0))
+    # 201 generated, 100.5 counted: ITL = (2.1 - 0.1) / (100.5 - 1) = 0.0201005 s (the engine's 2 / 200 = 0.01)
+    assert figures["itl_mean"] == pytest.approx(2.0 / 99.5)
+    assert figures["e2e_mean"] == pytest.approx(2.1) and figures["ttft_p99"] == pytest.approx(0.1)
