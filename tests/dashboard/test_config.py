@@ -100,7 +100,7 @@ def test_an_installed_servelens_ships_every_page():
 
     from setuptools import find_packages
 
-    from dashboard.ui import PAGES
+    from dashboard.app_pages import PAGES
 
     root = Path(__file__).resolve().parents[2]
     include = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
