@@ -1438,7 +1438,7 @@ def dashboard_command(ctx: click.Context, port: int | None, host: str | None, ru
         wait_until_ready(url, 120, process)
         click.echo(f"servelens dashboard at {url} (Ctrl-C stops it)")
         status = process.wait()
-        if status != 0:
+        if status not in (0, -signal.SIGTERM, -signal.SIGINT):  # uvicorn stops gracefully, then re-raises the signal
             _fail(f"the dashboard exited with status {status}", "its messages are above")
     except KeyboardInterrupt:
         pass
