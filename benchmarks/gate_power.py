@@ -32,6 +32,8 @@ says "not enough data" (inconclusive), by design.
 
     python benchmarks/gate_power.py            # 200 trials per design, 10/20/30/45 windows; rewrites docs/gate.md's table
     python benchmarks/gate_power.py --quick    # 8 trials, split design, 30 windows: under a minute
+    python benchmarks/gate_power.py --designs split --windows 30,35,40,45 --ab-windows 30 --workers 1
+                                               # A/A at four lengths, the injected effects at 30 only
 
 The last line of output is one JSON object with the figures (``aa_false_fail_rate``,
 ``detection_rate`` per injected effect, and the breakdowns by design and run length).
