@@ -453,8 +453,16 @@ def _finished_deliveries(settled: _Settled, x: Deliveries, last_rows: np.ndarray
     return out
 
 
-_ROW_FIELDS = ("admission_ns", "first_token_ns", "first_byte_ns", "cancel_ns", "finish_ns", "outcome", "decision",
-               "admissions", "preemptions", "migrations", "lost_tokens", "client_sent", "last_byte_ns")
+#: The rows' integer values: {column (or a name used below): _Row attribute}.
+_ROW_INTS = {
+    "admission_ns": "admission_ns", "first_token_ns": "first_token_ns", "first_byte_ns": "first_byte_ns",
+    "cancel_ns": "cancel_ns", "finish_ns": "finish_ns", "client_sent_ns": "client_sent", "last_byte_ns": "last_byte_ns",
+    "num_admission_decisions": "admissions", "num_preemptions": "preemptions", "num_migrations": "migrations",
+    "num_lost_tokens": "lost_tokens", "cached_arrival": "cached_arrival", "cached_finished": "cached_finished",
+    "output_tokens": "output_tokens",
+}
+_ROW_FIELDS = (*_ROW_INTS.values(), "outcome", "decision", "num_events")
+_ROW_COLUMNS = tuple(_ROW_INTS)[:11]  # the integer columns taken as they are
 _REQUEST_FIELDS = ("request_id", "first_step_ns", "index")
 _LABEL_FIELDS = ("tenant", "service_class", "model", "adapter")
 
@@ -467,49 +475,52 @@ def _columns(items: list, names: tuple[str, ...]) -> dict[str, tuple]:
 
 def _rows_table(rows: list[_Row], d: dict[str, np.ndarray], engine_id: str, instances: list[str],
                 labelled: bool) -> pa.Table:
-    """The finished rows (request index order) as a ``REQUESTS_SCHEMA`` table."""
+    """The finished rows (request index order) as a ``REQUESTS_SCHEMA`` table, built column by column (Arrow
+    arrays from the rows' values, the durations and gap statistics with null-aware Arrow arithmetic)."""
     n = len(rows)
     reqs = [row.request for row in rows]
     req = _columns(reqs, _REQUEST_FIELDS)
     mine = _columns(rows, _ROW_FIELDS)
     found = _Found(d["idx"], np.fromiter(req["index"], np.int64, n))
-    first_ts, last_ts = found.values(d["first_ts"]), found.values(d["last_ts"])
-    count, tokens, gaps = found.values(d["count"], 0), found.values(d["tokens"]), found.values(d["gaps"], 0)
-    instance_id = [_instance(row, k, tb, ts, code, instances) for row, k, tb, ts, code in zip(
-        rows, found.values(d["last_kind"]), found.values(d["last_tb"]), last_ts, found.values(d["last_instance"]))]
     arrival = dict(zip(("arrival_ns", "num_prompt_tokens", "max_output_tokens", "num_branches", "", "", "session_id"),
-                       zip(*[row.arrival or (None,) * 9 for row in rows])))
-    labels = _columns(reqs, _LABEL_FIELDS) if labelled else {name: (None,) * n for name in _LABEL_FIELDS}
-    none = (None,) * n
-    cols: dict[str, Sequence] = {
-        "request_id": req["request_id"], "engine_id": (engine_id,) * n, "instance_id": instance_id, **labels,
-        "pool": none, "session_id": arrival["session_id"], "arrival_ns": arrival["arrival_ns"],
-        "admission_ns": mine["admission_ns"], "scheduled_ns": req["first_step_ns"],
-        "first_token_ns": mine["first_token_ns"], "first_byte_ns": mine["first_byte_ns"], "last_token_ns": last_ts,
-        "cancel_ns": mine["cancel_ns"], "finish_ns": mine["finish_ns"], "outcome": mine["outcome"],
-        "admission_decision": mine["decision"], "num_admission_decisions": mine["admissions"],
+                       zip(*[row.arrival or _NO_ARRIVAL for row in rows])))
+    labels = _columns(reqs, _LABEL_FIELDS) if labelled else {name: pa.nulls(n, pa.string()) for name in _LABEL_FIELDS}
+    ints = {name: pa.array(mine[attr], pa.int64()) for name, attr in _ROW_INTS.items()}
+    gaps = found.filled(d["gaps"], 0)
+    cols: dict[str, Sequence | pa.Array] = {
+        "request_id": req["request_id"], "engine_id": pa.repeat(pa.scalar(engine_id), n),
+        "instance_id": _instance_ids(rows, found, d, instances), **labels,
+        "pool": pa.nulls(n, pa.string()), "session_id": arrival["session_id"],
+        "arrival_ns": pa.array(arrival["arrival_ns"], pa.int64()), "scheduled_ns": pa.array(req["first_step_ns"], pa.int64()),
+        "last_token_ns": found.array(d["last_ts"]), "outcome": mine["outcome"], "admission_decision": mine["decision"],
         "num_prompt_tokens": arrival["num_prompt_tokens"],
-        "num_cached_prefix_tokens": [row.cached_arrival if row.cached_finished is None else row.cached_finished
-                                     for row in rows],
+        "num_cached_prefix_tokens": pc.coalesce(ints["cached_finished"], ints["cached_arrival"]),
         "max_output_tokens": arrival["max_output_tokens"], "num_branches": arrival["num_branches"],
-        "num_output_tokens": [row.output_tokens if row.output_tokens is not None else (t or None)
-                              for row, t in zip(rows, tokens)],
-        "num_preemptions": mine["preemptions"], "num_migrations": mine["migrations"],
-        "num_lost_tokens": mine["lost_tokens"], "client_sent_ns": mine["client_sent"],
-        "last_byte_ns": mine["last_byte_ns"], "num_itl_gaps": gaps,
-        "itl_from_chunks": found.values(d["coalesced"], False),
-        "num_events": [row.num_events + c for row, c in zip(rows, count)],
+        # the finish event's count, else the tokens counted in deliveries (none: null)
+        "num_output_tokens": pc.coalesce(ints["output_tokens"], found.array(d["tokens"], nonzero=True)),
+        "num_itl_gaps": gaps, "itl_from_chunks": found.filled(d["coalesced"], False),
+        "num_events": np.fromiter(mine["num_events"], np.int64, n) + found.filled(d["count"], 0),
+        **{name: ints[name] for name in _ROW_COLUMNS},
     }
     for name, (end, start) in _DURATIONS.items():
         cols[name] = _seconds(cols[end], cols[start])
-    cols["tpot_s"] = [None if o is None or o <= 1 or s is None else s / (o - 1)
-                      for s, o in zip(_seconds(last_ts, cols["first_token_ns"]), cols["num_output_tokens"])]
-    # the gaps' integer sum is the span of the deliveries; the derivation divides it by their count, then by 1e9
-    cols["itl_mean_s"] = [None if not g else (b - a) / g / 1e9 for a, b, g in zip(first_ts, last_ts, gaps)]
-    for name in ("p50", "p99", "max"):
-        cols[f"itl_{name}_s"] = [None if not g else v / 1e9 for v, g in zip(found.values(d[name]), gaps)]
-    arrays = [pa.array(cols[f.name], f.type) for f in REQUESTS_SCHEMA]
+    _gap_columns(cols, found, d, gaps)
+    arrays = [_as_array(cols[f.name], f.type) for f in REQUESTS_SCHEMA]
     return pa.Table.from_arrays(arrays, schema=REQUESTS_SCHEMA)
+
+
+def _gap_columns(cols: dict, found: _Found, d: dict[str, np.ndarray], gaps: np.ndarray) -> None:
+    """TPOT and the per-token gap statistics, in seconds (each divided as the derivation divides: integer ns
+    differences to float, then by the count, then by 1e9)."""
+    has_gaps = gaps > 0
+    later_tokens = pc.subtract(cols["num_output_tokens"], 1)
+    cols["tpot_s"] = pc.divide(_seconds(cols["last_token_ns"], cols["first_token_ns"]),
+                               _float(pc.if_else(pc.greater(later_tokens, 0), later_tokens, pa.scalar(None, pa.int64()))))
+    # the gaps' integer sum is the span of the deliveries; the derivation divides it by their count, then by 1e9
+    span = pc.subtract(cols["last_token_ns"], found.array(d["first_ts"]))
+    cols["itl_mean_s"] = pc.divide(pc.divide(_float(span), _float(pa.array(gaps, mask=~has_gaps))), 1e9)
+    for name in ("p50", "p99", "max"):
+        cols[f"itl_{name}_s"] = pa.array(found.filled(d[name], 0.0) / 1e9, pa.float64(), mask=~has_gaps)
 
 
 #: Durations in seconds: (later timestamp, earlier timestamp), each (later - earlier) / 1e9 as the derivation divides.
@@ -520,24 +531,55 @@ _DURATIONS = {
     "ttft_client_s": ("first_byte_ns", "client_sent_ns"),
     "e2e_client_s": ("last_byte_ns", "client_sent_ns"),
 }
+_NO_ARRIVAL = (None,) * 9
 
 
-def _seconds(later: list, earlier: list) -> list:
-    """(later - earlier) / 1e9 per row, None where either is missing (integer ns, one float division)."""
-    return [None if a is None or b is None else (a - b) / 1e9 for a, b in zip(later, earlier)]
+def _float(values: pa.Array) -> pa.Array:
+    return pc.cast(values, pa.float64())
+
+
+def _seconds(later: pa.Array, earlier: pa.Array) -> pa.Array:
+    """(later - earlier) / 1e9 per row, null where either is (integer ns, one float division)."""
+    return pc.divide(_float(pc.subtract(later, earlier)), 1e9)
+
+
+def _as_array(values: Sequence | pa.Array | np.ndarray, type_: pa.DataType) -> pa.Array:
+    if isinstance(values, pa.ChunkedArray):
+        values = values.combine_chunks()
+    if isinstance(values, pa.Array):
+        return values if values.type == type_ else values.cast(type_)
+    return pa.array(values, type_)
 
 
 class _Found:
     """Rows of ``keys`` (sorted request indices) for each of ``wanted``."""
 
     def __init__(self, keys: np.ndarray, wanted: np.ndarray) -> None:
+        self.n = len(wanted)
         self.pos = np.minimum(np.searchsorted(keys, wanted), max(len(keys) - 1, 0))
         self.has = (keys[self.pos] == wanted) if len(keys) else np.zeros(len(wanted), bool)
 
-    def values(self, column: np.ndarray, default=None) -> list:
+    def filled(self, column: np.ndarray, default: object) -> np.ndarray:
+        """The column's value where found, else ``default``."""
         if not len(column):
-            return [default] * len(self.has)
-        return [v if h else default for v, h in zip(column[self.pos].tolist(), self.has.tolist())]
+            return np.full(self.n, default, column.dtype)
+        return np.where(self.has, column[self.pos], default)
+
+    def array(self, column: np.ndarray, nonzero: bool = False) -> pa.Array:
+        """The column's value where found (and not zero, with ``nonzero``), else null."""
+        if not len(column):
+            return pa.nulls(self.n, pa.from_numpy_dtype(column.dtype))
+        values = column[self.pos]
+        return pa.array(values, mask=~(self.has & (values != 0)) if nonzero else ~self.has)
+
+
+def _instance_ids(rows: list[_Row], found: _Found, d: dict[str, np.ndarray], instances: list[str]) -> list[str | None]:
+    """Each row's instance: its latest event's (by ts, then event id) that names one."""
+    if not len(d["idx"]):
+        return [row.instance for row in rows]
+    return [_instance(row, k, tb, ts, code, instances) if h else row.instance for row, h, k, tb, ts, code in zip(
+        rows, found.has.tolist(), d["last_kind"][found.pos].tolist(), d["last_tb"][found.pos].tolist(),
+        d["last_ts"][found.pos].tolist(), d["last_instance"][found.pos].tolist())]
 
 
 def _instance(row: _Row, kind, tb, ts, code, instances: list[str]) -> str | None:
