@@ -22,7 +22,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterable
 from itertools import chain
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -104,6 +104,7 @@ class Snapshot:
 
 
 _REQUEST_ID = attrgetter("request_id")
+_FIRST = itemgetter(0)
 _INDEX = attrgetter("index")
 _LOCK_OUTPUT = attrgetter("lock_output")
 _BRANCHES = attrgetter("num_branches")
@@ -342,12 +343,15 @@ class EventWriter:
         first = _FirstTokenRows(*zip(*self.first_tokens)) if self.first_tokens else None
         # TokensRow fields
         tokens = _TokenRows(*zip(*self.tokens)) if self.tokens else None
+        # the arrivals' fields and the finished requests' prefix hits, read once for the events and the request table
+        arrival = list(map(_ARRIVAL_FIELDS, map(_FIRST, self.arrived)))
+        hits = list(map(cached_prefix_hit, map(_FIRST, self.finished)))
         if self.requests is not None:
-            self._feed_requests(self.requests, first, tokens, runs)
+            self._feed_requests(self.requests, first, tokens, runs, arrival, hits)
         parts = [
             part
             for part in (
-                self._arrived_part(),
+                self._arrived_part(arrival),
                 self._admission_part(),
                 self._steps_part(members, log_number),
                 self._preempted_part(),
@@ -355,7 +359,7 @@ class EventWriter:
                 self._tokens_part(tokens),
                 self._runs_part(members, runs),
                 self._cancelled_part(),
-                self._finished_part(),
+                self._finished_part(hits),
                 self._states_part(),
             )
             if part is not None
@@ -376,14 +380,14 @@ class EventWriter:
         return self.hash.hexdigest()
 
     def _feed_requests(self, table: RequestTable, first: _FirstTokenRows | None, tokens: _TokenRows | None,
-                       runs: _RunRows | None) -> None:
+                       runs: _RunRows | None, arrival: list[tuple[Any, ...]], hits: list[int | None]) -> None:
         """Hand the buffered request events to the request table (before the parts empty the buffers)."""
-        table.add_arrivals(self.arrived, [_ARRIVAL_FIELDS(b[0]) for b in self.arrived], self.out_delay_ns is not None)
+        table.add_arrivals(self.arrived, arrival, self.out_delay_ns is not None)
         table.add_admissions(self.admission, [d.decision for _, _, d, _, _ in self.admission])
         table.add_preemptions(self.preempted)
         table.add_first_tokens(self.first_tokens, self.out_delay_ns)
         table.add_cancellations(self.cancelled)
-        done = table.add_finished(self.finished, [cached_prefix_hit(b[0]) for b in self.finished], self.out_delay_ns)
+        done = table.add_finished(self.finished, hits, self.out_delay_ns)
         parts = []
         if first is not None:
             n = len(first.reqs)
@@ -438,15 +442,14 @@ class EventWriter:
         n = len(columns["request_id"])
         return n, build
 
-    def _arrived_part(self) -> _Part | None:
+    def _arrived_part(self, fields: list[tuple[Any, ...]]) -> _Part | None:
+        """``fields``: each arrival's request's ``_ARRIVAL_FIELDS``."""
         buf, self.arrived = self.arrived, []
         if not buf:
             return None
         # ArrivedRow fields
         reqs, instance, cached = zip(*buf)
-        (arrival, prompt, max_output, branches, ttft_deadline, e2e_deadline, session, block_ids, sent) = zip(
-            *map(_ARRIVAL_FIELDS, reqs)
-        )
+        (arrival, prompt, max_output, branches, ttft_deadline, e2e_deadline, session, block_ids, sent) = zip(*fields)
         cols = self._request_columns(reqs)
         cols["ts_ns"] = _ints(arrival)
         if self.out_delay_ns is not None:
@@ -602,7 +605,8 @@ class EventWriter:
         cols["instance_id"] = _strings(instance)
         return self._request_part("request_cancelled", cols, ":cancelled")
 
-    def _finished_part(self) -> _Part | None:
+    def _finished_part(self, hits: list[int | None]) -> _Part | None:
+        """``hits``: each finished request's ``cached_prefix_hit``."""
         buf, self.finished = self.finished, []
         if not buf:
             return None
@@ -614,7 +618,7 @@ class EventWriter:
         cols["num_output_tokens"] = _ints(num_output)
         cols["error_message"] = pa.array(error, pa.string())
         cols["instance_id"] = _strings(instance)
-        cols["num_cached_prefix_tokens"] = pa.array(list(map(cached_prefix_hit, reqs)), pa.int64())
+        cols["num_cached_prefix_tokens"] = pa.array(hits, pa.int64())
         if self.out_delay_ns is not None:  # a completed request's last token reached the client
             delivered = pc.and_(pc.equal(cols["outcome"], "completed"), pc.greater(cols["num_output_tokens"], 0))
             last = pc.add(cols["ts_ns"], pa.scalar(self.out_delay_ns, pa.int64()))

@@ -60,8 +60,10 @@ class _Row:
     def saw(self, ts: int, suffix: str, instance: str | None) -> None:
         """An event of this request (event id ``<run>:<request><suffix>``) naming ``instance``."""
         self.num_events += 1
-        if instance is not None and (self.instance_key is None or (ts, suffix) > self.instance_key):
-            self.instance_key, self.instance = (ts, suffix), instance
+        if instance is not None:
+            key = self.instance_key
+            if key is None or ts > key[0] or (ts == key[0] and suffix > key[1]):
+                self.instance_key, self.instance = (ts, suffix), instance
 
 
 class Deliveries:
@@ -169,13 +171,15 @@ class RequestTable:
 
     def add_admissions(self, buf: list[tuple], decisions: Sequence[str]) -> None:
         """``admission_decided``: (request, ts, decision, number, instance_id) tuples and each decision's name."""
+        rows = self._rows
         for (r, ts, _, number, instance), decision in zip(buf, decisions):
-            row = self._row(r)
+            row = rows.get(r.index) or self._row(r)
             suffix = f":admission{number}"
             row.admissions += 1
             if row.admission_ns is None or ts < row.admission_ns:
                 row.admission_ns = ts
-            if row.decision_key is None or (ts, suffix) > row.decision_key:
+            key = row.decision_key
+            if key is None or ts > key[0] or (ts == key[0] and suffix > key[1]):
                 row.decision_key, row.decision = (ts, suffix), decision
             row.saw(ts, suffix, instance)
 
@@ -192,8 +196,9 @@ class RequestTable:
 
     def add_first_tokens(self, buf: list[tuple], out_delay_ns: int | None) -> None:
         """``first_token``: (request, ts, instance_id) tuples (also deliveries: ``add_deliveries``)."""
+        rows = self._rows
         for r, ts, _instance in buf:
-            row = self._row(r)
+            row = rows.get(r.index) or self._row(r)
             if row.first_token_ns is None or ts < row.first_token_ns:
                 row.first_token_ns = ts
             if out_delay_ns is not None and (row.first_byte_ns is None or ts + out_delay_ns < row.first_byte_ns):
@@ -211,19 +216,20 @@ class RequestTable:
         """``request_finished``: (request, ts, outcome, output tokens, error, instance_id) tuples and each one's
         prefix-cache hit; returns the indices of the requests whose rows are complete now: finished, and in no
         step in flight that would be their first (a request cancelled during its first step waits for it)."""
-        done = []
+        rows = self._rows
+        waiting, still, done = self._waiting, [], []
+        for i in waiting:
+            (still if rows[i].request.first_step_pending else done).append(i)
+        self._waiting = still
         for (r, ts, outcome, output, _, instance), hit in zip(buf, cached):
-            row = self._row(r)
+            row = rows.get(r.index) or self._row(r)
             if row.finish_ns is not None:
                 raise AssertionError(f"request {r.request_id} finished twice")
             row.finish_ns, row.outcome, row.output_tokens, row.cached_finished = ts, outcome, output, hit
             if out_delay_ns is not None and outcome == "completed" and output > 0:
                 row.last_byte_ns = ts + out_delay_ns
             row.saw(ts, ":finished", instance)
-            self._waiting.append(r.index)
-        waiting, self._waiting = self._waiting, []
-        for i in waiting:
-            (self._waiting if self._rows[i].request.first_step_pending else done).append(i)
+            (still if r.first_step_pending else done).append(r.index)
         return done
 
     # ------------------------------------------------------------------ deliveries
@@ -232,9 +238,9 @@ class RequestTable:
         """Settle this chunk's deliveries; returns the delivery columns of the ``finished`` requests
         (request index order): count, tokens, coalesced, first and last ts, the last one's kind, number
         and instance, and the gap statistics."""
-        for r in (int(i) for i in np.unique(new.idx)):
-            if r not in self._rows:
-                raise AssertionError(f"a delivery for request #{r} after its request_finished")
+        known = _in(new.idx, np.fromiter(self._rows, np.int64, len(self._rows)))
+        if not known.all():
+            raise AssertionError(f"a delivery for request #{int(new.idx[~known][0])} after its request_finished")
         x = Deliveries.concat([self._tails, new])
         fresh = np.concatenate([np.zeros(len(self._tails), bool), np.ones(len(new), bool)])
         order = _delivery_order(x)
@@ -305,7 +311,7 @@ class RequestTable:
                 return
         self._ready, self._ready_rows = ([rest] if rest.num_rows else []), rest.num_rows
         if out.num_rows:
-            self._write(out.sort_by([("arrival_ns", "ascending"), ("request_id", "ascending")]))
+            self._write(_in_arrival_order(out))
 
     def _write(self, table: pa.Table) -> None:
         if self._writer is None:
@@ -335,6 +341,15 @@ class RequestTable:
             except Exception:  # noqa: BLE001 - best effort after the original error
                 pass
         self._tmp.unlink(missing_ok=True)
+
+
+def _in_arrival_order(table: pa.Table) -> pa.Table:
+    """``table`` sorted by (arrival_ns, request_id), as the derivation sorts (rows mostly come in that order
+    already: then the table is kept as it is)."""
+    order = pc.sort_indices(table, [("arrival_ns", "ascending"), ("request_id", "ascending")]).to_numpy()
+    if (order == np.arange(len(order))).all():
+        return table
+    return table.take(order)
 
 
 # ---------------------------------------------------------------------------------------------- columns
