@@ -18,8 +18,6 @@ chunks.
 from __future__ import annotations
 
 import hashlib
-import queue
-import threading
 from collections.abc import Callable, Iterable
 from itertools import chain
 from operator import attrgetter, itemgetter
@@ -29,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
+from replay.parquet_out import BackgroundParquet
 from replay.request_table import Deliveries, RequestTable, no_deliveries
 from schemas.arrow import EVENTS_SCHEMA
 from schemas.events import SCHEMA_VERSION
@@ -210,7 +208,8 @@ class EventChunk:
 
 
 class ParquetSink:
-    """Writes event tables to one zstd Parquet file, one row group per chunk, on a background thread.
+    """Writes event tables to one zstd Parquet file, one row group per chunk, on a background thread
+    (``replay.parquet_out``).
 
     It takes tables or ``EventChunk``s; a chunk is finished (``EventChunk.table``) on that thread too.
     """
@@ -218,56 +217,29 @@ class ParquetSink:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        # a path, not a Python file object: Arrow's own file writer never needs the GIL
-        self._writer = pq.ParquetWriter(
-            str(self.path), EVENTS_SCHEMA, compression="zstd", use_dictionary=_DICTIONARY_COLUMNS
-        )
-        self._queue: queue.Queue[pa.Table | EventChunk | None] = queue.Queue(maxsize=2)  # bounded: memory stays flat
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="replay-parquet", daemon=True)
-        self._thread.start()
+        self._file = BackgroundParquet(self.path, EVENTS_SCHEMA, use_dictionary=_DICTIONARY_COLUMNS, prepare=_table_of)
         self.num_rows = 0
 
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            if self._error is not None:
-                continue  # after a failure, drain: a put never blocks on a full queue
-            try:
-                table = item.table() if isinstance(item, EventChunk) else item
-                self._writer.write_table(table, row_group_size=max(1, table.num_rows))
-            except BaseException as exc:  # surfaced on the next call or at close
-                self._error = exc
-
     def __call__(self, events: pa.Table | EventChunk) -> None:
-        if self._error is not None:
-            raise self._error
-        self._queue.put(events)
+        self._file.put(events)
         self.num_rows += events.num_rows
 
     def abort(self) -> None:
         """Stop the writer thread after a failed replay (the file is left incomplete)."""
-        self._queue.put(None)
-        self._thread.join()
-        try:
-            self._writer.close()
-        except Exception:  # noqa: BLE001 - best effort after the original error
-            pass
+        self._file.abort()
 
     def close(self) -> str:
         """Finish the file; returns the SHA-256 of its bytes."""
-        self._queue.put(None)
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        self._writer.close()
+        self._file.close()
         digest = hashlib.sha256()
         with self.path.open("rb") as fh:
             while chunk := fh.read(1 << 23):
                 digest.update(chunk)
         return digest.hexdigest()
+
+
+def _table_of(item: pa.Table | EventChunk) -> pa.Table:
+    return item.table() if isinstance(item, EventChunk) else item
 
 
 class EventWriter:

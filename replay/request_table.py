@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
+from replay.parquet_out import BackgroundParquet
 from schemas.arrow import arrow_schema
 from schemas.records import RequestRow
 
@@ -112,7 +112,7 @@ class RequestTable:
         self.path = Path(path)
         self.engine_id = engine_id
         self._tmp = self.path.with_name(f".{self.path.name}.tmp")
-        self._writer: pq.ParquetWriter | None = None
+        self._writer: BackgroundParquet | None = None  # encodes the row groups beside the replay
         self.num_rows = 0
         self._rows: dict[int, _Row] = {}  # request index -> state, in flight
         self._instances: list[str] = []
@@ -316,8 +316,8 @@ class RequestTable:
     def _write(self, table: pa.Table) -> None:
         if self._writer is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._writer = pq.ParquetWriter(str(self._tmp), REQUESTS_SCHEMA, compression="zstd")
-        self._writer.write_table(table, row_group_size=max(1, table.num_rows))
+            self._writer = BackgroundParquet(self._tmp, REQUESTS_SCHEMA, name="replay-requests")
+        self._writer.put(table)
         self.num_rows += table.num_rows
 
     def close(self) -> Path:
@@ -336,10 +336,7 @@ class RequestTable:
     def abort(self) -> None:
         """Drop the unfinished file (a failed replay)."""
         if self._writer is not None:
-            try:
-                self._writer.close()
-            except Exception:  # noqa: BLE001 - best effort after the original error
-                pass
+            self._writer.abort()
         self._tmp.unlink(missing_ok=True)
 
 
