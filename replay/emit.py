@@ -354,12 +354,7 @@ class EventWriter:
     def _feed_requests(self, table: RequestTable, first: _FirstTokenRows | None, tokens: _TokenRows | None,
                        runs: _RunRows | None, arrival: list[tuple[Any, ...]], hits: list[int | None]) -> None:
         """Hand the buffered request events to the request table (before the parts empty the buffers)."""
-        table.add_arrivals(self.arrived, arrival, self.out_delay_ns is not None)
-        table.add_admissions(self.admission, [d.decision for _, _, d, _, _ in self.admission])
-        table.add_preemptions(self.preempted)
-        table.add_first_tokens(self.first_tokens, self.out_delay_ns)
-        table.add_cancellations(self.cancelled)
-        done = table.add_finished(self.finished, hits, self.out_delay_ns)
+        done = table.add_events(self, arrival, hits)
         parts = []
         if first is not None:
             n = len(first.reqs)
@@ -375,8 +370,7 @@ class EventWriter:
             parts.append(Deliveries(runs.members.idx[runs.rows], runs.ts, np.ones(runs.n, np.int64), runs.upto,
                                     runs.num_tokens, runs.coalesced, np.asarray(table.instance_codes(runs.instances))[
                                         np.repeat(np.arange(len(runs.instances)), runs.lengths)]))
-        finished = np.asarray(done, np.int64)
-        delivered = table.add_deliveries(Deliveries.concat(parts) if parts else no_deliveries(), finished)
+        delivered = table.add_deliveries(Deliveries.concat(parts) if parts else no_deliveries(), done)
         table.finish(done, delivered, self.labelled)
 
     # ------------------------------------------------------------------ parts of a chunk

@@ -10,7 +10,8 @@ instance are the latest by ``(ts_ns, event_id)``, and the inter-token gaps read 
 ``(ts_ns, event_type, event_id)`` order, a delivery of k tokens after a gap g counting as k gaps of g/k
 (``docs/metrics.md``). Every replay of the test suite compares the two (``tests/replay/conftest.py``).
 
-Scalar columns are kept per request in flight (a few dozen values). Deliveries, the bulk of a replay's
+Scalar columns come from the requests' own events, kept as numpy columns while they are in flight and
+reduced per request when it finishes (``replay.request_events``). Deliveries, the bulk of a replay's
 events, are handled as numpy columns per chunk: their gaps are computed once the order around them is
 settled (a request's deliveries at its latest timestamp wait for the next chunk, where a tie could
 still reorder them), and the per-request nearest-rank percentiles are taken when the request finishes.
@@ -24,18 +25,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from operator import attrgetter
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from replay import request_events
 from replay.parquet_out import BackgroundParquet
 from schemas.arrow import arrow_schema
 from schemas.records import RequestRow
-
-if TYPE_CHECKING:
-    from replay.request import Request
 
 REQUESTS_SCHEMA = arrow_schema(RequestRow)
 REQUESTS_FILE = "requests.parquet"
@@ -44,26 +43,16 @@ _FIRST_TOKEN, _TOKENS = 0, 1  # event types in the order 'first_token' < 'tokens
 _ROW_GROUP_ROWS = 65_536
 
 
-class _Row:
-    """One request's scalar columns while it is in flight (class attributes are the defaults: a row stores
-    only what its events set)."""
+class EventBuffers(Protocol):
+    """The event writer's buffers of request events (``replay.emit``'s row types), as the request table reads them."""
 
-    arrival: tuple | None = None  # the arrival event's fields (replay.emit._ARRIVAL_FIELDS)
-    client_sent = cached_arrival = admission_ns = decision = decision_key = None
-    first_token_ns = first_byte_ns = cancel_ns = finish_ns = outcome = None
-    output_tokens = last_byte_ns = cached_finished = instance = instance_key = None
-    admissions = preemptions = migrations = lost_tokens = num_events = 0
-
-    def __init__(self, request: Request) -> None:
-        self.request = request
-
-    def saw(self, ts: int, suffix: str, instance: str | None) -> None:
-        """An event of this request (event id ``<run>:<request><suffix>``) naming ``instance``."""
-        self.num_events += 1
-        if instance is not None:
-            key = self.instance_key
-            if key is None or ts > key[0] or (ts == key[0] and suffix > key[1]):
-                self.instance_key, self.instance = (ts, suffix), instance
+    arrived: list[Any]
+    admission: list[Any]
+    preempted: list[Any]
+    first_tokens: list[Any]
+    cancelled: list[Any]
+    finished: list[Any]
+    out_delay_ns: int | None
 
 
 class Deliveries:
@@ -114,7 +103,7 @@ class RequestTable:
         self._tmp = self.path.with_name(f".{self.path.name}.tmp")
         self._writer: BackgroundParquet | None = None  # encodes the row groups beside the replay
         self.num_rows = 0
-        self._rows: dict[int, _Row] = {}  # request index -> state, in flight
+        self._logs = request_events.empty_logs()  # the events of the requests in flight (all but deliveries)
         self._instances: list[str] = []
         self._instance_code: dict[str, int] = {}
         self._tails = no_deliveries()  # deliveries at each open request's latest timestamp (order not settled)
@@ -124,7 +113,6 @@ class RequestTable:
         self._ready: list[pa.Table] = []  # finished rows not yet written (sorted on the way out)
         self._ready_rows = 0
         self._last_arrival = _MISSING  # requests still to come arrive no earlier than this
-        self._waiting: list[int] = []  # finished, but a step in flight may still list them (its scheduled_ns)
 
     # ------------------------------------------------------------------ feeding
 
@@ -143,94 +131,34 @@ class RequestTable:
             self._instances.append(name)
         return code
 
-    def _row(self, r: Request) -> _Row:
-        row = self._rows.get(r.index)
-        if row is None:
-            row = self._rows[r.index] = _Row(r)
-        return row
+    def add_events(self, w: EventBuffers, arrival_fields: list[tuple], hits: list[int | None]) -> np.ndarray:
+        """A chunk's buffered request events but the deliveries (``w``: the event writer's buffers), each arrival's
+        fields (``replay.emit._ARRIVAL_FIELDS``) and each finish's prefix-cache hit; returns the indices (sorted)
+        of the requests whose rows are complete now: finished, and in no step in flight that would be their first
+        (a request cancelled during its first step waits for it)."""
+        logs = self._logs
+        if w.arrived:
+            new = request_events.arrived_log(w.arrived, arrival_fields, self._codes(w.arrived, 1),
+                                             w.out_delay_ns is not None)
+            request_events.append(logs, "arrived", new)
+            self._last_arrival = max(self._last_arrival, int(new["ts"].max()))
+        if w.admission:
+            request_events.append(logs, "admission", request_events.admission_log(
+                w.admission, [d.decision for _, _, d, _, _ in w.admission], self._codes(w.admission, 4)))
+        if w.preempted:
+            request_events.append(logs, "preempted", request_events.preempted_log(w.preempted, self._codes(w.preempted, 5)))
+        if w.first_tokens:
+            request_events.append(logs, "first", request_events.first_log(w.first_tokens, w.out_delay_ns))
+        if w.cancelled:
+            request_events.append(logs, "cancelled", request_events.cancelled_log(w.cancelled, self._codes(w.cancelled, 2)))
+        if w.finished:
+            request_events.append(logs, "finished", request_events.finished_log(
+                w.finished, hits, self._codes(w.finished, 5), w.out_delay_ns))
+        return request_events.complete(logs)
 
-    def add_arrivals(self, buf: list[tuple], fields: list[tuple], client_side: bool) -> None:
-        """``request_arrived``: (request, instance_id, cached) tuples and each one's arrival fields."""
-        rows = self._rows
-        for (r, instance, cached), f in zip(buf, fields):
-            row = rows.get(r.index)
-            if row is None:  # the common case: a request's first event
-                row = rows[r.index] = _Row(r)
-                row.arrival, row.cached_arrival, row.num_events = f, cached, 1
-                if client_side:
-                    row.client_sent = f[8]
-                if instance is not None:
-                    row.instance_key, row.instance = (f[0], ":arrived"), instance
-                continue
-            if row.arrival is None or f[0] < row.arrival[0]:
-                row.arrival, row.cached_arrival = f, cached
-                row.client_sent = f[8] if client_side else None
-            row.saw(f[0], ":arrived", instance)
-        if fields:
-            self._last_arrival = max(self._last_arrival, max(f[0] for f in fields))
-
-    def add_admissions(self, buf: list[tuple], decisions: Sequence[str]) -> None:
-        """``admission_decided``: (request, ts, decision, number, instance_id) tuples and each decision's name."""
-        rows = self._rows
-        for (r, ts, _, number, instance), decision in zip(buf, decisions):
-            row = rows.get(r.index) or self._row(r)
-            suffix = f":admission{number}"
-            row.admissions += 1
-            if row.admission_ns is None or ts < row.admission_ns:
-                row.admission_ns = ts
-            key = row.decision_key
-            if key is None or ts > key[0] or (ts == key[0] and suffix > key[1]):
-                row.decision_key, row.decision = (ts, suffix), decision
-            row.saw(ts, suffix, instance)
-
-    def add_preemptions(self, buf: list[tuple]) -> None:
-        """``request_preempted``: (request, ts, mode, number, lost tokens, instance_id) tuples."""
-        for r, ts, mode, number, lost, instance in buf:
-            row = self._row(r)
-            if mode == "migrate":
-                row.migrations += 1
-            else:
-                row.preemptions += 1
-            row.lost_tokens += lost
-            row.saw(ts, f":preempted{number}", instance)
-
-    def add_first_tokens(self, buf: list[tuple], out_delay_ns: int | None) -> None:
-        """``first_token``: (request, ts, instance_id) tuples (also deliveries: ``add_deliveries``)."""
-        rows = self._rows
-        for r, ts, _instance in buf:
-            row = rows.get(r.index) or self._row(r)
-            if row.first_token_ns is None or ts < row.first_token_ns:
-                row.first_token_ns = ts
-            if out_delay_ns is not None and (row.first_byte_ns is None or ts + out_delay_ns < row.first_byte_ns):
-                row.first_byte_ns = ts + out_delay_ns
-
-    def add_cancellations(self, buf: list[tuple]) -> None:
-        """``request_cancelled``: (request, ts, instance_id) tuples."""
-        for r, ts, instance in buf:
-            row = self._row(r)
-            if row.cancel_ns is None or ts < row.cancel_ns:
-                row.cancel_ns = ts
-            row.saw(ts, ":cancelled", instance)
-
-    def add_finished(self, buf: list[tuple], cached: Sequence[int | None], out_delay_ns: int | None) -> list[int]:
-        """``request_finished``: (request, ts, outcome, output tokens, error, instance_id) tuples and each one's
-        prefix-cache hit; returns the indices of the requests whose rows are complete now: finished, and in no
-        step in flight that would be their first (a request cancelled during its first step waits for it)."""
-        rows = self._rows
-        waiting, still, done = self._waiting, [], []
-        for i in waiting:
-            (still if rows[i].request.first_step_pending else done).append(i)
-        self._waiting = still
-        for (r, ts, outcome, output, _, instance), hit in zip(buf, cached):
-            row = rows.get(r.index) or self._row(r)
-            if row.finish_ns is not None:
-                raise AssertionError(f"request {r.request_id} finished twice")
-            row.finish_ns, row.outcome, row.output_tokens, row.cached_finished = ts, outcome, output, hit
-            if out_delay_ns is not None and outcome == "completed" and output > 0:
-                row.last_byte_ns = ts + out_delay_ns
-            row.saw(ts, ":finished", instance)
-            (still if r.first_step_pending else done).append(r.index)
-        return done
+    def _codes(self, buf: list[tuple], field: int) -> np.ndarray:
+        """The instance codes of field ``field`` of ``buf``'s rows."""
+        return self.instance_codes([row[field] for row in buf])
 
     # ------------------------------------------------------------------ deliveries
 
@@ -238,7 +166,7 @@ class RequestTable:
         """Settle this chunk's deliveries; returns the delivery columns of the ``finished`` requests
         (request index order): count, tokens, coalesced, first and last ts, the last one's kind, number
         and instance, and the gap statistics."""
-        known = _in(new.idx, np.fromiter(self._rows, np.int64, len(self._rows)))
+        known = _in(new.idx, np.concatenate([log["idx"] for log in self._logs.values()]))
         if not known.all():
             raise AssertionError(f"a delivery for request #{int(new.idx[~known][0])} after its request_finished")
         x = Deliveries.concat([self._tails, new])
@@ -284,13 +212,12 @@ class RequestTable:
 
     # ------------------------------------------------------------------ rows
 
-    def finish(self, finished: Sequence[int], deliveries: dict[str, np.ndarray], labelled: bool) -> None:
-        """Write out the rows of the ``finished`` requests (all their events gathered)."""
-        if not finished:
+    def finish(self, finished: np.ndarray, deliveries: dict[str, np.ndarray], labelled: bool) -> None:
+        """Write out the rows of the ``finished`` requests (sorted indices; all their events gathered)."""
+        if not len(finished):
             return
-        order = np.argsort(np.asarray(finished, np.int64))
-        rows = [self._rows.pop(finished[i]) for i in order]
-        table = _rows_table(rows, deliveries, self.engine_id, self._instances, labelled)
+        values = request_events.reduce_logs(request_events.take_done(self._logs, finished), finished)
+        table = _rows_table(values, deliveries, self.engine_id, self._instances, labelled)
         self._ready.append(table)
         self._ready_rows += table.num_rows
         self._write_ready(final=False)
@@ -304,7 +231,8 @@ class RequestTable:
         if final:
             out, rest = pending, pending.slice(0, 0)
         else:
-            cut = min([self._last_arrival, *(row.arrival[0] for row in self._rows.values() if row.arrival is not None)])
+            arrivals = self._logs["arrived"]["ts"]  # of the requests in flight
+            cut = min(self._last_arrival, int(arrivals.min())) if len(arrivals) else self._last_arrival
             mask = pc.fill_null(pc.less(pending["arrival_ns"], pa.scalar(cut, pa.int64())), False)
             out, rest = pending.filter(mask), pending.filter(pc.invert(mask))
             if out.num_rows < _ROW_GROUP_ROWS // 2:  # most are still held back: wait for more
@@ -322,10 +250,12 @@ class RequestTable:
 
     def close(self) -> Path:
         """Write what is left and put the file in place; returns its path."""
-        if self._waiting:
-            raise AssertionError(f"{len(self._waiting)} finished requests still wait for a step event")
-        if self._rows:
-            raise AssertionError(f"{len(self._rows)} requests never finished")
+        waiting = len(self._logs["finished"]["idx"])
+        if waiting:
+            raise AssertionError(f"{waiting} finished requests still wait for a step event")
+        in_flight = np.unique(np.concatenate([log["idx"] for log in self._logs.values()]))
+        if len(in_flight):
+            raise AssertionError(f"{len(in_flight)} requests never finished")
         self._write_ready(final=True)
         if self._writer is None:
             self._write(REQUESTS_SCHEMA.empty_table())
@@ -465,54 +395,45 @@ def _finished_deliveries(settled: _Settled, x: Deliveries, last_rows: np.ndarray
     return out
 
 
-#: The rows' integer values: {column (or a name used below): _Row attribute}.
-_ROW_INTS = {
-    "admission_ns": "admission_ns", "first_token_ns": "first_token_ns", "first_byte_ns": "first_byte_ns",
-    "cancel_ns": "cancel_ns", "finish_ns": "finish_ns", "client_sent_ns": "client_sent", "last_byte_ns": "last_byte_ns",
-    "num_admission_decisions": "admissions", "num_preemptions": "preemptions", "num_migrations": "migrations",
-    "num_lost_tokens": "lost_tokens", "cached_arrival": "cached_arrival", "cached_finished": "cached_finished",
-    "output_tokens": "output_tokens",
-}
-_ROW_FIELDS = (*_ROW_INTS.values(), "outcome", "decision", "num_events")
-_ROW_COLUMNS = tuple(_ROW_INTS)[:11]  # the integer columns taken as they are
-_REQUEST_FIELDS = ("request_id", "first_step_ns", "index")
+_REQUEST_FIELDS = ("request_id", "first_step_ns")
 _LABEL_FIELDS = ("tenant", "service_class", "model", "adapter")
+#: Integer columns taken as ``request_events.reduce_logs`` gives them (int64, _MISSING: null).
+_TIMESTAMPS = ("arrival_ns", "admission_ns", "first_token_ns", "first_byte_ns", "cancel_ns", "finish_ns", "last_byte_ns")
+_COUNTS = ("num_admission_decisions", "num_preemptions", "num_migrations", "num_lost_tokens")
+#: Columns taken as they are (Python values, None: null).
+_VALUES = ("outcome", "session_id", "num_prompt_tokens", "max_output_tokens", "num_branches")
 
 
-def _columns(items: list, names: tuple[str, ...]) -> dict[str, tuple]:
+def _columns(items: Sequence[Any], names: tuple[str, ...]) -> dict[str, tuple]:
     """Attributes ``names`` of each of ``items``, as one tuple per name."""
     values = list(map(attrgetter(*names), items))
     return dict(zip(names, zip(*values))) if values else {name: () for name in names}
 
 
-def _rows_table(rows: list[_Row], d: dict[str, np.ndarray], engine_id: str, instances: list[str],
+def _rows_table(v: dict[str, np.ndarray], d: dict[str, np.ndarray], engine_id: str, instances: list[str],
                 labelled: bool) -> pa.Table:
-    """The finished rows (request index order) as a ``REQUESTS_SCHEMA`` table, built column by column (Arrow
-    arrays from the rows' values, the durations and gap statistics with null-aware Arrow arithmetic)."""
-    n = len(rows)
-    reqs = [row.request for row in rows]
+    """The finished requests' rows (``v``: ``request_events.reduce_logs``'s columns, ``d``: their deliveries',
+    in request index order) as a ``REQUESTS_SCHEMA`` table, built column by column (the durations and gap
+    statistics with null-aware Arrow arithmetic)."""
+    reqs = v["req"]
+    n = len(reqs)
     req = _columns(reqs, _REQUEST_FIELDS)
-    mine = _columns(rows, _ROW_FIELDS)
-    found = _Found(d["idx"], np.fromiter(req["index"], np.int64, n))
-    arrival = dict(zip(("arrival_ns", "num_prompt_tokens", "max_output_tokens", "num_branches", "", "", "session_id"),
-                       zip(*[row.arrival or _NO_ARRIVAL for row in rows])))
+    found = _Found(d["idx"], v["idx"])
     labels = _columns(reqs, _LABEL_FIELDS) if labelled else {name: pa.nulls(n, pa.string()) for name in _LABEL_FIELDS}
-    ints = {name: pa.array(mine[attr], pa.int64()) for name, attr in _ROW_INTS.items()}
     gaps = found.filled(d["gaps"], 0)
-    cols: dict[str, Sequence | pa.Array] = {
+    cached = pc.coalesce(pa.array(v["cached_finished"], pa.int64()), pa.array(v["cached_arrival"], pa.int64()))
+    cols: dict[str, Sequence | pa.Array | np.ndarray] = {
         "request_id": req["request_id"], "engine_id": pa.repeat(pa.scalar(engine_id), n),
-        "instance_id": _instance_ids(rows, found, d, instances), **labels,
-        "pool": pa.nulls(n, pa.string()), "session_id": arrival["session_id"],
-        "arrival_ns": pa.array(arrival["arrival_ns"], pa.int64()), "scheduled_ns": pa.array(req["first_step_ns"], pa.int64()),
-        "last_token_ns": found.array(d["last_ts"]), "outcome": mine["outcome"], "admission_decision": mine["decision"],
-        "num_prompt_tokens": arrival["num_prompt_tokens"],
-        "num_cached_prefix_tokens": pc.coalesce(ints["cached_finished"], ints["cached_arrival"]),
-        "max_output_tokens": arrival["max_output_tokens"], "num_branches": arrival["num_branches"],
+        "instance_id": _instance_ids(v, found, d, instances), **labels, "pool": pa.nulls(n, pa.string()),
+        "scheduled_ns": pa.array(req["first_step_ns"], pa.int64()), "last_token_ns": found.array(d["last_ts"]),
+        "admission_decision": v["decision"], "num_cached_prefix_tokens": cached,
+        "client_sent_ns": pa.array(v["client_sent_ns"], pa.int64()),
         # the finish event's count, else the tokens counted in deliveries (none: null)
-        "num_output_tokens": pc.coalesce(ints["output_tokens"], found.array(d["tokens"], nonzero=True)),
+        "num_output_tokens": pc.coalesce(pa.array(v["output_tokens"], pa.int64()), found.array(d["tokens"], nonzero=True)),
         "num_itl_gaps": gaps, "itl_from_chunks": found.filled(d["coalesced"], False),
-        "num_events": np.fromiter(mine["num_events"], np.int64, n) + found.filled(d["count"], 0),
-        **{name: ints[name] for name in _ROW_COLUMNS},
+        "num_events": v["num_events"] + found.filled(d["count"], 0),
+        **{name: pa.array(v[name], pa.int64(), mask=v[name] == _MISSING) for name in _TIMESTAMPS},
+        **{name: v[name] for name in _COUNTS + _VALUES},
     }
     for name, (end, start) in _DURATIONS.items():
         cols[name] = _seconds(cols[end], cols[start])
@@ -543,7 +464,6 @@ _DURATIONS = {
     "ttft_client_s": ("first_byte_ns", "client_sent_ns"),
     "e2e_client_s": ("last_byte_ns", "client_sent_ns"),
 }
-_NO_ARRIVAL = (None,) * 9
 
 
 def _float(values: pa.Array) -> pa.Array:
@@ -585,18 +505,18 @@ class _Found:
         return pa.array(values, mask=~(self.has & (values != 0)) if nonzero else ~self.has)
 
 
-def _instance_ids(rows: list[_Row], found: _Found, d: dict[str, np.ndarray], instances: list[str]) -> list[str | None]:
-    """Each row's instance: its latest event's (by ts, then event id) that names one."""
-    if not len(d["idx"]):
-        return [row.instance for row in rows]
-    return [_instance(row, k, tb, ts, code, instances) if h else row.instance for row, h, k, tb, ts, code in zip(
-        rows, found.has.tolist(), d["last_kind"][found.pos].tolist(), d["last_tb"][found.pos].tolist(),
-        d["last_ts"][found.pos].tolist(), d["last_instance"][found.pos].tolist())]
-
-
-def _instance(row: _Row, kind, tb, ts, code, instances: list[str]) -> str | None:
-    """The instance of the request's latest event (by ts, then event id) that names one."""
-    if code is None or code < 0:
-        return row.instance
-    key = (ts, ":first_token" if kind == _FIRST_TOKEN else f":tokens{tb}")
-    return instances[code] if row.instance_key is None or key > row.instance_key else row.instance
+def _instance_ids(v: dict[str, np.ndarray], found: _Found, d: dict[str, np.ndarray], instances: list[str]) -> np.ndarray:
+    """Each request's instance: that of its latest event (by ts, then event id) that names one, its own events'
+    (``v``) or its last delivery's (``d``), which wins when later."""
+    code = v["instance"]
+    if len(d["idx"]):
+        ts, rank, num = v["instance_key"]
+        d_ts, d_code = found.filled(d["last_ts"], _MISSING), found.filled(d["last_instance"], -1)
+        d_rank = np.where(found.filled(d["last_kind"], 0) == _FIRST_TOKEN, request_events.RANK[":first_token"],
+                          request_events.RANK[":tokens"])
+        d_num = np.where(d_rank == request_events.RANK[":tokens"], request_events.number_key(found.filled(d["last_tb"], 0)), 0)
+        later = (d_ts > ts) | ((d_ts == ts) & ((d_rank > rank) | ((d_rank == rank) & (d_num > num))))
+        code = np.where(found.has & (d_code >= 0) & ((code < 0) | later), d_code, code)
+    names = np.empty(len(instances) + 1, object)
+    names[:-1] = instances  # code -1: the None at the end
+    return names[code]
