@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from replay.parquet_out import BackgroundParquet
-from replay.request_table import Deliveries, RequestTable, no_deliveries
+from replay.request_table import Deliveries, RequestTable
 from schemas.arrow import EVENTS_SCHEMA
 from schemas.events import SCHEMA_VERSION
 
@@ -370,7 +370,7 @@ class EventWriter:
             parts.append(Deliveries(runs.members.idx[runs.rows], runs.ts, np.ones(runs.n, np.int64), runs.upto,
                                     runs.num_tokens, runs.coalesced, np.asarray(table.instance_codes(runs.instances))[
                                         np.repeat(np.arange(len(runs.instances)), runs.lengths)]))
-        delivered = table.add_deliveries(Deliveries.concat(parts) if parts else no_deliveries(), done)
+        delivered = table.add_deliveries(parts, done)
         table.finish(done, delivered, self.labelled)
 
     # ------------------------------------------------------------------ parts of a chunk

@@ -76,6 +76,16 @@ class Deliveries:
         return len(self.idx)
 
 
+class _Ordered:
+    """The columns of deliveries that every row's settling reads, taken in delivery order (the others are
+    read only at a few rows, through the order)."""
+
+    __slots__ = ("idx", "ts", "tokens", "coalesced")
+
+    def __init__(self, x: Deliveries, order: np.ndarray) -> None:
+        self.idx, self.ts, self.tokens, self.coalesced = x.idx[order], x.ts[order], x.tokens[order], x.coalesced[order]
+
+
 def no_deliveries() -> Deliveries:
     i = np.zeros(0, np.int64)
     return Deliveries(i, i, i, i, i, np.zeros(0, bool), i)
@@ -162,18 +172,19 @@ class RequestTable:
 
     # ------------------------------------------------------------------ deliveries
 
-    def add_deliveries(self, new: Deliveries, finished: np.ndarray) -> dict[str, np.ndarray]:
-        """Settle this chunk's deliveries; returns the delivery columns of the ``finished`` requests
+    def add_deliveries(self, parts: Sequence[Deliveries], finished: np.ndarray) -> dict[str, np.ndarray]:
+        """Settle this chunk's deliveries (``parts``); returns the delivery columns of the ``finished`` requests
         (request index order): count, tokens, coalesced, first and last ts, the last one's kind, number
         and instance, and the gap statistics."""
-        known = _in(new.idx, np.concatenate([log["idx"] for log in self._logs.values()]))
+        new_idx = np.concatenate([p.idx for p in parts]) if parts else np.zeros(0, np.int64)
+        known = _in(new_idx, np.concatenate([log["idx"] for log in self._logs.values()]))
         if not known.all():
-            raise AssertionError(f"a delivery for request #{int(new.idx[~known][0])} after its request_finished")
-        x = Deliveries.concat([self._tails, new])
-        fresh = np.concatenate([np.zeros(len(self._tails), bool), np.ones(len(new), bool)])
-        order = _delivery_order(x)
-        x, fresh = x.take(order), fresh[order]
-        n = len(x)
+            raise AssertionError(f"a delivery for request #{int(new_idx[~known][0])} after its request_finished")
+        unsorted = Deliveries.concat([self._tails, *parts])
+        order = _delivery_order(unsorted)
+        x = _Ordered(unsorted, order)  # the columns read row by row, in delivery order
+        fresh = order >= len(self._tails)
+        n = len(order)
         starts = np.flatnonzero(np.r_[True, x.idx[1:] != x.idx[:-1]]) if n else np.zeros(0, np.int64)
         ends = np.r_[starts[1:], n] - 1 if n else np.zeros(0, np.int64)
         group = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, n])) if n else np.zeros(0, np.int64)
@@ -203,12 +214,12 @@ class RequestTable:
         )
         keep = ~done
         self._settled = settled.take(np.flatnonzero(keep))
-        self._tails = x.take(np.flatnonzero(~final))
+        self._tails = unsorted.take(order[~final])
         all_gaps = tuple(np.concatenate([a, b]) for a, b in zip(self._gaps, gaps))
         closing = _in(all_gaps[0], finished)
         self._gaps = tuple(a[~closing] for a in all_gaps)
-        out = _finished_deliveries(settled.take(np.flatnonzero(done)), x, ends[done], tuple(a[closing] for a in all_gaps))
-        return out
+        last = order[ends[done]]  # each finished request's last delivery, a row of ``unsorted``
+        return _finished_deliveries(settled.take(np.flatnonzero(done)), unsorted, last, tuple(a[closing] for a in all_gaps))
 
     # ------------------------------------------------------------------ rows
 
@@ -374,14 +385,16 @@ def _finished_deliveries(settled: _Settled, x: Deliveries, last_rows: np.ndarray
     m = len(idx)
     starts = np.flatnonzero(np.r_[True, idx[1:] != idx[:-1]]) if m else np.zeros(0, np.int64)
     total = _group_sum(weight, starts)
-    below = np.cumsum(weight) - np.repeat(np.cumsum(weight)[starts] - weight[starts], np.diff(np.r_[starts, m]))
-    group = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, m]))
+    cum = np.cumsum(weight)  # non-decreasing over all rows (weights are token counts)
+    before = cum[starts] - weight[starts] if m else cum  # each request's cumulative weight before its first gap
+    ends = np.r_[starts[1:], m] - 1 if m else starts
 
     def first_at_rank(numerator: int, denominator: int) -> np.ndarray:
-        # nearest rank: the smallest gap whose cumulative weight reaches numerator/denominator of the total
-        reached = denominator * below >= numerator * total[group]
-        first = np.minimum.reduceat(np.where(reached, np.arange(m), m), starts) if m else np.zeros(0, np.int64)
-        return token_gap[first]
+        # nearest rank: the smallest gap whose cumulative weight in its request reaches numerator/denominator of
+        # the request's total (``denominator * below >= numerator * total``, below the weight up to it): the first
+        # row whose running sum reaches ``before`` plus the ceiling of that share, found by bisection
+        first = np.searchsorted(cum, before + -(-numerator * total // denominator), side="left")
+        return token_gap[np.clip(first, starts, ends)]
 
     pos = np.searchsorted(settled.idx, idx[starts])
     n = len(settled.idx)
@@ -390,7 +403,7 @@ def _finished_deliveries(settled: _Settled, x: Deliveries, last_rows: np.ndarray
         stats["gaps"][pos] = total
         stats["p50"][pos] = first_at_rank(1, 2)
         stats["p99"][pos] = first_at_rank(99, 100)
-        stats["max"][pos] = np.maximum.reduceat(token_gap, starts)
+        stats["max"][pos] = token_gap[ends]  # each request's gaps are in ascending order
     out.update(stats)
     return out
 
