@@ -370,8 +370,7 @@ class EventWriter:
             parts.append(Deliveries(runs.members.idx[runs.rows], runs.ts, np.ones(runs.n, np.int64), runs.upto,
                                     runs.num_tokens, runs.coalesced, np.asarray(table.instance_codes(runs.instances))[
                                         np.repeat(np.arange(len(runs.instances)), runs.lengths)]))
-        delivered = table.add_deliveries(parts, done)
-        table.finish(done, delivered, self.labelled)
+        table.settle(parts, done, self.labelled)
 
     # ------------------------------------------------------------------ parts of a chunk
     #

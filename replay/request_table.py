@@ -22,7 +22,9 @@ requests in flight, not the length of the run.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from operator import attrgetter
 from pathlib import Path
 from typing import Any, Protocol
@@ -123,6 +125,9 @@ class RequestTable:
         self._ready: list[pa.Table] = []  # finished rows not yet written (sorted on the way out)
         self._ready_rows = 0
         self._last_arrival = _MISSING  # requests still to come arrive no earlier than this
+        # the deliveries' arithmetic, the rows and the file, a chunk at a time in order (``settle``)
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-requests")
+        self._pending: deque[Future[None]] = deque()
 
     # ------------------------------------------------------------------ feeding
 
@@ -172,14 +177,39 @@ class RequestTable:
 
     # ------------------------------------------------------------------ deliveries
 
-    def add_deliveries(self, parts: Sequence[Deliveries], finished: np.ndarray) -> dict[str, np.ndarray]:
-        """Settle this chunk's deliveries (``parts``); returns the delivery columns of the ``finished`` requests
-        (request index order): count, tokens, coalesced, first and last ts, the last one's kind, number
-        and instance, and the gap statistics."""
+    def settle(self, parts: Sequence[Deliveries], finished: np.ndarray, labelled: bool) -> None:
+        """This chunk's deliveries (``parts``) and the rows of the ``finished`` requests (``add_events``): their
+        events are taken out of the logs here; the arithmetic and the writing run on the table's worker thread,
+        beside the replay (numpy and Arrow release the GIL), one chunk after another."""
         new_idx = np.concatenate([p.idx for p in parts]) if parts else np.zeros(0, np.int64)
         known = _in(new_idx, np.concatenate([log["idx"] for log in self._logs.values()]))
         if not known.all():
             raise AssertionError(f"a delivery for request #{int(new_idx[~known][0])} after its request_finished")
+        logs = request_events.take_done(self._logs, finished) if len(finished) else None
+        arrivals = self._logs["arrived"]["ts"]  # of the requests still in flight: no later row precedes them
+        cut = min(self._last_arrival, int(arrivals.min())) if len(arrivals) else self._last_arrival
+        self._submit(self._settle, parts, finished, logs, labelled, cut, list(self._instances))
+
+    def _submit(self, task: Callable[..., None], *args: Any) -> None:
+        self._pending.append(self._worker.submit(task, *args))
+        while len(self._pending) > 2:  # bounded: memory stays flat (and the worker's error surfaces here)
+            self._pending.popleft().result()
+
+    def _settle(self, parts: Sequence[Deliveries], finished: np.ndarray, logs: dict[str, request_events.Log] | None,
+                labelled: bool, cut: int, instances: list[str]) -> None:
+        """(Worker thread.) Settle the deliveries, then build the finished requests' rows and write those ready."""
+        deliveries = self._add_deliveries(parts, finished)
+        if logs is None:
+            return
+        table = _rows_table(request_events.reduce_logs(logs, finished), deliveries, self.engine_id, instances, labelled)
+        self._ready.append(table)
+        self._ready_rows += table.num_rows
+        self._write_ready(cut)
+
+    def _add_deliveries(self, parts: Sequence[Deliveries], finished: np.ndarray) -> dict[str, np.ndarray]:
+        """Settle this chunk's deliveries (``parts``); returns the delivery columns of the ``finished`` requests
+        (request index order): count, tokens, coalesced, first and last ts, the last one's kind, number
+        and instance, and the gap statistics."""
         unsorted = Deliveries.concat([self._tails, *parts])
         order = _delivery_order(unsorted)
         x = _Ordered(unsorted, order)  # the columns read row by row, in delivery order
@@ -223,27 +253,15 @@ class RequestTable:
 
     # ------------------------------------------------------------------ rows
 
-    def finish(self, finished: np.ndarray, deliveries: dict[str, np.ndarray], labelled: bool) -> None:
-        """Write out the rows of the ``finished`` requests (sorted indices; all their events gathered)."""
-        if not len(finished):
-            return
-        values = request_events.reduce_logs(request_events.take_done(self._logs, finished), finished)
-        table = _rows_table(values, deliveries, self.engine_id, self._instances, labelled)
-        self._ready.append(table)
-        self._ready_rows += table.num_rows
-        self._write_ready(final=False)
-
-    def _write_ready(self, final: bool) -> None:
-        """Write the ready rows that nothing in flight or to come can precede (every one, at the end), once they
-        make a row group."""
-        if not self._ready or (not final and self._ready_rows < _ROW_GROUP_ROWS):
+    def _write_ready(self, cut: int | None) -> None:
+        """Write the ready rows that arrived before ``cut`` (nothing in flight or to come can precede them; None:
+        every one, at the end), once they make a row group."""
+        if not self._ready or (cut is not None and self._ready_rows < _ROW_GROUP_ROWS):
             return
         pending = pa.concat_tables(self._ready)
-        if final:
+        if cut is None:
             out, rest = pending, pending.slice(0, 0)
         else:
-            arrivals = self._logs["arrived"]["ts"]  # of the requests in flight
-            cut = min(self._last_arrival, int(arrivals.min())) if len(arrivals) else self._last_arrival
             mask = pc.fill_null(pc.less(pending["arrival_ns"], pa.scalar(cut, pa.int64())), False)
             out, rest = pending.filter(mask), pending.filter(pc.invert(mask))
             if out.num_rows < _ROW_GROUP_ROWS // 2:  # most are still held back: wait for more
@@ -267,15 +285,25 @@ class RequestTable:
         in_flight = np.unique(np.concatenate([log["idx"] for log in self._logs.values()]))
         if len(in_flight):
             raise AssertionError(f"{len(in_flight)} requests never finished")
-        self._write_ready(final=True)
-        if self._writer is None:
-            self._write(REQUESTS_SCHEMA.empty_table())
-        self._writer.close()
+        self._submit(self._close_file)
+        while self._pending:
+            self._pending.popleft().result()
+        self._worker.shutdown()
         self._tmp.replace(self.path)
         return self.path
 
+    def _close_file(self) -> None:
+        """(Worker thread.) Write every row left and finish the file."""
+        self._write_ready(None)
+        if self._writer is None:
+            self._write(REQUESTS_SCHEMA.empty_table())
+        assert self._writer is not None
+        self._writer.close()
+
     def abort(self) -> None:
         """Drop the unfinished file (a failed replay)."""
+        wait(self._pending)
+        self._worker.shutdown()
         if self._writer is not None:
             self._writer.abort()
         self._tmp.unlink(missing_ok=True)
