@@ -67,6 +67,19 @@ def _indices(reqs: Sequence[Any]) -> np.ndarray:
     return np.fromiter(map(_INDEX, reqs), np.int64, len(reqs))
 
 
+def isin(values: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """``np.isin(values, keys)`` for request indices, through a dense mask when they span a small range."""
+    if not len(values) or not len(keys):
+        return np.zeros(len(values), bool)
+    low = min(int(values.min()), int(keys.min()))
+    span = max(int(values.max()), int(keys.max())) - low + 1
+    if span > 1 << 24:
+        return np.isin(values, keys)
+    mask = np.zeros(span, bool)
+    mask[keys - low] = True
+    return mask[values - low]
+
+
 def empty_logs() -> dict[str, Log]:
     return {name: {col: np.zeros(0, dtype) for col, dtype in cols.items()} for name, cols in _LOGS.items()}
 
@@ -78,7 +91,7 @@ def arrived_log(buf: list[tuple], fields: list[tuple], codes: np.ndarray, client
     arrival, prompt, max_output, branches, _, _, session, _, sent = zip(*fields)
     return {"idx": _indices(reqs), "ts": _ints(arrival), "inst": codes, "cached": _objects(cached),
             "prompt": _objects(prompt), "max_output": _objects(max_output), "branches": _objects(branches),
-            "session": _objects(session), "sent": _objects(sent if client_side else (None,) * len(buf))}
+            "session": _objects(session), "sent": _objects(sent) if client_side else np.full(len(buf), None, object)}
 
 
 def admission_log(buf: list[tuple], decisions: Sequence[str], codes: np.ndarray) -> Log:
@@ -142,7 +155,7 @@ def take_done(logs: dict[str, Log], done: np.ndarray) -> dict[str, Log]:
     """Remove the ``done`` requests' rows from ``logs``; returns them (each log sorted by request, stably)."""
     out = {}
     for name, log in logs.items():
-        mine = np.isin(log["idx"], done)
+        mine = isin(log["idx"], done)
         rows = np.flatnonzero(mine)
         rows = rows[np.argsort(log["idx"][rows], kind="stable")]
         out[name] = {col: values[rows] for col, values in log.items()}

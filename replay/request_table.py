@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -35,6 +35,7 @@ import pyarrow.compute as pc
 
 from replay import request_events
 from replay.parquet_out import BackgroundParquet
+from replay.request_events import isin as _in
 from schemas.arrow import arrow_schema
 from schemas.records import RequestRow
 
@@ -173,7 +174,7 @@ class RequestTable:
 
     def _codes(self, buf: list[tuple], field: int) -> np.ndarray:
         """The instance codes of field ``field`` of ``buf``'s rows."""
-        return self.instance_codes([row[field] for row in buf])
+        return self.instance_codes(list(map(itemgetter(field), buf)))
 
     # ------------------------------------------------------------------ deliveries
 
@@ -348,19 +349,6 @@ def _settle_ties(order: np.ndarray, tied: np.ndarray, x: Deliveries) -> np.ndarr
         rows = order[start:end]
         order[start:end] = sorted(rows, key=lambda r: (int(x.kind[r]), str(int(x.tb[r]))))
     return order
-
-
-def _in(values: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    """``np.isin(values, keys)`` for request indices, through a dense mask when they span a small range."""
-    if not len(values) or not len(keys):
-        return np.zeros(len(values), bool)
-    low = min(int(values.min()), int(keys.min()))
-    span = max(int(values.max()), int(keys.max())) - low + 1
-    if span > 1 << 24:
-        return np.isin(values, keys)
-    mask = np.zeros(span, bool)
-    mask[keys - low] = True
-    return mask[values - low]
 
 
 def _by_request(idx: np.ndarray, first: np.ndarray) -> np.ndarray:
