@@ -7,7 +7,7 @@ what that type carries) to its log; a finished request's rows are taken out and 
 with the derivation's rules: timestamps are the earliest of their type, the arrival's fields are those of
 the earliest arrival, and the admission decision and the instance are the latest by ``(ts_ns, event_id)``.
 Event ids are ``<run>:<request><suffix>``: at one timestamp they order as their suffixes, the suffix's
-text (``:admission``, ``:arrived`` ...) and then its number compared as text (``_number_key``). Where
+text (``:admission``, ``:arrived`` ...) and then its number compared as text (``number_key``). Where
 keys tie, the event gathered first wins. No per-event Python runs here: the buffers are unzipped into
 arrays and everything else is numpy.
 """

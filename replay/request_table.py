@@ -17,7 +17,9 @@ settled (a request's deliveries at its latest timestamp wait for the next chunk,
 still reorder them), and the per-request nearest-rank percentiles are taken when the request finishes.
 Rows are written in arrival order (``arrival_ns``, then ``request_id``, as the derivation sorts): a row
 waits until no request in flight or still to come can arrive before it. Memory therefore follows the
-requests in flight, not the length of the run.
+requests in flight, not the length of the run. The replay's thread only gathers a chunk's events into
+arrays; settling the deliveries, building the rows and writing them run on a worker thread of the table,
+a chunk at a time in order (numpy and Arrow release the GIL there), at most two chunks behind.
 """
 
 from __future__ import annotations
