@@ -17,16 +17,12 @@ settled (a request's deliveries at its latest timestamp wait for the next chunk,
 still reorder them), and the per-request nearest-rank percentiles are taken when the request finishes.
 Rows are written in arrival order (``arrival_ns``, then ``request_id``, as the derivation sorts): a row
 waits until no request in flight or still to come can arrive before it. Memory therefore follows the
-requests in flight, not the length of the run. The replay's thread only gathers a chunk's events into
-arrays; settling the deliveries, building the rows and writing them run on a worker thread of the table,
-a chunk at a time in order (numpy and Arrow release the GIL there), at most two chunks behind.
+requests in flight, not the length of the run.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from collections.abc import Sequence
 from operator import attrgetter, itemgetter
 from pathlib import Path
 from typing import Any, Protocol
@@ -128,9 +124,6 @@ class RequestTable:
         self._ready: list[pa.Table] = []  # finished rows not yet written (sorted on the way out)
         self._ready_rows = 0
         self._last_arrival = _MISSING  # requests still to come arrive no earlier than this
-        # the deliveries' arithmetic, the rows and the file, a chunk at a time in order (``settle``)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-requests")
-        self._pending: deque[Future[None]] = deque()
 
     # ------------------------------------------------------------------ feeding
 
@@ -182,8 +175,7 @@ class RequestTable:
 
     def settle(self, parts: Sequence[Deliveries], finished: np.ndarray, labelled: bool) -> None:
         """This chunk's deliveries (``parts``) and the rows of the ``finished`` requests (``add_events``): their
-        events are taken out of the logs here; the arithmetic and the writing run on the table's worker thread,
-        beside the replay (numpy and Arrow release the GIL), one chunk after another."""
+        events are taken out of the logs, the deliveries settled, and the rows built and written once ready."""
         new_idx = np.concatenate([p.idx for p in parts]) if parts else np.zeros(0, np.int64)
         known = _in(new_idx, np.concatenate([log["idx"] for log in self._logs.values()]))
         if not known.all():
@@ -191,16 +183,11 @@ class RequestTable:
         logs = request_events.take_done(self._logs, finished) if len(finished) else None
         arrivals = self._logs["arrived"]["ts"]  # of the requests still in flight: no later row precedes them
         cut = min(self._last_arrival, int(arrivals.min())) if len(arrivals) else self._last_arrival
-        self._submit(self._settle, parts, finished, logs, labelled, cut, list(self._instances))
-
-    def _submit(self, task: Callable[..., None], *args: Any) -> None:
-        self._pending.append(self._worker.submit(task, *args))
-        while len(self._pending) > 2:  # bounded: memory stays flat (and the worker's error surfaces here)
-            self._pending.popleft().result()
+        self._settle(parts, finished, logs, labelled, cut, self._instances)
 
     def _settle(self, parts: Sequence[Deliveries], finished: np.ndarray, logs: dict[str, request_events.Log] | None,
                 labelled: bool, cut: int, instances: list[str]) -> None:
-        """(Worker thread.) Settle the deliveries, then build the finished requests' rows and write those ready."""
+        """Settle the deliveries, then build the finished requests' rows and write those ready."""
         deliveries = self._add_deliveries(parts, finished)
         if logs is None:
             return
@@ -288,15 +275,12 @@ class RequestTable:
         in_flight = np.unique(np.concatenate([log["idx"] for log in self._logs.values()]))
         if len(in_flight):
             raise AssertionError(f"{len(in_flight)} requests never finished")
-        self._submit(self._close_file)
-        while self._pending:
-            self._pending.popleft().result()
-        self._worker.shutdown()
+        self._close_file()
         self._tmp.replace(self.path)
         return self.path
 
     def _close_file(self) -> None:
-        """(Worker thread.) Write every row left and finish the file."""
+        """Write every row left and finish the file."""
         self._write_ready(None)
         if self._writer is None:
             self._write(REQUESTS_SCHEMA.empty_table())
@@ -305,8 +289,6 @@ class RequestTable:
 
     def abort(self) -> None:
         """Drop the unfinished file (a failed replay)."""
-        wait(self._pending)
-        self._worker.shutdown()
         if self._writer is not None:
             self._writer.abort()
         self._tmp.unlink(missing_ok=True)
