@@ -30,9 +30,9 @@ from typing import Any, Protocol
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from replay import request_events
-from replay.parquet_out import BackgroundParquet
 from replay.request_events import isin as _in
 from schemas.arrow import arrow_schema
 from schemas.records import RequestRow
@@ -112,7 +112,7 @@ class RequestTable:
         self.path = Path(path)
         self.engine_id = engine_id
         self._tmp = self.path.with_name(f".{self.path.name}.tmp")
-        self._writer: BackgroundParquet | None = None  # encodes the row groups beside the replay
+        self._writer: pq.ParquetWriter | None = None
         self.num_rows = 0
         self._logs = request_events.empty_logs()  # the events of the requests in flight (all but deliveries)
         self._instances: list[str] = []
@@ -263,8 +263,8 @@ class RequestTable:
     def _write(self, table: pa.Table) -> None:
         if self._writer is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._writer = BackgroundParquet(self._tmp, REQUESTS_SCHEMA, name="replay-requests")
-        self._writer.put(table)
+            self._writer = pq.ParquetWriter(str(self._tmp), REQUESTS_SCHEMA, compression="zstd")
+        self._writer.write_table(table, row_group_size=max(1, table.num_rows))
         self.num_rows += table.num_rows
 
     def close(self) -> Path:
@@ -290,7 +290,7 @@ class RequestTable:
     def abort(self) -> None:
         """Drop the unfinished file (a failed replay)."""
         if self._writer is not None:
-            self._writer.abort()
+            self._writer.close()
         self._tmp.unlink(missing_ok=True)
 
 
