@@ -32,6 +32,8 @@ says "not enough data" (inconclusive), by design.
 
     python benchmarks/gate_power.py            # 200 trials per design, 10/20/30/45 windows; rewrites docs/gate.md's table
     python benchmarks/gate_power.py --quick    # 8 trials, split design, 30 windows: under a minute
+    python benchmarks/gate_power.py --designs split --windows 30,35,40,45 --ab-windows 30 --workers 1
+                                               # A/A at four lengths, the injected effects at 30 only
 
 The last line of output is one JSON object with the figures (``aa_false_fail_rate``,
 ``detection_rate`` per injected effect, and the breakdowns by design and run length).
@@ -166,24 +168,25 @@ def _cut_together(base, cand, windows: int):
     return cut
 
 
-def run_trial(args: tuple[str, int, tuple[int, ...]]) -> list[dict]:
-    """One trial: its A/A pair at each run length, and each injected effect on it."""
+def run_trial(args: tuple[str, int, tuple[int, ...], tuple[int, ...] | None]) -> list[dict]:
+    """One trial: its A/A pair at each run length, and each injected effect on it at each length of
+    ``ab_lengths`` (None: every length)."""
     from replay.gate import compare_runs, default_config
 
-    design, trial, lengths = args
+    design, trial, lengths, ab_lengths = args
     config = dataclasses.replace(default_config(), rank_tests=False)  # descriptive only: never change a verdict
     out = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:  # open while judging: the gate reads the runs' manifests
         base, cand = _pair(design, trial, max(lengths), Path(tmp))
-    for windows in lengths:
-        b, c = _cut_together(base, cand, windows)
-        for effect in ("none", *EFFECTS):
-            injected = c if effect == "none" else dataclasses.replace(c, requests=inject(c.requests, effect, trial))
-            verdict = compare_runs(b, injected, config)
-            primary = next((m for m in verdict.metrics if m.metric == PRIMARY.get(effect) and not m.group), None)
-            out.append({"design": design, "trial": trial, "windows": windows, "effect": effect, "status": verdict.status,
-                        "held_by": [m.metric for m in verdict.metrics if _holds(m)],
-                        "measured": primary.effect if primary is not None else None})
+        for windows in lengths:
+            b, c = _cut_together(base, cand, windows)
+            for effect in ("none", *(EFFECTS if ab_lengths is None or windows in ab_lengths else ())):
+                injected = c if effect == "none" else dataclasses.replace(c, requests=inject(c.requests, effect, trial))
+                verdict = compare_runs(b, injected, config)
+                primary = next((m for m in verdict.metrics if m.metric == PRIMARY.get(effect) and not m.group), None)
+                out.append({"design": design, "trial": trial, "windows": windows, "effect": effect,
+                            "status": verdict.status, "held_by": [m.metric for m in verdict.metrics if _holds(m)],
+                            "measured": primary.effect if primary is not None else None})
     return out
 
 
@@ -204,6 +207,12 @@ def _rate(rows: list[dict], status: str) -> float | None:
     return round(sum(r["status"] == status for r in rows) / len(rows), 4) if rows else None
 
 
+def _judged(pick, rates: list[float | None]) -> float | None:
+    """The lowest or highest rate among the lengths where the effect was judged (None: judged at none)."""
+    found = [r for r in rates if r is not None]
+    return pick(found) if found else None
+
+
 def summarize(rows: list[dict], designs: tuple[str, ...], lengths: tuple[int, ...], min_windows: int) -> dict:
     def pick(effect: str, design: str | None = None, windows: int | None = None) -> list[dict]:
         return [r for r in rows if r["effect"] == effect and (design is None or r["design"] == design)
@@ -214,8 +223,8 @@ def summarize(rows: list[dict], designs: tuple[str, ...], lengths: tuple[int, ..
     by = lambda effect, status: {d: {str(n): _rate(pick(effect, d, n), status) for n in lengths} for d in designs}  # noqa: E731
     aa_fail = [_rate(pick("none", d, n), "fail") for d in designs for n in lengths]
     aa_pass = [_rate(pick("none", d, n), "pass") for d in designs for n in decided]
-    detection = {e: min(_rate(pick(e, d, n), "fail") for d in designs for n in long_runs) for e in EFFECTS} if long_runs else {}
-    false_pass = {e: max(_rate(pick(e, d, n), "pass") for d in designs for n in decided) for e in EFFECTS} if decided else {}
+    detection = {e: _judged(min, [_rate(pick(e, d, n), "fail") for d in designs for n in long_runs]) for e in EFFECTS}
+    false_pass = {e: _judged(max, [_rate(pick(e, d, n), "pass") for d in designs for n in decided]) for e in EFFECTS}
     held: dict[str, int] = {}
     for r in pick("none"):
         if r["windows"] >= min_windows and r["status"] == "inconclusive":
@@ -238,7 +247,7 @@ def summarize(rows: list[dict], designs: tuple[str, ...], lengths: tuple[int, ..
         "targets_met": {
             "aa_false_fail_at_most_5pct": max(aa_fail) <= 0.05,
             "aa_pass_at_least_90pct": bool(aa_pass) and min(aa_pass) >= 0.90,
-            "critical_size_detected_95pct_at_30_windows": bool(detection) and all(detection[e] >= 0.95 for e in CRITICAL_SIZE),
+            "critical_size_detected_95pct_at_30_windows": all((detection.get(e) or 0.0) >= 0.95 for e in CRITICAL_SIZE),
         },
     }
 
@@ -288,6 +297,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="8 trials, split design, 30 windows: under a minute")
     parser.add_argument("--trials", type=int, default=None, help="trials per design [default: 200; quick 8]")
     parser.add_argument("--windows", default=None, help="run lengths in windows, comma-separated [default: 10,20,30,45]")
+    parser.add_argument("--ab-windows", default=None,
+                        help="run lengths at which the injected effects are judged [default: every length]")
     parser.add_argument("--designs", default=None, help="A/A designs: seed,split [default: both; quick: split]")
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="processes [default: 2]")
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite the table in docs/gate.md (a full run does)")
@@ -298,7 +309,8 @@ def main() -> None:
     lengths = tuple(int(n) for n in (args.windows or ("30" if args.quick else "10,20,30,45")).split(","))
     designs = tuple((args.designs or ("split" if args.quick else "seed,split")).split(","))
     started = time.perf_counter()
-    jobs = [(d, t, lengths) for t in range(trials) for d in designs]
+    ab_lengths = None if args.ab_windows is None else tuple(int(n) for n in args.ab_windows.split(","))
+    jobs = [(d, t, lengths, ab_lengths) for t in range(trials) for d in designs]
     rows: list[dict] = []
     with ProcessPoolExecutor(args.workers) as pool:
         for i, result in enumerate(pool.map(run_trial, jobs), start=1):
@@ -311,7 +323,7 @@ def main() -> None:
     figures["seconds"] = round(time.perf_counter() - started, 1)
     table = render_table(figures)
     print(table, file=sys.stderr)
-    if not (args.quick or args.no_docs or args.trials or args.windows or args.designs):
+    if not (args.quick or args.no_docs or args.trials or args.windows or args.designs or args.ab_windows):
         write_docs(table)
     print(json.dumps(figures))
 

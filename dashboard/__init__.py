@@ -17,7 +17,8 @@ Layout:
   records and small Arrow tables (unit-tested without Streamlit);
 - ``charts``: plotly figures from those tables;
 - ``ui``, ``app.py``, ``app_pages/``: the Streamlit layer, thin: caching, URL filters, layout;
-- ``server``: ``serve(config)`` starts ``streamlit run dashboard/app.py`` on loopback;
+- ``server``: ``serve(config)`` starts ``streamlit run dashboard/asgi.py`` on loopback: ``app.py``
+  through ``st.App``, behind ``known_paths`` (404 for any URL but a page or Streamlit's own);
 - ``sample``: a replay committed to a lake, for tests, benchmarks and screenshots.
 
 Privacy: the viewer's tenant is server configuration (``dashboard.viewer_tenant``), never a URL
@@ -37,7 +38,7 @@ __all__ = ["serve", "wait_until_ready", "dashboard_url"]
 
 
 def serve(config, **kwargs) -> subprocess.Popen:
-    """Start the dashboard (``dashboard.server.serve``): ``streamlit run dashboard/app.py`` on
+    """Start the dashboard (``dashboard.server.serve``): ``streamlit run dashboard/asgi.py`` on
     loopback with ``config`` passed through the environment; returns the process."""
     from dashboard.server import serve as _serve
 

@@ -22,7 +22,7 @@ import threading  # noqa: E402
 
 import streamlit as st  # noqa: E402
 
-from dashboard.ui import PAGES  # noqa: E402
+from dashboard.app_pages import DEFAULT_PAGE, PAGES  # noqa: E402
 
 
 def _preload() -> None:
@@ -37,7 +37,7 @@ if "dashboard.charts" not in sys.modules:
 
 st.set_page_config(page_title="servelens", layout="wide")
 navigation = st.navigation([
-    st.Page(str(HERE / path), title=title, default=True) if url == "overview" else
+    st.Page(str(HERE / path), title=title, default=True) if url == DEFAULT_PAGE else
     st.Page(str(HERE / path), title=title, url_path=url)
     for path, title, url in PAGES
 ])

@@ -1,9 +1,11 @@
-"""Starting the dashboard: ``streamlit run dashboard/app.py`` in its own process, on loopback.
+"""Starting the dashboard: ``streamlit run dashboard/asgi.py`` in its own process, on loopback.
 
 ``serve`` resolves the configuration once (relative paths against the caller's working folder),
 hands it to the app as JSON in ``$SERVELENS_DASHBOARD_SETTINGS`` and starts Streamlit headless,
 without usage statistics or file watching, in a session of its own (so that SIGTERM reaches it
-whoever started it). ``wait_until_ready`` polls Streamlit's health endpoint.
+whoever started it). ``dashboard/asgi.py`` serves ``dashboard/app.py`` through ``st.App``, behind
+``dashboard.known_paths``: 404 for any URL that is neither a page nor Streamlit's own.
+``wait_until_ready`` polls Streamlit's health endpoint.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 from dashboard.config import SETTINGS_ENV, DashboardConfig, Settings, settings_from_config, settings_json, with_defaults
 from servelens.errors import ConfigError, ServelensError
 
-APP = Path(__file__).resolve().parent / "app.py"
+APP = Path(__file__).resolve().parent / "asgi.py"  # app.py, behind dashboard.known_paths
 
 
 def free_port(host: str = "127.0.0.1") -> int:

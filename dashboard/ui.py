@@ -31,16 +31,6 @@ from privacy.views import TenantScope
 from replay.metrics import MetricsConfig
 from servelens.errors import ServelensError
 
-PAGES = (
-    ("app_pages/overview.py", "Overview", "overview"),
-    ("app_pages/traffic.py", "Traffic", "traffic"),
-    ("app_pages/service_levels.py", "Service levels", "service-levels"),
-    ("app_pages/load_latency.py", "Load and latency", "load-latency"),
-    ("app_pages/policies.py", "Policies", "policies"),
-    ("app_pages/gate.py", "Gate", "gate"),
-    ("app_pages/request_explorer.py", "Request explorer", "request-explorer"),
-    ("app_pages/tenants.py", "Tenants", "tenants"),
-)
 ALL_CLASSES = "all classes"
 
 

@@ -72,9 +72,11 @@ class IngestConfig:
         "Events stamped further than this ahead of the ingest clock go to dead letters as 'clock_skew'.", 3600.0
     )
     dedup_window_events: int = doc(
-        "Recent event ids remembered to drop producer retries (memory is fixed by this window). After a "
-        "restart or rebalance each partition is read again from window / (2 x assigned partitions) records "
-        "before its mark: stored already, their ids warm the window.", 1_000_000
+        "Recent event ids remembered to drop producer retries: the consumer's last ids, and each assigned "
+        "partition's last window / (assigned partitions) ids, so a partition read late keeps its own window "
+        "(memory, 8 bytes per id, is fixed by twice this window). After a restart or rebalance each partition "
+        "is read again from window / (2 x assigned partitions) records before its mark: stored already, their "
+        "ids warm the windows.", 1_000_000
     )
     session_timeout_ms: int = doc("Kafka group session timeout; a dead consumer's partitions move after it.", 10_000)
     heartbeat_interval_ms: int = doc("Kafka group heartbeat interval.", 3_000)

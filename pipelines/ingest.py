@@ -19,8 +19,9 @@ Exactly once, step by step:
   whoever wrote them;
 - **zombies**: a commit whose marks moved since this consumer resumed is refused (``CommitFenced``),
   its records dropped and re-read from the new marks;
-- **producer retries** (the same ``event_id`` at a new offset): dropped against a fixed-size window
-  of recent ids, warmed from the lake at start;
+- **producer retries** (the same ``event_id`` at a new offset): dropped against fixed-size windows
+  of recent ids, the consumer's and one per partition (``pipelines.retries``: a partition read late
+  keeps its own), warmed from the lake at start and by reading each partition again below its mark;
 - **a failed commit** (fenced, or an error) latches the pipeline: the batches behind it commit
   nothing, since their marks would pass records that were never stored; their partitions are read
   again from the lake's marks (after an error the process stops, and a restart does the same);
@@ -59,7 +60,8 @@ from pipelines.config import IngestConfig, LakeConfig
 from pipelines.decode import Decoder
 from pipelines.decoded import Rejected
 from pipelines.kafka_config import BrokerUnreachableError, KafkaConfig
-from pipelines.lake import DEAD_LETTERS, EVENTS, CommitFenced, Lake, OffsetRange, RecentIds
+from pipelines.lake import DEAD_LETTERS, EVENTS, CommitFenced, Lake, OffsetRange
+from pipelines.retries import RetryFilter
 from pipelines.transform import Transformed, TransformSpec, TransformWorker, TransformWorkerDied
 from privacy.config import PrivacyConfig
 from privacy.keys import KeyRing
@@ -180,7 +182,7 @@ class IngestConsumer:
         )
         self.transform = TransformWorker(spec, in_process=not ingest.transform_process)
         self._privacy = PrivacyReport()
-        self.recent = RecentIds(ingest.dedup_window_events)
+        self.recent = RetryFilter(ingest.dedup_window_events)
         self.partitions: dict[int, _Partition] = {}
         self._unresolved: set[int] = set()
         self._announced_epoch: int | None = None
@@ -216,7 +218,7 @@ class IngestConsumer:
                       {self.topic: self.kafka_config.num_partitions, self.kafka_config.dead_letter_topic: 1}, timeout_s=timeout_s)
         self.lake.ensure_tables()
         self.transform.start()  # decoder and sanitizer (Presidio takes seconds): before the first batch
-        self.recent.add(self.lake.recent_event_ids(self.config.dedup_window_events // 2))
+        self.recent.warm(self.lake.recent_event_ids(self.config.dedup_window_events // 2))
         try:
             self._consumer = KafkaConsumer(
                 bootstrap_servers=self.kafka_config.bootstrap_servers,
@@ -425,11 +427,12 @@ class IngestConsumer:
         self._privacy = done.report
         dead_rows = self._dead_letters(done.rejected, batch, dead_marks, now_ns)
         if done.stored_ids:  # re-read below the mark (see _resolve): stored already, remembered now
-            self.recent.add(done.stored_ids)
-        clean = done.clean
-        first = self.recent.first_sightings(clean["event_id"], remember=False)
+            self.recent.add(done.stored_ids, batch.owner[done.stored_messages])
+        clean, owners = done.clean, batch.owner[done.clean_messages]
+        first = self.recent.first_sightings(clean["event_id"], owners)
         duplicates = int((~first).sum())
-        clean = clean.filter(pa.array(first)) if duplicates else clean
+        if duplicates:
+            clean, owners = clean.filter(pa.array(first)), owners[first]
         expected = lambda marks: {(self.topic, r.partition, r.epoch): marks[r.partition] for r in batch.ranges}  # noqa: E731
         try:
             dead_ranges = _not_before(batch.ranges, dead_marks)
@@ -440,7 +443,7 @@ class IngestConsumer:
             self.lake.commit(EVENTS, clean, event_ranges, expected(event_marks), writer=self.name)
         except CommitFenced as exc:
             return _Outcome(batch.ranges, 0, 0, 0, exc)
-        self.recent.add(clean["event_id"])  # seen, now that they are stored
+        self.recent.add(clean["event_id"], owners)  # seen, now that they are stored
         for r in event_ranges:
             parts[r.partition].events_mark = r.end
         self._publish_dead_letters(dead_rows)
@@ -571,6 +574,7 @@ class IngestConsumer:
         # So each partition is read again from a little before its mark: those records are not
         # stored twice (the marks filter them), but their ids warm de-duplication exactly.
         reread = self.config.dedup_window_events // (2 * max(1, len(assigned)))
+        self.recent.assign(assigned)
         for p in sorted(self._unresolved):
             tp = TopicPartition(self.topic, p)
             events_mark = self.lake.high_water_mark(EVENTS, self.topic, p, epoch)

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import duckdb
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -343,86 +342,6 @@ class Lake:
                 break
         query = "SELECT event_id FROM read_parquet($files) ORDER BY ts_ns DESC LIMIT $limit"
         return [r[0] for r in self.duckdb().execute(query, {"files": files, "limit": limit}).fetchall()]
-
-
-class RecentIds:
-    """The last ``capacity`` event ids seen, in fixed memory: 64-bit keys in numpy generations.
-
-    Ids are sanitized pseudonyms (``ev_`` + hex digits of a keyed hash), so the first 64 bits of
-    their digits are uniformly distributed: the chance that two of a million remembered ids share
-    a key is about 3e-8. Memory is 8 bytes per remembered id; a batch is checked with one
-    vectorized lookup per generation, not a Python loop.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.generation_size = max(1, capacity // 4)
-        self._generations: list[np.ndarray] = []  # sorted keys, oldest first
-        self._current: list[np.ndarray] = []
-        self._current_size = 0
-
-    @staticmethod
-    def keys(event_ids: pa.Array | pa.ChunkedArray | Sequence[str]) -> np.ndarray:
-        """64-bit keys of pseudonymized event ids (``ev_`` + at least 16 hex digits), vectorized:
-        the 16 digits after the prefix of every id, sliced by Arrow, parsed as one hex string."""
-        ids = pa.array(event_ids, pa.string()) if not isinstance(event_ids, (pa.Array, pa.ChunkedArray)) else event_ids
-        if isinstance(ids, pa.ChunkedArray):
-            ids = ids.combine_chunks()
-        if not len(ids):
-            return np.zeros(0, dtype=np.uint64)
-        digits = pc.utf8_slice_codeunits(ids, 3, 19)
-        try:
-            if digits.null_count or not pc.all(pc.equal(pc.utf8_length(digits), 16)).as_py():
-                raise ValueError("not pseudonyms")
-            text = b"".join(digits.cast(pa.binary()).to_pylist()) if digits.offset else digits.buffers()[2].to_pybytes()
-            return np.frombuffer(bytes.fromhex(text[: 16 * len(ids)].decode()), dtype=">u8").astype(np.uint64)
-        except ValueError:  # not pseudonyms (tests, foreign ids): hash them instead
-            import hashlib
-
-            return np.array(
-                [int.from_bytes(hashlib.blake2b(e.encode(), digest_size=8).digest(), "big") for e in ids.to_pylist()],
-                dtype=np.uint64,
-            )
-
-    def __len__(self) -> int:
-        return sum(len(g) for g in self._generations) + self._current_size
-
-    def _seen(self, keys: np.ndarray) -> np.ndarray:
-        seen = np.zeros(len(keys), dtype=bool)
-        for generation in [*self._generations, *self._current]:
-            if len(generation):
-                pos = np.searchsorted(generation, keys)
-                pos[pos == len(generation)] = 0
-                seen |= generation[pos] == keys
-        return seen
-
-    def _remember(self, keys: np.ndarray) -> None:
-        if not len(keys):
-            return
-        self._current.append(np.sort(keys))
-        self._current_size += len(keys)
-        if self._current_size >= self.generation_size:
-            self._generations.append(np.sort(np.concatenate(self._current)))
-            self._current, self._current_size = [], 0
-            while len(self._generations) > 1 and sum(map(len, self._generations)) > self.capacity:
-                del self._generations[0]  # the oldest generation falls out of the window
-
-    def add(self, event_ids: pa.Array | pa.ChunkedArray | Sequence[str]) -> None:
-        self._remember(self.keys(event_ids))
-
-    def first_sightings(self, event_ids: pa.Array | pa.ChunkedArray | Sequence[str], *, remember: bool = True) -> np.ndarray:
-        """Mask of ids seen neither before nor earlier in this batch. The new ones are remembered
-        unless ``remember`` is false (then call ``add`` once they are safely stored: ids of a batch
-        whose commit failed must not count as seen when the batch is read again)."""
-        keys = self.keys(event_ids)
-        keep = ~self._seen(keys)
-        _, first = np.unique(keys, return_index=True)
-        once = np.zeros(len(keys), dtype=bool)
-        once[first] = True
-        keep &= once
-        if remember:
-            self._remember(keys[keep])
-        return keep
 
 
 def events_to_parquet(path: str | Path, out: str | Path, sanitizer: Sanitizer, *, batch_rows: int = 65_536,

@@ -119,6 +119,8 @@ class Transformed:
     rejected: list[Rejected]  # messages that are not valid events (fresh or not: the caller filters)
     stored_ids: list[str]  # pseudonymized event ids of the valid events of messages not fresh
     report: PrivacyReport  # the sanitizer's cumulative counts
+    clean_messages: np.ndarray  # the message index of each row of ``clean``
+    stored_messages: np.ndarray  # the message index of each of ``stored_ids``
 
 
 class Transform:
@@ -139,7 +141,8 @@ class Transform:
             ids = decoded.events.filter(pa.array(~keep))["event_id"].to_pylist()
             stored = self.sanitizer.keyring.pseudonyms(EVENT_ID.kind, ids, hex_chars=EVENT_ID.hex_chars)
         clean = self.sanitizer.sanitize(events, decoded.dropped_fields)
-        return Transformed(clean, decoded.rejected, stored, self.sanitizer.report())
+        return Transformed(clean, decoded.rejected, stored, self.sanitizer.report(),
+                           clean_messages=decoded.indices[keep], stored_messages=decoded.indices[~keep])
 
 
 # -- the worker process ---------------------------------------------------------------------------
@@ -266,7 +269,9 @@ def without_crashes(done: Transformed, keep: list[int], crashes: list[Crash], va
     for crash in crashes:
         error = FieldError(PARSER_CRASH, "$", f"the message alone {crash.how}")
         rejected.append(Rejected(crash.index, len(values[crash.index]), (error,), sniff_event_type(values[crash.index])))
-    return Transformed(done.clean, sorted(rejected, key=lambda r: r.index), done.stored_ids, done.report)
+    kept = np.asarray(keep, dtype=np.int64)
+    return Transformed(done.clean, sorted(rejected, key=lambda r: r.index), done.stored_ids, done.report,
+                       clean_messages=kept[done.clean_messages], stored_messages=kept[done.stored_messages])
 
 
 class TransformWorker:

@@ -32,10 +32,15 @@ WITH req AS (  -- every request-scoped event; min/max/arg_* are idempotent, so n
         arg_min(engine_id, (ts_ns, event_id)) AS engine_id,
         arg_max(instance_id, (ts_ns, event_id)) FILTER (WHERE instance_id IS NOT NULL) AS instance_id,
         max(tenant) AS any_tenant, max(service_class) AS any_service_class, max(model) AS any_model,
-        max(adapter) AS any_adapter, max(pool) AS any_pool,
-        count(DISTINCT event_id) AS num_events
+        max(adapter) AS any_adapter, max(pool) AS any_pool
     FROM {source}
     WHERE request_id IS NOT NULL
+    GROUP BY request_id
+),
+others AS (  -- the events that are not deliveries (deliveries are counted once each in tok): few
+    SELECT request_id, count(DISTINCT event_id) AS num_other_events
+    FROM {source}
+    WHERE request_id IS NOT NULL AND event_type NOT IN ('first_token', 'tokens_delivered')
     GROUP BY request_id
 ),
 arr AS (
@@ -79,17 +84,20 @@ sched AS (
     FROM (SELECT unnest(request_ids) AS rid, start_ns FROM {source} WHERE event_type = 'step_executed')
     GROUP BY rid
 ),
+ordered AS (  -- deliveries in order; a repeated delivery (the same event_id) sits right after its first copy
+    SELECT request_id, is_first, ts_ns, first_byte_ns, num_tokens, coalesced,
+           event_id IS NOT DISTINCT FROM lag(event_id) OVER w AS repeated,
+           ts_ns - lag(ts_ns) OVER w AS gap_ns  -- a copy has its original's ts_ns: the gap after it is the same
+    FROM (SELECT *, event_type = 'first_token' AS is_first
+          FROM {source} WHERE event_type IN ('first_token', 'tokens_delivered'))
+    WINDOW w AS (PARTITION BY request_id ORDER BY ts_ns, NOT is_first, event_id)  -- first_token first on a tie
+),
 deliveries AS (  -- sums and gaps need each delivery once
-    SELECT DISTINCT ON (event_id) event_id, request_id, event_type, ts_ns, first_byte_ns, num_tokens, coalesced
-    FROM {source} WHERE event_type IN ('first_token', 'tokens_delivered')
+    SELECT * FROM ordered WHERE NOT repeated
 ),
 gaps AS (  -- a delivery of k tokens after a gap g: k per-token gaps of g / k
     SELECT request_id, gap_ns, gap_ns::DOUBLE / coalesce(num_tokens, 1) AS token_gap_ns, coalesce(num_tokens, 1) AS weight
-    FROM (
-        SELECT request_id, num_tokens,
-               ts_ns - lag(ts_ns) OVER (PARTITION BY request_id ORDER BY ts_ns, event_type, event_id) AS gap_ns
-        FROM deliveries
-    )
+    FROM deliveries
     WHERE gap_ns IS NOT NULL
 ),
 ranked AS (  -- cumulative weight, for nearest-rank percentiles of the per-token gaps
@@ -101,12 +109,12 @@ ranked AS (  -- cumulative weight, for nearest-rank percentiles of the per-token
 tok AS (
     SELECT
         request_id,
-        min(ts_ns) FILTER (WHERE event_type = 'first_token') AS first_token_ns,
-        min(first_byte_ns) FILTER (WHERE event_type = 'first_token') AS first_byte_ns,
+        min(ts_ns) FILTER (WHERE is_first) AS first_token_ns,
+        min(first_byte_ns) FILTER (WHERE is_first) AS first_byte_ns,
         max(ts_ns) AS last_token_ns,
-        count(*) FILTER (WHERE event_type = 'first_token')
-            + coalesce(sum(num_tokens) FILTER (WHERE event_type = 'tokens_delivered'), 0) AS delivered_tokens,
-        coalesce(bool_or(coalesced), false) AS itl_from_chunks
+        count(*) FILTER (WHERE is_first) + coalesce(sum(num_tokens) FILTER (WHERE NOT is_first), 0) AS delivered_tokens,
+        coalesce(bool_or(coalesced), false) AS itl_from_chunks,
+        count(*) AS num_deliveries
     FROM deliveries GROUP BY request_id
 ),
 itl AS (
@@ -145,8 +153,9 @@ SELECT
     (first_byte_ns - client_sent_ns) / 1e9 AS ttft_client_s,
     (last_byte_ns - client_sent_ns) / 1e9 AS e2e_client_s,
     coalesce(num_itl_gaps, 0) AS num_itl_gaps, itl_mean_s, itl_p50_s, itl_p99_s, itl_max_s,
-    coalesce(itl_from_chunks, false) AS itl_from_chunks, num_events
+    coalesce(itl_from_chunks, false) AS itl_from_chunks, coalesce(num_other_events, 0) + coalesce(num_deliveries, 0) AS num_events
 FROM req
+LEFT JOIN others USING (request_id)
 LEFT JOIN arr USING (request_id)
 LEFT JOIN adm USING (request_id)
 LEFT JOIN fin USING (request_id)

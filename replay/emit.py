@@ -18,20 +18,18 @@ chunks.
 from __future__ import annotations
 
 import hashlib
-import queue
-import threading
 from collections.abc import Callable, Iterable
 from itertools import chain
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
-from replay.request_table import Deliveries, RequestTable, no_deliveries
+from replay.parquet_out import BackgroundParquet
+from replay.request_table import Deliveries, RequestTable
 from schemas.arrow import EVENTS_SCHEMA
 from schemas.events import SCHEMA_VERSION
 
@@ -104,6 +102,7 @@ class Snapshot:
 
 
 _REQUEST_ID = attrgetter("request_id")
+_FIRST = itemgetter(0)
 _INDEX = attrgetter("index")
 _LOCK_OUTPUT = attrgetter("lock_output")
 _BRANCHES = attrgetter("num_branches")
@@ -209,7 +208,8 @@ class EventChunk:
 
 
 class ParquetSink:
-    """Writes event tables to one zstd Parquet file, one row group per chunk, on a background thread.
+    """Writes event tables to one zstd Parquet file, one row group per chunk, on a background thread
+    (``replay.parquet_out``).
 
     It takes tables or ``EventChunk``s; a chunk is finished (``EventChunk.table``) on that thread too.
     """
@@ -217,56 +217,29 @@ class ParquetSink:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        # a path, not a Python file object: Arrow's own file writer never needs the GIL
-        self._writer = pq.ParquetWriter(
-            str(self.path), EVENTS_SCHEMA, compression="zstd", use_dictionary=_DICTIONARY_COLUMNS
-        )
-        self._queue: queue.Queue[pa.Table | EventChunk | None] = queue.Queue(maxsize=2)  # bounded: memory stays flat
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="replay-parquet", daemon=True)
-        self._thread.start()
+        self._file = BackgroundParquet(self.path, EVENTS_SCHEMA, use_dictionary=_DICTIONARY_COLUMNS, prepare=_table_of)
         self.num_rows = 0
 
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            if self._error is not None:
-                continue  # after a failure, drain: a put never blocks on a full queue
-            try:
-                table = item.table() if isinstance(item, EventChunk) else item
-                self._writer.write_table(table, row_group_size=max(1, table.num_rows))
-            except BaseException as exc:  # surfaced on the next call or at close
-                self._error = exc
-
     def __call__(self, events: pa.Table | EventChunk) -> None:
-        if self._error is not None:
-            raise self._error
-        self._queue.put(events)
+        self._file.put(events)
         self.num_rows += events.num_rows
 
     def abort(self) -> None:
         """Stop the writer thread after a failed replay (the file is left incomplete)."""
-        self._queue.put(None)
-        self._thread.join()
-        try:
-            self._writer.close()
-        except Exception:  # noqa: BLE001 - best effort after the original error
-            pass
+        self._file.abort()
 
     def close(self) -> str:
         """Finish the file; returns the SHA-256 of its bytes."""
-        self._queue.put(None)
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        self._writer.close()
+        self._file.close()
         digest = hashlib.sha256()
         with self.path.open("rb") as fh:
             while chunk := fh.read(1 << 23):
                 digest.update(chunk)
         return digest.hexdigest()
+
+
+def _table_of(item: pa.Table | EventChunk) -> pa.Table:
+    return item.table() if isinstance(item, EventChunk) else item
 
 
 class EventWriter:
@@ -342,12 +315,15 @@ class EventWriter:
         first = _FirstTokenRows(*zip(*self.first_tokens)) if self.first_tokens else None
         # TokensRow fields
         tokens = _TokenRows(*zip(*self.tokens)) if self.tokens else None
+        # the arrivals' fields and the finished requests' prefix hits, read once for the events and the request table
+        arrival = list(map(_ARRIVAL_FIELDS, map(_FIRST, self.arrived)))
+        hits = list(map(cached_prefix_hit, map(_FIRST, self.finished)))
         if self.requests is not None:
-            self._feed_requests(self.requests, first, tokens, runs)
+            self._feed_requests(self.requests, first, tokens, runs, arrival, hits)
         parts = [
             part
             for part in (
-                self._arrived_part(),
+                self._arrived_part(arrival),
                 self._admission_part(),
                 self._steps_part(members, log_number),
                 self._preempted_part(),
@@ -355,7 +331,7 @@ class EventWriter:
                 self._tokens_part(tokens),
                 self._runs_part(members, runs),
                 self._cancelled_part(),
-                self._finished_part(),
+                self._finished_part(hits),
                 self._states_part(),
             )
             if part is not None
@@ -376,14 +352,9 @@ class EventWriter:
         return self.hash.hexdigest()
 
     def _feed_requests(self, table: RequestTable, first: _FirstTokenRows | None, tokens: _TokenRows | None,
-                       runs: _RunRows | None) -> None:
+                       runs: _RunRows | None, arrival: list[tuple[Any, ...]], hits: list[int | None]) -> None:
         """Hand the buffered request events to the request table (before the parts empty the buffers)."""
-        table.add_arrivals(self.arrived, [_ARRIVAL_FIELDS(b[0]) for b in self.arrived], self.out_delay_ns is not None)
-        table.add_admissions(self.admission, [d.decision for _, _, d, _, _ in self.admission])
-        table.add_preemptions(self.preempted)
-        table.add_first_tokens(self.first_tokens, self.out_delay_ns)
-        table.add_cancellations(self.cancelled)
-        done = table.add_finished(self.finished, [cached_prefix_hit(b[0]) for b in self.finished], self.out_delay_ns)
+        done = table.add_events(self, arrival, hits)
         parts = []
         if first is not None:
             n = len(first.reqs)
@@ -399,9 +370,7 @@ class EventWriter:
             parts.append(Deliveries(runs.members.idx[runs.rows], runs.ts, np.ones(runs.n, np.int64), runs.upto,
                                     runs.num_tokens, runs.coalesced, np.asarray(table.instance_codes(runs.instances))[
                                         np.repeat(np.arange(len(runs.instances)), runs.lengths)]))
-        finished = np.asarray(done, np.int64)
-        delivered = table.add_deliveries(Deliveries.concat(parts) if parts else no_deliveries(), finished)
-        table.finish(done, delivered, self.labelled)
+        table.settle(parts, done, self.labelled)
 
     # ------------------------------------------------------------------ parts of a chunk
     #
@@ -438,15 +407,14 @@ class EventWriter:
         n = len(columns["request_id"])
         return n, build
 
-    def _arrived_part(self) -> _Part | None:
+    def _arrived_part(self, fields: list[tuple[Any, ...]]) -> _Part | None:
+        """``fields``: each arrival's request's ``_ARRIVAL_FIELDS``."""
         buf, self.arrived = self.arrived, []
         if not buf:
             return None
         # ArrivedRow fields
         reqs, instance, cached = zip(*buf)
-        (arrival, prompt, max_output, branches, ttft_deadline, e2e_deadline, session, block_ids, sent) = zip(
-            *map(_ARRIVAL_FIELDS, reqs)
-        )
+        (arrival, prompt, max_output, branches, ttft_deadline, e2e_deadline, session, block_ids, sent) = zip(*fields)
         cols = self._request_columns(reqs)
         cols["ts_ns"] = _ints(arrival)
         if self.out_delay_ns is not None:
@@ -602,7 +570,8 @@ class EventWriter:
         cols["instance_id"] = _strings(instance)
         return self._request_part("request_cancelled", cols, ":cancelled")
 
-    def _finished_part(self) -> _Part | None:
+    def _finished_part(self, hits: list[int | None]) -> _Part | None:
+        """``hits``: each finished request's ``cached_prefix_hit``."""
         buf, self.finished = self.finished, []
         if not buf:
             return None
@@ -614,7 +583,7 @@ class EventWriter:
         cols["num_output_tokens"] = _ints(num_output)
         cols["error_message"] = pa.array(error, pa.string())
         cols["instance_id"] = _strings(instance)
-        cols["num_cached_prefix_tokens"] = pa.array(list(map(cached_prefix_hit, reqs)), pa.int64())
+        cols["num_cached_prefix_tokens"] = pa.array(hits, pa.int64())
         if self.out_delay_ns is not None:  # a completed request's last token reached the client
             delivered = pc.and_(pc.equal(cols["outcome"], "completed"), pc.greater(cols["num_output_tokens"], 0))
             last = pc.add(cols["ts_ns"], pa.scalar(self.out_delay_ns, pa.int64()))

@@ -629,7 +629,18 @@ class Engine:
             return False  # not every decode fits the budget
         need = lock.hist[lock.ticks % self.block_size] if num_lock else 0
         if num_lock and num_lock == len(running) and not self.waiting:
-            return self._launch_lockstep_run(now, need)  # the common case: the lockstep set alone, nobody waiting
+            # the common case, the lockstep set alone, nobody waiting: a run of identical steps (inline: it is
+            # the hot path), unless its first step's blocks do not fit (the request-by-request pass preempts)
+            if need > pool.num_free:
+                return False
+            if need:
+                pool.allocate(need)
+            k, duration, last = self._plan_run(now, lock.num_seqs, lock.ctx_base + lock.num_seqs * lock.ticks, need)
+            lock.ahead = k
+            end = now + duration
+            self._flight = _Flight(now, end, end - last, k, True, lock.snapshot or lock.current_snapshot(), ())
+            self.stats.num_steps += k
+            return True
         scheduled: list[tuple[Request, int]] = []
         if len(running) > num_lock:
             left = self._plan_prefill_tail(running[num_lock:], budget, need, scheduled)
@@ -643,21 +654,6 @@ class Engine:
         if self.waiting:
             self._plan_waiting(now, budget, scheduled)
         return self._launch_lockstep_step(now, need, scheduled)
-
-    def _launch_lockstep_run(self, now: int, need: int) -> bool:
-        """The lockstep set alone decodes: a run of identical steps (False when its first step's blocks
-        do not fit: the request-by-request pass preempts)."""
-        lock, pool = self._lock, self.pool
-        if need > pool.num_free:
-            return False
-        if need:
-            pool.allocate(need)
-        k, duration, last = self._plan_run(now, lock.num_seqs, lock.ctx_base + lock.num_seqs * lock.ticks, need)
-        lock.ahead = k
-        end = now + duration
-        self._flight = _Flight(now, end, end - last, k, True, lock.snapshot or lock.current_snapshot(), ())
-        self.stats.num_steps += k
-        return True
 
     def _plan_prefill_tail(self, tail: list[Request], budget: int, need: int,
                            scheduled: list[tuple[Request, int]]) -> int | None:
@@ -848,7 +844,10 @@ class Engine:
     def _launch(self, now: int, duration: int, last: int, k: int, lockstep: bool, snapshot: Snapshot | None,
                 scheduled: list[tuple[Request, int]]) -> None:
         end = now + duration
-        self._flight = _Flight(now, end, end - last, k, lockstep, snapshot, _first_steps_pending(scheduled))
+        for r, _ in scheduled:  # until the step's event is written (or the step is lost to a failure), the
+            if r.first_step_ns is None:  # request table waits for its scheduled_ns (replay.request_table)
+                r.first_step_pending = True
+        self._flight = _Flight(now, end, end - last, k, lockstep, snapshot, scheduled)
         self.stats.num_steps += k
 
     def _seen_until_ns(self, now: int) -> int | None:
@@ -1085,22 +1084,43 @@ class Engine:
             self._schedule()
 
     def _complete_flight(self) -> None:
-        """Apply the flight's results at its end, in phases: the lockstep set's progress, the scheduled
-        requests' progress and tokens, the policy's observation, the finishes, the step event, the
-        handoffs of a prefill instance, and the decoders' (re)joining of the lockstep set."""
+        """Apply the flight's results at its end, in phases (the first and the step event inline: every step
+        that is not a lone run passes here): the lockstep set's progress, the scheduled requests' progress and
+        tokens, the policy's observation, the finishes, the step event, the handoffs of a prefill instance,
+        and the decoders' (re)joining of the lockstep set."""
         f = self._flight
         assert f is not None, "a step ended with no step in flight"
         if f.lockstep and not f.scheduled and self._short_completion:
             self._complete_run(f)
             return
         now = self.kernel.now_ns
-        finished = self._advance_lockstep(f, now)
+        # the lockstep set's clock advances by the flight's steps not yet applied (its run event is written)
+        finished: list[tuple[Request, str]] = []
+        if f.lockstep and f.snapshot is not None:
+            lock = self._lock
+            lock.ticks += f.num_steps - f.num_applied
+            lock.ahead = 0
+            if lock.members:
+                self.writer.runs.append((lock.snapshot or lock.current_snapshot(), now, f.num_steps, lock.ticks,
+                                         f.num_steps > 1, self.instance_id))
+            if lock.heap and lock.heap[0][0] <= lock.ticks:
+                finished.extend((r, "completed") for r in lock.pop_finished())
         tally = self._advance_scheduled(f, now, finished)
         if self._report_steps:  # before finishing: finished requests drop their views
             self._observe_step(f, tally.served)
         for r, outcome in finished:
             self._finish(r, now, outcome, "failed in the recorded trace" if outcome == "error" else None)
-        self._emit_step(f, now, tally)
+        # the step event (its composition and the KV pool after it); the flight is over
+        pool = self.pool
+        self.writer.steps.append(
+            (self.instance_id, self._step_index, f.start_ns, now, f.num_steps, tally.num_prefill, tally.num_decode,
+             f.snapshot or NO_MEMBERS, tally.ids, tally.per, pool.num_total - pool.num_free, pool.num_free)
+        )
+        self._step_index += 1
+        self.stats.num_step_events += 1
+        self.stats.busy_ns += now - f.start_ns  # the step event's end - start
+        self._flight = None
+        self._last_start_ns, self._last_end_ns = f.prev_end_ns, now
         for r in tally.handoffs:  # after the step: its KV leaves with it (only a prefill instance hands off)
             assert self.handoff is not None
             self.handoff(r, self.release(r, True))
@@ -1112,23 +1132,8 @@ class Engine:
         if self._flush_countdown <= 0:
             self._flush_if_full()
 
-    def _advance_lockstep(self, f: _Flight, now: int) -> list[tuple[Request, str]]:
-        """Phase 1: the lockstep set's clock advances by the flight's steps not yet applied (its run
-        event is written); returns its members that finished, as [(request, outcome)]."""
-        finished: list[tuple[Request, str]] = []
-        if f.lockstep and f.snapshot is not None:
-            lock = self._lock
-            lock.ticks += f.num_steps - f.num_applied
-            lock.ahead = 0
-            if lock.members:
-                self.writer.runs.append((lock.snapshot or lock.current_snapshot(), now, f.num_steps, lock.ticks,
-                                         f.num_steps > 1, self.instance_id))
-            if lock.heap and lock.heap[0][0] <= lock.ticks:
-                finished.extend((r, "completed") for r in lock.pop_finished())
-        return finished
-
     def _advance_scheduled(self, f: _Flight, now: int, finished: list[tuple[Request, str]]) -> _StepTally:
-        """Phase 2: each request scheduled one by one gains its computed tokens and, when it sampled, its
+        """Each request scheduled one by one gains its computed tokens and, when it sampled, its
         output tokens (delivered now); those done are added to ``finished``. Returns the step's tally
         (its composition, the requests that hand off or join the lockstep set)."""
         writer, iid, report, targets = self.writer, self.instance_id, self._report_steps, self._targets
@@ -1187,27 +1192,14 @@ class Engine:
         return tally
 
     def _observe_step(self, f: _Flight, served: list[int]) -> None:
-        """Phase 3 (a policy that wants step reports): the requests the flight served and their tokens."""
+        """A policy that wants step reports: the requests the flight served and their tokens."""
         members = [r for r in f.snapshot.requests if r.view is not None] if f.snapshot is not None else []
         views = [r.view for r in members] + [r.view for r, _ in f.scheduled if r.view is not None]
         counts = [r.num_branches for r in members] + [c for (r, _), c in zip(f.scheduled, served) if r.view is not None]
         self.policy.observe_step(self.view, views, counts, f.num_steps - f.num_applied)
 
-    def _emit_step(self, f: _Flight, now: int, tally: _StepTally) -> None:
-        """Phase 4: the step event (its composition and the KV pool after it); the flight is over."""
-        pool = self.pool
-        self.writer.steps.append(
-            (self.instance_id, self._step_index, f.start_ns, now, f.num_steps, tally.num_prefill, tally.num_decode,
-             f.snapshot or NO_MEMBERS, tally.ids, tally.per, pool.num_total - pool.num_free, pool.num_free)
-        )
-        self._step_index += 1
-        self.stats.num_step_events += 1
-        self.stats.busy_ns += now - f.start_ns  # the step event's end - start
-        self._flight = None
-        self._last_start_ns, self._last_end_ns = f.prev_end_ns, now
-
     def _rejoin_lockstep(self, f: _Flight, joiners: list[Request]) -> None:
-        """Phase 5 (fast mode): decoders join the lockstep set; after a request-by-request pass, every
+        """Fast mode: decoders join the lockstep set; after a request-by-request pass, every
         running decoder outside it does."""
         if f.lockstep:
             for r in joiners:
@@ -1285,15 +1277,6 @@ class Engine:
         pool.check(anon)
         assert 0 <= pool.num_used <= pool.num_total
         assert len(self.running) <= self.max_seqs
-
-
-def _first_steps_pending(scheduled: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
-    """``scheduled`` with each request whose first step this is marked: until the step's event is written (or the
-    step is lost to a failure), the request table waits for its ``scheduled_ns`` (replay.request_table)."""
-    for r, _ in scheduled:
-        if r.first_step_ns is None:
-            r.first_step_pending = True
-    return scheduled
 
 
 def _step_shape(scheduled: list[tuple[Request, int]], now: int, num_decode: int = 0, decode_ctx: int = 0) -> StepShape:

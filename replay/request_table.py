@@ -10,7 +10,8 @@ instance are the latest by ``(ts_ns, event_id)``, and the inter-token gaps read 
 ``(ts_ns, event_type, event_id)`` order, a delivery of k tokens after a gap g counting as k gaps of g/k
 (``docs/metrics.md``). Every replay of the test suite compares the two (``tests/replay/conftest.py``).
 
-Scalar columns are kept per request in flight (a few dozen values). Deliveries, the bulk of a replay's
+Scalar columns come from the requests' own events, kept as numpy columns while they are in flight and
+reduced per request when it finishes (``replay.request_events``). Deliveries, the bulk of a replay's
 events, are handled as numpy columns per chunk: their gaps are computed once the order around them is
 settled (a request's deliveries at its latest timestamp wait for the next chunk, where a tie could
 still reorder them), and the per-request nearest-rank percentiles are taken when the request finishes.
@@ -22,20 +23,19 @@ requests in flight, not the length of the run.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from replay import request_events
+from replay.request_events import isin as _in
 from schemas.arrow import arrow_schema
 from schemas.records import RequestRow
-
-if TYPE_CHECKING:
-    from replay.request import Request
 
 REQUESTS_SCHEMA = arrow_schema(RequestRow)
 REQUESTS_FILE = "requests.parquet"
@@ -44,24 +44,16 @@ _FIRST_TOKEN, _TOKENS = 0, 1  # event types in the order 'first_token' < 'tokens
 _ROW_GROUP_ROWS = 65_536
 
 
-class _Row:
-    """One request's scalar columns while it is in flight (class attributes are the defaults: a row stores
-    only what its events set)."""
+class EventBuffers(Protocol):
+    """The event writer's buffers of request events (``replay.emit``'s row types), as the request table reads them."""
 
-    arrival: tuple | None = None  # the arrival event's fields (replay.emit._ARRIVAL_FIELDS)
-    client_sent = cached_arrival = admission_ns = decision = decision_key = None
-    first_token_ns = first_byte_ns = cancel_ns = finish_ns = outcome = None
-    output_tokens = last_byte_ns = cached_finished = instance = instance_key = None
-    admissions = preemptions = migrations = lost_tokens = num_events = 0
-
-    def __init__(self, request: Request) -> None:
-        self.request = request
-
-    def saw(self, ts: int, suffix: str, instance: str | None) -> None:
-        """An event of this request (event id ``<run>:<request><suffix>``) naming ``instance``."""
-        self.num_events += 1
-        if instance is not None and (self.instance_key is None or (ts, suffix) > self.instance_key):
-            self.instance_key, self.instance = (ts, suffix), instance
+    arrived: list[Any]
+    admission: list[Any]
+    preempted: list[Any]
+    first_tokens: list[Any]
+    cancelled: list[Any]
+    finished: list[Any]
+    out_delay_ns: int | None
 
 
 class Deliveries:
@@ -83,6 +75,16 @@ class Deliveries:
 
     def __len__(self) -> int:
         return len(self.idx)
+
+
+class _Ordered:
+    """The columns of deliveries that every row's settling reads, taken in delivery order (the others are
+    read only at a few rows, through the order)."""
+
+    __slots__ = ("idx", "ts", "tokens", "coalesced")
+
+    def __init__(self, x: Deliveries, order: np.ndarray) -> None:
+        self.idx, self.ts, self.tokens, self.coalesced = x.idx[order], x.ts[order], x.tokens[order], x.coalesced[order]
 
 
 def no_deliveries() -> Deliveries:
@@ -112,7 +114,7 @@ class RequestTable:
         self._tmp = self.path.with_name(f".{self.path.name}.tmp")
         self._writer: pq.ParquetWriter | None = None
         self.num_rows = 0
-        self._rows: dict[int, _Row] = {}  # request index -> state, in flight
+        self._logs = request_events.empty_logs()  # the events of the requests in flight (all but deliveries)
         self._instances: list[str] = []
         self._instance_code: dict[str, int] = {}
         self._tails = no_deliveries()  # deliveries at each open request's latest timestamp (order not settled)
@@ -122,7 +124,6 @@ class RequestTable:
         self._ready: list[pa.Table] = []  # finished rows not yet written (sorted on the way out)
         self._ready_rows = 0
         self._last_arrival = _MISSING  # requests still to come arrive no earlier than this
-        self._waiting: list[int] = []  # finished, but a step in flight may still list them (its scheduled_ns)
 
     # ------------------------------------------------------------------ feeding
 
@@ -141,105 +142,69 @@ class RequestTable:
             self._instances.append(name)
         return code
 
-    def _row(self, r: Request) -> _Row:
-        row = self._rows.get(r.index)
-        if row is None:
-            row = self._rows[r.index] = _Row(r)
-        return row
+    def add_events(self, w: EventBuffers, arrival_fields: list[tuple], hits: list[int | None]) -> np.ndarray:
+        """A chunk's buffered request events but the deliveries (``w``: the event writer's buffers), each arrival's
+        fields (``replay.emit._ARRIVAL_FIELDS``) and each finish's prefix-cache hit; returns the indices (sorted)
+        of the requests whose rows are complete now: finished, and in no step in flight that would be their first
+        (a request cancelled during its first step waits for it)."""
+        logs = self._logs
+        if w.arrived:
+            new = request_events.arrived_log(w.arrived, arrival_fields, self._codes(w.arrived, 1),
+                                             w.out_delay_ns is not None)
+            request_events.append(logs, "arrived", new)
+            self._last_arrival = max(self._last_arrival, int(new["ts"].max()))
+        if w.admission:
+            request_events.append(logs, "admission", request_events.admission_log(
+                w.admission, [d.decision for _, _, d, _, _ in w.admission], self._codes(w.admission, 4)))
+        if w.preempted:
+            request_events.append(logs, "preempted", request_events.preempted_log(w.preempted, self._codes(w.preempted, 5)))
+        if w.first_tokens:
+            request_events.append(logs, "first", request_events.first_log(w.first_tokens, w.out_delay_ns))
+        if w.cancelled:
+            request_events.append(logs, "cancelled", request_events.cancelled_log(w.cancelled, self._codes(w.cancelled, 2)))
+        if w.finished:
+            request_events.append(logs, "finished", request_events.finished_log(
+                w.finished, hits, self._codes(w.finished, 5), w.out_delay_ns))
+        return request_events.complete(logs)
 
-    def add_arrivals(self, buf: list[tuple], fields: list[tuple], client_side: bool) -> None:
-        """``request_arrived``: (request, instance_id, cached) tuples and each one's arrival fields."""
-        rows = self._rows
-        for (r, instance, cached), f in zip(buf, fields):
-            row = rows.get(r.index)
-            if row is None:  # the common case: a request's first event
-                row = rows[r.index] = _Row(r)
-                row.arrival, row.cached_arrival, row.num_events = f, cached, 1
-                if client_side:
-                    row.client_sent = f[8]
-                if instance is not None:
-                    row.instance_key, row.instance = (f[0], ":arrived"), instance
-                continue
-            if row.arrival is None or f[0] < row.arrival[0]:
-                row.arrival, row.cached_arrival = f, cached
-                row.client_sent = f[8] if client_side else None
-            row.saw(f[0], ":arrived", instance)
-        if fields:
-            self._last_arrival = max(self._last_arrival, max(f[0] for f in fields))
-
-    def add_admissions(self, buf: list[tuple], decisions: Sequence[str]) -> None:
-        """``admission_decided``: (request, ts, decision, number, instance_id) tuples and each decision's name."""
-        for (r, ts, _, number, instance), decision in zip(buf, decisions):
-            row = self._row(r)
-            suffix = f":admission{number}"
-            row.admissions += 1
-            if row.admission_ns is None or ts < row.admission_ns:
-                row.admission_ns = ts
-            if row.decision_key is None or (ts, suffix) > row.decision_key:
-                row.decision_key, row.decision = (ts, suffix), decision
-            row.saw(ts, suffix, instance)
-
-    def add_preemptions(self, buf: list[tuple]) -> None:
-        """``request_preempted``: (request, ts, mode, number, lost tokens, instance_id) tuples."""
-        for r, ts, mode, number, lost, instance in buf:
-            row = self._row(r)
-            if mode == "migrate":
-                row.migrations += 1
-            else:
-                row.preemptions += 1
-            row.lost_tokens += lost
-            row.saw(ts, f":preempted{number}", instance)
-
-    def add_first_tokens(self, buf: list[tuple], out_delay_ns: int | None) -> None:
-        """``first_token``: (request, ts, instance_id) tuples (also deliveries: ``add_deliveries``)."""
-        for r, ts, _instance in buf:
-            row = self._row(r)
-            if row.first_token_ns is None or ts < row.first_token_ns:
-                row.first_token_ns = ts
-            if out_delay_ns is not None and (row.first_byte_ns is None or ts + out_delay_ns < row.first_byte_ns):
-                row.first_byte_ns = ts + out_delay_ns
-
-    def add_cancellations(self, buf: list[tuple]) -> None:
-        """``request_cancelled``: (request, ts, instance_id) tuples."""
-        for r, ts, instance in buf:
-            row = self._row(r)
-            if row.cancel_ns is None or ts < row.cancel_ns:
-                row.cancel_ns = ts
-            row.saw(ts, ":cancelled", instance)
-
-    def add_finished(self, buf: list[tuple], cached: Sequence[int | None], out_delay_ns: int | None) -> list[int]:
-        """``request_finished``: (request, ts, outcome, output tokens, error, instance_id) tuples and each one's
-        prefix-cache hit; returns the indices of the requests whose rows are complete now: finished, and in no
-        step in flight that would be their first (a request cancelled during its first step waits for it)."""
-        done = []
-        for (r, ts, outcome, output, _, instance), hit in zip(buf, cached):
-            row = self._row(r)
-            if row.finish_ns is not None:
-                raise AssertionError(f"request {r.request_id} finished twice")
-            row.finish_ns, row.outcome, row.output_tokens, row.cached_finished = ts, outcome, output, hit
-            if out_delay_ns is not None and outcome == "completed" and output > 0:
-                row.last_byte_ns = ts + out_delay_ns
-            row.saw(ts, ":finished", instance)
-            self._waiting.append(r.index)
-        waiting, self._waiting = self._waiting, []
-        for i in waiting:
-            (self._waiting if self._rows[i].request.first_step_pending else done).append(i)
-        return done
+    def _codes(self, buf: list[tuple], field: int) -> np.ndarray:
+        """The instance codes of field ``field`` of ``buf``'s rows."""
+        return self.instance_codes(list(map(itemgetter(field), buf)))
 
     # ------------------------------------------------------------------ deliveries
 
-    def add_deliveries(self, new: Deliveries, finished: np.ndarray) -> dict[str, np.ndarray]:
-        """Settle this chunk's deliveries; returns the delivery columns of the ``finished`` requests
+    def settle(self, parts: Sequence[Deliveries], finished: np.ndarray, labelled: bool) -> None:
+        """This chunk's deliveries (``parts``) and the rows of the ``finished`` requests (``add_events``): their
+        events are taken out of the logs, the deliveries settled, and the rows built and written once ready."""
+        new_idx = np.concatenate([p.idx for p in parts]) if parts else np.zeros(0, np.int64)
+        known = _in(new_idx, np.concatenate([log["idx"] for log in self._logs.values()]))
+        if not known.all():
+            raise AssertionError(f"a delivery for request #{int(new_idx[~known][0])} after its request_finished")
+        logs = request_events.take_done(self._logs, finished) if len(finished) else None
+        arrivals = self._logs["arrived"]["ts"]  # of the requests still in flight: no later row precedes them
+        cut = min(self._last_arrival, int(arrivals.min())) if len(arrivals) else self._last_arrival
+        self._settle(parts, finished, logs, labelled, cut, self._instances)
+
+    def _settle(self, parts: Sequence[Deliveries], finished: np.ndarray, logs: dict[str, request_events.Log] | None,
+                labelled: bool, cut: int, instances: list[str]) -> None:
+        """Settle the deliveries, then build the finished requests' rows and write those ready."""
+        deliveries = self._add_deliveries(parts, finished)
+        if logs is None:
+            return
+        table = _rows_table(request_events.reduce_logs(logs, finished), deliveries, self.engine_id, instances, labelled)
+        self._ready.append(table)
+        self._ready_rows += table.num_rows
+        self._write_ready(cut)
+
+    def _add_deliveries(self, parts: Sequence[Deliveries], finished: np.ndarray) -> dict[str, np.ndarray]:
+        """Settle this chunk's deliveries (``parts``); returns the delivery columns of the ``finished`` requests
         (request index order): count, tokens, coalesced, first and last ts, the last one's kind, number
         and instance, and the gap statistics."""
-        for r in (int(i) for i in np.unique(new.idx)):
-            if r not in self._rows:
-                raise AssertionError(f"a delivery for request #{r} after its request_finished")
-        x = Deliveries.concat([self._tails, new])
-        fresh = np.concatenate([np.zeros(len(self._tails), bool), np.ones(len(new), bool)])
-        order = _delivery_order(x)
-        x, fresh = x.take(order), fresh[order]
-        n = len(x)
+        unsorted = Deliveries.concat([self._tails, *parts])
+        order = _delivery_order(unsorted)
+        x = _Ordered(unsorted, order)  # the columns read row by row, in delivery order
+        fresh = order >= len(self._tails)
+        n = len(order)
         starts = np.flatnonzero(np.r_[True, x.idx[1:] != x.idx[:-1]]) if n else np.zeros(0, np.int64)
         ends = np.r_[starts[1:], n] - 1 if n else np.zeros(0, np.int64)
         group = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, n])) if n else np.zeros(0, np.int64)
@@ -269,43 +234,31 @@ class RequestTable:
         )
         keep = ~done
         self._settled = settled.take(np.flatnonzero(keep))
-        self._tails = x.take(np.flatnonzero(~final))
+        self._tails = unsorted.take(order[~final])
         all_gaps = tuple(np.concatenate([a, b]) for a, b in zip(self._gaps, gaps))
         closing = _in(all_gaps[0], finished)
         self._gaps = tuple(a[~closing] for a in all_gaps)
-        out = _finished_deliveries(settled.take(np.flatnonzero(done)), x, ends[done], tuple(a[closing] for a in all_gaps))
-        return out
+        last = order[ends[done]]  # each finished request's last delivery, a row of ``unsorted``
+        return _finished_deliveries(settled.take(np.flatnonzero(done)), unsorted, last, tuple(a[closing] for a in all_gaps))
 
     # ------------------------------------------------------------------ rows
 
-    def finish(self, finished: Sequence[int], deliveries: dict[str, np.ndarray], labelled: bool) -> None:
-        """Write out the rows of the ``finished`` requests (all their events gathered)."""
-        if not finished:
-            return
-        order = np.argsort(np.asarray(finished, np.int64))
-        rows = [self._rows.pop(finished[i]) for i in order]
-        table = _rows_table(rows, deliveries, self.engine_id, self._instances, labelled)
-        self._ready.append(table)
-        self._ready_rows += table.num_rows
-        self._write_ready(final=False)
-
-    def _write_ready(self, final: bool) -> None:
-        """Write the ready rows that nothing in flight or to come can precede (every one, at the end), once they
-        make a row group."""
-        if not self._ready or (not final and self._ready_rows < _ROW_GROUP_ROWS):
+    def _write_ready(self, cut: int | None) -> None:
+        """Write the ready rows that arrived before ``cut`` (nothing in flight or to come can precede them; None:
+        every one, at the end), once they make a row group."""
+        if not self._ready or (cut is not None and self._ready_rows < _ROW_GROUP_ROWS):
             return
         pending = pa.concat_tables(self._ready)
-        if final:
+        if cut is None:
             out, rest = pending, pending.slice(0, 0)
         else:
-            cut = min([self._last_arrival, *(row.arrival[0] for row in self._rows.values() if row.arrival is not None)])
             mask = pc.fill_null(pc.less(pending["arrival_ns"], pa.scalar(cut, pa.int64())), False)
             out, rest = pending.filter(mask), pending.filter(pc.invert(mask))
             if out.num_rows < _ROW_GROUP_ROWS // 2:  # most are still held back: wait for more
                 return
         self._ready, self._ready_rows = ([rest] if rest.num_rows else []), rest.num_rows
         if out.num_rows:
-            self._write(out.sort_by([("arrival_ns", "ascending"), ("request_id", "ascending")]))
+            self._write(_in_arrival_order(out))
 
     def _write(self, table: pa.Table) -> None:
         if self._writer is None:
@@ -316,25 +269,38 @@ class RequestTable:
 
     def close(self) -> Path:
         """Write what is left and put the file in place; returns its path."""
-        if self._waiting:
-            raise AssertionError(f"{len(self._waiting)} finished requests still wait for a step event")
-        if self._rows:
-            raise AssertionError(f"{len(self._rows)} requests never finished")
-        self._write_ready(final=True)
-        if self._writer is None:
-            self._write(REQUESTS_SCHEMA.empty_table())
-        self._writer.close()
+        waiting = len(self._logs["finished"]["idx"])
+        if waiting:
+            raise AssertionError(f"{waiting} finished requests still wait for a step event")
+        in_flight = np.unique(np.concatenate([log["idx"] for log in self._logs.values()]))
+        if len(in_flight):
+            raise AssertionError(f"{len(in_flight)} requests never finished")
+        self._close_file()
         self._tmp.replace(self.path)
         return self.path
+
+    def _close_file(self) -> None:
+        """Write every row left and finish the file."""
+        self._write_ready(None)
+        if self._writer is None:
+            self._write(REQUESTS_SCHEMA.empty_table())
+        assert self._writer is not None
+        self._writer.close()
 
     def abort(self) -> None:
         """Drop the unfinished file (a failed replay)."""
         if self._writer is not None:
-            try:
-                self._writer.close()
-            except Exception:  # noqa: BLE001 - best effort after the original error
-                pass
+            self._writer.close()
         self._tmp.unlink(missing_ok=True)
+
+
+def _in_arrival_order(table: pa.Table) -> pa.Table:
+    """``table`` sorted by (arrival_ns, request_id), as the derivation sorts (rows mostly come in that order
+    already: then the table is kept as it is)."""
+    order = pc.sort_indices(table, [("arrival_ns", "ascending"), ("request_id", "ascending")]).to_numpy()
+    if (order == np.arange(len(order))).all():
+        return table
+    return table.take(order)
 
 
 # ---------------------------------------------------------------------------------------------- columns
@@ -367,19 +333,6 @@ def _settle_ties(order: np.ndarray, tied: np.ndarray, x: Deliveries) -> np.ndarr
         rows = order[start:end]
         order[start:end] = sorted(rows, key=lambda r: (int(x.kind[r]), str(int(x.tb[r]))))
     return order
-
-
-def _in(values: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    """``np.isin(values, keys)`` for request indices, through a dense mask when they span a small range."""
-    if not len(values) or not len(keys):
-        return np.zeros(len(values), bool)
-    low = min(int(values.min()), int(keys.min()))
-    span = max(int(values.max()), int(keys.max())) - low + 1
-    if span > 1 << 24:
-        return np.isin(values, keys)
-    mask = np.zeros(span, bool)
-    mask[keys - low] = True
-    return mask[values - low]
 
 
 def _by_request(idx: np.ndarray, first: np.ndarray) -> np.ndarray:
@@ -432,14 +385,16 @@ def _finished_deliveries(settled: _Settled, x: Deliveries, last_rows: np.ndarray
     m = len(idx)
     starts = np.flatnonzero(np.r_[True, idx[1:] != idx[:-1]]) if m else np.zeros(0, np.int64)
     total = _group_sum(weight, starts)
-    below = np.cumsum(weight) - np.repeat(np.cumsum(weight)[starts] - weight[starts], np.diff(np.r_[starts, m]))
-    group = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, m]))
+    cum = np.cumsum(weight)  # non-decreasing over all rows (weights are token counts)
+    before = cum[starts] - weight[starts] if m else cum  # each request's cumulative weight before its first gap
+    ends = np.r_[starts[1:], m] - 1 if m else starts
 
     def first_at_rank(numerator: int, denominator: int) -> np.ndarray:
-        # nearest rank: the smallest gap whose cumulative weight reaches numerator/denominator of the total
-        reached = denominator * below >= numerator * total[group]
-        first = np.minimum.reduceat(np.where(reached, np.arange(m), m), starts) if m else np.zeros(0, np.int64)
-        return token_gap[first]
+        # nearest rank: the smallest gap whose cumulative weight in its request reaches numerator/denominator of
+        # the request's total (``denominator * below >= numerator * total``, below the weight up to it): the first
+        # row whose running sum reaches ``before`` plus the ceiling of that share, found by bisection
+        first = np.searchsorted(cum, before + -(-numerator * total // denominator), side="left")
+        return token_gap[np.clip(first, starts, ends)]
 
     pos = np.searchsorted(settled.idx, idx[starts])
     n = len(settled.idx)
@@ -448,68 +403,70 @@ def _finished_deliveries(settled: _Settled, x: Deliveries, last_rows: np.ndarray
         stats["gaps"][pos] = total
         stats["p50"][pos] = first_at_rank(1, 2)
         stats["p99"][pos] = first_at_rank(99, 100)
-        stats["max"][pos] = np.maximum.reduceat(token_gap, starts)
+        stats["max"][pos] = token_gap[ends]  # each request's gaps are in ascending order
     out.update(stats)
     return out
 
 
-_ROW_FIELDS = ("admission_ns", "first_token_ns", "first_byte_ns", "cancel_ns", "finish_ns", "outcome", "decision",
-               "admissions", "preemptions", "migrations", "lost_tokens", "client_sent", "last_byte_ns")
-_REQUEST_FIELDS = ("request_id", "first_step_ns", "index")
+_REQUEST_FIELDS = ("request_id", "first_step_ns")
 _LABEL_FIELDS = ("tenant", "service_class", "model", "adapter")
+#: Integer columns taken as ``request_events.reduce_logs`` gives them (int64, _MISSING: null).
+_TIMESTAMPS = ("arrival_ns", "admission_ns", "first_token_ns", "first_byte_ns", "cancel_ns", "finish_ns", "last_byte_ns")
+_COUNTS = ("num_admission_decisions", "num_preemptions", "num_migrations", "num_lost_tokens")
+#: Columns taken as they are (Python values, None: null).
+_VALUES = ("outcome", "session_id", "num_prompt_tokens", "max_output_tokens", "num_branches")
 
 
-def _columns(items: list, names: tuple[str, ...]) -> dict[str, tuple]:
+def _columns(items: Sequence[Any], names: tuple[str, ...]) -> dict[str, tuple]:
     """Attributes ``names`` of each of ``items``, as one tuple per name."""
     values = list(map(attrgetter(*names), items))
     return dict(zip(names, zip(*values))) if values else {name: () for name in names}
 
 
-def _rows_table(rows: list[_Row], d: dict[str, np.ndarray], engine_id: str, instances: list[str],
+def _rows_table(v: dict[str, np.ndarray], d: dict[str, np.ndarray], engine_id: str, instances: list[str],
                 labelled: bool) -> pa.Table:
-    """The finished rows (request index order) as a ``REQUESTS_SCHEMA`` table."""
-    n = len(rows)
-    reqs = [row.request for row in rows]
+    """The finished requests' rows (``v``: ``request_events.reduce_logs``'s columns, ``d``: their deliveries',
+    in request index order) as a ``REQUESTS_SCHEMA`` table, built column by column (the durations and gap
+    statistics with null-aware Arrow arithmetic)."""
+    reqs = v["req"]
+    n = len(reqs)
     req = _columns(reqs, _REQUEST_FIELDS)
-    mine = _columns(rows, _ROW_FIELDS)
-    found = _Found(d["idx"], np.fromiter(req["index"], np.int64, n))
-    first_ts, last_ts = found.values(d["first_ts"]), found.values(d["last_ts"])
-    count, tokens, gaps = found.values(d["count"], 0), found.values(d["tokens"]), found.values(d["gaps"], 0)
-    instance_id = [_instance(row, k, tb, ts, code, instances) for row, k, tb, ts, code in zip(
-        rows, found.values(d["last_kind"]), found.values(d["last_tb"]), last_ts, found.values(d["last_instance"]))]
-    arrival = dict(zip(("arrival_ns", "num_prompt_tokens", "max_output_tokens", "num_branches", "", "", "session_id"),
-                       zip(*[row.arrival or (None,) * 9 for row in rows])))
-    labels = _columns(reqs, _LABEL_FIELDS) if labelled else {name: (None,) * n for name in _LABEL_FIELDS}
-    none = (None,) * n
-    cols: dict[str, Sequence] = {
-        "request_id": req["request_id"], "engine_id": (engine_id,) * n, "instance_id": instance_id, **labels,
-        "pool": none, "session_id": arrival["session_id"], "arrival_ns": arrival["arrival_ns"],
-        "admission_ns": mine["admission_ns"], "scheduled_ns": req["first_step_ns"],
-        "first_token_ns": mine["first_token_ns"], "first_byte_ns": mine["first_byte_ns"], "last_token_ns": last_ts,
-        "cancel_ns": mine["cancel_ns"], "finish_ns": mine["finish_ns"], "outcome": mine["outcome"],
-        "admission_decision": mine["decision"], "num_admission_decisions": mine["admissions"],
-        "num_prompt_tokens": arrival["num_prompt_tokens"],
-        "num_cached_prefix_tokens": [row.cached_arrival if row.cached_finished is None else row.cached_finished
-                                     for row in rows],
-        "max_output_tokens": arrival["max_output_tokens"], "num_branches": arrival["num_branches"],
-        "num_output_tokens": [row.output_tokens if row.output_tokens is not None else (t or None)
-                              for row, t in zip(rows, tokens)],
-        "num_preemptions": mine["preemptions"], "num_migrations": mine["migrations"],
-        "num_lost_tokens": mine["lost_tokens"], "client_sent_ns": mine["client_sent"],
-        "last_byte_ns": mine["last_byte_ns"], "num_itl_gaps": gaps,
-        "itl_from_chunks": found.values(d["coalesced"], False),
-        "num_events": [row.num_events + c for row, c in zip(rows, count)],
+    found = _Found(d["idx"], v["idx"])
+    labels = _columns(reqs, _LABEL_FIELDS) if labelled else {name: pa.nulls(n, pa.string()) for name in _LABEL_FIELDS}
+    gaps = found.filled(d["gaps"], 0)
+    cached = pc.coalesce(pa.array(v["cached_finished"], pa.int64()), pa.array(v["cached_arrival"], pa.int64()))
+    cols: dict[str, Sequence | pa.Array | np.ndarray] = {
+        "request_id": req["request_id"], "engine_id": pa.repeat(pa.scalar(engine_id), n),
+        "instance_id": _instance_ids(v, found, d, instances), **labels, "pool": pa.nulls(n, pa.string()),
+        "scheduled_ns": pa.array(req["first_step_ns"], pa.int64()), "last_token_ns": found.array(d["last_ts"]),
+        "admission_decision": v["decision"], "num_cached_prefix_tokens": cached,
+        "client_sent_ns": pa.array(v["client_sent_ns"], pa.int64()),
+        # the finish event's count, else the tokens counted in deliveries (none: null)
+        "num_output_tokens": pc.coalesce(pa.array(v["output_tokens"], pa.int64()), found.array(d["tokens"], nonzero=True)),
+        "num_itl_gaps": gaps, "itl_from_chunks": found.filled(d["coalesced"], False),
+        "num_events": v["num_events"] + found.filled(d["count"], 0),
+        **{name: pa.array(v[name], pa.int64(), mask=v[name] == _MISSING) for name in _TIMESTAMPS},
+        **{name: v[name] for name in _COUNTS + _VALUES},
     }
     for name, (end, start) in _DURATIONS.items():
         cols[name] = _seconds(cols[end], cols[start])
-    cols["tpot_s"] = [None if o is None or o <= 1 or s is None else s / (o - 1)
-                      for s, o in zip(_seconds(last_ts, cols["first_token_ns"]), cols["num_output_tokens"])]
-    # the gaps' integer sum is the span of the deliveries; the derivation divides it by their count, then by 1e9
-    cols["itl_mean_s"] = [None if not g else (b - a) / g / 1e9 for a, b, g in zip(first_ts, last_ts, gaps)]
-    for name in ("p50", "p99", "max"):
-        cols[f"itl_{name}_s"] = [None if not g else v / 1e9 for v, g in zip(found.values(d[name]), gaps)]
-    arrays = [pa.array(cols[f.name], f.type) for f in REQUESTS_SCHEMA]
+    _gap_columns(cols, found, d, gaps)
+    arrays = [_as_array(cols[f.name], f.type) for f in REQUESTS_SCHEMA]
     return pa.Table.from_arrays(arrays, schema=REQUESTS_SCHEMA)
+
+
+def _gap_columns(cols: dict, found: _Found, d: dict[str, np.ndarray], gaps: np.ndarray) -> None:
+    """TPOT and the per-token gap statistics, in seconds (each divided as the derivation divides: integer ns
+    differences to float, then by the count, then by 1e9)."""
+    has_gaps = gaps > 0
+    later_tokens = pc.subtract(cols["num_output_tokens"], 1)
+    cols["tpot_s"] = pc.divide(_seconds(cols["last_token_ns"], cols["first_token_ns"]),
+                               _float(pc.if_else(pc.greater(later_tokens, 0), later_tokens, pa.scalar(None, pa.int64()))))
+    # the gaps' integer sum is the span of the deliveries; the derivation divides it by their count, then by 1e9
+    span = pc.subtract(cols["last_token_ns"], found.array(d["first_ts"]))
+    cols["itl_mean_s"] = pc.divide(pc.divide(_float(span), _float(pa.array(gaps, mask=~has_gaps))), 1e9)
+    for name in ("p50", "p99", "max"):
+        cols[f"itl_{name}_s"] = pa.array(found.filled(d[name], 0.0) / 1e9, pa.float64(), mask=~has_gaps)
 
 
 #: Durations in seconds: (later timestamp, earlier timestamp), each (later - earlier) / 1e9 as the derivation divides.
@@ -522,27 +479,57 @@ _DURATIONS = {
 }
 
 
-def _seconds(later: list, earlier: list) -> list:
-    """(later - earlier) / 1e9 per row, None where either is missing (integer ns, one float division)."""
-    return [None if a is None or b is None else (a - b) / 1e9 for a, b in zip(later, earlier)]
+def _float(values: pa.Array) -> pa.Array:
+    return pc.cast(values, pa.float64())
+
+
+def _seconds(later: pa.Array, earlier: pa.Array) -> pa.Array:
+    """(later - earlier) / 1e9 per row, null where either is (integer ns, one float division)."""
+    return pc.divide(_float(pc.subtract(later, earlier)), 1e9)
+
+
+def _as_array(values: Sequence | pa.Array | np.ndarray, type_: pa.DataType) -> pa.Array:
+    if isinstance(values, pa.ChunkedArray):
+        values = values.combine_chunks()
+    if isinstance(values, pa.Array):
+        return values if values.type == type_ else values.cast(type_)
+    return pa.array(values, type_)
 
 
 class _Found:
     """Rows of ``keys`` (sorted request indices) for each of ``wanted``."""
 
     def __init__(self, keys: np.ndarray, wanted: np.ndarray) -> None:
+        self.n = len(wanted)
         self.pos = np.minimum(np.searchsorted(keys, wanted), max(len(keys) - 1, 0))
         self.has = (keys[self.pos] == wanted) if len(keys) else np.zeros(len(wanted), bool)
 
-    def values(self, column: np.ndarray, default=None) -> list:
+    def filled(self, column: np.ndarray, default: object) -> np.ndarray:
+        """The column's value where found, else ``default``."""
         if not len(column):
-            return [default] * len(self.has)
-        return [v if h else default for v, h in zip(column[self.pos].tolist(), self.has.tolist())]
+            return np.full(self.n, default, column.dtype)
+        return np.where(self.has, column[self.pos], default)
+
+    def array(self, column: np.ndarray, nonzero: bool = False) -> pa.Array:
+        """The column's value where found (and not zero, with ``nonzero``), else null."""
+        if not len(column):
+            return pa.nulls(self.n, pa.from_numpy_dtype(column.dtype))
+        values = column[self.pos]
+        return pa.array(values, mask=~(self.has & (values != 0)) if nonzero else ~self.has)
 
 
-def _instance(row: _Row, kind, tb, ts, code, instances: list[str]) -> str | None:
-    """The instance of the request's latest event (by ts, then event id) that names one."""
-    if code is None or code < 0:
-        return row.instance
-    key = (ts, ":first_token" if kind == _FIRST_TOKEN else f":tokens{tb}")
-    return instances[code] if row.instance_key is None or key > row.instance_key else row.instance
+def _instance_ids(v: dict[str, np.ndarray], found: _Found, d: dict[str, np.ndarray], instances: list[str]) -> np.ndarray:
+    """Each request's instance: that of its latest event (by ts, then event id) that names one, its own events'
+    (``v``) or its last delivery's (``d``), which wins when later."""
+    code = v["instance"]
+    if len(d["idx"]):
+        ts, rank, num = v["instance_key"]
+        d_ts, d_code = found.filled(d["last_ts"], _MISSING), found.filled(d["last_instance"], -1)
+        d_rank = np.where(found.filled(d["last_kind"], 0) == _FIRST_TOKEN, request_events.RANK[":first_token"],
+                          request_events.RANK[":tokens"])
+        d_num = np.where(d_rank == request_events.RANK[":tokens"], request_events.number_key(found.filled(d["last_tb"], 0)), 0)
+        later = (d_ts > ts) | ((d_ts == ts) & ((d_rank > rank) | ((d_rank == rank) & (d_num > num))))
+        code = np.where(found.has & (d_code >= 0) & ((code < 0) | later), d_code, code)
+    names = np.empty(len(instances) + 1, object)
+    names[:-1] = instances  # code -1: the None at the end
+    return names[code]

@@ -377,7 +377,9 @@ def requests_derive(ctx: click.Context, events_file: Path, out: Path) -> None:
     Sanitized input (every event carries a pseudonym key id) is read as it is, with no key. Other
     input is validated (and refused if any record is invalid: run `servelens events validate` to see
     every error) and sanitized with the configured pseudonym key before anything is written. Events
-    may arrive in any order and duplicated. Progress goes to stderr.
+    may arrive in any order and duplicated. Progress goes to stderr. DuckDB's memory is capped by
+    `lake.duckdb_memory_limit` (it spills beyond; "600MB" keeps the process under 1 GB on a
+    1,000,000-request replay).
 
     \b
     Example:
@@ -386,7 +388,7 @@ def requests_derive(ctx: click.Context, events_file: Path, out: Path) -> None:
     import shutil
 
     from pipelines.lake import is_sanitized, staged_parquet
-    from replay.derive import write_requests
+    from replay.derive import connect, write_requests
     from schemas.validate import InvalidEventsError, detect_format
 
     own = _replays_own_table(events_file)
@@ -407,7 +409,7 @@ def requests_derive(ctx: click.Context, events_file: Path, out: Path) -> None:
         click.echo(f"  sanitized in {time.monotonic() - started:,.1f} s; deriving the request table ...", err=True)
     else:
         click.echo(f"{events_file} is sanitized (every event carries a pseudonym key id): deriving ...", err=True)
-    count = write_requests(staged, out)
+    count = write_requests(staged, out, con=connect(_config(ctx).lake.duckdb_memory_limit))
     click.echo(f"wrote {count:,} requests to {out} in {time.monotonic() - started:,.1f} s")
 
 
@@ -1438,7 +1440,7 @@ def dashboard_command(ctx: click.Context, port: int | None, host: str | None, ru
         wait_until_ready(url, 120, process)
         click.echo(f"servelens dashboard at {url} (Ctrl-C stops it)")
         status = process.wait()
-        if status != 0:
+        if status not in (0, -signal.SIGTERM, -signal.SIGINT):  # uvicorn stops gracefully, then re-raises the signal
             _fail(f"the dashboard exited with status {status}", "its messages are above")
     except KeyboardInterrupt:
         pass

@@ -21,7 +21,7 @@ NOT_FOUND = "Failed to load resource: the server responded with a status of 404 
 
 def _files_outside_are_never_served(url: str, page, secrets: list[Path]) -> None:
     """Issue #22: the Gate page of a hostile report offers no button for the key file or /etc/shadow,
-    and no URL (traversal through Streamlit's file routes included) returns a file outside the folders."""
+    and every URL outside the app (traversal through Streamlit's file routes included) gets 404."""
     import urllib.error
     import urllib.request
 
@@ -32,19 +32,19 @@ def _files_outside_are_never_served(url: str, page, secrets: list[Path]) -> None
     assert not any(str(secret) in page.content() for secret in secrets)
     key = secrets[0]
     for path in (f"/media/../../..{key}", f"/media/%2e%2e/%2e%2e{key}", f"/app/static/../../..{key}", f"/app/static{key}",
-                 f"/component/..%2f..{key}", "/media/" + "a" * 64 + ".toml", key.as_posix(), "/etc/shadow"):
+                 f"/component/..%2f..{key}", "/media/" + "a" * 64 + ".toml", key.as_posix(), "/etc/shadow",
+                 "/etc/passwd", "/gate/../../etc/passwd", "/nope"):
         try:
             with urllib.request.urlopen(url + path, timeout=10) as response:
                 body, status = response.read(), response.status
         except urllib.error.HTTPError as exc:
             body, status = exc.read(), exc.code
         assert key.read_bytes() not in body, path
-        # a media route: 404 (400 where Tornado refuses a '..' itself); any other path: Streamlit's app shell
-        # (multipage URLs; static file serving is off), never a file
-        if path.startswith("/media/"):
-            assert status in (400, 404), (path, status)
-        else:
-            assert status in (400, 404) or b'<div id="root">' in body, (path, status)
+        # neither a page nor Streamlit's own: 404 (dashboard.known_paths), never the app shell, never a file
+        assert status == 404 and b'<div id="root">' not in body, (path, status)
+    for path in ("/nope", "/etc/shadow", key.as_posix(), "/gate/../../etc/passwd"):  # the browser normalizes the '..'
+        response = page.goto(url + path)
+        assert response is not None and response.status == 404, (path, response and response.status)
 
 
 def test_every_page_in_chromium_without_errors_and_with_screenshots(sample, tmp_path):

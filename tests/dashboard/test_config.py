@@ -84,7 +84,7 @@ def test_settings_from_a_config_tree_use_its_dashboard_section_when_it_has_one()
 def test_the_server_binds_loopback_headless_and_offline_with_absolute_paths(tmp_path, monkeypatch):
     command = streamlit_command("127.0.0.1", 8765)
     pairs = dict(zip(command, command[1:]))
-    assert command[1:4] == ["-m", "streamlit", "run"] and command[4].endswith("dashboard/app.py")
+    assert command[1:4] == ["-m", "streamlit", "run"] and command[4].endswith("dashboard/asgi.py")
     assert pairs["--server.address"] == "127.0.0.1" and pairs["--server.port"] == "8765"
     assert pairs["--server.headless"] == "true" and pairs["--browser.gatherUsageStats"] == "false"
     assert pairs["--client.showErrorDetails"] == "none"  # no tracebacks in the browser
@@ -95,12 +95,21 @@ def test_the_server_binds_loopback_headless_and_offline_with_absolute_paths(tmp_
     assert resolved(Settings(DashboardConfig(), LakeConfig(root="s3://bucket/lake"), PrivacyConfig())).lake.root == "s3://bucket/lake"
 
 
+def test_streamlit_run_serves_the_app_through_st_app():
+    """``streamlit run dashboard/asgi.py`` must find ``app = st.App(...)`` there (by reading the source), or it
+    would run the launcher itself as the app script, without ``dashboard.known_paths``."""
+    from streamlit.web.server.app_discovery import discover_asgi_app
+
+    found = discover_asgi_app(Path(streamlit_command("127.0.0.1", 8765)[4]))
+    assert found.is_asgi_app and found.import_string == "asgi:app"
+
+
 def test_an_installed_servelens_ships_every_page():
     import tomllib
 
     from setuptools import find_packages
 
-    from dashboard.ui import PAGES
+    from dashboard.app_pages import PAGES
 
     root = Path(__file__).resolve().parents[2]
     include = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]

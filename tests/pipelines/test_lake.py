@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import datetime
-import hashlib
 
 import pyarrow as pa
 import pytest
 
 from pipelines.config import LakeConfig
-from pipelines.lake import DEAD_LETTERS, EVENTS, CommitFenced, Lake, OffsetRange, RecentIds
+from pipelines.lake import DEAD_LETTERS, EVENTS, CommitFenced, Lake, OffsetRange
 from schemas.arrow import arrow_schema, events_to_table
 from schemas.events import FirstToken, RequestArrived
 from schemas.records import DeadLetter
@@ -133,27 +132,6 @@ def test_recent_ids_are_the_newest_events_even_after_compaction_rewrote_an_older
     assert lake.compact(before=("2025-11-29", 8))[EVENTS] == 3  # the older hour is now the newest file
     assert sorted(lake.recent_event_ids(10)) == [f"ev_{i:032x}" for i in range(30, 40)]
     assert sorted(lake.recent_event_ids(12)) == [f"ev_{i:032x}" for i in (28, 29, *range(30, 40))]
-
-
-def _pseudonym_like(i: int) -> str:
-    return "ev_" + hashlib.sha256(str(i).encode()).hexdigest()[:32]  # uniform digits, as real pseudonyms
-
-
-def test_recent_ids_drop_repeats_in_fixed_memory():
-    recent = RecentIds(capacity=1_000)
-    ids = [_pseudonym_like(i) for i in range(600)]
-    assert recent.first_sightings(ids).all()
-    assert not recent.first_sightings(ids[:10]).any()
-    assert recent.first_sightings([_pseudonym_like(-1), _pseudonym_like(-1)]).tolist() == [True, False]
-    for start in range(0, 100_000, 1_000):
-        recent.first_sightings([_pseudonym_like(i) for i in range(start + 10_000, start + 11_000)])
-        assert len(recent) <= 1_000 + 1_000  # a window of 1,000 plus the batch being remembered
-    assert recent.first_sightings([_pseudonym_like(10_000)]).tolist() == [True]  # long forgotten
-    unstored = [_pseudonym_like(-5)]
-    assert recent.first_sightings(unstored, remember=False).tolist() == [True]
-    assert recent.first_sightings(unstored, remember=False).tolist() == [True]  # a failed commit's ids
-    recent.add(unstored)
-    assert recent.first_sightings(unstored).tolist() == [False]
 
 
 def test_first_token_events_land_in_the_hour_of_their_own_timestamp(tmp_path):

@@ -52,6 +52,9 @@ def test_the_worker_process_gives_what_the_in_process_transform_gives() -> None:
     assert b.stored_ids == a.stored_ids and len(b.stored_ids) == 8
     ids = ["e0", "f0", "e1", "f1", "e2", "f3", "e4", "f4"]  # messages 0-9 but 5 and 6, in order
     assert b.stored_ids == KeyRing("test", SPEC.secrets).pseudonyms(EVENT_ID.kind, ids, hex_chars=EVENT_ID.hex_chars)
+    # the message behind each event (ingest finds its partition by it): one event per message here
+    assert b.stored_messages.tolist() == a.stored_messages.tolist() == [0, 1, 2, 3, 4, 7, 8, 9]
+    assert b.clean_messages.tolist() == a.clean_messages.tolist() == list(range(10, len(values)))
     assert b.report == a.report and b.report.redactions.get("EMAIL_ADDRESS", 0) >= 1
     assert "alice" not in str(b.clean.column("error_message").to_pylist())
 

@@ -45,9 +45,9 @@ def _counts(root: str) -> tuple[int, int]:
     return lake.connect().execute("SELECT count(*), count(DISTINCT event_id) FROM events").fetchone()
 
 
-def _start(env: dict[str, str], name: str, log) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "servelens", "ingest", "--name", name, "--idle-exit-s", "4"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
+def _start(env: dict[str, str], name: str, log, idle_exit_s: int = 4) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "servelens", "ingest", "--name", name,
+                             "--idle-exit-s", str(idle_exit_s)], env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _paced(bootstrap: str, topic: str, chunk: int = 2_000, pause_s: float = 0.6) -> None:
@@ -72,7 +72,9 @@ def s3_lake(store_env, broker, tmp_path_factory):
     producer = threading.Thread(target=_paced, args=(broker.bootstrap, topic))
     producer.start()
     rng, kills = random.Random(25), []
-    procs = {name: _start(env, name, (logs / f"{name}-0.log").open("wb")) for name in WRITERS}
+    # The first processes wait long when idle, so that none can exit on its own before its kill on a
+    # slow machine (CI's 2 cores once saw one exit 0 first); the restarted ones exit 4 s after the end.
+    procs = {name: _start(env, name, (logs / f"{name}-0.log").open("wb"), idle_exit_s=300) for name in WRITERS}
     for round_ in (1,):
         stored = _counts(root)[0]
         deadline = time.monotonic() + 90
