@@ -109,7 +109,7 @@ def main() -> None:
         "experiments": {label: {m: round(v, 2) for m, v in errs.items()} for label, errs in main_run["rows"].items()},
         "fitted_terms": {f: getattr(main_run["calibration"].roofline, f) for f in (
             "memory_efficiency", "kv_memory_efficiency", "moe_memory_efficiency", "step_overhead_ns",
-            "seq_overhead_ns", "allreduce_latency_ns")},
+            "seq_overhead_ns", "allreduce_latency_ns", "interconnect_efficiency")},
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     if args.quick:

@@ -4,9 +4,10 @@ A calibration is a small JSON file: which engine (and version) and hardware it w
 was fitted from, the fitted values, and the fit's held-out error per metric. It holds
 
 - the step cost (``RooflineConfig``): shares of the accelerator's peak bandwidth that weights and KV
-  reads achieve, a fixed per-step and per-sequence cost, an all-reduce latency per peer; compute
-  efficiency as configured. Every term is bounded: no efficiency above 1, no negative time, so a
-  calibrated step is never faster than the hardware's limit;
+  reads achieve, a fixed per-step and per-sequence cost, an all-reduce latency per peer and the share of
+  the interconnect's bandwidth its bytes achieve; compute efficiency as configured. Every term is
+  bounded: no efficiency above 1, no negative time, so a calibrated step is never faster than the
+  hardware's limit;
 - the frontend (``FrontendConfig``): the time outside the engine that client-side latencies include;
 - the engine's own defaults for the version it describes (vLLM >= 0.12: async scheduling).
 

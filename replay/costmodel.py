@@ -390,8 +390,8 @@ class UnitCosts:
         allreduce_ns = acc.interconnect_latency_ns if per_peer is None else per_peer * (tp - 1)
         link = acc.interconnect_bandwidth_bytes_per_s * config.interconnect_efficiency / (1e9 * TICKS_PER_NS)
         self.comm_token = self.comm_fixed = 0
-        if tp > 1:  # two ring all-reduces per layer of (tokens x hidden) bf16 activations
-            per_token_bytes = 2 * (tp - 1) / tp * m.hidden_size * 2
+        if tp > 1:  # two one-shot all-reduces per layer of (tokens x hidden) bf16 activations: each device
+            per_token_bytes = (tp - 1) * m.hidden_size * 2  # reads every peer's whole buffer
             self.comm_token = round(2 * m.num_layers * per_token_bytes / link)
             self.comm_fixed = 2 * m.num_layers * allreduce_ns * TICKS_PER_NS
         hops = acc.pipeline_parallel_size - 1

@@ -12,9 +12,10 @@ stages), with a robust loss (soft L1 at ``LOSS_SCALE``).
 Two kinds of parameters:
 
 - the engine's (``ENGINE_PARAMETERS``: shares of peak bandwidth for weights, KV and MoE experts, a
-  fixed cost per step and per sequence, an all-reduce latency per peer), each bounded; they change the
-  simulated batches, so every candidate is replayed. ``scipy.optimize.least_squares`` (trust region,
-  bounds, finite differences over the parameters scaled to [0, 1]) searches them;
+  fixed cost per step and per sequence, an all-reduce latency per peer and the interconnect's bandwidth
+  share), each bounded; they change the simulated batches, so every candidate is replayed.
+  ``scipy.optimize.least_squares`` (trust region, bounds, finite differences over the parameters scaled
+  to [0, 1]) searches them;
 - the frontend's (``FrontendConfig``: a fixed overhead, tokenization per prompt token, the mean of a
   queueing wait): they add to client-side TTFT and E2E and change nothing inside the engine that
   matters (each request reaches it a little later), so for each candidate they are solved from that
@@ -89,6 +90,7 @@ ENGINE_PARAMETERS = (
     Parameter("step_overhead_ns", 0, 4_000_000, 1_000_000, integer=True),
     Parameter("seq_overhead_ns", 0, 100_000, 10_000, integer=True),
     Parameter("allreduce_latency_ns", 0, 50_000, 8_000, integer=True),
+    Parameter("interconnect_efficiency", 0.05, 1.0, 0.5),
 )
 #: Robust loss of the fit: residuals (log errors) beyond about 5% count linearly, not squared, so that one
 #: run the model cannot explain does not pull every other run off (the field reports the median).

@@ -214,7 +214,7 @@ def _calibrate_experiments(ctx: click.Context, data: Path | None, ids: str | Non
     targets = _experiment_targets(ctx, data, ids)
     if len(targets) < 2:
         raise ServelensError("a calibration from run summaries needs at least two experiments",
-                             "give more experiments (the fit has six terms)")
+                             "give more experiments (the fit has seven terms)")
     return calibrate_experiments(targets, name=name, engine=engine_version, held_out=held_out, workers=workers,
                                  progress=_progress)[0]
 

