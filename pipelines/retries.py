@@ -96,16 +96,6 @@ class RecentIds:
     def add(self, event_ids: pa.Array | pa.ChunkedArray | Sequence[str]) -> None:
         self.remember(self.keys(event_ids))
 
-    def first_sightings(self, event_ids: pa.Array | pa.ChunkedArray | Sequence[str], *, remember: bool = True) -> np.ndarray:
-        """Mask of ids seen neither before nor earlier in this batch. The new ones are remembered
-        unless ``remember`` is false (then call ``add`` once they are safely stored: ids of a batch
-        whose commit failed must not count as seen when the batch is read again)."""
-        keys = self.keys(event_ids)
-        keep = ~self.seen(keys) & first_in_batch(keys)
-        if remember:
-            self.remember(keys[keep])
-        return keep
-
 
 class RetryFilter:
     """The consumer's window of recent ids plus one window per assigned partition (module docstring).

@@ -28,14 +28,14 @@ class BackgroundParquet:
     error there is raised by the next ``put`` or by ``close``."""
 
     def __init__(self, path: str | Path, schema: pa.Schema, *, use_dictionary: bool | list[str] = True,
-                 prepare: Callable[[Any], pa.Table] = _as_table, name: str = "replay-parquet") -> None:
+                 prepare: Callable[[Any], pa.Table] = _as_table) -> None:
         self.path = Path(path)
         # a path, not a Python file object: Arrow's own file writer never needs the GIL
         self._writer = pq.ParquetWriter(str(self.path), schema, compression="zstd", use_dictionary=use_dictionary)
         self._prepare = prepare
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=2)  # bounded: memory stays flat
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._run, name="replay-parquet", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:

@@ -11,21 +11,18 @@ def _pseudonym_like(i: int) -> str:
     return "ev_" + hashlib.sha256(str(i).encode()).hexdigest()[:32]  # uniform digits, as real pseudonyms
 
 
-def test_recent_ids_drop_repeats_in_fixed_memory():
+def test_recent_ids_remember_a_window_in_fixed_memory():
     recent = RecentIds(capacity=1_000)
     ids = [_pseudonym_like(i) for i in range(600)]
-    assert recent.first_sightings(ids).all()
-    assert not recent.first_sightings(ids[:10]).any()
-    assert recent.first_sightings([_pseudonym_like(-1), _pseudonym_like(-1)]).tolist() == [True, False]
+    assert not recent.seen(RecentIds.keys(ids)).any()
+    recent.add(ids)
+    assert recent.seen(RecentIds.keys(ids[:10])).all()
+    assert not recent.seen(RecentIds.keys([_pseudonym_like(-1)])).any()
     for start in range(0, 100_000, 1_000):
-        recent.first_sightings([_pseudonym_like(i) for i in range(start + 10_000, start + 11_000)])
+        recent.add([_pseudonym_like(i) for i in range(start + 10_000, start + 11_000)])
         assert len(recent) <= 1_000 + 1_000  # a window of 1,000 plus the batch being remembered
-    assert recent.first_sightings([_pseudonym_like(10_000)]).tolist() == [True]  # long forgotten
-    unstored = [_pseudonym_like(-5)]
-    assert recent.first_sightings(unstored, remember=False).tolist() == [True]
-    assert recent.first_sightings(unstored, remember=False).tolist() == [True]  # a failed commit's ids
-    recent.add(unstored)
-    assert recent.first_sightings(unstored).tolist() == [False]
+    assert recent.seen(RecentIds.keys([_pseudonym_like(109_999)])).all()
+    assert not recent.seen(RecentIds.keys([_pseudonym_like(10_000)])).any()  # long forgotten
 
 
 def _ids(start: int, stop: int) -> list[str]:
