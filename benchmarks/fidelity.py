@@ -89,6 +89,8 @@ def shipped_in_sample() -> dict:
 
 
 def main() -> None:
+    from replay.fit import ENGINE_PARAMETERS
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="under a minute: see the module docstring")
     parser.add_argument("--workers", type=int, default=None, help="replays in parallel [default: CPUs, at most 4]")
@@ -107,9 +109,7 @@ def main() -> None:
         "targets_pct": TARGETS_PCT,
         "meets_targets": all(medians[m] <= t for m, t in TARGETS_PCT.items()) if not args.quick else None,
         "experiments": {label: {m: round(v, 2) for m, v in errs.items()} for label, errs in main_run["rows"].items()},
-        "fitted_terms": {f: getattr(main_run["calibration"].roofline, f) for f in (
-            "memory_efficiency", "kv_memory_efficiency", "moe_memory_efficiency", "step_overhead_ns",
-            "seq_overhead_ns", "allreduce_latency_ns", "interconnect_efficiency")},
+        "fitted_terms": {p.name: getattr(main_run["calibration"].roofline, p.name) for p in ENGINE_PARAMETERS},
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     if args.quick:

@@ -210,11 +210,12 @@ def calibrate_command(ctx: click.Context, source: str, data: Path | None, ids: s
 def _calibrate_experiments(ctx: click.Context, data: Path | None, ids: str | None, held_out: bool, name: str,
                            engine_version: str, workers: int | None) -> Calibration:
     from replay.calibrate import calibrate_experiments
+    from replay.fit import ENGINE_PARAMETERS
 
     targets = _experiment_targets(ctx, data, ids)
     if len(targets) < 2:
         raise ServelensError("a calibration from run summaries needs at least two experiments",
-                             "give more experiments (the fit has seven terms)")
+                             f"give more experiments (the fit has {len(ENGINE_PARAMETERS)} terms)")
     return calibrate_experiments(targets, name=name, engine=engine_version, held_out=held_out, workers=workers,
                                  progress=_progress)[0]
 
