@@ -83,8 +83,10 @@ def _split(example: str, env: dict[str, str]) -> tuple[dict[str, str], list[str]
 
 
 def _serve(words: list[str], env: dict[str, str], cwd) -> None:
+    # as Ctrl-C in a terminal: a non-interactive shell passes SIGINT on ignored, and Python keeps it ignored
     proc = subprocess.Popen([sys.executable, "-m", *words[:1], *words[1:]], cwd=cwd, env={**os.environ, **env},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline, seen = time.monotonic() + 90, ""
         while time.monotonic() < deadline and proc.poll() is None:
