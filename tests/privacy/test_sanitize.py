@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from privacy.config import PrivacyConfig
+from privacy.keys import KeyRing
 from privacy.sanitize import FIELD_POLICIES, Dimension, Pseudonym, Sanitizer, sanitize_records
 from privacy.sketch import OTHER
 from schemas.arrow import EVENTS_SCHEMA, events_to_table
@@ -161,7 +162,7 @@ def raw_records(draw):
 def _fuzz_keyring_and_analyzer():
     """The fuzz test's key ring and one warm Presidio analyzer (stateless; building it takes about half a
     second, once, not once per example). Each example's sanitizers are still new: caches, sketches, budgets."""
-    keyring = __import__("privacy.keys", fromlist=["KeyRing"]).KeyRing("h", {"h": bytes(32)})
+    keyring = KeyRing("h", {"h": bytes(32)})
     return keyring, Sanitizer(keyring).scrubber.load()._analyzer
 
 
