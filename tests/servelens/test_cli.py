@@ -16,6 +16,7 @@ import pytest
 from schemas.arrow import arrow_schema
 from schemas.records import WorkloadRequest
 from servelens.demo import DEMO_CANDIDATES, DEMO_LOADS
+from tests.terminal import sigint_as_in_a_terminal
 
 KEY_ENV = {"SERVELENS_PSEUDONYM_KEY": "test-key:" + base64.b64encode(bytes(range(32))).decode()}
 
@@ -35,10 +36,8 @@ def test_the_demo_runs_the_whole_path_serves_the_dashboard_and_stops_on_ctrl_c(t
     key, out = tmp_path / "demo-key.toml", tmp_path / "demo"
     env = {**os.environ, "SERVELENS_PRIVACY__DEMO_KEY_FILE": str(key)}
     args = [sys.executable, "-m", "servelens", "demo", "--out", str(out), "--requests", "1500", "--speedup", "2000"]
-    # as from a terminal, where Ctrl-C reaches the command: a suite started in the background of a
-    # non-interactive shell passes SIGINT on ignored, and Python keeps an ignored SIGINT ignored
     proc = subprocess.Popen([*args, "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            preexec_fn=sigint_as_in_a_terminal)
     lines = []
     try:
         for line in proc.stdout:  # the summary, then the URL line once the dashboard answers

@@ -21,6 +21,7 @@ import click
 from click.testing import CliRunner
 
 from servelens.cli import cli
+from tests.terminal import sigint_as_in_a_terminal
 
 #: Examples that cannot run on this machine or in a test, and why.
 NOT_HERE = {
@@ -83,10 +84,9 @@ def _split(example: str, env: dict[str, str]) -> tuple[dict[str, str], list[str]
 
 
 def _serve(words: list[str], env: dict[str, str], cwd) -> None:
-    # as Ctrl-C in a terminal: a non-interactive shell passes SIGINT on ignored, and Python keeps it ignored
     proc = subprocess.Popen([sys.executable, "-m", *words[:1], *words[1:]], cwd=cwd, env={**os.environ, **env},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            preexec_fn=sigint_as_in_a_terminal)
     try:
         deadline, seen = time.monotonic() + 90, ""
         while time.monotonic() < deadline and proc.poll() is None:
