@@ -18,22 +18,9 @@ sys.path[:] = [p for p in sys.path if not p or Path(p).resolve() != HERE]
 if str(HERE.parent) not in sys.path:
     sys.path.insert(0, str(HERE.parent))
 
-import threading  # noqa: E402
-
 import streamlit as st  # noqa: E402
 
 from dashboard.app_pages import DEFAULT_PAGE, PAGES  # noqa: E402
-
-
-def _preload() -> None:
-    """Import what the chart pages need (plotly, pandas: about a second) while the first page shows."""
-    import pandas  # noqa: F401
-
-    import dashboard.charts  # noqa: F401
-
-
-if "dashboard.charts" not in sys.modules:
-    threading.Thread(target=_preload, name="dashboard-preload", daemon=True).start()
 
 st.set_page_config(page_title="servelens", layout="wide")
 navigation = st.navigation([

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -102,6 +104,17 @@ def test_streamlit_run_serves_the_app_through_st_app():
 
     found = discover_asgi_app(Path(streamlit_command("127.0.0.1", 8765)[4]))
     assert found.is_asgi_app and found.import_string == "asgi:app"
+
+
+def test_the_server_loads_pandas_and_plotly_before_any_session_and_starts_no_thread():
+    """The server's module (what ``streamlit run`` imports before it serves) loads the chart pages' heavy
+    modules in its own thread: a background import raced the first page's own import of pandas in CI (2 Dec
+    2026) and left that page without charts. In a fresh interpreter, as the server's is."""
+    probe = ("import runpy, sys, threading; runpy.run_path(sys.argv[1]); "
+             "print(all(m in sys.modules for m in ('pandas', 'plotly.graph_objects')), threading.active_count())")
+    done = subprocess.run([sys.executable, "-c", probe, streamlit_command("127.0.0.1", 8765)[4]],
+                          capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.split() == ["True", "1"], done.stdout + done.stderr
 
 
 def test_an_installed_servelens_ships_every_page():
