@@ -26,6 +26,7 @@ from typing import Any
 
 from replay.config import FrontendConfig, InstanceConfig
 from replay.costmodel import RooflineConfig
+from replay.load import Load
 from schemas.types import doc
 from servelens.errors import ConfigError
 
@@ -52,6 +53,9 @@ class Calibration:
         default=(), metadata={"doc": "Median absolute error per metric of the runs it was fitted on."}
     )
     notes: tuple[str, ...] = field(default=(), metadata={"doc": "What a reader should know (limits, choices)."})
+    fitted_load: Load | None = doc(
+        "The busiest minute's load among the runs it was fitted on (replay.load): beyond it a replay extrapolates.", None
+    )
 
     def held_out(self, metric: str) -> float | None:
         """The held-out median absolute error of ``metric`` in percent, if measured."""
@@ -71,6 +75,7 @@ class Calibration:
             "held_out_error_pct": dict(self.held_out_error_pct),
             "in_sample_error_pct": dict(self.in_sample_error_pct),
             "notes": list(self.notes),
+            **({"fitted_load": self.fitted_load.as_json()} if self.fitted_load is not None else {}),
         }
 
 
@@ -96,8 +101,9 @@ def calibration_from_json(doc_: dict[str, Any], where: str = "calibration") -> C
             held_out_error_pct=tuple((k, float(v)) for k, v in doc_.get("held_out_error_pct", {}).items()),
             in_sample_error_pct=tuple((k, float(v)) for k, v in doc_.get("in_sample_error_pct", {}).items()),
             notes=tuple(doc_.get("notes", ())),
+            fitted_load=Load.of_json(doc_["fitted_load"]) if "fitted_load" in doc_ else None,
         )
-    except (KeyError, TypeError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: malformed calibration ({exc})", "write one with `servelens calibrate`") from None
 
 

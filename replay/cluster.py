@@ -1076,7 +1076,7 @@ def run_cluster_replay(
     output_sha256, wall_s, wall0 = outputs.drive(kernel, feeder, cl, writer)
     if progress is not None:
         progress(feeder.report(wall0))
-    manifest_path = _write_cluster_manifest(outputs, manifest, run_id, engine_id, cl, output_sha256, writer.num_events)
+    manifest_path = _write_cluster_manifest(outputs, manifest, (run_id, engine_id), cl, output_sha256, writer.num_events, calibration)
     return _cluster_summary(cluster, cl, kernel, feeder, outputs, manifest, manifest_path, mode=mode,
                             output_sha256=output_sha256, wall_s=wall_s, num_events=writer.num_events)
 
@@ -1164,15 +1164,16 @@ def _busy_s(cl: Cluster) -> dict[str, float]:
     return {x.instance_id: x.engine.stats.busy_ns / 1e9 for x in cl.instances if x.engine.stats.num_step_events}
 
 
-def _write_cluster_manifest(outputs: _Outputs, manifest: dict, run_id: str, engine_id: str, cl: Cluster,
-                            output_sha256: str, num_events: int) -> Path | None:
-    """Complete ``manifest`` with the run's ids and outcomes, and write it."""
-    manifest["run_id"] = run_id
-    manifest["engine_id"] = engine_id
+def _write_cluster_manifest(outputs: _Outputs, manifest: dict, ids: tuple[str, str], cl: Cluster,
+                            output_sha256: str, num_events: int, calibration: Calibration | None) -> Path | None:
+    """Complete ``manifest`` with the run's ids (run, engine) and outcomes, and write it."""
+    manifest["run_id"], manifest["engine_id"] = ids
     manifest["instance_ids"] = [x.instance_id for x in cl.instances]
     if cl.autoscaling is not None:  # every consultation and why (after the run id: it is an outcome)
         manifest["cluster"]["autoscaler"]["decisions"] = [_plain(d) for d in cl.autoscaling.records]
-    return outputs.write_manifest(manifest, output_sha256, num_events, default=str, busy_s=_busy_s(cl))
+    caps = {x.instance_id: x.config.engine.max_num_seqs for x in cl.instances}
+    return outputs.write_manifest(manifest, output_sha256, num_events, default=str, busy_s=_busy_s(cl), max_num_seqs=caps,
+                                  calibration=calibration)
 
 
 def _instance_summaries(cl: Cluster, start_ns: int) -> tuple[InstanceSummary, ...]:

@@ -28,6 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from replay.load import STEP_COLUMNS, StepLoadMeter
 from replay.parquet_out import BackgroundParquet
 from replay.request_table import Deliveries, RequestTable
 from schemas.arrow import EVENTS_SCHEMA
@@ -281,6 +282,8 @@ class EventWriter:
         self.out_delay_ns: int | None = None
         #: the run's own request table (``replay.request_table``), fed at every flush; None: not written
         self.requests: RequestTable | None = None
+        #: the run's load (``replay.load``), fed with each chunk's step events; None: not measured
+        self.load: StepLoadMeter | None = None
 
     def snapshot(self, members: tuple[Request, ...], num_seqs: int) -> Snapshot:
         """The lockstep members now, their rows appended to the member log (valid until the next flush)."""
@@ -485,6 +488,8 @@ class EventWriter:
             "num_kv_blocks_free": _ints(free),
             "num_steps": _ints(num_steps),
         }
+        if self.load is not None:
+            self.load.add(pa.table({name: cols[name] for name in STEP_COLUMNS}))
 
         def build() -> pa.Table:
             flat_ids = pa.concat_arrays([member_ids, own_ids]).take(rows)

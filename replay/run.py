@@ -34,6 +34,7 @@ from replay.emit import EventChunk, EventWriter, ParquetSink, Sink
 from replay.engine import Engine, Mode, check_clock
 from replay.errors import ReplayError
 from replay.kernel import ARRIVAL, Kernel
+from replay.load import StepLoadMeter, load_record
 from replay.policies import make_policy
 from replay.request import Request
 from replay.request_table import REQUESTS_FILE, RequestTable
@@ -139,7 +140,7 @@ def run_replay(
     if progress is not None:
         progress(feeder.report(wall0))
     return _finish(outputs, manifest, (run_id, engine_id, instance_id), kernel, engine, feeder, mode=mode,
-                   output_sha256=output_sha256, wall_s=wall_s, num_events=writer.num_events)
+                   output_sha256=output_sha256, wall_s=wall_s, num_events=writer.num_events, calibration=calibration)
 
 
 def _calibrated(instance: InstanceConfig, calibration: Calibration | None, cost_model: str | StepCostModel,
@@ -163,14 +164,16 @@ def _record_calibration_and_clock(manifest: dict, calibration: Calibration | Non
 
 
 def _finish(outputs: _Outputs, manifest: dict, ids: tuple[str, str, str], kernel: Kernel, engine: Engine,
-            feeder: _Feeder, *, mode: str, output_sha256: str, wall_s: float, num_events: int) -> ReplaySummary:
+            feeder: _Feeder, *, mode: str, output_sha256: str, wall_s: float, num_events: int,
+            calibration: Calibration | None) -> ReplaySummary:
     """Write the manifest of a finished replay (``ids``: its run, engine and instance ids) and summarize the run."""
     run_id, engine_id, instance_id = ids
     manifest["run_id"] = run_id
     manifest["engine_id"] = engine_id
     manifest["instance_id"] = instance_id
     manifest_path = outputs.write_manifest(manifest, output_sha256, num_events,
-                                           busy_s={instance_id: engine.stats.busy_ns / 1e9})
+                                           busy_s={instance_id: engine.stats.busy_ns / 1e9},
+                                           max_num_seqs=engine.instance.engine.max_num_seqs, calibration=calibration)
     simulated_s = (kernel.now_ns - feeder.first_arrival_ns) / 1e9 if feeder.first_arrival_ns is not None else 0.0
     stats = engine.stats
     return ReplaySummary(
@@ -206,6 +209,7 @@ class _Outputs:
         self.parquet = ParquetSink(self.out / "events.parquet") if self.out is not None else None
         self.sink = sink
         self.requests: RequestTable | None = None  # the run's own request table, beside its events
+        self.load: StepLoadMeter | None = None  # the run's load, for its manifest
 
     def __call__(self, chunk: EventChunk) -> None:
         if self.sink is None:
@@ -222,6 +226,8 @@ class _Outputs:
         writer = writer_class(self, hash_tables=self.parquet is None and getattr(self.sink, "digest", True), **kwargs)
         if self.out is not None and self.write_requests:
             writer.requests = self.requests = RequestTable(self.out / REQUESTS_FILE, writer.engine_id)
+        if self.out is not None:  # the manifest records the run's load
+            writer.load = self.load = StepLoadMeter()
         return writer
 
     def drive(self, kernel: Kernel, feeder: _Feeder, actor, writer: EventWriter) -> tuple[str, float, float]:
@@ -259,8 +265,10 @@ class _Outputs:
         return output_sha256, wall_s, wall0
 
     def write_manifest(self, manifest: dict, output_sha256: str, num_events: int, *, busy_s: dict[str, float],
-                       **dumps) -> Path | None:
-        """Record the output in ``manifest`` and write it next to the events (if written to a folder)."""
+                       max_num_seqs: int | dict[str, int], calibration: Calibration | None, **dumps) -> Path | None:
+        """Record the output in ``manifest`` and write it next to the events (if written to a folder), with the
+        run's load (``replay.load``; ``max_num_seqs``: by instance id where instances differ) against the load
+        ``calibration`` was fitted on."""
         manifest["output"] = {
             "events_sha256": output_sha256,
             "hash_of": "the events Parquet file" if self.parquet is not None else "the Arrow IPC stream of the event chunks",
@@ -273,6 +281,9 @@ class _Outputs:
         manifest["output"]["busy_s"] = busy_s
         if self.out is None:
             return None
+        if self.load is not None:
+            manifest["load"] = load_record(self.load.windows(max_num_seqs),
+                                           calibration.fitted_load if calibration is not None else None)
         path = self.out / "manifest.json"
         path.write_text(json.dumps(manifest, indent=2, sort_keys=True, **dumps) + "\n")
         return path

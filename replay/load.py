@@ -1,0 +1,174 @@
+"""How heavily a run loaded its engine, window by window, and whether that lies beyond the load a
+calibration was fitted on.
+
+A calibration's error figures hold for runs like the ones it was fitted on. Load matters most: near
+``max_num_seqs`` an error in how the step grows with the batch is amplified (the batch is the arrival
+rate times E2E, and E2E grows with the step: docs/calibration.md, "The load a calibration vouches
+for"). So a run's load is measured the same way for both: from its ``step_executed`` events, per
+window of ``WINDOW_S`` seconds and per instance, the busy-time-weighted mean decode batch as a share of
+``max_num_seqs`` and the mean KV blocks in use as a share of the pool. The busiest window of each is
+the run's ``Load``; a calibration records the largest over its fitted runs (``fitted_load``), and a
+replay counts its windows beyond that.
+
+``StepLoadMeter`` sums the step events per window as they come: the replay's event writer feeds one for the
+manifest, a replay sink can be one (a calibration's replays), and recorded events can be added (a
+lake's, where an engine emits its steps).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+#: The window over which a run's load is averaged (a minute: a burst, not a single step).
+WINDOW_S = 60.0
+#: How far beyond a fitted share a window must go to count as beyond it (a point: shares are recorded rounded).
+MARGIN = 0.01
+#: The step events' columns a load is measured from.
+STEP_COLUMNS = ("instance_id", "start_ns", "end_ns", "num_decode_seqs", "num_kv_blocks_used", "num_kv_blocks_free")
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """The busiest window's load: its mean decode batch over ``max_num_seqs``, its mean KV blocks in use
+    over the pool (each the largest over windows and instances, busy-time-weighted within a window)."""
+
+    batch_share: float
+    kv_share: float
+
+    def beyond(self, fitted: Load) -> bool:
+        """Either share beyond ``fitted``'s by more than ``MARGIN``."""
+        return self.batch_share > fitted.batch_share + MARGIN or self.kv_share > fitted.kv_share + MARGIN
+
+    def as_json(self) -> dict[str, float]:
+        return {"batch_share": round(self.batch_share, 4), "kv_share": round(self.kv_share, 4)}
+
+    @classmethod
+    def of_json(cls, doc: Mapping[str, float]) -> Load:
+        return cls(float(doc["batch_share"]), float(doc["kv_share"]))
+
+    @staticmethod
+    def peak(loads: list[Load]) -> Load:
+        """The largest of each share over ``loads`` (a calibration's fitted runs)."""
+        return Load(max((x.batch_share for x in loads), default=0.0), max((x.kv_share for x in loads), default=0.0))
+
+
+class StepLoadMeter:
+    """Sums step events per instance and window as they come (a replay sink, the replay's event writer, or
+    ``add`` with recorded ones): a few numbers per window, whatever the run's length. Their shares of each
+    instance's ``max_num_seqs`` are taken when asked (``windows``, ``load``)."""
+
+    digest = False  # a replay need not hash events it only hands here
+
+    def __init__(self, window_s: float = WINDOW_S) -> None:
+        self.window_ns = int(window_s * 1e9)
+        self._sums: list[pa.Table] = []
+
+    def __call__(self, events: pa.Table) -> None:
+        self.add(events)
+
+    def add(self, events: pa.Table) -> None:
+        """Add the step events of ``events`` (an ``EVENTS_SCHEMA`` table, or its step rows' columns)."""
+        if "event_type" in events.column_names:
+            events = events.select([*STEP_COLUMNS, "event_type"])
+            events = events.filter(pc.equal(events["event_type"], "step_executed"))
+        steps = events.filter(pc.and_(pc.is_valid(events["start_ns"]), pc.is_valid(events["end_ns"])))
+        if not steps.num_rows:
+            return
+
+        def column(name: str) -> np.ndarray:  # an unrecorded count (a lake's engine may not say) counts 0
+            return np.asarray(pc.fill_null(steps[name], 0), np.float64)
+
+        start = np.asarray(steps["start_ns"], np.int64)
+        busy = np.asarray(steps["end_ns"], np.int64) - start
+        used = column("num_kv_blocks_used")
+        pool = used + column("num_kv_blocks_free")
+        self._sums.append(_summed(pa.table({
+            "instance_id": steps["instance_id"],
+            "window_start_ns": (start // self.window_ns) * self.window_ns,
+            "busy": busy.astype(np.float64),
+            "seqs": busy * column("num_decode_seqs"),
+            "kv": busy * np.divide(used, pool, out=np.zeros_like(used), where=pool > 0),
+        })))
+
+    def windows(self, max_num_seqs: int | Mapping[str, int]) -> pa.Table:
+        """One row per instance and window with steps in it: ``instance_id``, ``window_start_ns``, ``busy_s``,
+        ``batch_share`` (of ``max_num_seqs``: one for all, or by instance id), ``kv_share``."""
+        if not self._sums:
+            return pa.table({"instance_id": pa.array([], pa.string()), "window_start_ns": pa.array([], pa.int64()),
+                             **{c: pa.array([], pa.float64()) for c in ("busy_s", "batch_share", "kv_share")}})
+        sums = _summed(pa.concat_tables(self._sums))
+        busy = sums["busy"].to_numpy()
+        weight = np.where(busy > 0, busy, 1.0)
+        return pa.table({
+            "instance_id": sums["instance_id"],
+            "window_start_ns": sums["window_start_ns"],
+            "busy_s": busy / 1e9,
+            "batch_share": sums["seqs"].to_numpy() / weight / _caps(max_num_seqs, sums["instance_id"]),
+            "kv_share": sums["kv"].to_numpy() / weight,
+        }).sort_by([("window_start_ns", "ascending"), ("instance_id", "ascending")])
+
+    def load(self, max_num_seqs: int | Mapping[str, int]) -> Load:
+        """The busiest window's load."""
+        return peak_of(self.windows(max_num_seqs))
+
+
+def _summed(parts: pa.Table) -> pa.Table:
+    """``parts``' busy time, decode sequences and KV share (each times busy time) summed per instance and window."""
+    sums = parts.group_by(["instance_id", "window_start_ns"]).aggregate([("busy", "sum"), ("seqs", "sum"), ("kv", "sum")])
+    return sums.rename_columns([n.removesuffix("_sum") for n in sums.column_names])
+
+
+def _caps(max_num_seqs: int | Mapping[str, int], instance_ids: pa.ChunkedArray) -> np.ndarray:
+    """Each row's ``max_num_seqs`` (an instance not named: the largest named)."""
+    if isinstance(max_num_seqs, int):
+        return np.full(len(instance_ids), max(1, max_num_seqs), np.float64)
+    largest = max(max_num_seqs.values(), default=1)
+    return np.array([max(1, max_num_seqs.get(i, largest)) for i in instance_ids.to_pylist()], np.float64)
+
+
+def peak_of(windows: pa.Table) -> Load:
+    """The largest batch and KV shares of ``windows`` (``StepLoadMeter.windows``)."""
+    return Load(float(pc.max(windows["batch_share"]).as_py() or 0.0), float(pc.max(windows["kv_share"]).as_py() or 0.0))
+
+
+def windows_beyond(windows: pa.Table, fitted: Load) -> int:
+    """How many of ``windows`` lie beyond ``fitted`` (either share larger, by more than ``MARGIN``)."""
+    over = pc.or_(pc.greater(windows["batch_share"], fitted.batch_share + MARGIN),
+                  pc.greater(windows["kv_share"], fitted.kv_share + MARGIN))
+    return int(pc.sum(over).as_py() or 0)
+
+
+def load_record(windows: pa.Table, fitted: Load | None, window_s: float = WINDOW_S) -> dict[str, Any]:
+    """What a run manifest says about the run's load (``fitted``: the calibration's, when it records one)."""
+    record: dict[str, Any] = {"window_s": window_s, "busy_windows": windows.num_rows, **peak_of(windows).as_json()}
+    if fitted is not None:
+        record["fitted"] = fitted.as_json()
+        record["windows_beyond_fitted"] = windows_beyond(windows, fitted)
+    return record
+
+
+def describe_load(record: Mapping[str, Any]) -> tuple[str, bool]:
+    """A manifest's ``load`` record in words, and whether the run went beyond its calibration's fitted load."""
+    minute = "minute" if record.get("window_s") == 60.0 else f"{record.get('window_s')} s window"
+    line = (f"load: busiest {minute} {_pct(record['batch_share'])} of max_num_seqs decoding, "
+            f"{_pct(record['kv_share'])} of the KV pool in use")
+    fitted = record.get("fitted")
+    beyond = int(record.get("windows_beyond_fitted") or 0)
+    if not isinstance(fitted, Mapping) or not beyond:
+        return line, False
+    return (line + f"; beyond the calibration's fitted runs (up to {_pct(fitted['batch_share'])} and "
+            f"{_pct(fitted['kv_share'])}) in {beyond} of {record['busy_windows']} busy {minute}s: an extrapolation, "
+            "where errors can be several times the held-out figures (docs/calibration.md)"), True
+
+
+def _pct(share: float) -> str:
+    return f"{100 * share:.0f}%"
+
+
+__all__ = ["MARGIN", "STEP_COLUMNS", "WINDOW_S", "describe_load", "Load", "StepLoadMeter", "load_record", "peak_of", "windows_beyond"]
