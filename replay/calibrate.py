@@ -38,6 +38,7 @@ from replay.fit import (
     leave_one_out,
     replay_target,
 )
+from replay.load import Load, StepLoadMeter
 
 Progress = Callable[[str], None]
 #: What one recorded run can separate (the weights' bandwidth share comes from the base calibration).
@@ -70,13 +71,14 @@ def calibrate_experiments(targets: Sequence[Target], *, name: str, engine: str, 
     accelerators = sorted({t.instance_config.accelerator.name for t in targets})
     draft = as_calibration(result, name=name, engine=engine, accelerators=accelerators, fitted_on=[t.name for t in targets],
                            method=f"simulation-based fit to {len(targets)} run summaries (replay.fit)")
-    in_sample = [e for t in targets for e in compare(t.name, t.recorded, replay_target(t, draft, seed))]
+    meters = [StepLoadMeter() for _ in targets]
+    in_sample = [e for t, m in zip(targets, meters) for e in compare(t.name, t.recorded, replay_target(t, draft, seed, m))]
     held_errors = median_abs_error([e for f in folds for e in f.errors]) if folds else None
     notes = [f"held-out errors: leave-one-out over {len(folds)} runs, each predicted by a calibration fitted "
              "without it" if folds else "held-out error not measured"]
     calibration = dataclasses.replace(
         draft, held_out_error_pct=_rounded(held_errors), in_sample_error_pct=_rounded(median_abs_error(in_sample)),
-        notes=tuple(notes),
+        notes=tuple(notes), fitted_load=Load.peak([m.load(t.instance_config.engine.max_num_seqs) for t, m in zip(targets, meters)]),
     )
     return calibration, folds
 
@@ -118,12 +120,14 @@ def calibrate_requests(requests: pa.Table, instance: InstanceConfig, base: Calib
         _say(progress, f"fitting {requests.num_rows:,} requests")
         target = Target.of_requests("recorded run", requests, instance)
         cal = _fit_requests(target, base, sim, REQUEST_PARAMETERS, seed)
-    in_sample = median_abs_error(compare(target.name, target.recorded, replay_target(target, cal, seed)))
+    meter = StepLoadMeter()
+    in_sample = median_abs_error(compare(target.name, target.recorded, replay_target(target, cal, seed, meter)))
     return dataclasses.replace(
         cal, name=name, engine=engine,
         method=f"simulation-based fit to one run's request table ({requests.num_rows:,} requests) over {base.name}",
         held_out_error_pct=_rounded(held), in_sample_error_pct=_rounded(in_sample),
         notes=(f"terms one run cannot separate (weights' bandwidth share, MoE, all-reduce) from {base.name}",),
+        fitted_load=meter.load(instance.engine.max_num_seqs),
     )
 
 
@@ -154,7 +158,15 @@ def calibrate_steps(events: pa.Table, instance: InstanceConfig, base: Calibratio
         in_sample_error_pct=_rounded({"step_time_median": result.median_abs_error_pct,
                                       "step_time_p90": result.p90_abs_error_pct}),
         notes=(f"frontend and the weights' bandwidth share from {base.name}",),
+        fitted_load=_recorded_load(events, instance),
     )
+
+
+def _recorded_load(events: pa.Table, instance: InstanceConfig) -> Load:
+    """The load of the recorded steps a calibration was fitted on."""
+    meter = StepLoadMeter()
+    meter.add(events)
+    return meter.load(instance.engine.max_num_seqs)
 
 
 __all__ = ["REQUEST_PARAMETERS", "calibrate_experiments", "calibrate_requests", "calibrate_steps"]

@@ -36,6 +36,7 @@ from replay.catalog import resolve_instance
 from replay.config import EngineConfig, InstanceConfig
 from replay.errors import ReplayError
 from replay.inference_perf import InferencePerfSpec, LoadStage, inference_perf_workload, read_inference_perf
+from replay.load import Load
 from servelens.errors import DataNotFoundError
 
 #: The metrics the fidelity data records (whole-run values), in its order.
@@ -327,6 +328,16 @@ class FidelityReport:
     errors: tuple[MetricError, ...]
     labels: tuple[tuple[str, str], ...]  # experiment id -> label
     notes: tuple[str, ...] = ()
+    loads: tuple[tuple[str, Load], ...] = ()  # experiment id -> the replay's busiest minute (replay.load)
+    fitted_load: Load | None = None  # the calibration's: a replay beyond it extrapolates
+
+    def load_cell(self, experiment: str) -> str:
+        """An experiment's replayed load in words (decode batch / KV pool), marked where beyond the fitted load."""
+        load = dict(self.loads).get(experiment)
+        if load is None:
+            return ""
+        beyond = self.fitted_load is not None and load.beyond(self.fitted_load)
+        return f"{load.batch_share:.0%} / {load.kv_share:.0%}" + (" beyond fitted" if beyond else "")
 
     @property
     def median_abs_error_pct(self) -> dict[str, float]:
@@ -345,11 +356,15 @@ class FidelityReport:
             row = rows.setdefault(e.experiment, {"label": dict(self.labels).get(e.experiment, e.experiment)})
             row[e.metric] = {"recorded_s": e.recorded_s, "replayed_s": e.replayed_s,
                              "signed_error_pct": round(e.signed_pct, 3), "abs_error_pct": round(e.abs_pct, 3)}
+        for experiment, load in self.loads:
+            rows.setdefault(experiment, {})["load"] = {
+                **load.as_json(), "beyond_fitted": self.fitted_load is not None and load.beyond(self.fitted_load)}
         return {
             "calibration": self.calibration,
             "median_abs_error_pct": {k: round(v, 3) for k, v in self.median_abs_error_pct.items()},
             "median_signed_error_pct": {k: round(v, 3) for k, v in self.median_signed_error_pct.items()},
             "experiments": rows,
+            "fitted_load": self.fitted_load.as_json() if self.fitted_load is not None else None,
             "notes": list(self.notes),
         }
 
@@ -362,8 +377,11 @@ def report_markdown(report: FidelityReport) -> str:
     lines += ["| metric | " + " | ".join(metrics) + " |", "|---|" + "---:|" * len(metrics)]
     mae, bias = report.median_abs_error_pct, report.median_signed_error_pct
     lines.append("| median abs error | " + " | ".join(f"{mae[m]:.1f}% ({bias[m]:+.1f}%)" for m in metrics) + " |")
-    lines += ["", "Per experiment, replayed vs recorded (ms) and the signed error:", ""]
-    lines += ["| experiment | " + " | ".join(metrics) + " |", "|---|" + "---:|" * len(metrics)]
+    lines += ["", "Per experiment, replayed vs recorded (ms) and the signed error; the replay's busiest minute (share of "
+              "max_num_seqs decoding / of the KV pool in use"
+              + (f"; the calibration's fitted runs reached {report.fitted_load.batch_share:.0%} / "
+                 f"{report.fitted_load.kv_share:.0%}" if report.fitted_load is not None else "") + "):", ""]
+    lines += ["| experiment | " + " | ".join(metrics) + " | load |", "|---|" + "---:|" * (len(metrics) + 1)]
     labels = dict(report.labels)
     cells: dict[str, dict[str, MetricError]] = {}
     for e in report.errors:
@@ -371,7 +389,7 @@ def report_markdown(report: FidelityReport) -> str:
     for exp, row in cells.items():
         values = [f"{row[m].replayed_s * 1e3:,.1f} / {row[m].recorded_s * 1e3:,.1f} ({row[m].signed_pct:+.1f}%)"
                   if m in row else "" for m in metrics]
-        lines.append(f"| {labels.get(exp, exp)} | " + " | ".join(values) + " |")
+        lines.append(f"| {labels.get(exp, exp)} | " + " | ".join(values) + f" | {report.load_cell(exp)} |")
     lines += [""] + [f"- {n}" for n in report.notes]
     return "\n".join(lines) + "\n"
 

@@ -38,6 +38,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 
 from replay.calibration import Calibration, apply_calibration
 from replay.config import FrontendConfig, InstanceConfig, standard_exponential
@@ -56,6 +57,7 @@ from replay.fidelity import (
     stage_starts_s,
     summarize,
 )
+from replay.load import StepLoadMeter
 
 #: Metrics the fit compares (the fidelity data's), equally weighted.
 FIT_METRICS = RECORDED_METRICS
@@ -356,18 +358,32 @@ def as_calibration(result: FitResult, *, name: str, engine: str, accelerators: S
     )
 
 
-def replay_target(target: Target, calibration: Calibration, seed: int = 0) -> dict[str, float]:
+def replay_target(target: Target, calibration: Calibration, seed: int = 0, meter: StepLoadMeter | None = None) -> dict[str, float]:
     """A full-length replay of ``target`` with ``calibration`` applied as ``servelens replay`` applies it;
-    its client-side figures."""
+    its client-side figures (``meter``: also handed the replay's events, to measure its load)."""
     from replay.run import run_replay
 
     instance, roofline = apply_calibration(target.instance(None), calibration)
     if not target.client_side:
         instance = dataclasses.replace(instance, frontend=None)
     times = RequestTimes()
-    run_replay(target.workload(seed, None), instance=instance, cost_model_config=roofline, sink=times, seed=seed)
+    sink = times if meter is None else _Both(times, meter)
+    run_replay(target.workload(seed, None), instance=instance, cost_model_config=roofline, sink=sink, seed=seed)
     lat = times.latencies()
     return summarize(lat["ttft_s"], lat["e2e_s"], lat["num_output_tokens"] * target.output_count_ratio)
+
+
+class _Both:
+    """A replay sink handing each chunk of events to two (neither hashes them)."""
+
+    digest = False
+
+    def __init__(self, first: Callable[[pa.Table], None], second: Callable[[pa.Table], None]) -> None:
+        self.first, self.second = first, second
+
+    def __call__(self, table: pa.Table) -> None:
+        self.first(table)
+        self.second(table)
 
 
 @dataclass(frozen=True, slots=True)

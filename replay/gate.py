@@ -72,6 +72,7 @@ from replay.judge import (  # noqa: F401
     judge_run,
     needs,
 )
+from replay.load import describe_load
 from replay.metrics import Requests, load_requests, load_steps
 from replay.request_table import REQUESTS_FILE
 from servelens.errors import DataNotFoundError, ServelensError
@@ -251,7 +252,8 @@ def _condition_verdicts(diffs: _Differences, config: GateConfig, errors: dict[st
 
 def calibration_errors(*runs: Run) -> tuple[dict[str, float], list[str]]:
     """The held-out errors (fractions, the larger of the runs' per figure) of the calibrations the runs'
-    manifests name, and a line per calibration for the report."""
+    manifests name, and a line per calibration for the report (and one per run whose load lies beyond the
+    load its calibration was fitted on, ``replay.load``)."""
     import json
 
     errors: dict[str, float] = {}
@@ -259,7 +261,8 @@ def calibration_errors(*runs: Run) -> tuple[dict[str, float], list[str]]:
     for run in runs:
         if run.manifest_path is None:
             continue
-        record = json.loads(Path(run.manifest_path).read_text()).get("calibration")
+        manifest = json.loads(Path(run.manifest_path).read_text())
+        record = manifest.get("calibration")
         if not record:
             continue
         held = record.get("held_out_error_pct") or {}
@@ -270,6 +273,9 @@ def calibration_errors(*runs: Run) -> tuple[dict[str, float], list[str]]:
                 + (", ".join(f"{k} {v:.1f}%" for k, v in sorted(held.items())) or "not measured"))
         if line not in lines:
             lines.append(line)
+        load, beyond = describe_load(manifest["load"]) if manifest.get("load") else ("", False)
+        if beyond:  # the held-out errors above do not vouch for this run
+            lines.append(f"{run.label} replay {load}")
     return errors, lines
 
 

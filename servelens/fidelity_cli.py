@@ -100,6 +100,7 @@ def fidelity_command(ctx: click.Context, data: Path | None, ids: str | None, eve
     """
     from replay.fidelity import FidelityReport, compare, write_report
     from replay.fit import Target, replay_target
+    from replay.load import StepLoadMeter
 
     if events is not None:
         instance, calibration = engine_instance(ctx, _config(ctx), engine_spec)
@@ -113,14 +114,16 @@ def fidelity_command(ctx: click.Context, data: Path | None, ids: str | None, eve
         targets = _experiment_targets(ctx, data, ids)
         calibration = choose_calibration(ctx.meta.get("vllm.calibration", "auto"), "roofline")
     cal = calibration or _uncalibrated()
-    errors, labels = [], []
+    errors, labels, loads = [], [], []
     for t in targets:
-        replayed = replay_target(t, cal, seed)
+        meter = StepLoadMeter()
+        replayed = replay_target(t, cal, seed, meter)
+        loads.append((t.name, meter.load(t.instance_config.engine.max_num_seqs)))
         errors.extend(compare(t.name, t.recorded, replayed))
         labels.append((t.name, t.experiment.label() if t.experiment is not None else t.name))
         worst = max((e for e in errors if e.experiment == t.name), key=lambda e: e.abs_pct)
         _progress(f"  {labels[-1][1]}: worst {worst.metric} {worst.signed_pct:+.1f}%")
-    report = FidelityReport(cal.name, tuple(errors), tuple(labels))
+    report = FidelityReport(cal.name, tuple(errors), tuple(labels), loads=tuple(loads), fitted_load=cal.fitted_load)
     paths = write_report(report, out)
     medians = report.median_abs_error_pct
     click.echo("median absolute error across runs: " + ", ".join(f"{k} {v:.1f}%" for k, v in medians.items()))

@@ -127,3 +127,16 @@ def echo_summary(summary, preset: Preset, calibration, instance) -> None:
         held = ", ".join(f"{k} {v:.1f}%" for k, v in calibration.held_out_error_pct if k in ("ttft_mean", "e2e_mean", "itl_mean"))
         click.echo(f"calibration {calibration.name} ({calibration.engine}{where}; median held-out error "
                    f"{held or 'not measured'})")
+    echo_load(summary.manifest_path)
+
+
+def echo_load(manifest_path) -> None:
+    """The run's load (its manifest's, ``replay.load``): a warning where it lies beyond its calibration's fitted runs."""
+    import json
+
+    from replay.load import describe_load
+
+    record = json.loads(manifest_path.read_text()).get("load") if manifest_path is not None else None
+    if record:
+        line, beyond = describe_load(record)
+        click.echo(f"warning: {line}" if beyond else line, err=beyond)

@@ -73,6 +73,10 @@ def test_fidelity_reports_recorded_against_replayed(tmp_path, shared):
                                                    "ttft_p99", "itl_mean"}
     assert "median absolute error across runs" in done.stdout
     assert "| median abs error |" in (out / "fidelity.md").read_text()
+    # each run's replayed load beside its errors; both runs were fitted, so neither is beyond the fitted load
+    assert report["fitted_load"] == {"batch_share": 0.5881, "kv_share": 0.4387}  # the shipped calibration's
+    assert all(0 < report["experiments"][e]["load"]["batch_share"] < 0.5881 for e in ("62", "64"))
+    assert not any(report["experiments"][e]["load"]["beyond_fitted"] for e in ("62", "64"))
     assert "plotly" in (out / "fidelity.html").read_text()
     bad = servelens("fidelity", "--experiments", "60,nope", "--out", str(out), env={"SERVELENS_SHARED_DIR": str(shared)})
     assert bad.returncode == 3 and "unknown experiment(s) nope" in bad.stderr
@@ -95,6 +99,9 @@ def test_calibrate_from_a_recorded_run_s_steps_and_replay_with_it(tmp_path, shar
     # the shipped calibration, the step overhead takes up the difference: one model cannot separate them)
     assert written["roofline"]["compute_efficiency"] == pytest.approx(0.6, rel=0.02)
     assert written["held_out_error_pct"]["step_time_median"] < 1 and "step times" in written["method"]
+    # the load it vouches for is the recorded run's own, as the recording's manifest measured it
+    recorded = json.loads((rec / "manifest.json").read_text())["load"]
+    assert written["fitted_load"] == {"batch_share": recorded["batch_share"], "kv_share": recorded["kv_share"]}
     again = servelens("replay", "--workload", "azure-conv", "--requests", "200", "--calibration", str(cal), "--out",
                       str(tmp_path / "again"), env={"SERVELENS_SHARED_DIR": str(shared)})
     assert again.returncode == 0, again.stderr and "calibration mine" in again.stdout
