@@ -75,6 +75,8 @@ class RunInfo:
     events_mtime_ns: int
     events_bytes: int
     requests_path: str | None = None  # the request table the replay wrote itself (its manifest names it)
+    #: minutes beyond the load its calibration was fitted on (``replay.load``); None: no fitted load to compare
+    minutes_beyond_fitted: int | None = None
 
     @property
     def version(self) -> str:
@@ -138,7 +140,15 @@ def read_run(folder: str | Path, name: str | None = None) -> RunInfo | None:
         events_mtime_ns=stat.st_mtime_ns,
         events_bytes=stat.st_size,
         requests_path=_own_requests(folder, manifest),
+        minutes_beyond_fitted=_minutes_beyond_fitted(manifest),
     )
+
+
+def _minutes_beyond_fitted(manifest: Mapping[str, Any]) -> int | None:
+    """The manifest's count of minutes beyond its calibration's fitted load (``replay.load.load_record``)."""
+    load = manifest.get("load") if isinstance(manifest.get("load"), dict) else {}
+    beyond = load.get("windows_beyond_fitted")
+    return beyond if isinstance(beyond, int) and not isinstance(beyond, bool) else None
 
 
 def _own_requests(folder: Path, manifest: Mapping[str, Any]) -> str | None:

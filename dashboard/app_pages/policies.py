@@ -31,6 +31,13 @@ classes = sorted({g for v in values for g, scope in zip(v["group"].to_pylist(), 
 service_class = ui.class_filter(tuple(classes), "policies")
 table = comparison_table(selected, values, service_class or "")
 
+beyond = sum(1 for r in selected if r.minutes_beyond_fitted)
+if beyond:  # a count only: run names are data, and an alert renders Markdown
+    st.warning(f"{beyond} of the chosen runs went beyond the load their calibration was fitted on "
+               "(`minutes_beyond_fitted_load` under Runs and their manifests): their absolute figures are extrapolations, "
+               "with errors that can be several times the calibration's held-out figures (docs/calibration.md, "
+               "\"The load a calibration vouches for\").")
+
 st.subheader("Side by side" + (" (one class)" if service_class else ""))
 if service_class:
     st.text(f"class: {service_class}")
@@ -59,7 +66,9 @@ ui.show_table(pa.table({
     "engine": [r.engine for r in selected], "cost_model": [r.cost_model for r in selected],
     "workload": [r.workload for r in selected], "load_factor": [r.load_factor for r in selected],
     "scenario": [r.scenario for r in selected], "seed": [r.seed for r in selected],
-    "requests": [r.num_requests for r in selected], "folder": [r.folder for r in selected],
+    "requests": [r.num_requests for r in selected],
+    "minutes_beyond_fitted_load": pa.array([r.minutes_beyond_fitted for r in selected], pa.int64()),
+    "folder": [r.folder for r in selected],
 }))
 for i, run in enumerate(selected):
     manifest = servable(run.manifest_path, [s.dashboard.runs_dir])  # a regular file inside runs_dir, resolved

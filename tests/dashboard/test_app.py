@@ -314,6 +314,30 @@ def test_the_nightly_layout_of_runs_and_gate_reports_is_browsed_by_day(sample, a
     assert "report: 2023-11-16/fcfs-chunk256@1x" not in _texts(at) and "report" not in at.query_params
 
 
+def test_policies_says_which_runs_went_beyond_their_calibration_s_fitted_load(sample, app, tmp_path):
+    """A run whose manifest counts minutes beyond its calibration's fitted load (``replay.load``) is counted in a
+    warning above the comparison and its minutes shown beside its manifest; runs without a fitted load to
+    compare (the sample's: no calibration) show nothing, and no warning appears when none is beyond."""
+    runs = tmp_path / "runs"
+    for name in ("fcfs", "fcfs@2x"):
+        shutil.copytree(sample.root / "runs" / name, runs / name)
+    manifest_path = runs / "fcfs@2x" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    assert "fitted" not in manifest["load"]  # no calibration: nothing to be beyond
+    manifest["load"].update(fitted={"batch_share": 0.2, "kv_share": 0.2}, windows_beyond_fitted=3)
+    manifest_path.write_text(json.dumps(manifest))
+    settings = sample.with_dashboard(runs_dir=str(runs), cache_dir=str(tmp_path / "cache"))
+    at = app(settings, "policies")
+    _clean(at)
+    (warning,) = at.warning
+    assert warning.value.startswith("1 of the chosen runs went beyond the load their calibration was fitted on")
+    (listed,) = [d.value for d in at.dataframe if "minutes_beyond_fitted_load" in d.value.columns]
+    assert dict(zip(listed["run"], listed["minutes_beyond_fitted_load"].fillna(-1))) == {"fcfs": -1, "fcfs@2x": 3}
+    at = app(settings, "policies", {"run": ["fcfs"]})
+    _clean(at)
+    assert not at.warning
+
+
 def hostile_gate_dir(sample, tmp_path: Path) -> tuple[Path, list[Path]]:
     """A copy of the sample's gate reports whose gate.json names the pseudonym key file and
     /etc/shadow as the runs' manifests, with gate.md a symbolic link to the key file: the issue #22
