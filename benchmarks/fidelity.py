@@ -15,8 +15,14 @@ held-out errors, to replay/calibrations/).
                                                   # (in sample) and one shortened leave-one-out fold
     python benchmarks/fidelity.py --write-calibration replay/calibrations/vllm-0.15.1-h100.json
 
+Each held-out run's load (``replay.load``: its busiest minute's decode batch over ``max_num_seqs`` and KV
+blocks in use over the pool) is set against the load its fold's calibration was fitted on: a run beyond it
+is one ``servelens replay`` would flag as an extrapolation, and the medians are also given apart for the
+runs within and beyond.
+
 The last line of output is one JSON object: ``median_abs_error_pct`` (per metric), ``experiments``
-(per experiment, signed errors in percent) and whether the targets hold.
+(per experiment, signed errors in percent), whether the targets hold, ``held_out_load`` (per experiment)
+and ``median_abs_error_pct_by_load`` (``within`` and ``beyond`` the folds' fitted load).
 """
 
 from __future__ import annotations
@@ -41,11 +47,19 @@ def _targets():
     return [Target.of_experiment(e, shared) for e in read_experiments(shared / FIDELITY_DIR)]
 
 
-def _table(rows: dict[str, dict[str, float]], medians: dict[str, float]) -> str:
+def _table(rows: dict[str, dict[str, float]], medians: dict[str, float], loads: dict[str, dict] | None = None) -> str:
+    """Signed errors per experiment, the medians and the targets; with ``loads``, each held-out run's load
+    (busiest minute: decode batch / KV pool) against its fold's fitted load, marked where beyond it."""
     metrics = list(TARGETS_PCT)
-    lines = ["| experiment | " + " | ".join(metrics) + " |", "|---|" + "---:|" * len(metrics)]
+    extra = " held-out load (fold's fitted) |" if loads else ""
+    lines = ["| experiment | " + " | ".join(metrics) + " |" + extra, "|---|" + "---:|" * (len(metrics) + bool(loads))]
     for label, errs in rows.items():
-        lines.append(f"| {label} | " + " | ".join(f"{errs[m]:+.1f}%" for m in metrics) + " |")
+        cell = ""
+        if loads:
+            held, fold = loads[label]["held_out"], loads[label]["fold_fitted"]
+            cell = (f" {held['batch_share']:.0%} / {held['kv_share']:.0%} ({fold['batch_share']:.0%} / "
+                    f"{fold['kv_share']:.0%}){' **beyond**' if loads[label]['beyond'] else ''} |")
+        lines.append(f"| {label} | " + " | ".join(f"{errs[m]:+.1f}%" for m in metrics) + " |" + cell)
     lines.append("| **median abs error** | " + " | ".join(f"**{medians[m]:.1f}%**" for m in metrics) + " |")
     lines.append("| target | " + " | ".join(f"<= {TARGETS_PCT[m]}%" for m in metrics) + " |")
     return "\n".join(lines)
@@ -68,8 +82,12 @@ def leave_one_out(args: argparse.Namespace) -> dict:
         print(f"calibration written to {args.write_calibration}", file=sys.stderr)
     errors = [e for f in folds for e in f.errors]
     rows = {f.target.experiment.label(): {e.metric: e.signed_pct for e in f.errors} for f in folds}
+    loads = {f.target.experiment.label(): {"held_out": f.load.as_json(), "fold_fitted": f.fitted_load.as_json(),
+                                           "beyond": f.beyond_fitted_load} for f in folds}
+    split = {group: median_abs_error([e for f in folds if f.beyond_fitted_load == beyond for e in f.errors])
+             for group, beyond in (("within", False), ("beyond", True))}
     return {"mode": "leave-one-out", "median_abs_error_pct": median_abs_error(errors), "rows": rows,
-            "calibration": calibration}
+            "calibration": calibration, "loads": loads, "split": split}
 
 
 def shipped_in_sample() -> dict:
@@ -100,7 +118,7 @@ def main() -> None:
     runs = [shipped_in_sample(), leave_one_out(args)] if args.quick else [leave_one_out(args)]
     for run in runs:
         print(f"\n{run['mode']} ({run['calibration'].name}):\n")
-        print(_table(run["rows"], run["median_abs_error_pct"]))
+        print(_table(run["rows"], run["median_abs_error_pct"], run.get("loads")))
     main_run = runs[-1]
     medians = main_run["median_abs_error_pct"]
     result = {
@@ -110,6 +128,9 @@ def main() -> None:
         "meets_targets": all(medians[m] <= t for m, t in TARGETS_PCT.items()) if not args.quick else None,
         "experiments": {label: {m: round(v, 2) for m, v in errs.items()} for label, errs in main_run["rows"].items()},
         "fitted_terms": {p.name: getattr(main_run["calibration"].roofline, p.name) for p in ENGINE_PARAMETERS},
+        "held_out_load": main_run["loads"],
+        "median_abs_error_pct_by_load": {group: {k: round(v, 2) for k, v in medians_.items()}
+                                         for group, medians_ in main_run["split"].items()},
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     if args.quick:

@@ -37,6 +37,7 @@ from replay.fit import (
     fit,
     leave_one_out,
     replay_target,
+    replay_targets,
 )
 from replay.load import Load, StepLoadMeter
 
@@ -71,16 +72,33 @@ def calibrate_experiments(targets: Sequence[Target], *, name: str, engine: str, 
     accelerators = sorted({t.instance_config.accelerator.name for t in targets})
     draft = as_calibration(result, name=name, engine=engine, accelerators=accelerators, fitted_on=[t.name for t in targets],
                            method=f"simulation-based fit to {len(targets)} run summaries (replay.fit)")
-    meters = [StepLoadMeter() for _ in targets]
-    in_sample = [e for t, m in zip(targets, meters) for e in compare(t.name, t.recorded, replay_target(t, draft, seed, m))]
+    figures, load = replay_targets(targets, draft, seed)
+    in_sample = [e for t, f in zip(targets, figures) for e in compare(t.name, t.recorded, f)]
     held_errors = median_abs_error([e for f in folds for e in f.errors]) if folds else None
     notes = [f"held-out errors: leave-one-out over {len(folds)} runs, each predicted by a calibration fitted "
-             "without it" if folds else "held-out error not measured"]
+             "without it" if folds else "held-out error not measured"] + _beyond_note(folds)
     calibration = dataclasses.replace(
         draft, held_out_error_pct=_rounded(held_errors), in_sample_error_pct=_rounded(median_abs_error(in_sample)),
-        notes=tuple(notes), fitted_load=Load.peak([m.load(t.instance_config.engine.max_num_seqs) for t, m in zip(targets, meters)]),
+        notes=tuple(notes), fitted_load=load,
     )
     return calibration, folds
+
+
+def _beyond_note(folds: Sequence[HeldOut]) -> list[str]:
+    """What the load flag said in the leave-one-out: the held-out runs beyond their fold's fitted load, and their
+    median absolute E2E mean error against the others'."""
+    beyond = [f for f in folds if f.beyond_fitted_load]
+    if not folds or not beyond:
+        return [f"leave-one-out: none of the {len(folds)} held-out runs went beyond its fold's fitted load"] if folds else []
+    within = [f for f in folds if not f.beyond_fitted_load]
+
+    def e2e(group: list[HeldOut]) -> str:
+        errors = median_abs_error([e for f in group for e in f.errors])
+        return f"{errors['e2e_mean']:.1f}%" if "e2e_mean" in errors else "n/a"
+
+    return [f"leave-one-out: {len(beyond)} of {len(folds)} held-out runs went beyond their fold's fitted load "
+            f"({', '.join(f.target.name for f in beyond)}): median absolute E2E mean error {e2e(beyond)}, "
+            f"against {e2e(within) if within else 'n/a'} for the others"]
 
 
 def _rounded(errors: dict[str, float] | None) -> tuple[tuple[str, float], ...]:
@@ -120,14 +138,14 @@ def calibrate_requests(requests: pa.Table, instance: InstanceConfig, base: Calib
         _say(progress, f"fitting {requests.num_rows:,} requests")
         target = Target.of_requests("recorded run", requests, instance)
         cal = _fit_requests(target, base, sim, REQUEST_PARAMETERS, seed)
-    meter = StepLoadMeter()
-    in_sample = median_abs_error(compare(target.name, target.recorded, replay_target(target, cal, seed, meter)))
+    (figures,), load = replay_targets([target], cal, seed)
+    in_sample = median_abs_error(compare(target.name, target.recorded, figures))
     return dataclasses.replace(
         cal, name=name, engine=engine,
         method=f"simulation-based fit to one run's request table ({requests.num_rows:,} requests) over {base.name}",
         held_out_error_pct=_rounded(held), in_sample_error_pct=_rounded(in_sample),
         notes=(f"terms one run cannot separate (weights' bandwidth share, MoE, all-reduce) from {base.name}",),
-        fitted_load=meter.load(instance.engine.max_num_seqs),
+        fitted_load=load,
     )
 
 

@@ -57,7 +57,7 @@ from replay.fidelity import (
     stage_starts_s,
     summarize,
 )
-from replay.load import StepLoadMeter
+from replay.load import Load, StepLoadMeter
 
 #: Metrics the fit compares (the fidelity data's), equally weighted.
 FIT_METRICS = RECORDED_METRICS
@@ -386,13 +386,32 @@ class _Both:
         self.second(table)
 
 
+def replay_targets(targets: Sequence[Target], calibration: Calibration, seed: int = 0) -> tuple[list[dict[str, float]], Load]:
+    """Each of ``targets`` replayed with ``calibration`` (``replay_target``): their figures, and the largest of
+    their busiest minutes (``replay.load``), the load the calibration vouches for when fitted on them."""
+    figures, loads = [], []
+    for target in targets:
+        meter = StepLoadMeter()
+        figures.append(replay_target(target, calibration, seed, meter))
+        loads.append(meter.load(target.instance_config.engine.max_num_seqs))
+    return figures, Load.peak(loads)
+
+
 @dataclass(frozen=True, slots=True)
 class HeldOut:
-    """One target predicted by a fit that never saw it: the fit, and the full-length replay's figures."""
+    """One target predicted by a fit that never saw it: the fit, the full-length replay's figures, that replay's
+    load and the load the fold's calibration vouches for (its other targets', ``replay_targets``)."""
 
     target: Target
     fit: FitResult
     replayed: dict[str, float]
+    load: Load
+    fitted_load: Load
+
+    @property
+    def beyond_fitted_load(self) -> bool:
+        """The held-out run went beyond the load its fold's calibration was fitted on (a replay would warn)."""
+        return self.load.beyond(self.fitted_load)
 
     @property
     def errors(self) -> list[MetricError]:
@@ -425,7 +444,10 @@ def leave_one_out(
         cal = calibration(result) if calibration is not None else as_calibration(
             result, name=f"loo-{target.name}", engine="", accelerators=(), method="leave-one-out fold",
             fitted_on=[t.name for t in rest])
-        held_out = HeldOut(target, result, replay_target(target, cal, seed))
+        meter = StepLoadMeter()
+        replayed = replay_target(target, cal, seed, meter)
+        held_out = HeldOut(target, result, replayed, meter.load(target.instance_config.engine.max_num_seqs),
+                           replay_targets(rest, cal, seed)[1])
         out.append(held_out)
         if progress is not None:
             worst = max(held_out.errors, key=lambda e: e.abs_pct)
@@ -449,6 +471,7 @@ __all__ = [
     "leave_one_out",
     "log_residuals",
     "replay_target",
+    "replay_targets",
     "roofline_at",
     "simulate",
 ]

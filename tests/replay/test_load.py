@@ -99,6 +99,26 @@ def test_a_calibration_keeps_its_fitted_load_and_the_shipped_one_holds_its_fitte
     assert 0 < shipped.fitted_load.batch_share < 1 and 0 < shipped.fitted_load.kv_share < 1
 
 
+def test_a_calibration_notes_which_held_out_runs_went_beyond_their_fold_s_fitted_load():
+    """By hand: three folds, one held-out run beyond its fold's fitted load (by its KV share) with E2E mean off by
+    20%, two within off by 2% and 4%: the note names it and the medians, 20% against 3%."""
+    from replay.calibrate import _beyond_note
+    from replay.fit import FitResult, HeldOut, Target
+
+    fit = FitResult(RooflineConfig(), (0.0, 0.0, 0.0), (), (), 0)
+
+    def fold(name: str, replayed: float, load: Load) -> HeldOut:
+        target = Target(name, (("e2e_mean", 1.0),), instance_config())
+        return HeldOut(target, fit, {"e2e_mean": replayed}, load, Load(0.5, 0.4))
+
+    folds = [fold("a", 1.02, Load(0.3, 0.1)), fold("b", 1.2, Load(0.3, 0.45)), fold("c", 0.96, Load(0.5, 0.4))]
+    assert [f.beyond_fitted_load for f in folds] == [False, True, False]  # c sits on the envelope: within
+    assert _beyond_note(folds) == ["leave-one-out: 1 of 3 held-out runs went beyond their fold's fitted load (b): "
+                                   "median absolute E2E mean error 20.0%, against 3.0% for the others"]
+    assert _beyond_note(folds[::2]) == ["leave-one-out: none of the 2 held-out runs went beyond its fold's fitted load"]
+    assert _beyond_note([]) == []
+
+
 @pytest.mark.slow
 def test_the_shipped_fitted_load_is_its_fitted_runs_busiest_minute():
     """The shipped calibration's fitted load is recomputed as ``calibrate_experiments`` computes it: each fitted
