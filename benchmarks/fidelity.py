@@ -60,8 +60,9 @@ def _table(rows: dict[str, dict[str, float]], medians: dict[str, float], loads: 
             cell = (f" {held['batch_share']:.0%} / {held['kv_share']:.0%} ({fold['batch_share']:.0%} / "
                     f"{fold['kv_share']:.0%}){' **beyond**' if loads[label]['beyond'] else ''} |")
         lines.append(f"| {label} | " + " | ".join(f"{errs[m]:+.1f}%" for m in metrics) + " |" + cell)
-    lines.append("| **median abs error** | " + " | ".join(f"**{medians[m]:.1f}%**" for m in metrics) + " |")
-    lines.append("| target | " + " | ".join(f"<= {TARGETS_PCT[m]}%" for m in metrics) + " |")
+    blank = " |" if loads else ""
+    lines.append("| **median abs error** | " + " | ".join(f"**{medians[m]:.1f}%**" for m in metrics) + " |" + blank)
+    lines.append("| target | " + " | ".join(f"<= {TARGETS_PCT[m]}%" for m in metrics) + " |" + blank)
     return "\n".join(lines)
 
 
