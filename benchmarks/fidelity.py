@@ -67,7 +67,7 @@ def _table(rows: dict[str, dict[str, float]], medians: dict[str, float], loads: 
 
 
 def leave_one_out(args: argparse.Namespace) -> dict:
-    from replay.calibrate import calibrate_experiments
+    from replay.calibrate import calibrate_experiments, median_abs_error_by_load
     from replay.calibration import write_calibration
     from replay.fidelity import median_abs_error
 
@@ -85,8 +85,7 @@ def leave_one_out(args: argparse.Namespace) -> dict:
     rows = {f.target.experiment.label(): {e.metric: e.signed_pct for e in f.errors} for f in folds}
     loads = {f.target.experiment.label(): {"held_out": f.load.as_json(), "fold_fitted": f.fitted_load.as_json(),
                                            "beyond": f.beyond_fitted_load} for f in folds}
-    split = {group: median_abs_error([e for f in folds if f.beyond_fitted_load == beyond for e in f.errors])
-             for group, beyond in (("within", False), ("beyond", True))}
+    split = median_abs_error_by_load(folds)
     return {"mode": "leave-one-out", "median_abs_error_pct": median_abs_error(errors), "rows": rows,
             "calibration": calibration, "loads": loads, "split": split}
 

@@ -84,21 +84,24 @@ def calibrate_experiments(targets: Sequence[Target], *, name: str, engine: str, 
     return calibration, folds
 
 
+def median_abs_error_by_load(folds: Sequence[HeldOut]) -> dict[str, dict[str, float]]:
+    """The folds' median absolute errors per metric, apart for the held-out runs ``within`` their fold's fitted
+    load and those ``beyond`` it (an empty group: no figures)."""
+    return {group: median_abs_error([e for f in folds if f.beyond_fitted_load == beyond for e in f.errors])
+            for group, beyond in (("within", False), ("beyond", True))}
+
+
 def _beyond_note(folds: Sequence[HeldOut]) -> list[str]:
     """What the load flag said in the leave-one-out: the held-out runs beyond their fold's fitted load, and their
     median absolute E2E mean error against the others'."""
     beyond = [f for f in folds if f.beyond_fitted_load]
     if not folds or not beyond:
         return [f"leave-one-out: none of the {len(folds)} held-out runs went beyond its fold's fitted load"] if folds else []
-    within = [f for f in folds if not f.beyond_fitted_load]
-
-    def e2e(group: list[HeldOut]) -> str:
-        errors = median_abs_error([e for f in group for e in f.errors])
-        return f"{errors['e2e_mean']:.1f}%" if "e2e_mean" in errors else "n/a"
-
+    e2e = {group: f"{m['e2e_mean']:.1f}%" if "e2e_mean" in m else "n/a"
+           for group, m in median_abs_error_by_load(folds).items()}
     return [f"leave-one-out: {len(beyond)} of {len(folds)} held-out runs went beyond their fold's fitted load "
-            f"({', '.join(f.target.name for f in beyond)}): median absolute E2E mean error {e2e(beyond)}, "
-            f"against {e2e(within) if within else 'n/a'} for the others"]
+            f"({', '.join(f.target.name for f in beyond)}): median absolute E2E mean error {e2e['beyond']}, "
+            f"against {e2e['within']} for the others"]
 
 
 def _rounded(errors: dict[str, float] | None) -> tuple[tuple[str, float], ...]:
@@ -187,4 +190,4 @@ def _recorded_load(events: pa.Table, instance: InstanceConfig) -> Load:
     return meter.load(instance.engine.max_num_seqs)
 
 
-__all__ = ["REQUEST_PARAMETERS", "calibrate_experiments", "calibrate_requests", "calibrate_steps"]
+__all__ = ["REQUEST_PARAMETERS", "calibrate_experiments", "calibrate_requests", "calibrate_steps", "median_abs_error_by_load"]

@@ -331,13 +331,16 @@ class FidelityReport:
     loads: tuple[tuple[str, Load], ...] = ()  # experiment id -> the replay's busiest minute (replay.load)
     fitted_load: Load | None = None  # the calibration's: a replay beyond it extrapolates
 
+    def beyond_fitted(self, load: Load) -> bool:
+        """``load`` lies beyond the calibration's fitted load (never, when it records none)."""
+        return self.fitted_load is not None and load.beyond(self.fitted_load)
+
     def load_cell(self, experiment: str) -> str:
         """An experiment's replayed load in words (decode batch / KV pool), marked where beyond the fitted load."""
         load = dict(self.loads).get(experiment)
         if load is None:
             return ""
-        beyond = self.fitted_load is not None and load.beyond(self.fitted_load)
-        return f"{load.batch_share:.0%} / {load.kv_share:.0%}" + (" beyond fitted" if beyond else "")
+        return f"{load.batch_share:.0%} / {load.kv_share:.0%}" + (" beyond fitted" if self.beyond_fitted(load) else "")
 
     @property
     def median_abs_error_pct(self) -> dict[str, float]:
@@ -358,7 +361,7 @@ class FidelityReport:
                              "signed_error_pct": round(e.signed_pct, 3), "abs_error_pct": round(e.abs_pct, 3)}
         for experiment, load in self.loads:
             rows.setdefault(experiment, {})["load"] = {
-                **load.as_json(), "beyond_fitted": self.fitted_load is not None and load.beyond(self.fitted_load)}
+                **load.as_json(), "beyond_fitted": self.beyond_fitted(load)}
         return {
             "calibration": self.calibration,
             "median_abs_error_pct": {k: round(v, 3) for k, v in self.median_abs_error_pct.items()},

@@ -138,10 +138,9 @@ def peak_of(windows: pa.Table) -> Load:
 
 
 def windows_beyond(windows: pa.Table, fitted: Load) -> int:
-    """How many of ``windows`` lie beyond ``fitted`` (either share larger, by more than ``MARGIN``)."""
-    over = pc.or_(pc.greater(windows["batch_share"], fitted.batch_share + MARGIN),
-                  pc.greater(windows["kv_share"], fitted.kv_share + MARGIN))
-    return int(pc.sum(over).as_py() or 0)
+    """How many of ``windows`` lie beyond ``fitted`` (``Load.beyond``: a few rows, one per minute)."""
+    shares = zip(windows["batch_share"].to_pylist(), windows["kv_share"].to_pylist())
+    return sum(Load(batch, kv).beyond(fitted) for batch, kv in shares)
 
 
 def load_record(windows: pa.Table, fitted: Load | None, window_s: float = WINDOW_S) -> dict[str, Any]:
