@@ -330,6 +330,9 @@ class FidelityReport:
     notes: tuple[str, ...] = ()
     loads: tuple[tuple[str, Load], ...] = ()  # experiment id -> the replay's busiest minute (replay.load)
     fitted_load: Load | None = None  # the calibration's: a replay beyond it extrapolates
+    #: per load stage of the runs recorded stage by stage (stage index, error): not in the medians (the field's
+    #: metric is the whole run's), they show where in a run the replay departs from it
+    stage_errors: tuple[tuple[int, MetricError], ...] = ()
 
     def beyond_fitted(self, load: Load) -> bool:
         """``load`` lies beyond the calibration's fitted load (never, when it records none)."""
@@ -357,11 +360,13 @@ class FidelityReport:
         rows: dict[str, dict[str, Any]] = {}
         for e in self.errors:
             row = rows.setdefault(e.experiment, {"label": dict(self.labels).get(e.experiment, e.experiment)})
-            row[e.metric] = {"recorded_s": e.recorded_s, "replayed_s": e.replayed_s,
-                             "signed_error_pct": round(e.signed_pct, 3), "abs_error_pct": round(e.abs_pct, 3)}
+            row[e.metric] = _error_json(e)
         for experiment, load in self.loads:
             rows.setdefault(experiment, {})["load"] = {
                 **load.as_json(), "beyond_fitted": self.beyond_fitted(load)}
+        for index, e in self.stage_errors:
+            stage = rows.setdefault(e.experiment, {}).setdefault("stages", {}).setdefault(str(index), {})
+            stage[e.metric] = _error_json(e)
         return {
             "calibration": self.calibration,
             "median_abs_error_pct": {k: round(v, 3) for k, v in self.median_abs_error_pct.items()},
@@ -370,6 +375,23 @@ class FidelityReport:
             "fitted_load": self.fitted_load.as_json() if self.fitted_load is not None else None,
             "notes": list(self.notes),
         }
+
+
+def _error_json(e: MetricError) -> dict[str, float]:
+    return {"recorded_s": e.recorded_s, "replayed_s": e.replayed_s, "signed_error_pct": round(e.signed_pct, 3),
+            "abs_error_pct": round(e.abs_pct, 3)}
+
+
+def stage_errors(experiment: str, recorded_stages: Sequence[tuple[int, Sequence[tuple[str, float]]]],
+                 replayed_stages: dict[int, dict[str, float]]) -> list[tuple[int, MetricError]]:
+    """The errors of each load stage both sides have (``FidelityReport.stage_errors``)."""
+    return [(index, e) for index, recorded in recorded_stages if index in replayed_stages
+            for e in compare(experiment, dict(recorded), replayed_stages[index])]
+
+
+def _cell(e: MetricError | None) -> str:
+    """Replayed / recorded (ms) and the signed error."""
+    return "" if e is None else f"{e.replayed_s * 1e3:,.1f} / {e.recorded_s * 1e3:,.1f} ({e.signed_pct:+.1f}%)"
 
 
 def report_markdown(report: FidelityReport) -> str:
@@ -390,11 +412,27 @@ def report_markdown(report: FidelityReport) -> str:
     for e in report.errors:
         cells.setdefault(e.experiment, {})[e.metric] = e
     for exp, row in cells.items():
-        values = [f"{row[m].replayed_s * 1e3:,.1f} / {row[m].recorded_s * 1e3:,.1f} ({row[m].signed_pct:+.1f}%)"
-                  if m in row else "" for m in metrics]
+        values = [_cell(row.get(m)) for m in metrics]
         lines.append(f"| {labels.get(exp, exp)} | " + " | ".join(values) + f" | {report.load_cell(exp)} |")
+    lines += _stage_lines(report, metrics)
     lines += [""] + [f"- {n}" for n in report.notes]
     return "\n".join(lines) + "\n"
+
+
+def _stage_lines(report: FidelityReport, metrics: list[str]) -> list[str]:
+    """The per-stage table of the runs recorded stage by stage (none without them)."""
+    if not report.stage_errors:
+        return []
+    lines = ["", "Per load stage, of the runs recorded stage by stage (not in the medians: where in a run the replay "
+             "departs from it), replayed vs recorded (ms) and the signed error:", ""]
+    lines += ["| experiment | stage | " + " | ".join(metrics) + " |", "|---|---:|" + "---:|" * len(metrics)]
+    cells: dict[tuple[str, int], dict[str, MetricError]] = {}
+    for index, e in report.stage_errors:
+        cells.setdefault((e.experiment, index), {})[e.metric] = e
+    labels = dict(report.labels)
+    for (exp, index), row in cells.items():
+        lines.append(f"| {labels.get(exp, exp)} | {index} | " + " | ".join(_cell(row.get(m)) for m in metrics) + " |")
+    return lines
 
 
 def report_html(report: FidelityReport) -> str:
@@ -456,6 +494,7 @@ __all__ = [
     "median_abs_error",
     "median_signed_error",
     "read_experiments",
+    "stage_errors",
     "stage_starts_s",
     "report_html",
     "report_markdown",

@@ -225,9 +225,13 @@ def simulate(target: Target, roofline: RooflineConfig, async_scheduling: bool, s
                seed=seed)
     lat = times.latencies()
     jitter = np.array([standard_exponential(r) for r in lat["request_id"]])
-    stage = np.searchsorted(np.array(target.stage_starts_s(max_stage_s)), lat["start_s"], side="right") - 1
     return EngineSample(lat["ttft_s"], lat["e2e_s"], lat["num_output_tokens"], lat["num_prompt_tokens"], jitter,
-                        stage, target.client_side, target.output_count_ratio)
+                        _stages(target, lat["start_s"], max_stage_s), target.client_side, target.output_count_ratio)
+
+
+def _stages(target: Target, start_s: np.ndarray, max_stage_s: float | None) -> np.ndarray:
+    """The load stage each request (sent at ``start_s``) of a replay of ``target`` belongs to."""
+    return np.searchsorted(np.array(target.stage_starts_s(max_stage_s)), start_s, side="right") - 1
 
 
 def _simulate_job(args: tuple) -> EngineSample:
@@ -361,6 +365,13 @@ def as_calibration(result: FitResult, *, name: str, engine: str, accelerators: S
 def replay_target(target: Target, calibration: Calibration, seed: int = 0, meter: StepLoadMeter | None = None) -> dict[str, float]:
     """A full-length replay of ``target`` with ``calibration`` applied as ``servelens replay`` applies it;
     its client-side figures (``meter``: also handed the replay's events, to measure its load)."""
+    return replay_target_by_stage(target, calibration, seed, meter)[0]
+
+
+def replay_target_by_stage(target: Target, calibration: Calibration, seed: int = 0,
+                           meter: StepLoadMeter | None = None) -> tuple[dict[str, float], dict[int, dict[str, float]]]:
+    """``replay_target``'s figures of the whole run, and those of each load stage the target recorded on its
+    own (stage index -> figures; none for a run recorded as a whole)."""
     from replay.run import run_replay
 
     instance, roofline = apply_calibration(target.instance(None), calibration)
@@ -370,7 +381,11 @@ def replay_target(target: Target, calibration: Calibration, seed: int = 0, meter
     sink = times if meter is None else _Both(times, meter)
     run_replay(target.workload(seed, None), instance=instance, cost_model_config=roofline, sink=sink, seed=seed)
     lat = times.latencies()
-    return summarize(lat["ttft_s"], lat["e2e_s"], lat["num_output_tokens"] * target.output_count_ratio)
+    counted = lat["num_output_tokens"] * target.output_count_ratio
+    stage = _stages(target, lat["start_s"], None)
+    per_stage = {index: summarize(lat["ttft_s"][stage == index], lat["e2e_s"][stage == index], counted[stage == index])
+                 for index, _ in target.recorded_stages if (stage == index).any()}
+    return summarize(lat["ttft_s"], lat["e2e_s"], counted), per_stage
 
 
 class _Both:
@@ -471,6 +486,7 @@ __all__ = [
     "leave_one_out",
     "log_residuals",
     "replay_target",
+    "replay_target_by_stage",
     "replay_targets",
     "roofline_at",
     "simulate",

@@ -98,8 +98,8 @@ def fidelity_command(ctx: click.Context, data: Path | None, ids: str | None, eve
       servelens fidelity --experiments 60,61 --calibration none --out out/fidelity-raw
       servelens fidelity --events out/demo/engine/events.parquet --engine llama-2-7b@a100-80gx2 --out out/fidelity-demo
     """
-    from replay.fidelity import FidelityReport, compare, write_report
-    from replay.fit import Target, replay_target
+    from replay.fidelity import FidelityReport, compare, stage_errors, write_report
+    from replay.fit import Target, replay_target_by_stage
     from replay.load import StepLoadMeter
 
     if events is not None:
@@ -114,16 +114,18 @@ def fidelity_command(ctx: click.Context, data: Path | None, ids: str | None, eve
         targets = _experiment_targets(ctx, data, ids)
         calibration = choose_calibration(ctx.meta.get("vllm.calibration", "auto"), "roofline")
     cal = calibration or _uncalibrated()
-    errors, labels, loads = [], [], []
+    errors, labels, loads, by_stage = [], [], [], []
     for t in targets:
         meter = StepLoadMeter()
-        replayed = replay_target(t, cal, seed, meter)
+        replayed, stages = replay_target_by_stage(t, cal, seed, meter)
         loads.append((t.name, meter.load(t.instance_config.engine.max_num_seqs)))
         errors.extend(compare(t.name, t.recorded, replayed))
+        by_stage.extend(stage_errors(t.name, t.recorded_stages, stages))
         labels.append((t.name, t.experiment.label() if t.experiment is not None else t.name))
         worst = max((e for e in errors if e.experiment == t.name), key=lambda e: e.abs_pct)
         _progress(f"  {labels[-1][1]}: worst {worst.metric} {worst.signed_pct:+.1f}%")
-    report = FidelityReport(cal.name, tuple(errors), tuple(labels), loads=tuple(loads), fitted_load=cal.fitted_load)
+    report = FidelityReport(cal.name, tuple(errors), tuple(labels), loads=tuple(loads), fitted_load=cal.fitted_load,
+                            stage_errors=tuple(by_stage))
     paths = write_report(report, out)
     medians = report.median_abs_error_pct
     click.echo("median absolute error across runs: " + ", ".join(f"{k} {v:.1f}%" for k, v in medians.items()))

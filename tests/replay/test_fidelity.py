@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from replay.fidelity import FIDELITY_DIR, experiment_workload, output_count_ratio, read_experiments
+from replay.fidelity import FIDELITY_DIR, experiment_workload, output_count_ratio, read_experiments, stage_errors
 from replay.fit import EngineSample, Target
 
 
@@ -30,3 +30,11 @@ def test_the_replay_s_itl_divides_by_the_tokens_the_client_counted():
     # 201 generated, 100.5 counted: ITL = (2.1 - 0.1) / (100.5 - 1) = 0.0201005 s (the engine's 2 / 200 = 0.01)
     assert figures["itl_mean"] == pytest.approx(2.0 / 99.5)
     assert figures["e2e_mean"] == pytest.approx(2.1) and figures["ttft_p99"] == pytest.approx(0.1)
+
+
+def test_stage_errors_compare_each_stage_both_sides_have():
+    recorded = ((0, (("ttft_mean", 0.100), ("ttft_p99", 0.200))), (1, (("ttft_mean", 0.050),)))
+    errors = stage_errors("x", recorded, {0: {"ttft_mean": 0.110, "ttft_p99": 0.150, "e2e_mean": 3.0}})
+    # stage 1 was not replayed; e2e_mean was not recorded: neither is compared
+    assert [(i, e.metric) for i, e in errors] == [(0, "ttft_mean"), (0, "ttft_p99")]
+    assert errors[0][1].signed_pct == pytest.approx(10.0) and errors[1][1].signed_pct == pytest.approx(-25.0)

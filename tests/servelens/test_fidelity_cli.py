@@ -78,6 +78,17 @@ def test_fidelity_reports_recorded_against_replayed(tmp_path, shared):
     assert all(0 < report["experiments"][e]["load"]["batch_share"] < 0.5881 for e in ("62", "64"))
     assert not any(report["experiments"][e]["load"]["beyond_fitted"] for e in ("62", "64"))
     assert "plotly" in (out / "fidelity.html").read_text()
+    # 62 ran two load stages (stages.csv), 64 one: 62's report has each stage's figures beside the whole run's
+    stages = report["experiments"]["62"]["stages"]
+    assert set(stages) == {"0", "1"} and "stages" not in report["experiments"]["64"]
+    assert stages["0"]["ttft_p99"]["recorded_s"] == pytest.approx(0.036408903356641524)  # stages.csv, ms -> s
+    assert stages["1"]["ttft_p99"]["recorded_s"] == pytest.approx(0.025621170159429308)
+    # the whole run's mean is its stages' request-weighted mean: strictly between them when they differ
+    low, high = sorted(stages[i]["e2e_mean"]["replayed_s"] for i in ("0", "1"))
+    assert low < report["experiments"]["62"]["e2e_mean"]["replayed_s"] < high
+    markdown = (out / "fidelity.md").read_text()
+    assert "Per load stage" in markdown
+    assert all(f"| 62 Mistral-Nemo-Instruct-2407 tp2 general-lite | {i} | " in markdown for i in (0, 1))
     bad = servelens("fidelity", "--experiments", "60,nope", "--out", str(out), env={"SERVELENS_SHARED_DIR": str(shared)})
     assert bad.returncode == 3 and "unknown experiment(s) nope" in bad.stderr
 
