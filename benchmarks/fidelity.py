@@ -21,8 +21,10 @@ is one ``servelens replay`` would flag as an extrapolation, and the medians are 
 runs within and beyond.
 
 The last line of output is one JSON object: ``median_abs_error_pct`` (per metric), ``experiments``
-(per experiment, signed errors in percent), whether the targets hold, ``held_out_load`` (per experiment)
-and ``median_abs_error_pct_by_load`` (``within`` and ``beyond`` the folds' fitted load).
+(per experiment, signed errors in percent), whether the targets hold, ``held_out_load`` (per experiment),
+``median_abs_error_pct_by_load`` (``within`` and ``beyond`` the folds' fitted load) and
+``median_abs_error_pct_by_stage`` (per load stage index, over the held-out runs recorded stage by stage: where
+in a run the errors sit; the targets are the whole run's).
 """
 
 from __future__ import annotations
@@ -86,8 +88,28 @@ def leave_one_out(args: argparse.Namespace) -> dict:
     loads = {f.target.experiment.label(): {"held_out": f.load.as_json(), "fold_fitted": f.fitted_load.as_json(),
                                            "beyond": f.beyond_fitted_load} for f in folds}
     split = median_abs_error_by_load(folds)
+    stages = [(f.target.experiment.label(), index, e) for f in folds for index, e in f.stage_errors]
     return {"mode": "leave-one-out", "median_abs_error_pct": median_abs_error(errors), "rows": rows,
-            "calibration": calibration, "loads": loads, "split": split}
+            "calibration": calibration, "loads": loads, "split": split, "stages": stages}
+
+
+def _stage_table(stages: list) -> tuple[str, dict[str, dict[str, float]]]:
+    """The held-out runs recorded stage by stage: signed errors per run and stage, and the medians of each stage
+    index across runs (not the field's metric, which is the whole run's: where in a run the errors sit)."""
+    from replay.fidelity import median_abs_error
+
+    metrics = list(TARGETS_PCT)
+    rows: dict[tuple[str, int], dict[str, float]] = {}
+    for label, index, e in stages:
+        rows.setdefault((label, index), {})[e.metric] = e.signed_pct
+    lines = ["| experiment | stage | " + " | ".join(metrics) + " |", "|---|---:|" + "---:|" * len(metrics)]
+    for (label, index), errs in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        lines.append(f"| {label} | {index} | " + " | ".join(f"{errs[m]:+.1f}%" for m in metrics) + " |")
+    medians = {str(i): median_abs_error([e for _, index, e in stages if index == i])
+               for i in sorted({index for _, index, _ in stages})}
+    for i, med in medians.items():
+        lines.append(f"| **median abs error, stage {i}** | | " + " | ".join(f"**{med[m]:.1f}%**" for m in metrics) + " |")
+    return "\n".join(lines), medians
 
 
 def shipped_in_sample() -> dict:
@@ -120,6 +142,10 @@ def main() -> None:
         print(f"\n{run['mode']} ({run['calibration'].name}):\n")
         print(_table(run["rows"], run["median_abs_error_pct"], run.get("loads")))
     main_run = runs[-1]
+    stage_table, stage_medians = _stage_table(main_run["stages"])
+    if main_run["stages"]:
+        print(f"\n{main_run['mode']}, per load stage of the runs recorded stage by stage:\n")
+        print(stage_table)
     medians = main_run["median_abs_error_pct"]
     result = {
         "mode": main_run["mode"] + (" (quick: one fold, shortened fits)" if args.quick else ""),
@@ -131,6 +157,7 @@ def main() -> None:
         "held_out_load": main_run["loads"],
         "median_abs_error_pct_by_load": {group: {k: round(v, 2) for k, v in medians_.items()}
                                          for group, medians_ in main_run["split"].items()},
+        "median_abs_error_pct_by_stage": {i: {k: round(v, 2) for k, v in med.items()} for i, med in stage_medians.items()},
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     if args.quick:

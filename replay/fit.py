@@ -54,6 +54,7 @@ from replay.fidelity import (
     experiment_spec,
     experiment_workload,
     output_count_ratio,
+    stage_errors,
     stage_starts_s,
     summarize,
 )
@@ -422,6 +423,7 @@ class HeldOut:
     replayed: dict[str, float]
     load: Load
     fitted_load: Load
+    replayed_stages: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)  # per recorded stage
 
     @property
     def beyond_fitted_load(self) -> bool:
@@ -431,6 +433,11 @@ class HeldOut:
     @property
     def errors(self) -> list[MetricError]:
         return compare(self.target.name, self.target.recorded, self.replayed)
+
+    @property
+    def stage_errors(self) -> list[tuple[int, MetricError]]:
+        """Each recorded load stage's errors (``replay.fidelity.stage_errors``; none for a run recorded whole)."""
+        return stage_errors(self.target.name, self.target.recorded_stages, self.replayed_stages)
 
 
 def leave_one_out(
@@ -460,9 +467,9 @@ def leave_one_out(
             result, name=f"loo-{target.name}", engine="", accelerators=(), method="leave-one-out fold",
             fitted_on=[t.name for t in rest])
         meter = StepLoadMeter()
-        replayed = replay_target(target, cal, seed, meter)
+        replayed, stages = replay_target_by_stage(target, cal, seed, meter)
         held_out = HeldOut(target, result, replayed, meter.load(target.instance_config.engine.max_num_seqs),
-                           replay_targets(rest, cal, seed)[1])
+                           replay_targets(rest, cal, seed)[1], stages)
         out.append(held_out)
         if progress is not None:
             worst = max(held_out.errors, key=lambda e: e.abs_pct)

@@ -133,3 +133,19 @@ def test_errors_and_their_medians_by_hand():
     assert median_abs_error(errors) == pytest.approx({"ttft_mean": 10.0, "itl_mean": 10.0})
     assert median_signed_error(errors) == pytest.approx({"ttft_mean": 0.0, "itl_mean": 5.0})
     assert np.isclose(errors[1].abs_pct, 10.0)
+
+
+def test_a_held_out_run_s_stage_errors_are_its_recorded_stages_against_its_replayed_ones():
+    from replay.fit import FitResult, HeldOut
+    from replay.load import Load
+
+    target = Target("t", (("ttft_p99", 0.1),), instance_config(),
+                    recorded_stages=((0, (("ttft_p99", 0.2),)), (1, (("ttft_p99", 0.05),))))
+    fit_result = FitResult(RooflineConfig(), (0.0, 0.0, 0.0), (), (), 0)
+    held = HeldOut(target, fit_result, {"ttft_p99": 0.09}, Load(0.1, 0.1), Load(0.5, 0.5),
+                   {0: {"ttft_p99": 0.1}, 1: {"ttft_p99": 0.06}})
+    # by hand: stage 0 0.1 against 0.2 is -50%, stage 1 0.06 against 0.05 is +20%; the whole run's -10% apart
+    assert [(i, e.metric, round(e.signed_pct, 6)) for i, e in held.stage_errors] == [(0, "ttft_p99", -50.0),
+                                                                                       (1, "ttft_p99", 20.0)]
+    assert [round(e.signed_pct, 6) for e in held.errors] == [-10.0]
+    assert HeldOut(target, fit_result, {"ttft_p99": 0.09}, Load(0.1, 0.1), Load(0.5, 0.5)).stage_errors == []
