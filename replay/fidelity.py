@@ -461,10 +461,27 @@ def report_html(report: FidelityReport) -> str:
     body = "\n".join([
         f"<h1>servelens fidelity ({html.escape(report.calibration)})</h1>",
         by_metric.to_html(full_html=False, include_plotlyjs="cdn"),
+        *([_by_stage_figure(report, metrics).to_html(full_html=False, include_plotlyjs=False)]
+          if report.stage_errors else []),
         scatter.to_html(full_html=False, include_plotlyjs=False),
         f"<pre>{html.escape(report_markdown(report))}</pre>",
     ])
     return f"<!doctype html><html><head><meta charset='utf-8'><title>servelens fidelity</title></head><body>{body}</body></html>\n"
+
+
+def _by_stage_figure(report: FidelityReport, metrics: list[str]) -> Any:
+    """Signed errors per metric, grouped by load stage (the runs recorded stage by stage)."""
+    import plotly.graph_objects as go
+
+    labels = dict(report.labels)
+    figure = go.Figure()
+    for index in sorted({i for i, _ in report.stage_errors}):
+        errs = [e for i, e in report.stage_errors if i == index and e.metric in metrics]
+        figure.add_trace(go.Box(x=[e.metric for e in errs], y=[e.signed_pct for e in errs], name=f"stage {index}",
+                                boxpoints="all", text=[labels.get(e.experiment, e.experiment) for e in errs]))
+    figure.update_layout(title="Signed error per metric and load stage, replay vs recorded (%)", boxmode="group",
+                         yaxis_title="error (%)", height=420)
+    return figure
 
 
 def write_report(report: FidelityReport, out_dir: Path) -> dict[str, Path]:

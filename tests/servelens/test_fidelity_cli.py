@@ -87,7 +87,7 @@ def test_fidelity_reports_recorded_against_replayed(tmp_path, shared):
     low, high = sorted(stages[i]["e2e_mean"]["replayed_s"] for i in ("0", "1"))
     assert low < report["experiments"]["62"]["e2e_mean"]["replayed_s"] < high
     markdown = (out / "fidelity.md").read_text()
-    assert "Per load stage" in markdown
+    assert "Per load stage" in markdown and "Signed error per metric and load stage" in (out / "fidelity.html").read_text()
     assert all(f"| 62 Mistral-Nemo-Instruct-2407 tp2 general-lite | {i} | " in markdown for i in (0, 1))
     bad = servelens("fidelity", "--experiments", "60,nope", "--out", str(out), env={"SERVELENS_SHARED_DIR": str(shared)})
     assert bad.returncode == 3 and "unknown experiment(s) nope" in bad.stderr
