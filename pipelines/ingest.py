@@ -201,6 +201,8 @@ class IngestConsumer:
         self._last_flush_s = time.monotonic()
         self._last_status_s = 0.0
         self._unreachable_since: float | None = None
+        #: each partition's log end as the broker last reported it (``_refresh_log_ends``, on the consumer's thread)
+        self._log_ends: dict[int, int] = {}
         self._counts = {"read": 0, "events": 0, "dead": 0, "dups": 0, "commits": 0, "fenced": 0}
         self._last_commit_ns: int | None = None
 
@@ -538,7 +540,8 @@ class IngestConsumer:
 
         try:
             self._consumer.commit(
-                {TopicPartition(self.topic, r.partition): OffsetAndMetadata(r.end, "", -1) for r in ranges}
+                {TopicPartition(self.topic, r.partition): OffsetAndMetadata(r.end, "", -1) for r in ranges},
+                timeout_ms=_ADVISORY_TIMEOUT_MS,
             )
         except (KafkaError, AssertionError, ValueError) as exc:  # the lake holds the truth
             log.debug("advisory Kafka offset commit failed: %s", exc)
@@ -620,6 +623,7 @@ class IngestConsumer:
         now = time.monotonic()
         if self._unreachable_since is None:
             self._unreachable_since = now
+            self._log_ends = {}  # it may come back empty (a re-created topic's offsets start again)
             log.error(
                 "%s: the Kafka broker at %s is unreachable; buffered records are committed as usual and "
                 "consumption resumes when it returns",
@@ -636,6 +640,9 @@ class IngestConsumer:
         return self._privacy
 
     def stats(self) -> IngestStats:
+        """The consumer's counters and lag. No I/O, so any thread may ask, as often as it likes: the log ends
+        are those the consumer's own thread last fetched (each status line; kafka-python's consumer is not
+        thread-safe, and a broker that has just vanished would hold a fetch for a minute)."""
         elapsed = max(time.monotonic() - (self._first_record_s or time.monotonic()), 1e-9)
         read = self._counts["read"]
         lag = tuple(
@@ -658,26 +665,39 @@ class IngestConsumer:
         )
 
     def _log_lag(self, lag: tuple[PartitionLag, ...]) -> tuple[PartitionLag, ...]:
+        """``lag`` with the log ends the broker last reported, while it is reachable."""
+        if self._consumer is None or self._unreachable_since is not None:
+            return lag
+        ends = self._log_ends
+        return tuple(PartitionLag(p.partition, p.epoch, p.committed, ends.get(p.partition, p.log_end)) for p in lag)
+
+    def _refresh_log_ends(self) -> None:
+        """Ask the broker for the assigned partitions' log ends (the consumer's thread only)."""
         from kafka import TopicPartition
 
-        if self._consumer is None or not lag or self._unreachable_since is not None:
-            return lag
+        if self._consumer is None or not self.partitions or self._unreachable_since is not None:
+            return
         try:
-            ends = self._consumer.end_offsets([TopicPartition(self.topic, p.partition) for p in lag])
-        except Exception:
-            return lag
-        return tuple(
-            PartitionLag(p.partition, p.epoch, p.committed, ends.get(TopicPartition(self.topic, p.partition), p.log_end))
-            for p in lag
-        )
+            ends = self._consumer.end_offsets([TopicPartition(self.topic, p) for p in self.partitions],
+                                              timeout_ms=_ADVISORY_TIMEOUT_MS)
+        except Exception:  # a slow or vanished broker: the last ends stand (the loop must not wait on it)
+            return
+        self._log_ends = {tp.partition: end for tp, end in ends.items() if tp.topic == self.topic}
 
     def _report(self, on_status: Callable[[IngestStats], None] | None) -> None:
         self._last_status_s = time.monotonic()
+        self._refresh_log_ends()
         stats = self.stats()
         log.info("%s", stats.line())
         write_status(self.lake.root, stats)
         if on_status is not None:
             on_status(stats)
+
+
+#: How long the consume loop waits on an advisory call to the broker (the partitions' log ends for the status line,
+#: Kafka's committed offsets): kafka-python's default is its request timeout, 30 s, which a broker that vanished
+#: just then would hold the loop for.
+_ADVISORY_TIMEOUT_MS = 2_000
 
 
 def _not_before(ranges: list[OffsetRange], marks: dict[int, int | None]) -> list[OffsetRange]:

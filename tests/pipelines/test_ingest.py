@@ -361,6 +361,33 @@ def test_health_is_reported_and_written_for_the_status_command(broker, topic, tm
     assert "c1: reported" in out.stdout and "100 events in" in out.stdout
 
 
+def test_stats_asked_from_another_thread_never_call_the_broker(broker, topic, tmp_path):
+    """kafka-python's consumer is not thread-safe, and a call to a broker that has just vanished waits out its
+    request timeout: a thread asking for the stats (the demo's progress line, a health check) reads the log
+    ends the consume loop last fetched, and the loop alone asks the broker."""
+    produce(broker.bootstrap, topic, arrivals(0, 200))
+    root = tmp_path / "lake"
+    ingest = consumer(broker.bootstrap, topic, root).start()
+    callers: list[str] = []
+    fetch = ingest._consumer.end_offsets
+
+    def end_offsets(*args, **kwargs):  # the real call, noting which thread made it
+        callers.append(threading.current_thread().name)
+        return fetch(*args, **kwargs)
+
+    ingest._consumer.end_offsets = end_offsets
+    loop = threading.Thread(target=ingest.run, kwargs={"idle_exit_s": 1.5}, name="consume-loop")
+    loop.start()
+    asked = 0
+    while loop.is_alive():
+        ingest.stats()
+        asked += 1
+        time.sleep(0.02)
+    loop.join()
+    assert lake_counts(root) == (200, 200)
+    assert asked > 10 and callers and set(callers) == {"consume-loop"}
+
+
 def test_small_files_of_closed_hours_are_compacted_by_the_consumer(broker, topic, tmp_path):
     root = tmp_path / "lake"
     ingest = consumer(broker.bootstrap, topic, root, lake=LakeConfig(compact_min_files=3), compact_interval_s=0.05,
