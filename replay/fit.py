@@ -366,13 +366,21 @@ def as_calibration(result: FitResult, *, name: str, engine: str, accelerators: S
 def replay_target(target: Target, calibration: Calibration, seed: int = 0, meter: StepLoadMeter | None = None) -> dict[str, float]:
     """A full-length replay of ``target`` with ``calibration`` applied as ``servelens replay`` applies it;
     its client-side figures (``meter``: also handed the replay's events, to measure its load)."""
-    return replay_target_by_stage(target, calibration, seed, meter)[0]
+    return _replay(target, calibration, seed, meter)[0]
 
 
-def replay_target_by_stage(target: Target, calibration: Calibration, seed: int = 0,
-                           meter: StepLoadMeter | None = None) -> tuple[dict[str, float], dict[int, dict[str, float]]]:
-    """``replay_target``'s figures of the whole run, and those of each load stage the target recorded on its
-    own (stage index -> figures; none for a run recorded as a whole)."""
+def replay_measured(target: Target, calibration: Calibration,
+                    seed: int = 0) -> tuple[dict[str, float], dict[int, dict[str, float]], Load]:
+    """``replay_target``'s figures of the whole run, those of each load stage the target recorded on its own
+    (stage index -> figures; none for a run recorded as a whole), and the replay's load (``replay.load``)."""
+    meter = StepLoadMeter()
+    figures, stages = _replay(target, calibration, seed, meter)
+    return figures, stages, meter.load(target.instance_config.engine.max_num_seqs)
+
+
+def _replay(target: Target, calibration: Calibration, seed: int,
+            meter: StepLoadMeter | None) -> tuple[dict[str, float], dict[int, dict[str, float]]]:
+    """The replay behind ``replay_target`` and ``replay_measured``: the whole run's figures and each recorded stage's."""
     from replay.run import run_replay
 
     instance, roofline = apply_calibration(target.instance(None), calibration)
@@ -384,8 +392,11 @@ def replay_target_by_stage(target: Target, calibration: Calibration, seed: int =
     lat = times.latencies()
     counted = lat["num_output_tokens"] * target.output_count_ratio
     stage = _stages(target, lat["start_s"], None)
-    per_stage = {index: summarize(lat["ttft_s"][stage == index], lat["e2e_s"][stage == index], counted[stage == index])
-                 for index, _ in target.recorded_stages if (stage == index).any()}
+    per_stage = {}
+    for index, _ in target.recorded_stages:
+        rows = stage == index
+        if rows.any():
+            per_stage[index] = summarize(lat["ttft_s"][rows], lat["e2e_s"][rows], counted[rows])
     return summarize(lat["ttft_s"], lat["e2e_s"], counted), per_stage
 
 
@@ -403,14 +414,10 @@ class _Both:
 
 
 def replay_targets(targets: Sequence[Target], calibration: Calibration, seed: int = 0) -> tuple[list[dict[str, float]], Load]:
-    """Each of ``targets`` replayed with ``calibration`` (``replay_target``): their figures, and the largest of
+    """Each of ``targets`` replayed with ``calibration`` (``replay_measured``): their figures, and the largest of
     their busiest minutes (``replay.load``), the load the calibration vouches for when fitted on them."""
-    figures, loads = [], []
-    for target in targets:
-        meter = StepLoadMeter()
-        figures.append(replay_target(target, calibration, seed, meter))
-        loads.append(meter.load(target.instance_config.engine.max_num_seqs))
-    return figures, Load.peak(loads)
+    runs = [replay_measured(target, calibration, seed) for target in targets]
+    return [figures for figures, _, _ in runs], Load.peak([load for _, _, load in runs])
 
 
 @dataclass(frozen=True, slots=True)
@@ -466,10 +473,8 @@ def leave_one_out(
         cal = calibration(result) if calibration is not None else as_calibration(
             result, name=f"loo-{target.name}", engine="", accelerators=(), method="leave-one-out fold",
             fitted_on=[t.name for t in rest])
-        meter = StepLoadMeter()
-        replayed, stages = replay_target_by_stage(target, cal, seed, meter)
-        held_out = HeldOut(target, result, replayed, meter.load(target.instance_config.engine.max_num_seqs),
-                           replay_targets(rest, cal, seed)[1], stages)
+        replayed, stages, load = replay_measured(target, cal, seed)
+        held_out = HeldOut(target, result, replayed, load, replay_targets(rest, cal, seed)[1], stages)
         out.append(held_out)
         if progress is not None:
             worst = max(held_out.errors, key=lambda e: e.abs_pct)
@@ -492,8 +497,8 @@ __all__ = [
     "fit",
     "leave_one_out",
     "log_residuals",
+    "replay_measured",
     "replay_target",
-    "replay_target_by_stage",
     "replay_targets",
     "roofline_at",
     "simulate",

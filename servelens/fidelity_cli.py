@@ -99,8 +99,7 @@ def fidelity_command(ctx: click.Context, data: Path | None, ids: str | None, eve
       servelens fidelity --events out/demo/engine/events.parquet --engine llama-2-7b@a100-80gx2 --out out/fidelity-demo
     """
     from replay.fidelity import FidelityReport, compare, stage_errors, write_report
-    from replay.fit import Target, replay_target_by_stage
-    from replay.load import StepLoadMeter
+    from replay.fit import Target, replay_measured
 
     if events is not None:
         instance, calibration = engine_instance(ctx, _config(ctx), engine_spec)
@@ -116,9 +115,8 @@ def fidelity_command(ctx: click.Context, data: Path | None, ids: str | None, eve
     cal = calibration or _uncalibrated()
     errors, labels, loads, by_stage = [], [], [], []
     for t in targets:
-        meter = StepLoadMeter()
-        replayed, stages = replay_target_by_stage(t, cal, seed, meter)
-        loads.append((t.name, meter.load(t.instance_config.engine.max_num_seqs)))
+        replayed, stages, load = replay_measured(t, cal, seed)
+        loads.append((t.name, load))
         errors.extend(compare(t.name, t.recorded, replayed))
         by_stage.extend(stage_errors(t.name, t.recorded_stages, stages))
         labels.append((t.name, t.experiment.label() if t.experiment is not None else t.name))
