@@ -72,11 +72,13 @@ demo: $(RUNTIME)
 	$(BIN)/servelens demo
 
 # Lint, the type checker, then the whole test suite (the layering contract is tests/test_architecture.py;
-# pytest exits non-zero when it collects no tests).
+# pytest exits non-zero when it collects no tests), on one pytest-xdist worker per core, at most
+# PYTEST_WORKERS, a test file to a worker at a time (tests/conftest.py); PYTEST_WORKERS=0 runs it in this process.
+PYTEST_WORKERS ?= 4
 test: $(DEV)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(if $(filter 0,$(PYTEST_WORKERS)),,-n auto --maxprocesses $(PYTEST_WORKERS) --dist loadgroup)
 
 # The Dagster UI over the batch side (asset graph, partitions, checks, schedules) on 127.0.0.1:3000.
 dagster: $(RUNTIME)

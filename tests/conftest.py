@@ -13,6 +13,20 @@ from servelens.config import load_config, shared_dir
 settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (``make test``: ``-n auto --dist loadgroup``) a worker takes a whole test file at a
+    time, so each module fixture (a broker's topic, an ingested lake, a served dashboard) is set up once,
+    and the files of one ``xdist_group`` go to one worker together (those of ``demo_output``: group "demo")."""
+    from xdist.scheduler import LoadGroupScheduling
+
+    class ByFileOrGroup(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return scope if scope != nodeid else nodeid.split("::", 1)[0]
+
+    return ByFileOrGroup(config, log)
+
 
 @pytest.fixture(scope="session")
 def shared() -> Path:
