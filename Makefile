@@ -78,7 +78,7 @@ PYTEST_WORKERS ?= 4
 test: $(DEV)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest $(if $(filter 0,$(PYTEST_WORKERS)),,-n auto --maxprocesses $(PYTEST_WORKERS) --dist loadgroup)
+	$(BIN)/python -m pytest $(if $(filter 0,$(PYTEST_WORKERS)),,-n auto --maxprocesses $(PYTEST_WORKERS) --dist loadfile)
 
 # The Dagster UI over the batch side (asset graph, partitions, checks, schedules) on 127.0.0.1:3000.
 dagster: $(RUNTIME)

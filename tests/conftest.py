@@ -13,19 +13,27 @@ from servelens.config import load_config, shared_dir
 settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+#: Test files that share one pytest-xdist worker, in collection order: the readers of the session's demo run
+#: (``demo_output``), so that the demo runs once and the help examples, which write beside it, run after the
+#: browser has read it.
+SAME_WORKER = {"tests/dashboard/test_demo_browser.py": "demo", "tests/servelens/test_help_examples.py": "demo"}
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """Under pytest-xdist (``make test``: ``-n auto --dist loadgroup``) a worker takes a whole test file at a
-    time, so each module fixture (a broker's topic, an ingested lake, a served dashboard) is set up once,
-    and the files of one ``xdist_group`` go to one worker together (those of ``demo_output``: group "demo")."""
-    from xdist.scheduler import LoadGroupScheduling
+    """``--dist loadfile`` (``make test``) sends a whole test file to a worker at a time, so each module fixture
+    (a broker's topic, an ingested lake, a served dashboard) is set up once, and the files of ``SAME_WORKER``
+    go together. (xdist's own ``xdist_group`` mark cannot do it: it gives unmarked tests out one by one.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
 
-    class ByFileOrGroup(LoadGroupScheduling):
+    class ByFile(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            scope = super()._split_scope(nodeid)
-            return scope if scope != nodeid else nodeid.split("::", 1)[0]
+            path = nodeid.split("::", 1)[0]
+            return SAME_WORKER.get(path, path)
 
-    return ByFileOrGroup(config, log)
+    return ByFile(config, log)
 
 
 @pytest.fixture(scope="session")

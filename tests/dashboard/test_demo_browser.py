@@ -8,17 +8,11 @@ import os
 import shutil
 from pathlib import Path
 
-import pytest
-
 from servelens.config import load_config
 from servelens.demo import serve_demo
 from tests.browser import ARTIFACTS, open_page
 
 from .browse import PAGES, visit_pages
-
-#: With the other reader of the session's demo run (``demo_output``) on one worker, in order: the demo runs
-#: once, and the help examples, which write beside it, run after the browser has read it.
-pytestmark = pytest.mark.xdist_group("demo")
 
 DOCS_IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
 #: Each chart's traces, and how many points they hold (plotly keeps them on the plot's element).

@@ -18,15 +18,10 @@ import time
 from pathlib import Path
 
 import click
-import pytest
 from click.testing import CliRunner
 
 from servelens.cli import cli
 from tests.terminal import sigint_as_in_a_terminal
-
-#: With the other reader of the session's demo run (``demo_output``) on one worker, in order: the demo runs
-#: once, and the help examples, which write beside it, run after the browser has read it.
-pytestmark = pytest.mark.xdist_group("demo")
 
 #: Examples that cannot run on this machine or in a test, and why.
 NOT_HERE = {
