@@ -30,10 +30,15 @@ def pytest_xdist_make_scheduler(config, log):
 
     class ByFile(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return SAME_WORKER.get(path, path)
+            return worker_scope(nodeid)
 
     return ByFile(config, log)
+
+
+def worker_scope(nodeid: str) -> str:
+    """The unit of work a test belongs to: its file, or its file's ``SAME_WORKER`` group."""
+    path = nodeid.split("::", 1)[0]
+    return SAME_WORKER.get(path, path)
 
 
 @pytest.fixture(scope="session")
