@@ -301,7 +301,7 @@ def _fail_first_events_commit_behind_a_second_batch(ingest: IngestConsumer, erro
     def commit(name, rows, ranges, expected, **options):
         nonlocal failed
         if name == EVENTS and not failed:
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 120  # a cap: seconds alone, more beside another test worker
             while submitted < 2 and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert submitted >= 2, "the next batch never entered the pipeline"
@@ -450,7 +450,7 @@ def test_two_consumers_and_a_rebalance_keep_exactly_once(broker, topic, tmp_path
     root = tmp_path / "lake"
     first = consumer(broker.bootstrap, topic, root, "c1")
     t1 = run_until(first, root, total)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120  # a cap: seconds alone, more beside another test worker
     while _stored(root) == 0 and time.monotonic() < deadline:  # c1 is committing
         time.sleep(0.05)
     second = consumer(broker.bootstrap, topic, root, "c2")  # joins mid-stream: partitions move
@@ -476,7 +476,7 @@ def test_a_broker_that_vanishes_and_returns_empty_is_survived(tmp_path, caplog):
     produce(broker.bootstrap, topic, arrivals(0, 1_000))
     ingest = consumer(broker.bootstrap, topic, root)
     thread = run_until(ingest, root, 1_500, timeout_s=90)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120  # a cap: seconds alone, more beside another test worker
     while _stored(root) < 1_000 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert lake_counts(root) == (1_000, 1_000)

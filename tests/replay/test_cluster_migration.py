@@ -181,7 +181,11 @@ def _check_moves(events: list[dict], workload_ids: set[str]) -> None:
             by_request[e["request_id"]].append(e)
     branches = {e["request_id"]: e["num_branches"] for e in events if e["event_type"] == "request_arrived"}
     for rid, evs in by_request.items():
-        routes = sorted((e["ts_ns"], e["target"]) for e in evs if e["event_type"] == "admission_decided" and e["decision"] == "route")
+        # in time, and in the order written where moves share a time (a sort by target would reorder a migration
+        # and the failure that sends the request back at the same instant)
+        moves = sorted((e for e in evs if e["event_type"] == "admission_decided" and e["decision"] == "route"),
+                       key=lambda e: e["ts_ns"])
+        routes = [(e["ts_ns"], e["target"]) for e in moves]
         leases = sorted((e["ts_ns"], e["lease_generation"]) for e in evs if e["event_type"] == "request_preempted")
         assert [g for _, g in leases] == list(range(1, len(leases) + 1)), leases  # bumped by one at each move
 
@@ -217,6 +221,24 @@ def test_random_migrations_preemptions_and_failures_never_let_two_workers_produc
     f = derive_requests(fast.events_path).select(TIMES).sort_by("request_id").to_pylist()
     r = derive_requests(ref.events_path).select(TIMES).sort_by("request_id").to_pylist()
     assert f == r
+
+
+def test_a_migration_and_a_failure_at_one_instant_move_the_request_there_and_back(tmp_path):
+    # found by the property test above: at 1 ms the request moves from instance 0 to instance 2 (round-robin),
+    # and instance 2 fails at that same instant, so it comes back to instance 0, which alone produces its token
+    config = dataclasses.replace(
+        cluster_config(3, instance_config(), "round-robin"),
+        migrations=(MigrationStep(at_s=0.001, instance=0, request_rank=0, keep_kv=False),),
+        failures=(InstanceFailure(at_s=0.001, instance=2),))
+    fast, _ = _same_in_both_modes(make_workload([0], [1], [1]), config, tmp_path)
+    events = _events(fast)
+    ids = [x.instance_id for x in fast.instances]
+    routes = [(e["ts_ns"], e["target"]) for e in _of(events, "r0", "admission_decided") if e["decision"] == "route"]
+    assert routes == [(0, ids[0]), (MS, ids[2]), (MS, ids[0])]  # in the order they happened, one time for both moves
+    leases = [(e["instance_id"], e["lease_generation"]) for e in _of(events, "r0", "request_preempted")]
+    assert leases == [(ids[0], 1), (ids[2], 2)]
+    assert [e["instance_id"] for e in _of(events, "r0", "first_token", "request_finished")] == [ids[0], ids[0]]
+    _check_moves(events, {"r0"})
 
 
 def test_kv_on_its_way_to_an_instance_that_fails_moves_on_recomputing(tmp_path):
