@@ -18,7 +18,6 @@ import threading
 import time
 from collections import Counter
 
-import pyarrow as pa
 import pytest
 
 from benchmarks.servers import SECRET_KEY
@@ -113,29 +112,23 @@ def _servelens(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
                           timeout=180)
 
 
-def _data_objects(object_store, bucket: str) -> list[str]:
-    """The events table's Parquet objects (not its Delta log)."""
-    return [k for k in object_store.keys(bucket) if k.startswith(f"lake/{EVENTS}/") and "/_delta_log/" not in k]
-
-
-def _live_objects(lake: Lake) -> set[str]:
-    """The object keys of the events table's live files."""
-    paths = pa.table(lake.table(EVENTS).get_add_actions(flatten=True))["path"].to_pylist()
-    return {f"lake/{EVENTS}/{path}" for path in paths}
+def _data_objects(object_store, bucket: str) -> set[str]:
+    """The URIs of the events table's Parquet objects in the store (not its Delta log), as ``Lake.files`` names them."""
+    return {f"s3://{bucket}/{k}" for k in object_store.keys(bucket) if k.startswith(f"lake/{EVENTS}/") and "/_delta_log/" not in k}
 
 
 def test_lake_compact_and_sql_work_on_s3(s3_lake, object_store):
     root, env, _, _ = s3_lake
     bucket = root.split("/")[2]
     lake = Lake(root)
-    live_before = _live_objects(lake)
+    live_before = set(lake.files(EVENTS))
     done = _servelens({**env, "SERVELENS_LAKE__COMPACT_MIN_FILES": "2"}, "lake", "compact", "--vacuum-hours", "0")
     assert done.returncode == 0, done.stderr
-    live_after = _live_objects(Lake(root))
+    live_after = set(Lake(root).files(EVENTS))
     assert len(live_after) < len(live_before)  # merged
     # and the replaced objects deleted (the whole bucket's count is no measure: the merge and the vacuum add
     # log entries, which can outnumber the files merged; a process killed mid-commit may leave a file no log names)
-    stored = set(_data_objects(object_store, bucket))
+    stored = _data_objects(object_store, bucket)
     assert live_after <= stored and not (live_before - live_after) & stored
     query = _servelens(env, "lake", "sql", "SELECT count(*) AS n, count(DISTINCT request_id) AS r FROM requests")
     assert query.returncode == 0, query.stderr
