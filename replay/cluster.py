@@ -84,7 +84,7 @@ from replay.policies.base import AdmissionDecision
 from replay.policies.routing import ROUTERS, RouteDecision, Router, load_router_config, make_router
 from replay.request import FINISHED, Request
 from replay.residency import Residency, ResidencyConfig, sized_instance
-from replay.run import PROGRESS_EVERY, ReplayProgress, _Feeder, _manifest, _Outputs, _plain
+from replay.run import PROGRESS_EVERY, ReplayProgress, _Feeder, _manifest, _Outputs, _plain, offload
 from replay.scenario import Scenario
 from replay.views import RequestView
 from replay.workload import Workload, as_workload
@@ -1039,6 +1039,7 @@ def run_cluster_replay(
     progress_every: int = PROGRESS_EVERY,
     calibration: Calibration | None = None,
     write_requests: bool = True,
+    offload_requests: bool | None = None,
 ) -> ClusterSummary:
     """Replay ``workload`` through a cluster; write events and a manifest (as ``run_replay`` does).
 
@@ -1062,7 +1063,7 @@ def run_cluster_replay(
     manifest["cluster"] = _cluster_record(cluster, router, models, configs)
     run_id = hashlib.sha256(json.dumps(manifest, sort_keys=True, default=str).encode()).hexdigest()[:12]
     engine_id = f"replay-{run_id}"
-    outputs = _Outputs(out_dir, sink, write_requests=write_requests)
+    outputs = _Outputs(out_dir, sink, write_requests=write_requests, offload_requests=offload(source, offload_requests))
     writer = outputs.writer(_ClusterWriter, run_id=run_id, engine_id=engine_id, chunk_rows=chunk_rows)
     writer.engines = []
     kernel = Kernel()

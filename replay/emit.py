@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 
 from replay.load import STEP_COLUMNS, StepLoadMeter
 from replay.parquet_out import BackgroundParquet
-from replay.request_table import Deliveries, RequestTable
+from replay.request_table import Deliveries, RequestTableWriter
 from schemas.arrow import EVENTS_SCHEMA
 from schemas.events import SCHEMA_VERSION
 
@@ -281,7 +281,7 @@ class EventWriter:
         #: after its step, which stamps ``first_byte_ns`` and ``last_byte_ns``; None: the client is not modelled
         self.out_delay_ns: int | None = None
         #: the run's own request table (``replay.request_table``), fed at every flush; None: not written
-        self.requests: RequestTable | None = None
+        self.requests: RequestTableWriter | None = None
         #: the run's load (``replay.load``), fed with each chunk's step events; None: not measured
         self.load: StepLoadMeter | None = None
 
@@ -354,10 +354,9 @@ class EventWriter:
     def output_sha256(self) -> str:
         return self.hash.hexdigest()
 
-    def _feed_requests(self, table: RequestTable, first: _FirstTokenRows | None, tokens: _TokenRows | None,
+    def _feed_requests(self, table: RequestTableWriter, first: _FirstTokenRows | None, tokens: _TokenRows | None,
                        runs: _RunRows | None, arrival: list[tuple[Any, ...]], hits: list[int | None]) -> None:
         """Hand the buffered request events to the request table (before the parts empty the buffers)."""
-        done = table.add_events(self, arrival, hits)
         parts = []
         if first is not None:
             n = len(first.reqs)
@@ -373,7 +372,7 @@ class EventWriter:
             parts.append(Deliveries(runs.members.idx[runs.rows], runs.ts, np.ones(runs.n, np.int64), runs.upto,
                                     runs.num_tokens, runs.coalesced, np.asarray(table.instance_codes(runs.instances))[
                                         np.repeat(np.arange(len(runs.instances)), runs.lengths)]))
-        table.settle(parts, done, self.labelled)
+        table.add(self, arrival, hits, parts, self.labelled)
 
     # ------------------------------------------------------------------ parts of a chunk
     #

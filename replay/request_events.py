@@ -26,7 +26,7 @@ SUFFIXES = sorted([":admission", ":arrived", ":cancelled", ":finished", ":first_
 RANK = {suffix: rank for rank, suffix in enumerate(SUFFIXES)}
 _POWERS = 10 ** np.arange(1, 18, dtype=np.int64)
 _INDEX = attrgetter("index")
-_PENDING = attrgetter("first_step_pending")
+_REQUEST_ID = attrgetter("request_id")
 
 Log = dict[str, np.ndarray]
 #: Each log's columns and their dtypes (``idx``: the request index, ``inst``: an instance code, -1 none).
@@ -39,7 +39,7 @@ _LOGS: dict[str, dict[str, Any]] = {
     "first": {"idx": np.int64, "ts": np.int64, "byte": np.int64},
     "cancelled": {"idx": np.int64, "ts": np.int64, "inst": np.int64},
     "finished": {"idx": np.int64, "ts": np.int64, "inst": np.int64, "outcome": object, "output": np.int64,
-                 "hit": object, "last_byte": np.int64, "req": object},
+                 "hit": object, "last_byte": np.int64, "rid": object},
 }
 #: The logs whose events name an instance, and each one's suffix (numbered when the log has ``num``).
 _NAMING = {"arrived": ":arrived", "admission": ":admission", "preempted": ":preempted", "cancelled": ":cancelled",
@@ -53,7 +53,7 @@ def number_key(numbers: np.ndarray) -> np.ndarray:
     return numbers * 10 ** (17 - length) * 32 + length
 
 
-def _objects(values: Sequence[Any]) -> np.ndarray:
+def object_array(values: Sequence[Any]) -> np.ndarray:
     out = np.empty(len(values), object)
     out[:] = values
     return out
@@ -89,16 +89,16 @@ def arrived_log(buf: list[tuple], fields: list[tuple], codes: np.ndarray, client
     (``replay.emit._ARRIVAL_FIELDS``) and instance codes."""
     reqs, _, cached = zip(*buf)
     arrival, prompt, max_output, branches, _, _, session, _, sent = zip(*fields)
-    return {"idx": _indices(reqs), "ts": _ints(arrival), "inst": codes, "cached": _objects(cached),
-            "prompt": _objects(prompt), "max_output": _objects(max_output), "branches": _objects(branches),
-            "session": _objects(session), "sent": _objects(sent) if client_side else np.full(len(buf), None, object)}
+    return {"idx": _indices(reqs), "ts": _ints(arrival), "inst": codes, "cached": object_array(cached),
+            "prompt": object_array(prompt), "max_output": object_array(max_output), "branches": object_array(branches),
+            "session": object_array(session), "sent": object_array(sent) if client_side else np.full(len(buf), None, object)}
 
 
 def admission_log(buf: list[tuple], decisions: Sequence[str], codes: np.ndarray) -> Log:
     """``admission_decided`` rows: (request, ts, decision, number, instance_id) tuples and each decision's name."""
     reqs, ts, _, number, _ = zip(*buf)
     return {"idx": _indices(reqs), "ts": _ints(ts), "num": _ints(number), "inst": codes,
-            "decision": _objects(decisions)}
+            "decision": object_array(decisions)}
 
 
 def preempted_log(buf: list[tuple], codes: np.ndarray) -> Log:
@@ -123,32 +123,29 @@ def cancelled_log(buf: list[tuple], codes: np.ndarray) -> Log:
 
 def finished_log(buf: list[tuple], hits: Sequence[int | None], codes: np.ndarray, out_delay_ns: int | None) -> Log:
     """``request_finished`` rows: (request, ts, outcome, output tokens, error, instance_id) tuples and each
-    one's prefix-cache hit; ``last_byte``: when a completed request's last token reached the client."""
+    one's prefix-cache hit; ``last_byte``: when a completed request's last token reached the client; ``rid``: the
+    request ids."""
     reqs, ts, outcome, output, _, _ = zip(*buf)
     t, out = _ints(ts), _ints(output)
     last_byte = np.full(len(t), _MISSING)
     if out_delay_ns is not None:
         delivered = (np.array(outcome, object) == "completed") & (out > 0)
         last_byte[delivered] = t[delivered] + out_delay_ns
-    return {"idx": _indices(reqs), "ts": t, "inst": codes, "outcome": _objects(outcome), "output": out,
-            "hit": _objects(hits), "last_byte": last_byte, "req": _objects(reqs)}
+    return {"idx": _indices(reqs), "ts": t, "inst": codes, "outcome": object_array(outcome), "output": out,
+            "hit": object_array(hits), "last_byte": last_byte, "rid": object_array(list(map(_REQUEST_ID, reqs)))}
 
 
 def append(logs: dict[str, Log], name: str, new: Log) -> None:
     logs[name] = {col: np.concatenate([values, new[col]]) for col, values in logs[name].items()}
 
 
-def complete(logs: dict[str, Log]) -> np.ndarray:
-    """The indices (sorted) of the finished requests whose rows can be written: in no step in flight that
-    would be their first (a request cancelled during its first step waits for it)."""
-    fin = logs["finished"]
-    idx = fin["idx"]
+def check_finished_once(logs: dict[str, Log]) -> None:
+    """Raise if a request in flight has two ``request_finished`` events."""
+    idx = logs["finished"]["idx"]
     unique, counts = np.unique(idx, return_counts=True)
     if (counts > 1).any():
-        twice = fin["req"][np.flatnonzero(idx == unique[counts > 1][0])[0]]
-        raise AssertionError(f"request {twice.request_id} finished twice")
-    pending = np.fromiter(map(_PENDING, fin["req"]), bool, len(idx))
-    return np.sort(idx[~pending])
+        twice = logs["finished"]["rid"][np.flatnonzero(idx == unique[counts > 1][0])[0]]
+        raise AssertionError(f"request {twice} finished twice")
 
 
 def take_done(logs: dict[str, Log], done: np.ndarray) -> dict[str, Log]:
@@ -220,7 +217,7 @@ def reduce_logs(logs: dict[str, Log], done: np.ndarray) -> dict[str, np.ndarray]
     num_cancels = g.count()
     fin = logs["finished"]  # exactly one per done request, in done order
     out.update(finish_ns=fin["ts"], outcome=fin["outcome"], output_tokens=fin["output"], cached_finished=fin["hit"],
-               last_byte_ns=fin["last_byte"], req=fin["req"])
+               last_byte_ns=fin["last_byte"], request_id=fin["rid"])
     # every event but the deliveries (counted with them): arrivals, admissions, preemptions, cancellations, the finish
     out["num_events"] = (out.pop("num_arrivals") + out["num_admission_decisions"] + out["num_preemptions"]
                          + out["num_migrations"] + num_cancels + 1)

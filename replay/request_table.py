@@ -1,9 +1,13 @@
 """The replay's own request table: one row per request (``schemas.records.RequestRow``), written while the
 events are, so that metrics, the gate and the dashboard never re-derive a replay.
 
-The replay knows every timing. ``RequestTable`` is handed each chunk's event buffers as the
-``EventWriter`` gathers them (the same tuples and arrays the event tables are built from) and writes a
-request's row once its ``request_finished`` has been gathered. Its values are those that
+The replay knows every timing. At every flush of the ``EventWriter``, ``RequestTableWriter`` reads its
+buffers of request events (the same tuples and arrays the event tables are built from) into a
+``TableChunk`` of numpy columns, the only step that reads the engine's requests, and hands it to the
+``RequestTable``, which writes a request's row once its ``request_finished`` has been gathered. From
+``OFFLOAD_MIN_REQUESTS`` requests the table runs in a process of its own (``replay.offload``), beside
+the replay's thread, which it would otherwise slow by a sixth; the file is the same byte for byte.
+Its values are those that
 ``replay.derive.derive_requests`` computes from the same events, column for column, with the same
 rules: timestamps are the earliest (or latest) of their event type, the last admission decision and the
 instance are the latest by ``(ts_ns, event_id)``, and the inter-token gaps read the deliveries in
@@ -23,6 +27,7 @@ requests in flight, not the length of the run.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from operator import attrgetter, itemgetter
 from pathlib import Path
 from typing import Any, Protocol
@@ -33,7 +38,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from replay import request_events
+from replay.offload import Offloaded
 from replay.request_events import isin as _in
+from replay.request_events import object_array
 from schemas.arrow import arrow_schema
 from schemas.records import RequestRow
 
@@ -42,6 +49,8 @@ REQUESTS_FILE = "requests.parquet"
 _MISSING = np.iinfo(np.int64).min  # no value (a delivery before any settled one; a request without deliveries)
 _FIRST_TOKEN, _TOKENS = 0, 1  # event types in the order 'first_token' < 'tokens_delivered'
 _ROW_GROUP_ROWS = 65_536
+#: Replays of at least this many requests build their table in a process of their own (``RequestTableWriter``).
+OFFLOAD_MIN_REQUESTS = 20_000
 
 
 class EventBuffers(Protocol):
@@ -105,27 +114,33 @@ class _Settled:
         return _Settled(*(getattr(self, name)[rows] for name in self.__slots__))
 
 
-class RequestTable:
-    """The run's request table, fed by ``replay.emit.EventWriter`` at every flush, written to ``path``."""
+@dataclass(frozen=True, slots=True)
+class TableChunk:
+    """One flush's request events as arrays, with no engine objects in them: what ``RequestTable.feed`` takes,
+    in this process or in another (``replay.offload``)."""
 
-    def __init__(self, path: str | Path, engine_id: str) -> None:
+    logs: dict[str, request_events.Log]  # each event type's new rows (``request_events``), the types that have any
+    deliveries: list[Deliveries]  # this flush's token deliveries
+    done: np.ndarray  # the requests whose rows are complete now (sorted indices): finished, in no first step in flight
+    scheduled_ns: np.ndarray  # theirs, in that order (_MISSING: none)
+    labels: dict[str, np.ndarray] | None  # their tenant, service_class, model and adapter; None: unlabelled run
+    instances: tuple[str, ...]  # instance ids by code
+
+
+class RequestTableWriter:
+    """What the event writer feeds at every flush (``replay.emit``): it reads the buffers of request events into a
+    ``TableChunk`` (the only part that reads the engine's requests) and hands it to the ``RequestTable``, built in
+    this process or, with ``offload``, in a process of its own beside the replay (the bytes written are the same)."""
+
+    def __init__(self, path: str | Path, engine_id: str, *, offload: bool = False) -> None:
         self.path = Path(path)
-        self.engine_id = engine_id
-        self._tmp = self.path.with_name(f".{self.path.name}.tmp")
-        self._writer: pq.ParquetWriter | None = None
-        self.num_rows = 0
-        self._logs = request_events.empty_logs()  # the events of the requests in flight (all but deliveries)
+        self.offloaded = offload
+        self._table: RequestTable | Offloaded = (
+            Offloaded(RequestTable, self.path, engine_id, name="request-table") if offload
+            else RequestTable(self.path, engine_id))
         self._instances: list[str] = []
         self._instance_code: dict[str, int] = {}
-        self._tails = no_deliveries()  # deliveries at each open request's latest timestamp (order not settled)
-        z = np.zeros(0, np.int64)
-        self._settled = _Settled(z, z, z, z, z, np.zeros(0, bool))
-        self._gaps = (z, np.zeros(0), z)  # (request index, per-token gap ns, weight) of open requests
-        self._ready: list[pa.Table] = []  # finished rows not yet written (sorted on the way out)
-        self._ready_rows = 0
-        self._last_arrival = _MISSING  # requests still to come arrive no earlier than this
-
-    # ------------------------------------------------------------------ feeding
+        self._waiting: list[Any] = []  # finished requests whose first step is still in flight
 
     def instance_codes(self, names: Sequence[str | None]) -> np.ndarray:
         """Integer codes of instance ids (-1: none)."""
@@ -142,40 +157,87 @@ class RequestTable:
             self._instances.append(name)
         return code
 
-    def add_events(self, w: EventBuffers, arrival_fields: list[tuple], hits: list[int | None]) -> np.ndarray:
-        """A chunk's buffered request events but the deliveries (``w``: the event writer's buffers), each arrival's
-        fields (``replay.emit._ARRIVAL_FIELDS``) and each finish's prefix-cache hit; returns the indices (sorted)
-        of the requests whose rows are complete now: finished, and in no step in flight that would be their first
-        (a request cancelled during its first step waits for it)."""
-        logs = self._logs
+    def add(self, w: EventBuffers, arrival_fields: list[tuple], hits: list[int | None], deliveries: list[Deliveries],
+            labelled: bool) -> None:
+        """A flush's buffered request events (``w``: the event writer's buffers; deliveries already as columns),
+        each arrival's fields (``replay.emit._ARRIVAL_FIELDS``) and each finish's prefix-cache hit."""
+        logs = self._logs(w, arrival_fields, hits)
+        candidates = [*self._waiting, *map(itemgetter(0), w.finished)]
+        self._waiting = [r for r in candidates if r.first_step_pending]
+        done = sorted((r for r in candidates if not r.first_step_pending), key=_INDEX)
+        scheduled = [_MISSING if r.first_step_ns is None else r.first_step_ns for r in done]
+        self._table.feed(TableChunk(
+            logs, deliveries, np.fromiter(map(_INDEX, done), np.int64, len(done)),
+            np.fromiter(scheduled, np.int64, len(done)),
+            {name: object_array(values) for name, values in _columns(done, _LABEL_FIELDS).items()} if labelled else None,
+            tuple(self._instances)))
+
+    def _logs(self, w: EventBuffers, arrival_fields: list[tuple], hits: list[int | None]) -> dict[str, request_events.Log]:
+        logs = {}
         if w.arrived:
-            new = request_events.arrived_log(w.arrived, arrival_fields, self._codes(w.arrived, 1),
-                                             w.out_delay_ns is not None)
-            request_events.append(logs, "arrived", new)
-            self._last_arrival = max(self._last_arrival, int(new["ts"].max()))
+            logs["arrived"] = request_events.arrived_log(w.arrived, arrival_fields, self._codes(w.arrived, 1),
+                                                         w.out_delay_ns is not None)
         if w.admission:
-            request_events.append(logs, "admission", request_events.admission_log(
-                w.admission, [d.decision for _, _, d, _, _ in w.admission], self._codes(w.admission, 4)))
+            logs["admission"] = request_events.admission_log(
+                w.admission, [d.decision for _, _, d, _, _ in w.admission], self._codes(w.admission, 4))
         if w.preempted:
-            request_events.append(logs, "preempted", request_events.preempted_log(w.preempted, self._codes(w.preempted, 5)))
+            logs["preempted"] = request_events.preempted_log(w.preempted, self._codes(w.preempted, 5))
         if w.first_tokens:
-            request_events.append(logs, "first", request_events.first_log(w.first_tokens, w.out_delay_ns))
+            logs["first"] = request_events.first_log(w.first_tokens, w.out_delay_ns)
         if w.cancelled:
-            request_events.append(logs, "cancelled", request_events.cancelled_log(w.cancelled, self._codes(w.cancelled, 2)))
+            logs["cancelled"] = request_events.cancelled_log(w.cancelled, self._codes(w.cancelled, 2))
         if w.finished:
-            request_events.append(logs, "finished", request_events.finished_log(
-                w.finished, hits, self._codes(w.finished, 5), w.out_delay_ns))
-        return request_events.complete(logs)
+            logs["finished"] = request_events.finished_log(w.finished, hits, self._codes(w.finished, 5), w.out_delay_ns)
+        return logs
 
     def _codes(self, buf: list[tuple], field: int) -> np.ndarray:
         """The instance codes of field ``field`` of ``buf``'s rows."""
         return self.instance_codes(list(map(itemgetter(field), buf)))
 
+    def close(self) -> Path:
+        """Write what is left and put the file in place; returns its path."""
+        self._table.close()
+        return self.path
+
+    def abort(self) -> None:
+        """Drop the unfinished file (a failed replay)."""
+        self._table.abort()
+
+
+class RequestTable:
+    """The run's request table, fed one ``TableChunk`` per flush, written to ``path``."""
+
+    def __init__(self, path: str | Path, engine_id: str) -> None:
+        self.path = Path(path)
+        self.engine_id = engine_id
+        self._tmp = self.path.with_name(f".{self.path.name}.tmp")
+        self._writer: pq.ParquetWriter | None = None
+        self.num_rows = 0
+        self._logs = request_events.empty_logs()  # the events of the requests in flight (all but deliveries)
+        self._tails = no_deliveries()  # deliveries at each open request's latest timestamp (order not settled)
+        z = np.zeros(0, np.int64)
+        self._settled = _Settled(z, z, z, z, z, np.zeros(0, bool))
+        self._gaps = (z, np.zeros(0), z)  # (request index, per-token gap ns, weight) of open requests
+        self._ready: list[pa.Table] = []  # finished rows not yet written (sorted on the way out)
+        self._ready_rows = 0
+        self._last_arrival = _MISSING  # requests still to come arrive no earlier than this
+
+    def feed(self, chunk: TableChunk) -> None:
+        """A flush's request events: kept while their requests are in flight; the ``chunk.done`` requests' rows are
+        built, and written once ready."""
+        for name, new in chunk.logs.items():
+            request_events.append(self._logs, name, new)
+        if "arrived" in chunk.logs:
+            self._last_arrival = max(self._last_arrival, int(chunk.logs["arrived"]["ts"].max()))
+        request_events.check_finished_once(self._logs)
+        self.settle(chunk)
+
     # ------------------------------------------------------------------ deliveries
 
-    def settle(self, parts: Sequence[Deliveries], finished: np.ndarray, labelled: bool) -> None:
-        """This chunk's deliveries (``parts``) and the rows of the ``finished`` requests (``add_events``): their
-        events are taken out of the logs, the deliveries settled, and the rows built and written once ready."""
+    def settle(self, chunk: TableChunk) -> None:
+        """The chunk's deliveries and the rows of its ``done`` requests: their events are taken out of the logs, the
+        deliveries settled, and the rows built and written once ready."""
+        parts, finished = chunk.deliveries, chunk.done
         new_idx = np.concatenate([p.idx for p in parts]) if parts else np.zeros(0, np.int64)
         known = _in(new_idx, np.concatenate([log["idx"] for log in self._logs.values()]))
         if not known.all():
@@ -183,15 +245,12 @@ class RequestTable:
         logs = request_events.take_done(self._logs, finished) if len(finished) else None
         arrivals = self._logs["arrived"]["ts"]  # of the requests still in flight: no later row precedes them
         cut = min(self._last_arrival, int(arrivals.min())) if len(arrivals) else self._last_arrival
-        self._settle(parts, finished, logs, labelled, cut, self._instances)
-
-    def _settle(self, parts: Sequence[Deliveries], finished: np.ndarray, logs: dict[str, request_events.Log] | None,
-                labelled: bool, cut: int, instances: list[str]) -> None:
-        """Settle the deliveries, then build the finished requests' rows and write those ready."""
         deliveries = self._add_deliveries(parts, finished)
         if logs is None:
             return
-        table = _rows_table(request_events.reduce_logs(logs, finished), deliveries, self.engine_id, instances, labelled)
+        values = request_events.reduce_logs(logs, finished)
+        values.update(scheduled_ns=chunk.scheduled_ns, labels=chunk.labels)
+        table = _rows_table(values, deliveries, self.engine_id, chunk.instances)
         self._ready.append(table)
         self._ready_rows += table.num_rows
         self._write_ready(cut)
@@ -408,13 +467,14 @@ def _finished_deliveries(settled: _Settled, x: Deliveries, last_rows: np.ndarray
     return out
 
 
-_REQUEST_FIELDS = ("request_id", "first_step_ns")
 _LABEL_FIELDS = ("tenant", "service_class", "model", "adapter")
+_INDEX = attrgetter("index")
 #: Integer columns taken as ``request_events.reduce_logs`` gives them (int64, _MISSING: null).
-_TIMESTAMPS = ("arrival_ns", "admission_ns", "first_token_ns", "first_byte_ns", "cancel_ns", "finish_ns", "last_byte_ns")
+_TIMESTAMPS = ("arrival_ns", "admission_ns", "first_token_ns", "first_byte_ns", "cancel_ns", "finish_ns", "last_byte_ns",
+               "scheduled_ns")
 _COUNTS = ("num_admission_decisions", "num_preemptions", "num_migrations", "num_lost_tokens")
 #: Columns taken as they are (Python values, None: null).
-_VALUES = ("outcome", "session_id", "num_prompt_tokens", "max_output_tokens", "num_branches")
+_VALUES = ("request_id", "outcome", "session_id", "num_prompt_tokens", "max_output_tokens", "num_branches")
 
 
 def _columns(items: Sequence[Any], names: tuple[str, ...]) -> dict[str, tuple]:
@@ -423,22 +483,19 @@ def _columns(items: Sequence[Any], names: tuple[str, ...]) -> dict[str, tuple]:
     return dict(zip(names, zip(*values))) if values else {name: () for name in names}
 
 
-def _rows_table(v: dict[str, np.ndarray], d: dict[str, np.ndarray], engine_id: str, instances: list[str],
-                labelled: bool) -> pa.Table:
-    """The finished requests' rows (``v``: ``request_events.reduce_logs``'s columns, ``d``: their deliveries',
-    in request index order) as a ``REQUESTS_SCHEMA`` table, built column by column (the durations and gap
-    statistics with null-aware Arrow arithmetic)."""
-    reqs = v["req"]
-    n = len(reqs)
-    req = _columns(reqs, _REQUEST_FIELDS)
+def _rows_table(v: dict[str, Any], d: dict[str, np.ndarray], engine_id: str, instances: Sequence[str]) -> pa.Table:
+    """The finished requests' rows (``v``: ``request_events.reduce_logs``'s columns with their ``scheduled_ns`` and
+    ``labels``, ``d``: their deliveries', in request index order) as a ``REQUESTS_SCHEMA`` table, built column by
+    column (the durations and gap statistics with null-aware Arrow arithmetic)."""
+    n = len(v["idx"])
     found = _Found(d["idx"], v["idx"])
-    labels = _columns(reqs, _LABEL_FIELDS) if labelled else {name: pa.nulls(n, pa.string()) for name in _LABEL_FIELDS}
+    labels = v["labels"] if v["labels"] is not None else {name: pa.nulls(n, pa.string()) for name in _LABEL_FIELDS}
     gaps = found.filled(d["gaps"], 0)
     cached = pc.coalesce(pa.array(v["cached_finished"], pa.int64()), pa.array(v["cached_arrival"], pa.int64()))
     cols: dict[str, Sequence | pa.Array | np.ndarray] = {
-        "request_id": req["request_id"], "engine_id": pa.repeat(pa.scalar(engine_id), n),
+        "engine_id": pa.repeat(pa.scalar(engine_id), n),
         "instance_id": _instance_ids(v, found, d, instances), **labels, "pool": pa.nulls(n, pa.string()),
-        "scheduled_ns": pa.array(req["first_step_ns"], pa.int64()), "last_token_ns": found.array(d["last_ts"]),
+        "last_token_ns": found.array(d["last_ts"]),
         "admission_decision": v["decision"], "num_cached_prefix_tokens": cached,
         "client_sent_ns": pa.array(v["client_sent_ns"], pa.int64()),
         # the finish event's count, else the tokens counted in deliveries (none: null)
@@ -518,7 +575,7 @@ class _Found:
         return pa.array(values, mask=~(self.has & (values != 0)) if nonzero else ~self.has)
 
 
-def _instance_ids(v: dict[str, np.ndarray], found: _Found, d: dict[str, np.ndarray], instances: list[str]) -> np.ndarray:
+def _instance_ids(v: dict[str, Any], found: _Found, d: dict[str, np.ndarray], instances: Sequence[str]) -> np.ndarray:
     """Each request's instance: that of its latest event (by ts, then event id) that names one, its own events'
     (``v``) or its last delivery's (``d``), which wins when later."""
     code = v["instance"]

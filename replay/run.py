@@ -37,7 +37,7 @@ from replay.kernel import ARRIVAL, Kernel
 from replay.load import StepLoadMeter, load_record
 from replay.policies import make_policy
 from replay.request import Request
-from replay.request_table import REQUESTS_FILE, RequestTable
+from replay.request_table import OFFLOAD_MIN_REQUESTS, REQUESTS_FILE, RequestTableWriter
 from replay.scenario import Scenario, apply_scenario, image_tokens
 from replay.workload import Workload, as_workload
 from schemas.events import SCHEMA_VERSION
@@ -105,6 +105,7 @@ def run_replay(
     step_timer: Callable | None = None,
     calibration: Calibration | None = None,
     write_requests: bool = True,
+    offload_requests: bool | None = None,
 ) -> ReplaySummary:
     """Replay ``workload`` through one modelled instance; write events and a manifest.
 
@@ -116,7 +117,8 @@ def run_replay(
     ``calibration`` (``replay.calibration``) puts its frontend and engine defaults on the instance and its
     step cost terms on the roofline model (unless ``cost_model_config`` is given); the manifest names it.
     With ``out_dir``, the run also writes its own request table, ``requests.parquet``
-    (``replay.request_table``; ``write_requests=False``: not).
+    (``replay.request_table``; ``write_requests=False``: not), in a process of its own beside the replay with
+    ``offload_requests`` (None: for workloads of ``OFFLOAD_MIN_REQUESTS`` requests or more; the same file either way).
     """
     instance, cost_model_config = _calibrated(instance or instance_config(), calibration, cost_model, cost_model_config)
     check_clock(instance, mode, step_timer)  # before the outputs open
@@ -130,7 +132,7 @@ def run_replay(
     run_id = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:12]
     engine_id = f"replay-{run_id}"
     instance_id = f"{engine_id}-i0"
-    outputs = _Outputs(out_dir, sink, write_requests=write_requests)
+    outputs = _Outputs(out_dir, sink, write_requests=write_requests, offload_requests=offload(source, offload_requests))
     writer = outputs.writer(EventWriter, run_id=run_id, engine_id=engine_id, chunk_rows=chunk_rows)
     kernel = Kernel()
     engine = Engine(kernel, instance, model, policy, writer, instance_id=instance_id, mode=mode,
@@ -200,15 +202,24 @@ def _finish(outputs: _Outputs, manifest: dict, ids: tuple[str, str, str], kernel
     )
 
 
+def offload(source: Workload, offload_requests: bool | None) -> bool:
+    """Whether a replay of ``source`` builds its request table in a process of its own (``run_replay``)."""
+    if offload_requests is not None:
+        return offload_requests
+    return source.num_requests is not None and source.num_requests >= OFFLOAD_MIN_REQUESTS
+
+
 class _Outputs:
     """Where a replay's events go: ``events.parquet`` under ``out_dir`` and/or ``sink``."""
 
-    def __init__(self, out_dir: str | Path | None, sink: Sink | None, *, write_requests: bool = True) -> None:
+    def __init__(self, out_dir: str | Path | None, sink: Sink | None, *, write_requests: bool = True,
+                 offload_requests: bool = False) -> None:
         self.out = Path(out_dir) if out_dir is not None else None
         self.write_requests = write_requests
+        self.offload_requests = offload_requests
         self.parquet = ParquetSink(self.out / "events.parquet") if self.out is not None else None
         self.sink = sink
-        self.requests: RequestTable | None = None  # the run's own request table, beside its events
+        self.requests: RequestTableWriter | None = None  # the run's own request table, beside its events
         self.load: StepLoadMeter | None = None  # the run's load, for its manifest
 
     def __call__(self, chunk: EventChunk) -> None:
@@ -225,7 +236,8 @@ class _Outputs:
         # a sink that only reads the events back (``digest = False``: a calibration's replays) skips the hash
         writer = writer_class(self, hash_tables=self.parquet is None and getattr(self.sink, "digest", True), **kwargs)
         if self.out is not None and self.write_requests:
-            writer.requests = self.requests = RequestTable(self.out / REQUESTS_FILE, writer.engine_id)
+            writer.requests = self.requests = RequestTableWriter(self.out / REQUESTS_FILE, writer.engine_id,
+                                                                 offload=self.offload_requests)
         if self.out is not None:  # the manifest records the run's load
             writer.load = self.load = StepLoadMeter()
         return writer
