@@ -19,8 +19,8 @@
     python benchmarks/replay.py --cluster  # the cluster case alone (with its single-instance baseline)
 
 The last line of output is one JSON object with the figures. Single process, single thread of
-simulation (Parquet encoding runs on a background thread of the same process; from 20,000 requests the run's
-request table is built in a process of its own, ``replay.request_table``, whose peak memory is reported beside).
+simulation; from 5,000 requests the outputs (the events' tables and Parquet file, the run's request table:
+``replay.outputs``) are built in a process of their own, whose peak memory is reported beside.
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ def replay_tiled(num_requests: int, out_dir: Path, calibrated: bool = False) -> 
         "process_cpu_s": round(cpu_s, 2),
         "requests_per_s": round(summary.requests_per_wall_s),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        # the request table's own process (replay.request_table, from 20,000 requests): its peak, beside this one
-        "peak_rss_request_table_mb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1),
+        # the outputs' own process (replay.outputs, from 5,000 requests): its peak, beside this one
+        "peak_rss_outputs_mb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1),
         "rss_before_replay_mb": round(rss_before_mb, 1),
         "events_mb": round((out_dir / "events.parquet").stat().st_size / 1e6, 1),
     }
@@ -104,7 +104,7 @@ def replay_cluster_tiled(num_requests: int, out_dir: Path) -> dict:
         "requests_per_s": round(summary.requests_per_wall_s),
         "routed_min_max": [min(routed), max(routed)],
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "peak_rss_request_table_mb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1),
+        "peak_rss_outputs_mb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1),
         "events_mb": round((out_dir / "events.parquet").stat().st_size / 1e6, 1),
     }
 
@@ -221,7 +221,7 @@ def main() -> None:
         "calibrated_requests_per_s_at_largest": calibrated["requests_per_s"],
         "target_requests_per_s": 20_000,
         "peak_rss_mb_by_size": {str(t["requests"]): t["peak_rss_mb"] for t in throughput},
-        "peak_rss_request_table_mb_by_size": {str(t["requests"]): t["peak_rss_request_table_mb"] for t in throughput},
+        "peak_rss_outputs_mb_by_size": {str(t["requests"]): t["peak_rss_outputs_mb"] for t in throughput},
         "modes": modes,
         "fast_over_reference_speed": {m["trace"]: m["fast_over_reference_speed"] for m in modes},
         "max_relative_timestamp_difference": max(m["max_relative_timestamp_difference"] for m in modes),

@@ -67,7 +67,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import pyarrow as pa
 
@@ -75,10 +75,11 @@ from replay.calibration import Calibration, apply_calibration, calibration_recor
 from replay.config import InstanceConfig, instance_config
 from replay.cost_models import make_cost_model
 from replay.costmodel import StepCostModel
-from replay.emit import EventWriter, Sink
+from replay.emit import EventWriter
 from replay.engine import MODES, Engine, Mode
 from replay.errors import ReplayError
 from replay.kernel import ARRIVAL, CONTROL, Kernel
+from replay.outputs import TableSink
 from replay.policies import make_policy
 from replay.policies.base import AdmissionDecision
 from replay.policies.routing import ROUTERS, RouteDecision, Router, load_router_config, make_router
@@ -490,7 +491,9 @@ class _ClusterWriter(EventWriter):
     instance flushes while others have steps in flight whose lockstep members were logged before:
     after each flush those snapshots are logged again into the new chunk's log."""
 
-    engines: list[Engine]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.engines: list[Engine] = []
 
     def flush(self) -> None:
         super().flush()
@@ -1030,7 +1033,7 @@ def run_cluster_replay(
     cost_model_config: object | None = None,
     seed: int = 0,
     out_dir: str | Path | None = None,
-    sink: Sink | None = None,
+    sink: TableSink | None = None,
     mode: Mode = "fast",
     progress: Callable[[ReplayProgress], None] | None = None,
     shared: Path | None = None,
@@ -1039,7 +1042,7 @@ def run_cluster_replay(
     progress_every: int = PROGRESS_EVERY,
     calibration: Calibration | None = None,
     write_requests: bool = True,
-    offload_requests: bool | None = None,
+    offload_outputs: bool | None = None,
 ) -> ClusterSummary:
     """Replay ``workload`` through a cluster; write events and a manifest (as ``run_replay`` does).
 
@@ -1063,9 +1066,8 @@ def run_cluster_replay(
     manifest["cluster"] = _cluster_record(cluster, router, models, configs)
     run_id = hashlib.sha256(json.dumps(manifest, sort_keys=True, default=str).encode()).hexdigest()[:12]
     engine_id = f"replay-{run_id}"
-    outputs = _Outputs(out_dir, sink, write_requests=write_requests, offload_requests=offload(source, offload_requests))
+    outputs = _Outputs(out_dir, sink, write_requests=write_requests, offload=offload(source, offload_outputs))
     writer = outputs.writer(_ClusterWriter, run_id=run_id, engine_id=engine_id, chunk_rows=chunk_rows)
-    writer.engines = []
     kernel = Kernel()
 
     def make_engine(config: InstanceConfig, instance_id: str) -> Engine:

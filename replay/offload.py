@@ -77,8 +77,8 @@ def serve(conn: Connection) -> None:
     the rest of the feed is drained, so the parent's sends never block on a dead reader."""
     consumer: Consumer | None = None
     try:
-        factory, args = conn.recv()
-        consumer = factory(*args)
+        factory, args, kwargs = conn.recv()
+        consumer = factory(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         _report(conn, exc)
     while True:
@@ -135,9 +135,10 @@ def _report(conn: Connection, exc: BaseException) -> None:
 
 
 class Offloaded:
-    """``factory(*args)`` built and run in a child process; ``feed`` sends it a message, ``close`` returns its result."""
+    """``factory(*args, **kwargs)`` built and run in a child process; ``feed`` sends it a message, ``close`` returns
+    its result."""
 
-    def __init__(self, factory: Callable[..., Consumer], *args: Any, name: str) -> None:
+    def __init__(self, factory: Callable[..., Consumer], *args: Any, name: str, **kwargs: Any) -> None:
         self.name = name
         mine, theirs = socket.socketpair()
         self._process = subprocess.Popen([sys.executable, "-c", _CHILD, str(theirs.fileno())],
@@ -145,7 +146,7 @@ class Offloaded:
         theirs.close()
         self._conn = Connection(mine.detach())
         self._conn.send(sys.path)
-        self._conn.send((factory, args))
+        self._conn.send((factory, args, kwargs))
         self._open = True
 
     def feed(self, message: Any) -> None:

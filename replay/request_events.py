@@ -2,31 +2,32 @@
 columns, kept while it is in flight and reduced to one value per column when its row is written
 (``replay.request_table``).
 
-Each chunk's buffered events of one type are appended as columns (request index, ts, instance code and
-what that type carries) to its log; a finished request's rows are taken out and reduced by request,
+Each flush's events of one type (``replay.gathered``) are appended as columns (request index, ts, instance
+code and what that type carries) to its log; a finished request's rows are taken out and reduced by request,
 with the derivation's rules: timestamps are the earliest of their type, the arrival's fields are those of
 the earliest arrival, and the admission decision and the instance are the latest by ``(ts_ns, event_id)``.
 Event ids are ``<run>:<request><suffix>``: at one timestamp they order as their suffixes, the suffix's
 text (``:admission``, ``:arrived`` ...) and then its number compared as text (``number_key``). Where
-keys tie, the event gathered first wins. No per-event Python runs here: the buffers are unzipped into
-arrays and everything else is numpy.
+keys tie, the event gathered first wins. Apart from the few optional fields kept as Python values, everything
+here is numpy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from operator import attrgetter
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from replay.gathered import Admissions, Arrivals, Ends, Preemptions, Tokens
 
 _MISSING = np.iinfo(np.int64).min  # no value
 #: The suffixes of request event ids, in text order: a suffix's rank orders events at one timestamp.
 SUFFIXES = sorted([":admission", ":arrived", ":cancelled", ":finished", ":first_token", ":preempted", ":tokens"])
 RANK = {suffix: rank for rank, suffix in enumerate(SUFFIXES)}
 _POWERS = 10 ** np.arange(1, 18, dtype=np.int64)
-_INDEX = attrgetter("index")
-_REQUEST_ID = attrgetter("request_id")
 
 Log = dict[str, np.ndarray]
 #: Each log's columns and their dtypes (``idx``: the request index, ``inst``: an instance code, -1 none).
@@ -59,14 +60,6 @@ def object_array(values: Sequence[Any]) -> np.ndarray:
     return out
 
 
-def _ints(values: Sequence[int]) -> np.ndarray:
-    return np.fromiter(values, np.int64, len(values))
-
-
-def _indices(reqs: Sequence[Any]) -> np.ndarray:
-    return np.fromiter(map(_INDEX, reqs), np.int64, len(reqs))
-
-
 def isin(values: np.ndarray, keys: np.ndarray) -> np.ndarray:
     """``np.isin(values, keys)`` for request indices, through a dense mask when they span a small range."""
     if not len(values) or not len(keys):
@@ -84,55 +77,53 @@ def empty_logs() -> dict[str, Log]:
     return {name: {col: np.zeros(0, dtype) for col, dtype in cols.items()} for name, cols in _LOGS.items()}
 
 
-def arrived_log(buf: list[tuple], fields: list[tuple], codes: np.ndarray, client_side: bool) -> Log:
-    """``request_arrived`` rows: (request, instance_id, cached) tuples, each one's arrival fields
-    (``replay.emit._ARRIVAL_FIELDS``) and instance codes."""
-    reqs, _, cached = zip(*buf)
-    arrival, prompt, max_output, branches, _, _, session, _, sent = zip(*fields)
-    return {"idx": _indices(reqs), "ts": _ints(arrival), "inst": codes, "cached": object_array(cached),
-            "prompt": object_array(prompt), "max_output": object_array(max_output), "branches": object_array(branches),
-            "session": object_array(session), "sent": object_array(sent) if client_side else np.full(len(buf), None, object)}
+def _objects_of(values: pa.Array | np.ndarray) -> np.ndarray:
+    """A column as Python values (None: null), as the logs keep optional fields."""
+    return object_array(values.to_pylist() if isinstance(values, pa.Array) else values.tolist())
 
 
-def admission_log(buf: list[tuple], decisions: Sequence[str], codes: np.ndarray) -> Log:
-    """``admission_decided`` rows: (request, ts, decision, number, instance_id) tuples and each decision's name."""
-    reqs, ts, _, number, _ = zip(*buf)
-    return {"idx": _indices(reqs), "ts": _ints(ts), "num": _ints(number), "inst": codes,
-            "decision": object_array(decisions)}
+def arrived_log(a: Arrivals, codes: np.ndarray) -> Log:
+    """``request_arrived`` events (their instances' codes given)."""
+    n = len(a.idx)
+    return {"idx": a.idx, "ts": a.ts, "inst": codes, "cached": _objects_of(a.cached), "prompt": _objects_of(a.prompt),
+            "max_output": _objects_of(a.max_output), "branches": _objects_of(a.branches),
+            "session": _objects_of(a.session),
+            "sent": _objects_of(a.sent) if a.sent is not None else np.full(n, None, object)}
 
 
-def preempted_log(buf: list[tuple], codes: np.ndarray) -> Log:
-    """``request_preempted`` rows: (request, ts, mode, number, lost tokens, instance_id) tuples."""
-    reqs, ts, mode, number, lost, _ = zip(*buf)
-    return {"idx": _indices(reqs), "ts": _ints(ts), "num": _ints(number), "inst": codes,
-            "migrate": np.array([m == "migrate" for m in mode], bool), "lost": _ints(lost)}
+def admission_log(d: Admissions, codes: np.ndarray) -> Log:
+    """``admission_decided`` events."""
+    return {"idx": d.idx, "ts": d.ts, "num": d.number, "inst": codes, "decision": _objects_of(d.decision)}
 
 
-def first_log(buf: list[tuple], out_delay_ns: int | None) -> Log:
-    """``first_token`` rows: (request, ts, instance_id) tuples; ``byte``: when the client got it, where known."""
-    reqs, ts, _ = zip(*buf)
-    t = _ints(ts)
-    return {"idx": _indices(reqs), "ts": t, "byte": t + out_delay_ns if out_delay_ns is not None else np.full(len(t), _MISSING)}
+def preempted_log(p: Preemptions, codes: np.ndarray) -> Log:
+    """``request_preempted`` events."""
+    return {"idx": p.idx, "ts": p.ts, "num": p.number, "inst": codes,
+            "migrate": np.asarray(pc.equal(p.mode, "migrate").fill_null(False), bool), "lost": p.lost}
 
 
-def cancelled_log(buf: list[tuple], codes: np.ndarray) -> Log:
-    """``request_cancelled`` rows: (request, ts, instance_id) tuples."""
-    reqs, ts, _ = zip(*buf)
-    return {"idx": _indices(reqs), "ts": _ints(ts), "inst": codes}
+def first_log(t: Tokens, out_delay_ns: int | None) -> Log:
+    """``first_token`` events; ``byte``: when the client got it, where known."""
+    return {"idx": t.idx, "ts": t.ts,
+            "byte": t.ts + out_delay_ns if out_delay_ns is not None else np.full(len(t.ts), _MISSING)}
 
 
-def finished_log(buf: list[tuple], hits: Sequence[int | None], codes: np.ndarray, out_delay_ns: int | None) -> Log:
-    """``request_finished`` rows: (request, ts, outcome, output tokens, error, instance_id) tuples and each
-    one's prefix-cache hit; ``last_byte``: when a completed request's last token reached the client; ``rid``: the
-    request ids."""
-    reqs, ts, outcome, output, _, _ = zip(*buf)
-    t, out = _ints(ts), _ints(output)
+def cancelled_log(c: Ends, codes: np.ndarray) -> Log:
+    """``request_cancelled`` events."""
+    return {"idx": c.idx, "ts": c.ts, "inst": codes}
+
+
+def finished_log(f: Ends, ids: pa.Array, codes: np.ndarray, out_delay_ns: int | None) -> Log:
+    """``request_finished`` events (``ids``: their request ids); ``last_byte``: when a completed request's last
+    token reached the client."""
+    assert f.outcome is not None and f.num_output is not None and f.hits is not None
+    t, out = f.ts, f.num_output
     last_byte = np.full(len(t), _MISSING)
     if out_delay_ns is not None:
-        delivered = (np.array(outcome, object) == "completed") & (out > 0)
+        delivered = np.asarray(pc.equal(f.outcome, "completed").fill_null(False), bool) & (out > 0)
         last_byte[delivered] = t[delivered] + out_delay_ns
-    return {"idx": _indices(reqs), "ts": t, "inst": codes, "outcome": object_array(outcome), "output": out,
-            "hit": object_array(hits), "last_byte": last_byte, "rid": object_array(list(map(_REQUEST_ID, reqs)))}
+    return {"idx": f.idx, "ts": t, "inst": codes, "outcome": _objects_of(f.outcome), "output": out,
+            "hit": _objects_of(f.hits), "last_byte": last_byte, "rid": _objects_of(ids)}
 
 
 def append(logs: dict[str, Log], name: str, new: Log) -> None:

@@ -1,13 +1,10 @@
 """The replay's own request table: one row per request (``schemas.records.RequestRow``), written while the
 events are, so that metrics, the gate and the dashboard never re-derive a replay.
 
-The replay knows every timing. At every flush of the ``EventWriter``, ``RequestTableWriter`` reads its
-buffers of request events (the same tuples and arrays the event tables are built from) into a
-``TableChunk`` of numpy columns, the only step that reads the engine's requests, and hands it to the
-``RequestTable``, which writes a request's row once its ``request_finished`` has been gathered. From
-``OFFLOAD_MIN_REQUESTS`` requests the table runs in a process of its own (``replay.offload``), beside
-the replay's thread, which it would otherwise slow by a sixth; the file is the same byte for byte.
-Its values are those that
+The replay knows every timing. ``RequestTable`` is fed the columns the ``EventWriter`` gathers at every
+flush (``replay.gathered``: the same ones the event tables are built from, ``replay.outputs``) and writes a
+request's row once its ``request_finished`` has been gathered and its first step written (the replay's
+``DoneTracker`` says which). Its values are those that
 ``replay.derive.derive_requests`` computes from the same events, column for column, with the same
 rules: timestamps are the earliest (or latest) of their event type, the last admission decision and the
 instance are the latest by ``(ts_ns, event_id)``, and the inter-token gaps read the deliveries in
@@ -27,10 +24,9 @@ requests in flight, not the length of the run.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from operator import attrgetter, itemgetter
+from operator import attrgetter
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -38,7 +34,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from replay import request_events
-from replay.offload import Offloaded
+from replay.event_tables import RunRows
+from replay.gathered import LABELS, Done, Gathered
 from replay.request_events import isin as _in
 from replay.request_events import object_array
 from schemas.arrow import arrow_schema
@@ -49,20 +46,6 @@ REQUESTS_FILE = "requests.parquet"
 _MISSING = np.iinfo(np.int64).min  # no value (a delivery before any settled one; a request without deliveries)
 _FIRST_TOKEN, _TOKENS = 0, 1  # event types in the order 'first_token' < 'tokens_delivered'
 _ROW_GROUP_ROWS = 65_536
-#: Replays of at least this many requests build their table in a process of their own (``RequestTableWriter``).
-OFFLOAD_MIN_REQUESTS = 20_000
-
-
-class EventBuffers(Protocol):
-    """The event writer's buffers of request events (``replay.emit``'s row types), as the request table reads them."""
-
-    arrived: list[Any]
-    admission: list[Any]
-    preempted: list[Any]
-    first_tokens: list[Any]
-    cancelled: list[Any]
-    finished: list[Any]
-    out_delay_ns: int | None
 
 
 class Deliveries:
@@ -114,39 +97,96 @@ class _Settled:
         return _Settled(*(getattr(self, name)[rows] for name in self.__slots__))
 
 
-@dataclass(frozen=True, slots=True)
-class TableChunk:
-    """One flush's request events as arrays, with no engine objects in them: what ``RequestTable.feed`` takes,
-    in this process or in another (``replay.offload``)."""
+class DoneTracker:
+    """The replay's side of the request table (``replay.emit``): at each flush, the finished requests whose rows
+    can be written (``Done``), read from the engine's requests; a request cancelled during its first step waits
+    for that step's event, which gives its ``scheduled_ns``."""
 
-    logs: dict[str, request_events.Log]  # each event type's new rows (``request_events``), the types that have any
-    deliveries: list[Deliveries]  # this flush's token deliveries
-    done: np.ndarray  # the requests whose rows are complete now (sorted indices): finished, in no first step in flight
-    scheduled_ns: np.ndarray  # theirs, in that order (_MISSING: none)
-    labels: dict[str, np.ndarray] | None  # their tenant, service_class, model and adapter; None: unlabelled run
-    instances: tuple[str, ...]  # instance ids by code
-
-
-class RequestTableWriter:
-    """What the event writer feeds at every flush (``replay.emit``): it reads the buffers of request events into a
-    ``TableChunk`` (the only part that reads the engine's requests) and hands it to the ``RequestTable``, built in
-    this process or, with ``offload``, in a process of its own beside the replay (the bytes written are the same)."""
-
-    def __init__(self, path: str | Path, engine_id: str, *, offload: bool = False) -> None:
-        self.path = Path(path)
-        self.offloaded = offload
-        self._table: RequestTable | Offloaded = (
-            Offloaded(RequestTable, self.path, engine_id, name="request-table") if offload
-            else RequestTable(self.path, engine_id))
-        self._instances: list[str] = []
-        self._instance_code: dict[str, int] = {}
+    def __init__(self) -> None:
         self._waiting: list[Any] = []  # finished requests whose first step is still in flight
 
-    def instance_codes(self, names: Sequence[str | None]) -> np.ndarray:
+    def done(self, finished: Sequence[Any], labelled: bool) -> Done:
+        """``finished``: the requests of the flush's ``request_finished`` events."""
+        candidates = [*self._waiting, *finished]
+        self._waiting = [r for r in candidates if r.first_step_pending]
+        done = sorted((r for r in candidates if not r.first_step_pending), key=_INDEX)
+        scheduled = [_MISSING if r.first_step_ns is None else r.first_step_ns for r in done]
+        return Done(np.fromiter(map(_INDEX, done), np.int64, len(done)), np.fromiter(scheduled, np.int64, len(done)),
+                    {name: object_array(values) for name, values in _columns(done, LABELS).items()} if labelled else None)
+
+
+class RequestTable:
+    """The run's request table, fed each flush's gathered events (``add``), written to ``path``."""
+
+    def __init__(self, path: str | Path, engine_id: str) -> None:
+        self.path = Path(path)
+        self.engine_id = engine_id
+        self._tmp = self.path.with_name(f".{self.path.name}.tmp")
+        self._writer: pq.ParquetWriter | None = None
+        self.num_rows = 0
+        self._logs = request_events.empty_logs()  # the events of the requests in flight (all but deliveries)
+        self._instances: list[str] = []
+        self._instance_code: dict[str, int] = {}
+        self._tails = no_deliveries()  # deliveries at each open request's latest timestamp (order not settled)
+        z = np.zeros(0, np.int64)
+        self._settled = _Settled(z, z, z, z, z, np.zeros(0, bool))
+        self._gaps = (z, np.zeros(0), z)  # (request index, per-token gap ns, weight) of open requests
+        self._ready: list[pa.Table] = []  # finished rows not yet written (sorted on the way out)
+        self._ready_rows = 0
+        self._last_arrival = _MISSING  # requests still to come arrive no earlier than this
+
+    def add(self, g: Gathered, runs: RunRows | None, finished_ids: pa.Array | None) -> None:
+        """A flush's events (``runs``: its lockstep runs expanded; ``finished_ids``: the ids of its finished
+        requests): kept while their requests are in flight; the rows of its ``done`` requests are built, and
+        written once ready."""
+        assert g.done is not None, "a replay writing its request table says which rows are done"
+        for name, new in self._logs_of(g, finished_ids).items():
+            request_events.append(self._logs, name, new)
+        if g.arrived is not None:
+            self._last_arrival = max(self._last_arrival, int(g.arrived.ts.max()))
+        request_events.check_finished_once(self._logs)
+        self.settle(self._deliveries(g, runs), g.done)
+
+    def _logs_of(self, g: Gathered, finished_ids: pa.Array | None) -> dict[str, request_events.Log]:
+        logs = {}
+        if g.arrived is not None:
+            logs["arrived"] = request_events.arrived_log(g.arrived, self._codes(g.arrived.instance))
+        if g.admission is not None:
+            logs["admission"] = request_events.admission_log(g.admission, self._codes(g.admission.instance))
+        if g.preempted is not None:
+            logs["preempted"] = request_events.preempted_log(g.preempted, self._codes(g.preempted.instance))
+        if g.first is not None:
+            logs["first"] = request_events.first_log(g.first, g.out_delay_ns)
+        if g.cancelled is not None:
+            logs["cancelled"] = request_events.cancelled_log(g.cancelled, self._codes(g.cancelled.instance))
+        if g.finished is not None:
+            assert finished_ids is not None
+            logs["finished"] = request_events.finished_log(g.finished, finished_ids, self._codes(g.finished.instance),
+                                                           g.out_delay_ns)
+        return logs
+
+    def _deliveries(self, g: Gathered, runs: RunRows | None) -> list[Deliveries]:
+        parts = []
+        if g.first is not None:
+            t = g.first
+            n = len(t.idx)
+            zeros = np.zeros(n, np.int64)
+            parts.append(Deliveries(t.idx, t.ts, zeros, zeros, t.num, t.coalesced, self._codes(t.instance)))
+        if g.tokens is not None:
+            t = g.tokens
+            parts.append(Deliveries(t.idx, t.ts, np.ones(len(t.idx), np.int64), t.upto, t.num, t.coalesced,
+                                    self._codes(t.instance)))
+        if runs is not None and runs.n:
+            codes = np.fromiter(map(self._code, runs.instance), np.int64, len(runs.instance))
+            parts.append(Deliveries(runs.idx, runs.ts, np.ones(runs.n, np.int64), runs.upto, runs.num_tokens,
+                                    runs.coalesced, codes[runs.run_of_row]))
+        return parts
+
+    def _codes(self, names: pa.Array) -> np.ndarray:
         """Integer codes of instance ids (-1: none)."""
-        if names and names.count(names[0]) == len(names):
-            return np.full(len(names), self._code(names[0]), np.int64)
-        return np.fromiter(map(self._code, names), np.int64, len(names))
+        encoded = names.dictionary_encode()
+        codes = np.fromiter(map(self._code, [*encoded.dictionary.to_pylist(), None]), np.int64, len(encoded.dictionary) + 1)
+        return codes[np.asarray(encoded.indices.fill_null(len(encoded.dictionary)), np.int64)]
 
     def _code(self, name: str | None) -> int:
         if name is None:
@@ -157,87 +197,12 @@ class RequestTableWriter:
             self._instances.append(name)
         return code
 
-    def add(self, w: EventBuffers, arrival_fields: list[tuple], hits: list[int | None], deliveries: list[Deliveries],
-            labelled: bool) -> None:
-        """A flush's buffered request events (``w``: the event writer's buffers; deliveries already as columns),
-        each arrival's fields (``replay.emit._ARRIVAL_FIELDS``) and each finish's prefix-cache hit."""
-        logs = self._logs(w, arrival_fields, hits)
-        candidates = [*self._waiting, *map(itemgetter(0), w.finished)]
-        self._waiting = [r for r in candidates if r.first_step_pending]
-        done = sorted((r for r in candidates if not r.first_step_pending), key=_INDEX)
-        scheduled = [_MISSING if r.first_step_ns is None else r.first_step_ns for r in done]
-        self._table.feed(TableChunk(
-            logs, deliveries, np.fromiter(map(_INDEX, done), np.int64, len(done)),
-            np.fromiter(scheduled, np.int64, len(done)),
-            {name: object_array(values) for name, values in _columns(done, _LABEL_FIELDS).items()} if labelled else None,
-            tuple(self._instances)))
-
-    def _logs(self, w: EventBuffers, arrival_fields: list[tuple], hits: list[int | None]) -> dict[str, request_events.Log]:
-        logs = {}
-        if w.arrived:
-            logs["arrived"] = request_events.arrived_log(w.arrived, arrival_fields, self._codes(w.arrived, 1),
-                                                         w.out_delay_ns is not None)
-        if w.admission:
-            logs["admission"] = request_events.admission_log(
-                w.admission, [d.decision for _, _, d, _, _ in w.admission], self._codes(w.admission, 4))
-        if w.preempted:
-            logs["preempted"] = request_events.preempted_log(w.preempted, self._codes(w.preempted, 5))
-        if w.first_tokens:
-            logs["first"] = request_events.first_log(w.first_tokens, w.out_delay_ns)
-        if w.cancelled:
-            logs["cancelled"] = request_events.cancelled_log(w.cancelled, self._codes(w.cancelled, 2))
-        if w.finished:
-            logs["finished"] = request_events.finished_log(w.finished, hits, self._codes(w.finished, 5), w.out_delay_ns)
-        return logs
-
-    def _codes(self, buf: list[tuple], field: int) -> np.ndarray:
-        """The instance codes of field ``field`` of ``buf``'s rows."""
-        return self.instance_codes(list(map(itemgetter(field), buf)))
-
-    def close(self) -> Path:
-        """Write what is left and put the file in place; returns its path."""
-        self._table.close()
-        return self.path
-
-    def abort(self) -> None:
-        """Drop the unfinished file (a failed replay)."""
-        self._table.abort()
-
-
-class RequestTable:
-    """The run's request table, fed one ``TableChunk`` per flush, written to ``path``."""
-
-    def __init__(self, path: str | Path, engine_id: str) -> None:
-        self.path = Path(path)
-        self.engine_id = engine_id
-        self._tmp = self.path.with_name(f".{self.path.name}.tmp")
-        self._writer: pq.ParquetWriter | None = None
-        self.num_rows = 0
-        self._logs = request_events.empty_logs()  # the events of the requests in flight (all but deliveries)
-        self._tails = no_deliveries()  # deliveries at each open request's latest timestamp (order not settled)
-        z = np.zeros(0, np.int64)
-        self._settled = _Settled(z, z, z, z, z, np.zeros(0, bool))
-        self._gaps = (z, np.zeros(0), z)  # (request index, per-token gap ns, weight) of open requests
-        self._ready: list[pa.Table] = []  # finished rows not yet written (sorted on the way out)
-        self._ready_rows = 0
-        self._last_arrival = _MISSING  # requests still to come arrive no earlier than this
-
-    def feed(self, chunk: TableChunk) -> None:
-        """A flush's request events: kept while their requests are in flight; the ``chunk.done`` requests' rows are
-        built, and written once ready."""
-        for name, new in chunk.logs.items():
-            request_events.append(self._logs, name, new)
-        if "arrived" in chunk.logs:
-            self._last_arrival = max(self._last_arrival, int(chunk.logs["arrived"]["ts"].max()))
-        request_events.check_finished_once(self._logs)
-        self.settle(chunk)
-
     # ------------------------------------------------------------------ deliveries
 
-    def settle(self, chunk: TableChunk) -> None:
-        """The chunk's deliveries and the rows of its ``done`` requests: their events are taken out of the logs, the
-        deliveries settled, and the rows built and written once ready."""
-        parts, finished = chunk.deliveries, chunk.done
+    def settle(self, parts: Sequence[Deliveries], done: Done) -> None:
+        """A flush's deliveries (``parts``) and the rows of its ``done`` requests: their events are taken out of the
+        logs, the deliveries settled, and the rows built and written once ready."""
+        finished = done.idx
         new_idx = np.concatenate([p.idx for p in parts]) if parts else np.zeros(0, np.int64)
         known = _in(new_idx, np.concatenate([log["idx"] for log in self._logs.values()]))
         if not known.all():
@@ -249,8 +214,8 @@ class RequestTable:
         if logs is None:
             return
         values = request_events.reduce_logs(logs, finished)
-        values.update(scheduled_ns=chunk.scheduled_ns, labels=chunk.labels)
-        table = _rows_table(values, deliveries, self.engine_id, chunk.instances)
+        values.update(scheduled_ns=done.scheduled_ns, labels=done.labels)
+        table = _rows_table(values, deliveries, self.engine_id, self._instances)
         self._ready.append(table)
         self._ready_rows += table.num_rows
         self._write_ready(cut)
@@ -467,7 +432,6 @@ def _finished_deliveries(settled: _Settled, x: Deliveries, last_rows: np.ndarray
     return out
 
 
-_LABEL_FIELDS = ("tenant", "service_class", "model", "adapter")
 _INDEX = attrgetter("index")
 #: Integer columns taken as ``request_events.reduce_logs`` gives them (int64, _MISSING: null).
 _TIMESTAMPS = ("arrival_ns", "admission_ns", "first_token_ns", "first_byte_ns", "cancel_ns", "finish_ns", "last_byte_ns",
@@ -489,7 +453,7 @@ def _rows_table(v: dict[str, Any], d: dict[str, np.ndarray], engine_id: str, ins
     column (the durations and gap statistics with null-aware Arrow arithmetic)."""
     n = len(v["idx"])
     found = _Found(d["idx"], v["idx"])
-    labels = v["labels"] if v["labels"] is not None else {name: pa.nulls(n, pa.string()) for name in _LABEL_FIELDS}
+    labels = v["labels"] if v["labels"] is not None else {name: pa.nulls(n, pa.string()) for name in LABELS}
     gaps = found.filled(d["gaps"], 0)
     cached = pc.coalesce(pa.array(v["cached_finished"], pa.int64()), pa.array(v["cached_arrival"], pa.int64()))
     cols: dict[str, Sequence | pa.Array | np.ndarray] = {

@@ -30,20 +30,24 @@ from replay.calibration import Calibration, apply_calibration, calibration_recor
 from replay.config import InstanceConfig, instance_config
 from replay.cost_models import make_cost_model
 from replay.costmodel import StepCostModel
-from replay.emit import EventChunk, EventWriter, ParquetSink, Sink
+from replay.emit import EventWriter
 from replay.engine import Engine, Mode, check_clock
 from replay.errors import ReplayError
 from replay.kernel import ARRIVAL, Kernel
 from replay.load import StepLoadMeter, load_record
+from replay.offload import Offloaded
+from replay.outputs import ReplayOutputs, TableSink
 from replay.policies import make_policy
 from replay.request import Request
-from replay.request_table import OFFLOAD_MIN_REQUESTS, REQUESTS_FILE, RequestTableWriter
+from replay.request_table import REQUESTS_FILE, DoneTracker
 from replay.scenario import Scenario, apply_scenario, image_tokens
 from replay.workload import Workload, as_workload
 from schemas.events import SCHEMA_VERSION
 from servelens.provenance import code_version
 
 MANIFEST_VERSION = 1
+#: Replays of at least this many requests build their outputs in a process of their own (``replay.outputs``).
+OFFLOAD_MIN_REQUESTS = 5_000
 PROGRESS_EVERY = 20_000  # arrivals between progress reports
 
 
@@ -95,7 +99,7 @@ def run_replay(
     cost_model_config: object | None = None,
     seed: int = 0,
     out_dir: str | Path | None = None,
-    sink: Sink | None = None,
+    sink: TableSink | None = None,
     mode: Mode = "fast",
     progress: Callable[[ReplayProgress], None] | None = None,
     shared: Path | None = None,
@@ -105,7 +109,7 @@ def run_replay(
     step_timer: Callable | None = None,
     calibration: Calibration | None = None,
     write_requests: bool = True,
-    offload_requests: bool | None = None,
+    offload_outputs: bool | None = None,
 ) -> ReplaySummary:
     """Replay ``workload`` through one modelled instance; write events and a manifest.
 
@@ -117,8 +121,9 @@ def run_replay(
     ``calibration`` (``replay.calibration``) puts its frontend and engine defaults on the instance and its
     step cost terms on the roofline model (unless ``cost_model_config`` is given); the manifest names it.
     With ``out_dir``, the run also writes its own request table, ``requests.parquet``
-    (``replay.request_table``; ``write_requests=False``: not), in a process of its own beside the replay with
-    ``offload_requests`` (None: for workloads of ``OFFLOAD_MIN_REQUESTS`` requests or more; the same file either way).
+    (``replay.request_table``; ``write_requests=False``: not). The outputs are built in a process of their own
+    beside the replay with ``offload_outputs`` (None: for workloads of ``OFFLOAD_MIN_REQUESTS`` requests or more,
+    without a ``sink``; the same files either way).
     """
     instance, cost_model_config = _calibrated(instance or instance_config(), calibration, cost_model, cost_model_config)
     check_clock(instance, mode, step_timer)  # before the outputs open
@@ -132,7 +137,7 @@ def run_replay(
     run_id = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:12]
     engine_id = f"replay-{run_id}"
     instance_id = f"{engine_id}-i0"
-    outputs = _Outputs(out_dir, sink, write_requests=write_requests, offload_requests=offload(source, offload_requests))
+    outputs = _Outputs(out_dir, sink, write_requests=write_requests, offload=offload(source, offload_outputs))
     writer = outputs.writer(EventWriter, run_id=run_id, engine_id=engine_id, chunk_rows=chunk_rows)
     kernel = Kernel()
     engine = Engine(kernel, instance, model, policy, writer, instance_id=instance_id, mode=mode,
@@ -202,42 +207,38 @@ def _finish(outputs: _Outputs, manifest: dict, ids: tuple[str, str, str], kernel
     )
 
 
-def offload(source: Workload, offload_requests: bool | None) -> bool:
-    """Whether a replay of ``source`` builds its request table in a process of its own (``run_replay``)."""
-    if offload_requests is not None:
-        return offload_requests
+def offload(source: Workload, offload_outputs: bool | None) -> bool:
+    """Whether a replay of ``source`` builds its outputs in a process of its own (``run_replay``)."""
+    if offload_outputs is not None:
+        return offload_outputs
     return source.num_requests is not None and source.num_requests >= OFFLOAD_MIN_REQUESTS
 
 
 class _Outputs:
-    """Where a replay's events go: ``events.parquet`` under ``out_dir`` and/or ``sink``."""
+    """Where a replay's events go: ``events.parquet`` (and the request table) under ``out_dir`` and/or ``sink``,
+    built by ``replay.outputs.ReplayOutputs``, in a process of its own with ``offload`` (not for a sink: it is
+    called here)."""
 
-    def __init__(self, out_dir: str | Path | None, sink: Sink | None, *, write_requests: bool = True,
-                 offload_requests: bool = False) -> None:
+    def __init__(self, out_dir: str | Path | None, sink: TableSink | None, *, write_requests: bool = True,
+                 offload: bool = False) -> None:
         self.out = Path(out_dir) if out_dir is not None else None
-        self.write_requests = write_requests
-        self.offload_requests = offload_requests
-        self.parquet = ParquetSink(self.out / "events.parquet") if self.out is not None else None
         self.sink = sink
-        self.requests: RequestTableWriter | None = None  # the run's own request table, beside its events
+        self.events_path = self.out / "events.parquet" if self.out is not None else None
+        self.requests_path = self.out / REQUESTS_FILE if self.out is not None and write_requests else None
+        self.offload = offload and sink is None and self.out is not None
+        self.outputs: ReplayOutputs | Offloaded | None = None
         self.load: StepLoadMeter | None = None  # the run's load, for its manifest
-
-    def __call__(self, chunk: EventChunk) -> None:
-        if self.sink is None:
-            if self.parquet is not None:
-                self.parquet(chunk)  # finished on the Parquet thread
-            return
-        table = chunk.table()
-        if self.parquet is not None:
-            self.parquet(table)
-        self.sink(table)
 
     def writer(self, writer_class: type[EventWriter], **kwargs) -> EventWriter:
         # a sink that only reads the events back (``digest = False``: a calibration's replays) skips the hash
-        writer = writer_class(self, hash_tables=self.parquet is None and getattr(self.sink, "digest", True), **kwargs)
-        if self.out is not None and self.write_requests:
-            writer.requests = self.requests = RequestTableWriter(self.out / REQUESTS_FILE, writer.engine_id,
-                                                                 offload=self.offload_requests)
+        hash_tables = self.events_path is None and getattr(self.sink, "digest", True)
+        ids, where = (kwargs["run_id"], kwargs["engine_id"]), {"events_path": self.events_path,
+                                                               "requests_path": self.requests_path}
+        self.outputs = (Offloaded(ReplayOutputs, *ids, name="replay-outputs", **where) if self.offload
+                        else ReplayOutputs(*ids, **where, sink=self.sink, hash_tables=hash_tables))
+        writer = writer_class(self.outputs.feed, **kwargs)
+        if self.requests_path is not None:
+            writer.requests = DoneTracker()
         if self.out is not None:  # the manifest records the run's load
             writer.load = self.load = StepLoadMeter()
         return writer
@@ -259,18 +260,15 @@ class _Outputs:
             kernel.run()
             actor.stop()
             writer.flush()
-            if self.requests is not None:
-                self.requests.close()
+            assert self.outputs is not None
+            output_sha256 = self.outputs.close()
         except BaseException:
-            if self.parquet is not None:
-                self.parquet.abort()
-            if self.requests is not None:
-                self.requests.abort()
+            if self.outputs is not None:
+                self.outputs.abort()
             raise
         finally:
             if collecting:
                 gc.enable()
-        output_sha256 = self.parquet.close() if self.parquet is not None else writer.output_sha256()
         wall_s = time.perf_counter() - wall0
         if actor.num_active:
             raise ReplayError(f"{actor.num_active} requests did not finish (an engine bug)")
@@ -283,11 +281,11 @@ class _Outputs:
         ``calibration`` was fitted on."""
         manifest["output"] = {
             "events_sha256": output_sha256,
-            "hash_of": "the events Parquet file" if self.parquet is not None else "the Arrow IPC stream of the event chunks",
+            "hash_of": "the events Parquet file" if self.events_path is not None else "the Arrow IPC stream of the event chunks",
             "num_events": num_events,
-            "events_file": "events.parquet" if self.parquet is not None else None,
+            "events_file": "events.parquet" if self.events_path is not None else None,
         }
-        if self.requests is not None:  # written by the replay itself (replay.request_table)
+        if self.requests_path is not None:  # written by the replay itself (replay.request_table)
             manifest["output"]["requests_file"] = REQUESTS_FILE
         # the seconds each instance's step events span in total: what run metrics read of the steps (cost, idle)
         manifest["output"]["busy_s"] = busy_s
@@ -299,14 +297,6 @@ class _Outputs:
         path = self.out / "manifest.json"
         path.write_text(json.dumps(manifest, indent=2, sort_keys=True, **dumps) + "\n")
         return path
-
-    @property
-    def events_path(self) -> Path | None:
-        return self.parquet.path if self.parquet is not None else None
-
-    @property
-    def requests_path(self) -> Path | None:
-        return self.requests.path if self.requests is not None else None
 
 
 class _Feeder:
@@ -418,6 +408,7 @@ class _Feeder:
         if self._images is not None:
             r.num_image_tokens = self._images[self._pos - 1]
         self.num_arrived += 1
+        self.engine.writer.new_requests.append(r)  # its id and labels, for the events that name it
         self.engine.submit(r, output)
         if self.progress is not None and self.num_arrived % self.progress_every == 0:
             self.progress(self.report())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
@@ -20,10 +21,12 @@ from replay.calibration import default_calibration
 from replay.cluster import ClusterConfig, InstanceFailure, run_cluster_replay
 from replay.config import EngineConfig, instance_config, parse_instance
 from replay.derive import derive_requests
+from replay.emit import EventWriter
+from replay.gathered import Ends
 from replay.policies import DeadlineConfig
 from replay.presets import TWO_CLASS, LoadShape, prepared_workload
-from replay.request_table import OFFLOAD_MIN_REQUESTS, Deliveries, _delivery_order
-from replay.run import offload, run_replay
+from replay.request_table import Deliveries, _delivery_order
+from replay.run import OFFLOAD_MIN_REQUESTS, offload, run_replay
 from replay.scenario import Scenario, ServiceClassSpec, TenantSpec
 from replay.traces import read_trace
 from replay.workload import TiledWorkload, as_workload
@@ -107,7 +110,7 @@ def test_the_two_class_preset_is_the_documented_tenancy():
     assert {c.name for c in TWO_CLASS.metrics.classes} == {"interactive", "batch"}
 
 
-def test_a_table_built_in_its_own_process_is_the_same_file(shared, tmp_path):
+def test_outputs_built_in_a_process_of_their_own_are_the_same_files(shared, tmp_path):
     # labelled requests (two classes, tenants), rejections, client-side columns, requests spanning many chunks
     workload, preset = prepared_workload(read_trace("azure-conv", shared).slice(0, 800), "azure-conv",
                                          preset="two-class", shape=LoadShape(load=2))
@@ -116,26 +119,26 @@ def test_a_table_built_in_its_own_process_is_the_same_file(shared, tmp_path):
     for offloaded in (False, True):
         summary = run_replay(workload, policy_name="deadline", policy_config=DeadlineConfig(tenancy=TWO_CLASS_TENANCY),
                              scenario=preset.scenario, instance=instance, calibration=default_calibration(),
-                             out_dir=tmp_path / str(offloaded), chunk_rows=3_000, offload_requests=offloaded)
-        tables[offloaded] = summary.requests_path.read_bytes()
+                             out_dir=tmp_path / str(offloaded), chunk_rows=3_000, offload_outputs=offloaded)
+        tables[offloaded] = (summary.requests_path.read_bytes(), summary.events_path.read_bytes(), summary.output_sha256)
     assert pq.read_table(summary.requests_path)["tenant"].null_count == 0
     assert tables[True] == tables[False]
     _same(summary)
 
 
-def test_a_cluster_s_table_built_in_its_own_process_is_the_same_file(tmp_path):
+def test_a_cluster_s_outputs_built_in_a_process_of_their_own_are_the_same_files(tmp_path):
     n = 300
     w = make_workload([i * 4 * MS for i in range(n)], [100 + 53 * (i % 29) for i in range(n)],
                       [1 + 7 * (i % 19) for i in range(n)],
                       cancel_after_ns=[250 * MS if i % 11 == 0 else None for i in range(n)])
     config = ClusterConfig(instances=(instance_config(),) * 3, router="least-outstanding-tokens",
                            failures=(InstanceFailure(at_s=0.3, instance=1),))
-    files = [run_cluster_replay(w, config, out_dir=tmp_path / str(o), chunk_rows=250, offload_requests=o)
-             .requests_path.read_bytes() for o in (False, True)]
-    assert files[0] == files[1]
+    runs = [run_cluster_replay(w, config, out_dir=tmp_path / str(o), chunk_rows=250, offload_outputs=o) for o in (0, 1)]
+    assert [r.requests_path.read_bytes() for r in runs] == [runs[0].requests_path.read_bytes()] * 2
+    assert [r.events_path.read_bytes() for r in runs] == [runs[0].events_path.read_bytes()] * 2
 
 
-def test_large_replays_build_their_table_in_a_process_of_their_own():
+def test_large_replays_build_their_outputs_in_a_process_of_their_own():
     small = as_workload(make_workload([0, MS], [100, 100], [3, 3]))
     large = TiledWorkload(make_workload([0, MS], [100, 100], [3, 3]), OFFLOAD_MIN_REQUESTS // 2)
     assert (offload(small, None), offload(large, None)) == (False, True)
@@ -145,14 +148,16 @@ def test_large_replays_build_their_table_in_a_process_of_their_own():
 @pytest.mark.parametrize("offloaded", [False, True])
 def test_an_error_in_the_table_fails_the_replay_and_leaves_no_file(tmp_path, monkeypatch, offloaded):
     # a request that finishes twice is an engine bug the table catches; in a process of its own it fails the run too
-    from replay import request_events
+    gather = EventWriter._finishes
 
-    def twice(*args):
-        log = finished_log(*args)
-        return {name: np.concatenate([column, column]) for name, column in log.items()}
+    def twice(self):
+        ends = gather(self)
+        if ends is None:
+            return None
+        return Ends(*(pa.concat_arrays([v, v]) if isinstance(v, pa.Array) else np.concatenate([v, v])
+                      for v in (getattr(ends, f.name) for f in dataclasses.fields(Ends))))
 
-    finished_log = request_events.finished_log
-    monkeypatch.setattr(request_events, "finished_log", twice)
+    monkeypatch.setattr(EventWriter, "_finishes", twice)
     with pytest.raises(AssertionError, match="finished twice"):
-        run_replay(make_workload([0, MS], [100, 100], [3, 3]), out_dir=tmp_path, offload_requests=offloaded)
+        run_replay(make_workload([0, MS], [100, 100], [3, 3]), out_dir=tmp_path, offload_outputs=offloaded)
     assert not list(tmp_path.glob("*requests.parquet*"))
