@@ -496,6 +496,7 @@ class _ClusterWriter(EventWriter):
         self.engines: list[Engine] = []
 
     def flush(self) -> None:
+        logged = self._member_offsets  # the flushed log's offsets, which the snapshots' rows index
         super().flush()
         seen: set[int] = set()
         for e in self.engines:
@@ -503,10 +504,13 @@ class _ClusterWriter(EventWriter):
                 if snap is None or not snap.num_rows or id(snap) in seen:
                     continue
                 seen.add(id(snap))
+                if snap.chunk != self._log_number - 1:
+                    raise AssertionError("a step in flight names lockstep members of an older chunk")
+                offsets = logged[snap.row: snap.row + snap.num_rows]
                 snap.row = len(self._member_requests)
                 snap.chunk = self._log_number
                 self._member_requests.extend(snap.requests)
-                self._member_offsets.extend(snap.offsets)
+                self._member_offsets.extend(offsets)
                 if snap.num_seqs != snap.num_rows:
                     self._member_branches = True
 

@@ -22,7 +22,6 @@ import pyarrow as pa
 
 from replay.event_tables import strings
 from replay.gathered import LABELS, Admissions, Arrivals, Ends, Gathered, Members, NewRequests, Preemptions, Runs, Steps, Tokens
-from replay.load import STEP_COLUMNS, StepLoadMeter
 from schemas.arrow import EVENTS_SCHEMA
 
 if TYPE_CHECKING:
@@ -60,25 +59,20 @@ class Snapshot:
     """The lockstep members at one moment; run and step events that name it expand to its members.
 
     Taken through ``EventWriter.snapshot``, which also appends one row per member (the request and
-    its output offset) to the chunk's member log: rows ``row`` .. ``row + num_rows`` of member log
-    number ``chunk`` (the writer starts a new log at each flush).
+    its output offset: its output position at lockstep clock t is offset + t) to the chunk's member
+    log: rows ``row`` .. ``row + num_rows`` of member log number ``chunk`` (the writer starts a new
+    log at each flush).
     """
 
-    __slots__ = ("requests", "offsets", "num_seqs", "row", "num_rows", "chunk")
+    __slots__ = ("requests", "num_seqs", "row", "num_rows", "chunk")
 
     def __init__(self, requests: tuple[Request, ...], num_seqs: int, row: int = 0, chunk: int = -1) -> None:
         self.requests = requests
-        # output positions of member i at lockstep clock t are offsets[i] + t
-        self.offsets = list(map(_LOCK_OUTPUT, requests))
         self.num_seqs = num_seqs  # decode sequences: the members' branches summed
         self.row = row
         self.num_rows = len(requests)
         self.chunk = chunk
 
-    @property
-    def ids(self) -> list[str]:
-        """The members' request ids."""
-        return list(map(_REQUEST_ID, self.requests))
 
 
 _REQUEST_ID = attrgetter("request_id")
@@ -135,14 +129,12 @@ class EventWriter:
         self.out_delay_ns: int | None = None
         #: which finished requests' rows the run's request table can write (``replay.request_table``); None: none
         self.requests: DoneTracker | None = None
-        #: the run's load (``replay.load``), fed with each chunk's step events; None: not measured
-        self.load: StepLoadMeter | None = None
 
     def snapshot(self, members: tuple[Request, ...], num_seqs: int) -> Snapshot:
         """The lockstep members now, their rows appended to the member log (valid until the next flush)."""
         taken = Snapshot(members, num_seqs, len(self._member_requests), self._log_number)
         self._member_requests.extend(members)
-        self._member_offsets.extend(taken.offsets)
+        self._member_offsets.extend(map(_LOCK_OUTPUT, members))
         if num_seqs != len(members):
             self._member_branches = True
         return taken
@@ -254,18 +246,13 @@ class EventWriter:
         instance, index, start, end, num_steps, prefill, decode, snaps, ids, tokens, used, free = zip(*buf)
         snap_starts, snap_lengths = _snapshot_rows(snaps, log_number)
         own_ids = pa.array(list(chain.from_iterable(ids)), pa.string())
-        steps = Steps(
+        return Steps(
             instance=strings(instance), step_index=_ints(index), start=_ints(start), end=_ints(end),
             num_steps=_ints(num_steps), prefill=_ints(prefill), decode=_ints(decode), snap_starts=snap_starts,
             snap_lengths=snap_lengths, own_ids=own_ids, own_lengths=np.fromiter(map(len, ids), np.int64, n),
             own_tokens=np.fromiter(chain.from_iterable(tokens), np.int64, len(own_ids)), used=_ints(used),
             free=_ints(free),
         )
-        if self.load is not None:
-            self.load.add(pa.table({"instance_id": steps.instance, "start_ns": steps.start, "end_ns": steps.end,
-                                    "num_decode_seqs": steps.decode, "num_kv_blocks_used": steps.used,
-                                    "num_kv_blocks_free": steps.free}).select(list(STEP_COLUMNS)))
-        return steps
 
     def _preemptions(self) -> Preemptions | None:
         buf, self.preempted = self.preempted, []

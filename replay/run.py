@@ -232,15 +232,14 @@ class _Outputs:
     def writer(self, writer_class: type[EventWriter], **kwargs) -> EventWriter:
         # a sink that only reads the events back (``digest = False``: a calibration's replays) skips the hash
         hash_tables = self.events_path is None and getattr(self.sink, "digest", True)
-        ids, where = (kwargs["run_id"], kwargs["engine_id"]), {"events_path": self.events_path,
-                                                               "requests_path": self.requests_path}
+        ids = (kwargs["run_id"], kwargs["engine_id"])
+        # the manifest records the run's load (with an output folder)
+        where = {"events_path": self.events_path, "requests_path": self.requests_path, "measure_load": self.out is not None}
         self.outputs = (Offloaded(ReplayOutputs, *ids, name="replay-outputs", **where) if self.offload
                         else ReplayOutputs(*ids, **where, sink=self.sink, hash_tables=hash_tables))
         writer = writer_class(self.outputs.feed, **kwargs)
         if self.requests_path is not None:
             writer.requests = DoneTracker()
-        if self.out is not None:  # the manifest records the run's load
-            writer.load = self.load = StepLoadMeter()
         return writer
 
     def drive(self, kernel: Kernel, feeder: _Feeder, actor, writer: EventWriter) -> tuple[str, float, float]:
@@ -261,7 +260,8 @@ class _Outputs:
             actor.stop()
             writer.flush()
             assert self.outputs is not None
-            output_sha256 = self.outputs.close()
+            written = self.outputs.close()
+            output_sha256, self.load = written.output_sha256, written.load
         except BaseException:
             if self.outputs is not None:
                 self.outputs.abort()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
+from replay.emit import EventWriter
 from replay.lockstep import Lockstep
 from replay.request import Request
 from replay.views import blocks_for
@@ -50,12 +51,14 @@ def test_aggregates_match_the_members(specs, advance, num_steps):
 
 
 def test_finished_members_leave_in_clock_then_index_order():
-    lock = Lockstep(BS)
+    writer = EventWriter(lambda gathered: None, run_id="run", engine_id="engine")
+    lock = Lockstep(BS, writer.snapshot)
     a, b, c = (_member(i, 32, 1, 1) for i in range(3))
     lock.join(b, 2, 0)
     lock.join(a, 2, 0)
     lock.join(c, 5, 0)
     lock.ticks += 2
     assert lock.pop_finished() == [a, b]  # same clock: by index
-    assert list(lock.members) == [c] and lock.current_snapshot().ids == ["r2"]
-    assert lock.current_snapshot().offsets == [c.num_output - c.g0]
+    assert list(lock.members) == [c] and lock.current_snapshot().requests == (c,)
+    members = writer.gather().members  # the snapshot's row of the member log: its index and output offset
+    assert members.idx.tolist() == [c.index] and members.offsets.tolist() == [c.num_output - c.g0]
