@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -87,6 +88,31 @@ def _verdicts(summary: str) -> list[list[str]]:
             break
         block.append(line.split())
     return block
+
+
+def test_ctrl_c_stops_a_large_replay_and_the_process_building_its_outputs(tmp_path):
+    # from 5,000 requests the outputs are built in a child process of the replay's (replay.outputs)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "servelens", "replay", "--workload", "azure-conv", "--requests",
+                             "400000", "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_as_in_a_terminal)
+    try:
+        deadline = time.monotonic() + 120
+        children: list[str] = []
+        while not children and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+            children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert children, "the replay started no process for its outputs"
+        time.sleep(2)  # replaying, its outputs being written
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "aborted" in proc.stderr.read() and "Traceback" not in proc.stdout.read()
+    for pid in children:  # the child is gone too
+        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+    assert not list(out.glob("*requests.parquet*")) and not (out / "manifest.json").exists()
 
 
 def test_trace_convert_and_requests_derive_chain(tmp_path):
