@@ -77,7 +77,7 @@ def test_the_table_records_the_engines_prefix_hits_on_mooncake(shared, tmp_path)
     _same(summary)
 
 
-def test_a_disaggregated_cluster_with_a_failure(tmp_path):
+def test_a_disaggregated_cluster_with_a_failure_built_here_and_in_a_process_of_its_own(tmp_path):
     n = 300
     w = make_workload([i * 4 * MS for i in range(n)], [100 + 53 * (i % 29) for i in range(n)],
                       [1 + 7 * (i % 19) for i in range(n)],
@@ -90,6 +90,11 @@ def test_a_disaggregated_cluster_with_a_failure(tmp_path):
         for mode in ("fast", "reference"):
             summary = run_cluster_replay(w, cfg, out_dir=tmp_path / f"{name}-{mode}", mode=mode, chunk_rows=250)
             _same(summary)
+        # the outputs built in a process of their own are the same files
+        offloaded = run_cluster_replay(w, cfg, out_dir=tmp_path / f"{name}-off", chunk_rows=250, offload_outputs=True)
+        fast = tmp_path / f"{name}-fast"
+        assert offloaded.requests_path.read_bytes() == (fast / "requests.parquet").read_bytes()
+        assert offloaded.events_path.read_bytes() == (fast / "events.parquet").read_bytes()
 
 
 def test_deliveries_at_one_instant_follow_the_event_ids_text_order():
@@ -124,18 +129,6 @@ def test_outputs_built_in_a_process_of_their_own_are_the_same_files(shared, tmp_
     assert pq.read_table(summary.requests_path)["tenant"].null_count == 0
     assert tables[True] == tables[False]
     _same(summary)
-
-
-def test_a_cluster_s_outputs_built_in_a_process_of_their_own_are_the_same_files(tmp_path):
-    n = 300
-    w = make_workload([i * 4 * MS for i in range(n)], [100 + 53 * (i % 29) for i in range(n)],
-                      [1 + 7 * (i % 19) for i in range(n)],
-                      cancel_after_ns=[250 * MS if i % 11 == 0 else None for i in range(n)])
-    config = ClusterConfig(instances=(instance_config(),) * 3, router="least-outstanding-tokens",
-                           failures=(InstanceFailure(at_s=0.3, instance=1),))
-    runs = [run_cluster_replay(w, config, out_dir=tmp_path / str(o), chunk_rows=250, offload_outputs=o) for o in (0, 1)]
-    assert [r.requests_path.read_bytes() for r in runs] == [runs[0].requests_path.read_bytes()] * 2
-    assert [r.events_path.read_bytes() for r in runs] == [runs[0].events_path.read_bytes()] * 2
 
 
 def test_large_replays_build_their_outputs_in_a_process_of_their_own():
