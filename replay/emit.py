@@ -12,7 +12,7 @@ requests in flight, never with the length of the trace.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from itertools import chain
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
@@ -165,17 +165,17 @@ class EventWriter:
         members = self._members()
         log_number = self._log_number
         self._log_number += 1
-        finished = self.finished
+        finished = self.finished  # (read before ``_finishes`` empties it: the request table's rows done now)
         return Gathered(
             members=members,
             new=self._new_requests(),
             arrived=self._arrivals(),
             admission=self._admissions(),
-            steps=self._steps(members, log_number),
+            steps=self._steps(log_number),
             preempted=self._preemptions(),
             first=self._first_tokens(),
             tokens=self._tokens(),
-            runs=self._runs(members, log_number),
+            runs=self._runs(log_number),
             cancelled=self._cancellations(),
             finished=self._finishes(),
             states=self._states(),
@@ -203,7 +203,7 @@ class EventWriter:
         if not reqs:
             return None
         labels = zip(*map(_LABEL_FIELDS, reqs))
-        return NewRequests(_indices(tuple(reqs)), pa.array(list(map(_REQUEST_ID, reqs)), pa.string()),
+        return NewRequests(_indices(reqs), pa.array(list(map(_REQUEST_ID, reqs)), pa.string()),
                            {name: pa.array(values, pa.string()) for name, values in zip(LABELS, labels)})
 
     def _arrivals(self) -> Arrivals | None:
@@ -237,7 +237,7 @@ class EventWriter:
             target=pa.array([getattr(d, "target", None) for d in decisions], pa.string()) if self.routed else None,
         )
 
-    def _steps(self, members: Members, log_number: int) -> Steps | None:
+    def _steps(self, log_number: int) -> Steps | None:
         buf, self.steps = self.steps, []
         if not buf:
             return None
@@ -282,7 +282,7 @@ class EventWriter:
         return Tokens(idx=_indices(reqs), ts=_ints(ts), instance=strings(instance), num=_ints(num), upto=_ints(upto),
                       coalesced=np.array(coalesced, bool))
 
-    def _runs(self, members: Members, log_number: int) -> Runs | None:
+    def _runs(self, log_number: int) -> Runs | None:
         buf, self.runs = self.runs, []
         if not buf:
             return None
@@ -337,7 +337,7 @@ def _ints(values: tuple[int, ...]) -> np.ndarray:
     return np.fromiter(values, np.int64, len(values))
 
 
-def _indices(reqs: tuple[Request, ...]) -> np.ndarray:
+def _indices(reqs: Sequence[Request]) -> np.ndarray:
     return np.fromiter(map(_INDEX, reqs), np.int64, len(reqs))
 
 

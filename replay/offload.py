@@ -1,8 +1,8 @@
-"""A stateful consumer run in a child process, fed in order over a pipe, so that its work runs beside the replay.
+"""A stateful consumer run in a child process, fed in order over a socket, so that its work runs beside the replay.
 
 The replay's thread is the bottleneck of a large replay and Python threads share one interpreter lock, so
-work that only needs arrays (the run's own request table: ``replay.request_table``) goes to another
-process. ``Offloaded`` starts a fresh interpreter (``python -c``, not ``multiprocessing``'s spawn, which
+work that only needs arrays (building a replay's outputs from its gathered columns: ``replay.outputs``) goes
+to another process. ``Offloaded`` starts a fresh interpreter (``python -c``, not ``multiprocessing``'s spawn, which
 would run the caller's main script again in the child: a user's script without a ``__main__`` guard
 would replay twice), hands it the caller's ``sys.path`` and the consumer's factory over a socket pair,
 sends each message as a pickle whose numpy buffers travel out of band (one copy into the socket, none
@@ -161,13 +161,12 @@ class Offloaded:
         """Close the consumer and return what its ``close`` returned."""
         try:
             _send(self._conn, _CLOSE)
-            while True:
-                status, value = self._conn.recv()
-                if status == "error":
-                    self._raise_error(value)
-                if status != "done":
-                    raise self._died()
-                return value
+            status, value = self._conn.recv()  # an error the consumer reported comes before its "failed"
+            if status == "error":
+                self._raise_error(value)
+            if status != "done":
+                raise self._died()
+            return value
         except (EOFError, OSError) as exc:
             raise self._died() from exc
         finally:
