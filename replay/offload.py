@@ -29,6 +29,7 @@ from typing import Any, Protocol
 from replay.errors import ReplayError
 
 _FEED, _CLOSE, _ABORT = "feed", "close", "abort"
+_MAX_REPORT_BYTES = 16_384  # an error's pickle and traceback, each: well inside a socket's buffer
 
 
 class Consumer(Protocol):
@@ -123,11 +124,15 @@ def _abort_quietly(consumer: Consumer) -> None:
 
 
 def _report(conn: Connection, exc: BaseException) -> None:
-    text = "".join(traceback.format_exception(exc))
+    """Send ``exc`` back, small enough for the socket's buffer (the parent may be busy sending: the child must
+    not block on a reply the parent is not reading yet)."""
+    text = "".join(traceback.format_exception(exc))[-_MAX_REPORT_BYTES:]
     try:
         payload = pickle.dumps(exc)
     except Exception:  # noqa: BLE001 - an exception that does not pickle goes back as text
-        payload = pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
+        payload = b""
+    if not payload or len(payload) > _MAX_REPORT_BYTES:
+        payload = pickle.dumps(RuntimeError(f"{type(exc).__name__}: {str(exc)[:_MAX_REPORT_BYTES // 4]}"))
     try:
         conn.send(("error", (payload, text)))
     except OSError:

@@ -112,3 +112,21 @@ def test_a_script_without_a_main_guard_runs_once(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "10"
     assert (tmp_path / "runs").read_text() == "run\n"
+
+
+class Shouting(Summing):
+    """Fails with a message far larger than a socket's buffer."""
+
+    def feed(self, message: dict) -> None:
+        raise ValueError("x" * 5_000_000)
+
+
+@pytest.mark.timeout(60)  # unshortened, the child blocks sending it while the parent blocks sending to the child
+def test_an_error_with_a_huge_message_comes_back_shortened_while_the_parent_sends(tmp_path):
+    child = Offloaded(Shouting, str(tmp_path / "x"), name="shouting")
+    big = np.ones(2_000_000, np.int64)  # 16 MB a message: the parent is mid-send when the child reports
+    with pytest.raises(RuntimeError, match="ValueError: xxx") as caught:
+        for n in range(20):
+            child.feed({"n": n, "values": big})
+        child.close()
+    assert len(str(caught.value)) < 20_000
