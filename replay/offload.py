@@ -214,5 +214,5 @@ class Offloaded:
             code: int | None = self._process.wait(5)
         except subprocess.TimeoutExpired:
             code = None
-        return ReplayError(f"the {self.name} process exited (exit code {code})",
-                           "its output is incomplete: run the replay again")
+        return ReplayError(f"the {self.name} process exited (exit code {code}): its output is incomplete",
+                           "what it printed above says why (killed: memory?); the replay itself can be run again as is")
