@@ -95,10 +95,8 @@ class EventWriter:
     """Per-type event buffers, gathered into columns (``replay.gathered.Gathered``) and handed to a sink at
     every flush."""
 
-    def __init__(self, sink: Sink, *, run_id: str, engine_id: str, chunk_rows: int = 200_000) -> None:
+    def __init__(self, sink: Sink, *, chunk_rows: int = 200_000) -> None:
         self.sink = sink
-        self.run_id = run_id
-        self.engine_id = engine_id
         self.chunk_rows = chunk_rows
         self.num_events = 0
         self.num_chunks = 0

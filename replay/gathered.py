@@ -4,9 +4,8 @@ output builders turn into tables, here or in a process of their own (``replay.ou
 The records hold numpy and Arrow arrays (and a few plain tuples), never the engine's objects, so a flush
 pickles cheaply. Requests are named by their index (arrival order); their ids and labels travel once, when
 the workload feeds them in (``NewRequests``), and the builders look them up by index
-(``replay.event_tables``). Lockstep
-runs travel compact: one row per run and per snapshot of the lockstep set (``Members``), expanded to one
-delivery per member by the builders.
+(``replay.event_tables``). Lockstep runs travel compact: one row per run and per snapshot of the lockstep
+set (``Members``), expanded to one delivery per member by the builders.
 """
 
 from __future__ import annotations
@@ -109,7 +108,7 @@ class Preemptions:
 
 @dataclass(frozen=True, slots=True)
 class Tokens:
-    """``first_token`` (``kind`` 0) or single ``tokens_delivered`` events (``kind`` 1)."""
+    """``first_token`` events, or ``tokens_delivered`` events outside lockstep runs."""
 
     idx: np.ndarray
     ts: np.ndarray

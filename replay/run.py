@@ -229,15 +229,16 @@ class _Outputs:
         self.outputs: ReplayOutputs | Offloaded | None = None
         self.load: StepLoadMeter | None = None  # the run's load, for its manifest
 
-    def writer(self, writer_class: type[EventWriter], **kwargs) -> EventWriter:
+    def writer(self, writer_class: type[EventWriter], *, run_id: str, engine_id: str, chunk_rows: int) -> EventWriter:
+        """The run's event writer, feeding its outputs (their event ids are made of ``run_id`` and ``engine_id``)."""
         # a sink that only reads the events back (``digest = False``: a calibration's replays) skips the hash
         hash_tables = self.events_path is None and getattr(self.sink, "digest", True)
-        ids = (kwargs["run_id"], kwargs["engine_id"])
+        ids = (run_id, engine_id)
         # the manifest records the run's load (with an output folder)
         where = {"events_path": self.events_path, "requests_path": self.requests_path, "measure_load": self.out is not None}
         self.outputs = (Offloaded(ReplayOutputs, *ids, name="replay-outputs", **where) if self.offload
                         else ReplayOutputs(*ids, **where, sink=self.sink, hash_tables=hash_tables))
-        writer = writer_class(self.outputs.feed, **kwargs)
+        writer = writer_class(self.outputs.feed, chunk_rows=chunk_rows)
         if self.requests_path is not None:
             writer.requests = DoneTracker()
         return writer

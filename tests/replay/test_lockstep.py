@@ -51,7 +51,7 @@ def test_aggregates_match_the_members(specs, advance, num_steps):
 
 
 def test_finished_members_leave_in_clock_then_index_order():
-    writer = EventWriter(lambda gathered: None, run_id="run", engine_id="engine")
+    writer = EventWriter(lambda gathered: None)
     lock = Lockstep(BS, writer.snapshot)
     a, b, c = (_member(i, 32, 1, 1) for i in range(3))
     lock.join(b, 2, 0)
