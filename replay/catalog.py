@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from servelens.errors import ConfigError
 #: The fidelity data's model table, relative to the shared data folder.
 MODELS_CSV = Path("fidelity") / "models.csv"
 
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 _REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
 
 
@@ -47,45 +49,58 @@ def model_from_hf_config(config: dict[str, Any], name: str, *, where: str = "con
             "a decoder's config.json needs num_hidden_layers, hidden_size, num_attention_heads, "
             "intermediate_size and vocab_size",
         )
-    layers, hidden, heads = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    count = functools.partial(_count, cfg, where)
+    layers, hidden, heads = count("num_hidden_layers"), count("hidden_size"), count("num_attention_heads")
     model_type = str(cfg.get("model_type", ""))
-    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)
+    experts = next((count(k) for k in _EXPERT_KEYS if cfg.get(k)), 0)
     fields: dict[str, Any] = dict(
         name=name,
         num_layers=layers,
         hidden_size=hidden,
         num_attention_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
-        intermediate_size=int(cfg["intermediate_size"]),
-        vocab_size=int(cfg["vocab_size"]),
+        num_kv_heads=count("num_key_value_heads", heads),
+        head_dim=count("head_dim", hidden // heads),
+        intermediate_size=count("intermediate_size"),
+        vocab_size=count("vocab_size"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
     )
     if experts:
-        fields.update(_moe_fields(cfg, model_type, experts, layers))
+        fields.update(_moe_fields(cfg, model_type, experts, layers, where))
     if _is_fp8(config):
         fields.update(bytes_per_param=1, compute_dtype="fp8")
     return ModelConfig(**fields)
 
 
-def _moe_fields(cfg: dict[str, Any], model_type: str, experts: int, layers: int) -> dict[str, Any]:
-    out: dict[str, Any] = {"num_experts": experts, "experts_per_token": int(cfg.get("num_experts_per_tok") or 1)}
+def _moe_fields(cfg: dict[str, Any], model_type: str, experts: int, layers: int, where: str) -> dict[str, Any]:
+    count = functools.partial(_count, cfg, where)
+    out: dict[str, Any] = {"num_experts": experts, "experts_per_token": count("num_experts_per_tok", 1)}
     if model_type.startswith("llama4"):  # routed and shared experts of intermediate_size; dense MLPs are wider
-        out.update(num_shared_experts=1, moe_intermediate_size=int(cfg["intermediate_size"]))
+        out.update(num_shared_experts=1, moe_intermediate_size=count("intermediate_size"))
         if cfg.get("intermediate_size_mlp"):
-            out["intermediate_size"] = int(cfg["intermediate_size_mlp"])
-        step = int(cfg.get("interleave_moe_layer_step") or 1)
-        out["num_moe_layers"] = layers // step
+            out["intermediate_size"] = count("intermediate_size_mlp")
+        out["num_moe_layers"] = layers // count("interleave_moe_layer_step", 1)
         return out
     if cfg.get("moe_intermediate_size"):
-        out["moe_intermediate_size"] = int(cfg["moe_intermediate_size"])
+        out["moe_intermediate_size"] = count("moe_intermediate_size")
     if cfg.get("n_shared_experts"):
-        out["num_shared_experts"] = int(cfg["n_shared_experts"])
+        out["num_shared_experts"] = count("n_shared_experts")
     elif cfg.get("shared_expert_intermediate_size"):
-        out.update(num_shared_experts=1, shared_expert_intermediate_size=int(cfg["shared_expert_intermediate_size"]))
+        out.update(num_shared_experts=1, shared_expert_intermediate_size=count("shared_expert_intermediate_size"))
     if cfg.get("first_k_dense_replace"):
-        out["num_moe_layers"] = layers - int(cfg["first_k_dense_replace"])
+        out["num_moe_layers"] = layers - count("first_k_dense_replace")
     return out
+
+
+def _count(cfg: dict[str, Any], where: str, key: str, default: Any = None) -> int:
+    """``cfg[key]`` (``default`` when absent, null or 0) as a positive whole number, else an error naming it."""
+    raw = cfg.get(key)
+    value = raw or default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value <= 2**53 or value != int(value):
+        raise ConfigError(
+            f"{where}: field {key!r} must be a positive whole number, not {raw if raw is not None else value!r}",
+            "fix the config.json (a Hugging Face model's own file has it right)",
+        )
+    return int(value)
 
 
 def _is_fp8(config: dict[str, Any]) -> bool:
@@ -127,11 +142,16 @@ def fidelity_models(shared: Path | None) -> dict[str, ModelConfig]:
 
 def _model_from_row(row: dict[str, str]) -> ModelConfig:
     """A models.csv row (the config.json fields, flattened) as a model."""
+    def number(column: str) -> Any:  # a CSV cell is text: a whole number read as one, anything else kept to be named
+        text = (row.get(column) or "").strip()
+        return int(text) if text.isdigit() else (text or None)
+
     config: dict[str, Any] = {
-        "num_hidden_layers": row["num_layers"], "hidden_size": row["hidden_size"],
-        "num_attention_heads": row["num_attention_heads"], "num_key_value_heads": row["num_kv_heads"],
-        "head_dim": row["head_dim"], "intermediate_size": row["intermediate_size"], "vocab_size": row["vocab_size"],
-        "num_local_experts": row.get("num_experts") or None, "num_experts_per_tok": row.get("experts_per_token") or None,
+        "num_hidden_layers": number("num_layers"), "hidden_size": number("hidden_size"),
+        "num_attention_heads": number("num_attention_heads"), "num_key_value_heads": number("num_kv_heads"),
+        "head_dim": number("head_dim"), "intermediate_size": number("intermediate_size"),
+        "vocab_size": number("vocab_size"), "num_local_experts": number("num_experts"),
+        "num_experts_per_tok": number("experts_per_token"),
         "tie_word_embeddings": row.get("tie_word_embeddings") == "True",
         "model_type": "llama4" if row.get("architecture", "").startswith("Llama4") else "",
     }
@@ -201,8 +221,16 @@ def resolve_instance(
         model = dataclasses.replace(model, kv_bytes_per_element=1)
     elif kv_cache_dtype not in (None, "auto", "bf16", "fp16"):
         raise ConfigError(f"unknown KV cache dtype {kv_cache_dtype!r}", "valid: auto, fp8")
+    tp = tensor_parallel_size or tp
+    if tp > 0 and model.num_attention_heads % tp:
+        raise ConfigError(
+            f"{model.name} has {model.num_attention_heads} attention heads, which a tensor-parallel size of {tp} "
+            "does not divide (vLLM refuses it too)",
+            f"use a tensor-parallel size that divides {model.num_attention_heads}, e.g. "
+            + ", ".join(str(d) for d in (1, 2, 4, 8) if model.num_attention_heads % d == 0),
+        )
     instance = InstanceConfig(
-        accelerator=accelerator(accel_name, tensor_parallel_size or tp, pipeline_parallel_size),
+        accelerator=accelerator(accel_name, tp, pipeline_parallel_size),
         model=model,
         engine=engine or EngineConfig(),
         speculative=speculative,

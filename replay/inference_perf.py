@@ -41,7 +41,7 @@ import numpy as np
 import pyarrow as pa
 
 from replay.errors import ReplayError
-from replay.traces import WORKLOAD_SCHEMA
+from replay.traces import MAX_WORKLOAD_REQUESTS, WORKLOAD_SCHEMA
 
 Arrivals = Literal["poisson", "constant"]
 #: Tokens a chat template adds to every prompt (Llama chat template with a system and a user turn,
@@ -51,6 +51,7 @@ DEFAULT_CHAT_TEMPLATE_TOKENS = 27
 #: workload without shared system prompts.
 ENGINE_BLOCK_TOKENS = 16
 RANDOM_PREFIX_BLOCK_TOKENS = 256
+DISTRIBUTIONS = ("normal", "lognormal", "skew_normal", "uniform")
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,22 +139,32 @@ def parse_inference_perf(doc: dict[str, Any], *, name: str = "inference-perf", w
     arrivals = str(load.get("type", "poisson"))
     if arrivals not in ("poisson", "constant"):
         raise ReplayError(f"{where}: load.type {arrivals!r} is not supported", "use poisson or constant")
-    stages = tuple(
-        LoadStage(float(_need(s, "rate", where)), float(_need(s, "duration", where))) for s in load.get("stages") or ()
-    )
-    if not stages or any(s.rate_per_s <= 0 or s.duration_s <= 0 for s in stages):
+    raw_stages = load.get("stages") or ()
+    if not isinstance(raw_stages, list) or not raw_stages or not all(isinstance(s, dict) for s in raw_stages):
         raise ReplayError(f"{where}: load.stages needs at least one stage with a positive rate and duration")
+    stages = tuple(
+        LoadStage(_number(_need(s, "rate", where), "rate", where), _number(_need(s, "duration", where), "duration", where))
+        for s in raw_stages
+    )
+    asked = sum(s.rate_per_s * s.duration_s for s in stages)
+    if asked > MAX_WORKLOAD_REQUESTS:
+        raise ReplayError(
+            f"{where}: the stages ask for {asked:,.0f} requests, more than the {MAX_WORKLOAD_REQUESTS:,} a workload may hold",
+            "lower a stage's rate or duration (the summed rate x duration is the request count)",
+        )
     kind = str(data.get("type", "shared_prefix"))
     api = doc.get("api")
     chat_api = (api.get("type") if isinstance(api, dict) else api) == "chat"
     if kind == "shared_prefix":
         g = data.get("shared_prefix") if isinstance(data.get("shared_prefix"), dict) else data
-        groups = int(g.get("num_unique_system_prompts", g.get("num_groups", 0)) or 0)
-        per_group = int(g.get("num_users_per_system_prompt", g.get("num_prompts_per_group", 0)) or 0)
-        if groups < 1 or per_group < 1:
+        groups = g.get("num_unique_system_prompts", g.get("num_groups"))
+        per_group = g.get("num_users_per_system_prompt", g.get("num_prompts_per_group"))
+        if groups is None or per_group is None:
             raise ReplayError(f"{where}: shared_prefix needs num_unique_system_prompts and num_users_per_system_prompt >= 1")
         return InferencePerfSpec(
-            name, arrivals, stages, "shared_prefix", groups, per_group, int(_need(g, "system_prompt_len", where)),
+            name, arrivals, stages, "shared_prefix", int(_number(groups, "num_unique_system_prompts", where, whole=True)),
+            int(_number(per_group, "num_users_per_system_prompt", where, whole=True)),
+            int(_number(_need(g, "system_prompt_len", where), "system_prompt_len", where, whole=True, zero=True)),
             _lengths(_need(g, "question_len", where), where), _lengths(_need(g, "output_len", where), where),
             bool(g.get("enable_multi_turn_chat", False)) or chat_api,
         )
@@ -172,22 +183,41 @@ def _need(mapping: dict[str, Any], key: str, where: str) -> Any:
     return mapping[key]
 
 
-def _lengths(value: Any, where: str) -> Lengths:
-    if isinstance(value, (int, float)):
-        return Lengths(float(value))
-    if isinstance(value, dict):
+def _number(value: Any, key: str, where: str, *, whole: bool = False, zero: bool = False, signed: bool = False) -> float:
+    """``value`` as a finite positive number (0 allowed with ``zero``, any sign with ``signed``; integral
+    with ``whole``), else an error naming ``key``. A numeric string (YAML reads ``1e3`` as one) counts,
+    as inference-perf's own config parser takes it."""
+    if isinstance(value, str):
         try:
-            return Lengths(
-                mean=float(value["mean"]),
-                std=float(value.get("std_dev", value.get("std", 0.0)) or 0.0),
-                min=int(value.get("min", 1)),
-                max=int(value.get("max", 1 << 30)),
-                distribution=str(value.get("distribution", "normal")),
-                skew=float(value.get("skew", 0.0)),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ReplayError(f"{where}: a length distribution needs a numeric mean ({exc})") from None
-    raise ReplayError(f"{where}: a length is a number or a distribution, not {value!r}")
+            value = float(value)
+        except ValueError:
+            pass
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and bool(np.isfinite(value))
+    if not ok or (not signed and (value < 0 or (value == 0 and not zero))) or (whole and value != int(value)):
+        sign = "finite" if signed else "non-negative" if zero else "positive"
+        raise ReplayError(f"{where}: {key} must be a {sign} {'whole number' if whole else 'number'}, not {value!r}")
+    return float(value)
+
+
+def _lengths(value: Any, where: str) -> Lengths:
+    if not isinstance(value, dict):
+        return Lengths(_number(value, "a length", where))
+    if "mean" not in value:
+        raise ReplayError(f"{where}: a length distribution needs a numeric mean", "e.g. {mean: 200, std_dev: 50, min: 1, max: 1024}")
+    distribution = str(value.get("distribution", "normal"))
+    if distribution not in DISTRIBUTIONS:
+        raise ReplayError(f"{where}: length distribution {distribution!r} is not supported", f"valid: {', '.join(DISTRIBUTIONS)}")
+    lengths = Lengths(
+        mean=_number(value["mean"], "a length's mean", where),
+        std=_number(value.get("std_dev", value.get("std", 0.0)) or 0.0, "a length's std_dev", where, zero=True),
+        min=int(_number(value.get("min", 1), "a length's min", where, whole=True, zero=True)),
+        max=int(_number(value.get("max", 1 << 30), "a length's max", where, whole=True)),
+        distribution=distribution,
+        skew=_number(value.get("skew", 0.0), "a length's skew", where, signed=True),
+    )
+    if lengths.min > lengths.max:
+        raise ReplayError(f"{where}: a length distribution needs min <= max, not {value!r}")
+    return lengths
 
 
 def arrival_times_ns(spec: InferencePerfSpec, rng: np.random.Generator) -> np.ndarray:

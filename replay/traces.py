@@ -35,6 +35,10 @@ from servelens.errors import DataNotFoundError, ServelensError
 
 WORKLOAD_SCHEMA = arrow_schema(WorkloadRequest)
 MOONCAKE_BLOCK_TOKENS = 512
+#: The most requests a workload built in memory may hold (a spec's stages, superposed copies, bootstrapped
+#: windows: about 100 bytes a request, and the replay's state beside them). Tiling (``--requests``) streams
+#: its copies and has no such bound.
+MAX_WORKLOAD_REQUESTS = 50_000_000
 
 
 @dataclass(frozen=True, slots=True)

@@ -123,6 +123,9 @@ def vllm_instance(spec: str, settings: VllmSettings | None = None, shared: Path 
     weight_dtype = "fp8" if (s.quantization or "").lower() == "fp8" else s.dtype
     if s.quantization not in (None, "fp8", "FP8", "none"):
         raise ConfigError(f"quantization {s.quantization!r} is not modelled", "the replay models fp8 (W8A8) or none")
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if getattr(s, name) is not None and getattr(s, name) < 1:
+            raise ConfigError(f"{name} must be at least 1, not {getattr(s, name)}", "1 is one accelerator (no parallelism)")
     return resolve_instance(
         spec, s.engine(base), shared,
         tensor_parallel_size=s.tensor_parallel_size,

@@ -478,16 +478,16 @@ def metrics() -> None:
 @click.option("--format", "fmt", type=click.Choice(["prometheus", "otlp-json", "openmetrics"]), default="prometheus",
               show_default=True, help="Prometheus text exposition (one snapshot), an OTLP ExportMetricsServiceRequest "
               "in JSON, or an OpenMetrics time series for `promtool tsdb create-blocks-from openmetrics`.")
-@click.option("--interval-s", type=float, default=15.0, show_default=True,
+@click.option("--interval-s", type=click.FloatRange(min=0, min_open=True), default=15.0, show_default=True,
               help="openmetrics: one cumulative point per interval (requests observed when they finish).")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Output file; default: standard output.")
 @click.option("--labels", default="model", show_default=True,
               help="Comma-separated label dimensions among model, service_class, pool ('' for none); never ids.")
-@click.option("--max-label-values", type=int, default=10, show_default=True,
+@click.option("--max-label-values", type=click.IntRange(min=1), default=10, show_default=True,
               help="Values kept per label dimension; the rest fold into 'other'.")
-@click.option("--min-group-size", type=int, help="Label combinations with fewer requests fold into 'other' "
+@click.option("--min-group-size", type=click.IntRange(min=1), help="Label combinations with fewer requests fold into 'other' "
               "(default: privacy.min_group_size).")
-@click.option("--max-model-len", type=int, help="Upper end of the 1-2-5 token buckets (default: the largest count).")
+@click.option("--max-model-len", type=click.IntRange(min=1), help="Upper end of the 1-2-5 token buckets (default: the largest count).")
 @click.option("--provider", help="gen_ai.provider.name of the OTel GenAI series (e.g. vllm); default: omitted.")
 @click.option("--model", default=None,
               help="Model label of requests whose events name none [default: the replay manifest's model beside the "
@@ -656,7 +656,8 @@ def privacy_sanitize(ctx: click.Context, events_file: Path, out: Path) -> None:
 
 
 @cli.command()
-@click.option("--port", type=int, default=None, help="Loopback port; 0 picks a free one [default: the port of kafka.bootstrap_servers].")
+@click.option("--port", type=click.IntRange(0, 65535), default=None,
+              help="Loopback port; 0 picks a free one [default: the port of kafka.bootstrap_servers].")
 @click.pass_context
 def broker(ctx: click.Context, port: int | None) -> None:
     """Run a local Kafka-compatible broker (Tansu, memory storage) for development and tests.
@@ -691,8 +692,8 @@ def broker(ctx: click.Context, port: int | None) -> None:
 
 
 @cli.group(invoke_without_command=True)
-@click.option("--max-records", type=int, default=None, help="Stop after reading this many records.")
-@click.option("--idle-exit-s", type=float, default=None, help="Stop after this long with nothing to read.")
+@click.option("--max-records", type=click.IntRange(min=1), default=None, help="Stop after reading this many records.")
+@click.option("--idle-exit-s", type=click.FloatRange(min=0), default=None, help="Stop after this long with nothing to read.")
 @click.option("--name", "consumer_name", default=None, help="This process's name in logs and status files.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 @click.pass_context
@@ -778,7 +779,8 @@ def lake() -> None:
 
 @lake.command("compact")
 @click.option(
-    "--vacuum-hours", type=int, default=None, help="Then delete replaced files older than this [default: lake.vacuum_retention_hours]."
+    "--vacuum-hours", type=click.IntRange(min=0), default=None,
+    help="Then delete replaced files older than this [default: lake.vacuum_retention_hours]."
 )
 @click.pass_context
 def lake_compact(ctx: click.Context, vacuum_hours: int | None) -> None:
@@ -799,7 +801,7 @@ def lake_compact(ctx: click.Context, vacuum_hours: int | None) -> None:
 
 @lake.command("sql")
 @click.argument("query")
-@click.option("--limit", type=int, default=50, show_default=True, help="Rows to print.")
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True, help="Rows to print.")
 @click.pass_context
 def lake_sql(ctx: click.Context, query: str, limit: int) -> None:
     """Run a read-only SQL QUERY over the views events, dead_letters and requests.
@@ -986,7 +988,7 @@ def _echo_outputs(summary) -> None:
                    "measured step times as the clock; small workloads, reference mode (docs/calibration.md).")
 @click.option("--mode", type=click.Choice(["fast", "reference"]), default="fast", show_default=True,
               help="fast coalesces runs of identical decode steps (same timestamps); reference simulates every step.")
-@click.option("--requests", "num_requests", type=int, default=None, help="Tile the workload to this many requests.")
+@click.option("--requests", "num_requests", type=click.IntRange(min=1), default=None, help="Tile the workload to this many requests.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of every random choice (scenario draws).")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True, help="Output folder.")
 @scenario_options
@@ -1090,15 +1092,17 @@ def _fitted_profile(ctx: click.Context, profile_path: Path, *, full_layers: bool
               help="Model shape: tiny, llama-1b, llama-8b, llama-70b (Llama architecture, random weights).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Where the forward passes run (cuda: bf16, timed with CUDA events; cpu: float32, perf_counter).")
-@click.option("--layers", "num_layers", type=int, default=None,
+@click.option("--layers", "num_layers", type=click.IntRange(min=1), default=None,
               help="Build only this many layers (scaled by layer count: the fitted model multiplies per-layer "
                    "terms back to the real model) [default: all].")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="Profile to write (Parquet); the fit report goes beside it as <out>.fit.json.")
-@click.option("--repeats", type=int, default=None, help="Timed runs per shape [default: 7 on cuda, 5 (tiny) or 3 on cpu].")
-@click.option("--warmup", type=int, default=None, help="Untimed runs per shape first [default: 3 on cuda, 1 on cpu].")
-@click.option("--max-seconds", type=float, default=None, help="Time box: stop sweeping after this long (the profile says so).")
-@click.option("--threads", "num_threads", type=int, default=None, help="torch CPU threads [default: torch's].")
+@click.option("--repeats", type=click.IntRange(min=1), default=None,
+              help="Timed runs per shape [default: 7 on cuda, 5 (tiny) or 3 on cpu].")
+@click.option("--warmup", type=click.IntRange(min=0), default=None, help="Untimed runs per shape first [default: 3 on cuda, 1 on cpu].")
+@click.option("--max-seconds", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Time box: stop sweeping after this long (the profile says so).")
+@click.option("--threads", "num_threads", type=click.IntRange(min=1), default=None, help="torch CPU threads [default: torch's].")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of weights, tokens, shape order and the held-out split.")
 def profile_command(model_name: str, device: str, num_layers: int | None, out: Path, repeats: int | None,
                     warmup: int | None, max_seconds: float | None, num_threads: int | None, seed: int) -> None:
@@ -1178,9 +1182,9 @@ def profile_info_command(profile_path: Path) -> None:
 @click.option("--policy", "policy_name", default="fcfs", show_default=True, help="Registered scheduling policy.")
 @click.option("--policy-config", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="YAML file of the policy's settings (as for `servelens replay`).")
-@click.option("--requests", "num_requests", type=int, default=50, show_default=True,
+@click.option("--requests", "num_requests", type=click.IntRange(min=1), default=50, show_default=True,
               help="Replay the workload's first this many requests (every step is a real forward pass).")
-@click.option("--threads", "num_threads", type=int, default=None, help="torch CPU threads [default: torch's].")
+@click.option("--threads", "num_threads", type=click.IntRange(min=1), default=None, help="torch CPU threads [default: torch's].")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of every random choice.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="Output folder: modelled/ and measured/ replays (events + manifest) and comparison.json.")
@@ -1324,13 +1328,13 @@ def _gate_runs(ctx: click.Context, baseline: Path | None, candidate: Path | None
 @click.option("--candidates", default=None,
               help="Comma-separated candidate policies judged against nightly.production [default: sarathi,vtc,deadline].")
 @click.option("--loads", default=None, help="Comma-separated load scenarios [default: 1x,2x].")
-@click.option("--speedup", type=float, default=100.0, show_default=True,
+@click.option("--speedup", type=click.FloatRange(min=0, min_open=True), default=100.0, show_default=True,
               help="Emit the engine fleet's events this many times faster than recorded (bursts kept).")
 @click.option("--requests", "num_requests", type=click.IntRange(min=100), default=None,
               help="Only the trace's first N requests (a quicker look) [default: all].")
 @click.option("--serve/--no-serve", default=True, show_default=True,
               help="Serve the dashboard after the summary until Ctrl-C (--no-serve: print the summary and exit).")
-@click.option("--port", type=int, default=None,
+@click.option("--port", type=click.IntRange(0, 65535), default=None,
               help="Dashboard port [default: dashboard.port if free, else any free one].")
 @click.pass_context
 def demo(ctx: click.Context, trace_name: str, out: Path | None, candidates: str | None, loads: str | None, speedup: float,
@@ -1401,7 +1405,8 @@ def _stop(process) -> None:
 
 
 @cli.command("dashboard")
-@click.option("--port", type=int, default=None, help="Port to listen on; 0 picks a free one [default: dashboard.port, 8501].")
+@click.option("--port", type=click.IntRange(0, 65535), default=None,
+              help="Port to listen on; 0 picks a free one [default: dashboard.port, 8501].")
 @click.option("--host", default=None,
               help="Address to bind [default: dashboard.host, 127.0.0.1]. There is no login: keep it on loopback.")
 @click.option("--runs-dir", type=click.Path(file_okay=False), default=None,

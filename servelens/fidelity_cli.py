@@ -158,7 +158,7 @@ def _uncalibrated() -> Calibration:
                    "first half and judge the second (requests, steps).")
 @click.option("--name", default=None, help="The calibration's name [default: from the output file].")
 @click.option("--engine-version", default="vLLM 0.15.1", show_default=True, help="The engine the data came from.")
-@click.option("--workers", type=int, default=None, help="Replays in parallel [default: the CPUs, at most 4].")
+@click.option("--workers", type=click.IntRange(min=1), default=None, help="Replays in parallel [default: the CPUs, at most 4].")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Calibration file (JSON).")
 @vllm_options
 @click.pass_context

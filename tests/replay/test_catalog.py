@@ -4,6 +4,7 @@ engine specs, and a model too large for its accelerators."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -67,6 +68,24 @@ def test_a_config_json_missing_a_field_names_it(tmp_path):
         read_hf_config(path)
     with pytest.raises(ConfigError, match="no config.json"):
         read_hf_config(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("num_hidden_layers", "32"), ("hidden_size", 0), ("num_attention_heads", -4), ("vocab_size", 1.5e5 + 0.5),
+     ("intermediate_size", True), ("head_dim", float("inf")), ("num_key_value_heads", [8])],
+)
+def test_a_config_json_field_that_is_not_a_positive_whole_number_is_named(field, value):
+    with pytest.raises(ConfigError, match=re.escape(f"field '{field}' must be a positive whole number, not {value!r}")):
+        model_from_hf_config({**LLAMA_31_8B, field: value}, "broken")
+    assert model_from_hf_config({**LLAMA_31_8B, "hidden_size": 4096.0}, "m").hidden_size == 4096  # 4096.0 is whole
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_heads_is_refused_as_vllm_does():
+    with pytest.raises(ConfigError, match="32 attention heads, which a tensor-parallel size of 3 does not divide") as err:
+        resolve_instance("llama-3-8b@h100", tensor_parallel_size=3)
+    assert "1, 2, 4, 8" in (err.value.hint or "")
+    assert resolve_instance("llama-3-8b@h100", tensor_parallel_size=4).accelerator.tensor_parallel_size == 4
 
 
 def test_every_fidelity_model_resolves_by_id_or_short_name(shared):

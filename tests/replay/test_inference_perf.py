@@ -81,6 +81,22 @@ def test_length_distributions_and_the_random_generator():
         ({"data": {"type": "shared_prefix", "shared_prefix": {"num_unique_system_prompts": 2}}},
          "num_users_per_system_prompt"),
         ({"data": {"type": "sharegpt"}}, "data.type 'sharegpt'"),
+        ({"load": {"stages": [{"rate": "fast", "duration": 1}]}}, "rate must be a positive number, not 'fast'"),
+        ({"load": {"stages": [{"rate": 1, "duration": -5}]}}, "duration must be a positive number, not -5"),
+        ({"load": {"stages": [7]}}, "at least one stage"),
+        # YAML reads 1e12 as a string; inference-perf takes it as a number, and so the count is refused
+        ({"load": {"stages": [{"rate": "1e12", "duration": 1e9}]}}, "ask for 1,000,000,000,000,000,000,000 requests"),
+        ({"data": {"type": "shared_prefix", "shared_prefix": {
+            "num_unique_system_prompts": 2.5, "num_users_per_system_prompt": 3, "system_prompt_len": 100,
+            "question_len": 250, "output_len": 40}}}, "num_unique_system_prompts must be a positive whole number"),
+        ({"data": {"type": "random", "input_distribution": {"mean": 50, "distribution": "zipf"},
+                   "output_distribution": 10}}, "length distribution 'zipf' is not supported"),
+        ({"data": {"type": "random", "input_distribution": {"mean": 50, "std": 5, "min": 90, "max": 10},
+                   "output_distribution": 10}}, "min <= max"),
+        ({"data": {"type": "random", "input_distribution": {"mean": float("nan")}, "output_distribution": 10}},
+         "a length's mean must be a positive number, not nan"),
+        ({"data": {"type": "random", "input_distribution": 50, "output_distribution": -3}},
+         "a length must be a positive number, not -3"),
     ],
 )
 def test_bad_configs_name_what_is_wrong(change, message):

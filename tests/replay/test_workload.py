@@ -106,6 +106,15 @@ def test_transforms_never_reorder_what_they_copy(azure):
     assert cut["arrival_ns"].to_numpy().max() < start + 30 * 10**9
 
 
+def test_copies_and_windows_beyond_what_memory_holds_are_refused_before_any_is_built(azure):
+    part = azure.slice(0, 500)  # 500 requests over about 6 minutes
+    with pytest.raises(ReplayError, match="200,000 superposed copies make about 100,000,000 requests") as err:
+        superpose(part, 200_000, shift_ns=0)
+    assert "--requests N tiles" in (err.value.hint or "")
+    with pytest.raises(ReplayError, match="bootstrapped windows make about"):
+        block_bootstrap(part, 60 * 10**9, 2_000_000, seed=0)
+
+
 def test_tiled_workload_streams_the_same_requests(azure):
     part = azure.slice(0, 300)
     stream = TiledWorkload(part, 4, num_requests=1000)

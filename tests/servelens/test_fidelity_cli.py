@@ -46,6 +46,10 @@ def test_replay_takes_vllm_settings_an_inference_perf_spec_and_the_shipped_calib
         (["--quantization", "int4"], "quantization 'int4' is not modelled"),
         (["--calibration", "nowhere.json"], "no calibration 'nowhere.json'"),
         (["--cost-model", "constant", "--calibration", "vllm-0.15.1-h100"], "calibrates the roofline cost model"),
+        (["--engine", "llama-3-8b@h100", "--tensor-parallel-size", "3"], "32 attention heads, which a tensor-parallel"),
+        (["--pipeline-parallel-size", "0"], "pipeline_parallel_size must be at least 1, not 0"),
+        (["--requests", "0"], "Invalid value for '--requests': 0 is not in the range x>=1"),
+        (["--workload", "{spec}"], "spec.yaml: the stages ask for 100,000,000,000 requests, more than the 50,000,000"),
     ],
 )
 def test_bad_engines_are_clean_errors_that_name_the_problem(tmp_path, shared, args, message):
@@ -53,7 +57,10 @@ def test_bad_engines_are_clean_errors_that_name_the_problem(tmp_path, shared, ar
     config.mkdir()
     (config / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
                                                     "vocab_size": 100}))
-    args = [a.replace("{config}", str(config)) for a in args]
+    spec = tmp_path / "spec.yaml"  # YAML reads 1e5 as text; inference-perf takes it as a number, so does the replay
+    spec.write_text("load: {stages: [{rate: 1e5, duration: 1e6}]}\ndata: {type: random, input_distribution: 10, "
+                    "output_distribution: 10}\n")
+    args = [a.replace("{config}", str(config)).replace("{spec}", str(spec)) for a in args]
     done = servelens("replay", "--workload", "azure-conv", "--requests", "10", *args, "--out", str(tmp_path / "o"),
                      env={"SERVELENS_SHARED_DIR": str(shared)})
     assert done.returncode == 3, done.stdout + done.stderr
