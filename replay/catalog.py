@@ -229,6 +229,13 @@ def resolve_instance(
             f"use a tensor-parallel size that divides {model.num_attention_heads}, e.g. "
             + ", ".join(str(d) for d in (1, 2, 4, 8) if model.num_attention_heads % d == 0),
         )
+    kv = model.num_kv_heads
+    if tp > 0 and (tp % kv if tp >= kv else kv % tp):
+        raise ConfigError(
+            f"{model.name} has {kv} KV heads, which a tensor-parallel size of {tp} neither divides nor is a multiple "
+            "of (vLLM splits KV heads evenly, or replicates them when there are fewer than devices)",
+            f"use a tensor-parallel size that divides {kv} or that {kv} divides",
+        )
     instance = InstanceConfig(
         accelerator=accelerator(accel_name, tp, pipeline_parallel_size),
         model=model,

@@ -333,6 +333,17 @@ class InstanceConfig:
     )
 
     @property
+    def kv_head_replicas(self) -> int:
+        """Copies of each KV head in the tensor-parallel group: vLLM gives every device at least one KV head,
+        so with fewer KV heads than devices each head is held by ``tp / kv_heads`` of them."""
+        return max(1, self.accelerator.tensor_parallel_size // self.model.num_kv_heads)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes one token occupies on the instance's devices together (replicated heads counted)."""
+        return self.model.kv_bytes_per_token * self.kv_head_replicas
+
+    @property
     def num_kv_blocks(self) -> int:
         """KV cache capacity in blocks: what memory leaves after weights and activations, or the override."""
         if self.engine.num_kv_blocks_override is not None:
@@ -342,7 +353,7 @@ class InstanceConfig:
         draft = self.speculative.draft.weight_bytes if self.speculative is not None else 0
         reserve = self.engine.activation_reserve_bytes * n
         free = usable - self.model.weight_bytes - draft - reserve
-        block_bytes = self.model.kv_bytes_per_token * self.engine.block_size_tokens
+        block_bytes = self.kv_bytes_per_token * self.engine.block_size_tokens
         if free < block_bytes:
             raise ReplayError(
                 f"{self.model.name} does not fit on {n} x {self.accelerator.name}: "

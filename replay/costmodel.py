@@ -375,7 +375,7 @@ class UnitCosts:
         self.lm_head_row = round(2 * m.hidden_size * m.vocab_size / bf16_flops_per_tick)
         self.linear_decode = self.linear_token + self.lm_head_row  # a decode sequence: one token, one sampled row
         self.attention_pair = round(4 * m.num_attention_heads * m.head_dim * m.num_layers / bf16_flops_per_tick)
-        self.kv_token = round(m.kv_bytes_per_token / kv_bytes_per_tick)
+        self.kv_token = round(instance.kv_bytes_per_token / kv_bytes_per_tick)  # replicated heads read on each device
         self._model = m
         self._moe_layers = m.num_moe_layers_resolved
         moe_efficiency = config.memory_efficiency if config.moe_memory_efficiency is None else config.moe_memory_efficiency

@@ -200,7 +200,7 @@ class Engine:
         if instance.frontend is not None:
             writer.out_delay_ns = instance.frontend.out_delay_ns
         self._last_start_ns = self._last_end_ns = -1
-        self.kv_bytes_per_block = instance.model.kv_bytes_per_token * e.block_size_tokens
+        self.kv_bytes_per_block = instance.kv_bytes_per_token * e.block_size_tokens
         self.pool = BlockPool(instance.num_kv_blocks, e.cpu_kv_offload_bytes // self.kv_bytes_per_block)
         self.watermark_blocks = int(e.kv_watermark_fraction * self.pool.num_total)
 

@@ -239,7 +239,7 @@ def sized_instance(instance: InstanceConfig, residency: ResidencyConfig) -> Inst
     draft = instance.speculative.draft.weight_bytes if instance.speculative is not None else 0
     weights = residency.capacity_bytes + residency.adapter_region_bytes + draft
     free = usable - weights - instance.engine.activation_reserve_bytes * tp
-    block_bytes = instance.model.kv_bytes_per_token * instance.engine.block_size_tokens
+    block_bytes = instance.kv_bytes_per_token * instance.engine.block_size_tokens
     if free < block_bytes:
         raise ReplayError(
             f"{weights / GIB:.1f} GiB of weight regions leave no KV cache on {tp} x {instance.accelerator.name} "

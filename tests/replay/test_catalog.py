@@ -10,6 +10,7 @@ import pytest
 
 from replay.catalog import fidelity_models, find_model, model_from_hf_config, parse_engine_spec, read_hf_config, resolve_instance
 from replay.config import ACCELERATORS, EngineConfig, accelerator
+from replay.costmodel import RooflineConfig, UnitCosts
 from servelens.errors import ConfigError, ServelensError
 
 LLAMA_31_8B = {  # meta-llama/Llama-3.1-8B-Instruct config.json (the fields the replay reads)
@@ -86,6 +87,21 @@ def test_a_tensor_parallel_size_that_does_not_divide_the_heads_is_refused_as_vll
         resolve_instance("llama-3-8b@h100", tensor_parallel_size=3)
     assert "1, 2, 4, 8" in (err.value.hint or "")
     assert resolve_instance("llama-3-8b@h100", tensor_parallel_size=4).accelerator.tensor_parallel_size == 4
+
+
+def test_fewer_kv_heads_than_devices_are_replicated_as_vllm_does(tmp_path):
+    def instance(kv_heads: int, tp: int, heads: int = 32):
+        path = tmp_path / f"kv{kv_heads}-h{heads}.json"
+        path.write_text(json.dumps({**LLAMA_31_8B, "num_key_value_heads": kv_heads, "num_attention_heads": heads}))
+        return resolve_instance(f"{path}@h100x{tp}")
+
+    two, four = instance(2, 4), instance(4, 4)  # 2 KV heads on 4 devices: each device holds one, each head twice
+    assert (two.kv_head_replicas, four.kv_head_replicas, instance(2, 2).kv_head_replicas) == (2, 1, 1)
+    assert two.kv_bytes_per_token == 2 * two.model.kv_bytes_per_token == four.kv_bytes_per_token
+    assert two.num_kv_blocks == pytest.approx(four.num_kv_blocks, rel=0.01)  # the same KV bytes a token, all devices
+    assert UnitCosts(two, RooflineConfig()).kv_token == UnitCosts(four, RooflineConfig()).kv_token  # and reads
+    with pytest.raises(ConfigError, match="has 8 KV heads, which a tensor-parallel size of 12 neither divides"):
+        instance(8, 12, heads=48)
 
 
 def test_every_fidelity_model_resolves_by_id_or_short_name(shared):
