@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from replay.blis import BlisExport, BlisHeader, to_blis
 from replay.derive import derive_requests, read_events
 from replay.traces import BUNDLED_TRACES, detect_format
 from replay.workload import arrival_events, load_workload
 from schemas.validate import detect_format as events_format
+from schemas.validate import read_parquet_schema
 from servelens.errors import ServelensError
 
 _INPUTS = ("events (JSONL or Parquet), a workload (Parquet), or a trace: a bundled name "
@@ -53,7 +53,7 @@ def export_input(source: str, shared: Path | None) -> tuple[pa.Table, int | None
 def _is_events(path: Path) -> bool:
     """Events (Parquet with an event_type column, or JSONL that is not a trace) rather than a workload or a trace."""
     if events_format(path) == "parquet":
-        return "event_type" in pq.read_schema(path).names
+        return "event_type" in read_parquet_schema(path).names
     try:
         detect_format(path)
     except ServelensError:

@@ -40,7 +40,7 @@ from pipelines.config import LakeConfig
 from privacy.sanitize import Sanitizer
 from schemas.arrow import EVENTS_SCHEMA, arrow_schema
 from schemas.records import DeadLetter
-from schemas.validate import detect_format, iter_event_tables
+from schemas.validate import detect_format, iter_event_tables, read_parquet_schema, read_parquet_table
 from servelens.errors import ServelensError
 from servelens.sql import parquet_relation
 
@@ -368,10 +368,9 @@ def events_to_parquet(path: str | Path, out: str | Path, sanitizer: Sanitizer, *
 
 def is_sanitized(path: str | Path) -> bool:
     """Whether every event of a Parquet file carries the id of the key that pseudonymized it."""
-    schema = pq.read_schema(path)
-    if "pseudonym_key_id" not in schema.names:
+    if "pseudonym_key_id" not in read_parquet_schema(path).names:
         return False
-    column = pq.read_table(path, columns=["pseudonym_key_id"]).column(0)
+    column = read_parquet_table(path, columns=["pseudonym_key_id"]).column(0)
     return column.null_count == 0
 
 

@@ -245,11 +245,11 @@ class RequestTimes:
 
 def latencies_of_events(path: str | Path) -> dict[str, np.ndarray]:
     """``RequestTimes.latencies`` of an events Parquet file (only the columns it needs are read)."""
-    import pyarrow.parquet as pq
+    from schemas.validate import read_parquet_schema, read_parquet_table
 
     times = RequestTimes()
-    columns = [c for c in RequestTimes._COLUMNS if c in pq.read_schema(path).names]
-    table = pq.read_table(path, columns=columns, filters=[("event_type", "in", list(RequestTimes._TYPES.to_pylist()))])
+    columns = [c for c in RequestTimes._COLUMNS if c in read_parquet_schema(path).names]
+    table = read_parquet_table(path, columns=columns, filters=[("event_type", "in", list(RequestTimes._TYPES.to_pylist()))])
     for c in RequestTimes._COLUMNS:
         if c not in table.column_names:
             table = table.append_column(c, pa.nulls(table.num_rows, pa.int64()))

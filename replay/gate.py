@@ -106,9 +106,16 @@ def load_run(path: str | Path, label: str, *, memory_limit: str | None = None) -
     the request table is derived from the events; ``memory_limit`` (e.g. "2GB", ``lake.duckdb_memory_limit``)
     caps DuckDB while it does (it spills to disk beyond it; unset: DuckDB's default, 80% of RAM).
     """
+    try:
+        return _load_run(Path(path), label, memory_limit)
+    except (pa.ArrowException, OSError) as exc:  # a file cut short, or not Parquet at all
+        raise ServelensError(f"{label} {path}: not a readable run ({type(exc).__name__}: {exc})",
+                             "check that the files are complete: a replay output folder, an events file or a request table") from None
+
+
+def _load_run(path: Path, label: str, memory_limit: str | None) -> Run:
     import hashlib
 
-    path = Path(path)
     manifest = None
     if path.is_dir():
         manifest = path / "manifest.json" if (path / "manifest.json").is_file() else None

@@ -251,7 +251,8 @@ def _renamed_keys(data: dict, path: Path | str) -> dict:
     """Version 1's keys: ``score.pass`` is ``pass_`` here; ``critical_flag`` is gone (one rule now)."""
     if isinstance(data.get("score"), dict) and "pass" in data["score"]:
         data = {**data, "score": {("pass_" if k == "pass" else k): v for k, v in data["score"].items()}}
-    for i, metric in enumerate(data.get("metrics") or []):
+    metrics = data.get("metrics")
+    for i, metric in enumerate(metrics if isinstance(metrics, list) else []):  # else build() names the type
         if isinstance(metric, dict) and "critical_flag" in metric:
             raise ConfigError(
                 f"gate configuration {path}: metrics[{i}] ({metric.get('name')}) has critical_flag, which version 2 "

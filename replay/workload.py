@@ -25,6 +25,7 @@ from replay.errors import ReplayError
 from replay.traces import MAX_WORKLOAD_REQUESTS, WORKLOAD_SCHEMA
 from schemas.arrow import EVENTS_SCHEMA
 from schemas.events import SCHEMA_VERSION
+from schemas.validate import read_parquet_table
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +236,18 @@ def _checked(table: pa.Table) -> pa.Table:
             f"the workload is not in arrival order (row {row} arrives before row {row - 1})",
             "sort it by arrival_ns once; the replay never reorders arrivals itself",
         )
+    for column, least in (("num_prompt_tokens", 0), ("num_output_tokens", 0), ("num_branches", 1),
+                          ("prefix_block_size_tokens", 1)):
+        low = pc.min(table[column]).as_py()
+        if low is not None and low < least:
+            row = pc.index(table[column], low).as_py()
+            raise ReplayError(f"the workload's {column} must be at least {least}: row {row} has {low}",
+                              "fix the rows (a trace's converter wrote them wrong), or drop them")
+    if table.num_rows and pc.count_distinct(table["request_id"]).as_py() < table.num_rows:
+        seen = pc.value_counts(table["request_id"])
+        twice = seen.filter(pc.greater(seen.field("counts"), 1))[0]["values"].as_py()
+        raise ReplayError(f"the workload's request ids are not unique: {twice!r} is there more than once",
+                          "give every request its own id (the replay's events and request table are keyed by it)")
     return table
 
 
@@ -413,7 +426,6 @@ def load_workload(name_or_path: str, shared: Path | None, num_requests: int | No
     """A workload from a bundled trace name, a trace file, a workload Parquet file, or an inference-perf
     config (a ``.yaml`` file, or the name of a bundled spec such as ``general``: generated with ``seed``);
     tiled (copies back to back, burst timing kept) to ``num_requests`` when given."""
-    import pyarrow.parquet as pq
 
     from replay.traces import BUNDLED_TRACES, read_trace
 
@@ -427,7 +439,7 @@ def load_workload(name_or_path: str, shared: Path | None, num_requests: int | No
             raise ReplayError(f"no inference-perf config {name_or_path}", "give the path of its YAML file")
         table = inference_perf_workload(read_inference_perf(spec_path), seed)
     elif path.suffix == ".parquet" and path.is_file():
-        table = pq.read_table(path)
+        table = read_parquet_table(path)
     else:
         table = read_trace(name_or_path, shared)
     if num_requests:

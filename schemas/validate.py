@@ -256,6 +256,32 @@ class UnreadableFileError(ValueError):
     """A file that claims to be Parquet (magic bytes or suffix) and cannot be read as Parquet."""
 
 
+def read_parquet_table(path: str | Path, **kwargs: Any) -> pa.Table:
+    """``pyarrow.parquet.read_table`` of an input file (``kwargs`` as there); one that is not Parquet, or cut
+    short, raises ``UnreadableFileError`` naming it (a missing file stays ``FileNotFoundError``)."""
+    import pyarrow.parquet as pq
+
+    return _readable(path, lambda: pq.read_table(path, **kwargs))
+
+
+def read_parquet_schema(path: str | Path) -> pa.Schema:
+    """The schema of an input Parquet file; errors as ``read_parquet_table``'s."""
+    import pyarrow.parquet as pq
+
+    return _readable(path, lambda: pq.read_schema(path))
+
+
+def _readable(path: str | Path, read: Any) -> Any:
+    import pyarrow as pa
+
+    try:
+        return read()
+    except FileNotFoundError:
+        raise
+    except (pa.ArrowException, OSError) as exc:
+        raise UnreadableFileError(f"{path} is not a readable Parquet file ({type(exc).__name__}: {exc})") from None
+
+
 def _parquet_batches(path: Path, batch_rows: int, columns: list[str] | None = None) -> Iterator[pa.RecordBatch]:
     """The file's record batches; a corrupt file raises ``UnreadableFileError`` (not pyarrow's error)."""
     import pyarrow as pa

@@ -20,7 +20,7 @@ from typing import Any
 
 import click
 
-from schemas.validate import UnreadableFileError
+from schemas.validate import UnreadableFileError, read_parquet_table
 from servelens import __version__, layout
 from servelens.config import Config, load_config, shared_dir
 from servelens.engine_options import DEFAULT_ENGINE, ENGINE_HELP, engine_instance, vllm_options
@@ -515,8 +515,8 @@ def metrics_export(ctx: click.Context, requests_file: Path, events_file: Path | 
 
     from pipelines.exposition import request_metrics, request_metrics_over_time, to_openmetrics, to_otlp_json, to_prometheus
 
-    table = pq.read_table(requests_file)
-    events = pq.read_table(events_file) if events_file else None
+    table = read_parquet_table(requests_file)
+    events = read_parquet_table(events_file) if events_file else None
     if "event_type" in table.column_names:  # an events file: the replay's own table beside it, else derived
         from replay.derive import derive_requests
 

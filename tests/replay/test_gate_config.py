@@ -68,6 +68,8 @@ def test_the_configuration_round_trips_and_bad_ones_are_named(tmp_path):
         "conditions:\n  - {metric: attainment, at_least: 0.9, at_most: 0.5}\n": "is above at_most",
         "model_error:\n  - {metric: itl_average, error: 0.05}\n": "unknown metric 'itl_average' in model_error",
         "model_error:\n  - {metric: itl_mean, error: 5}\n": "a fraction",
+        "metrics: 5\n": "metrics must be a list",
+        "min_windows: many\n": "min_windows has value 'many'",
     }
     for text, message in cases.items():
         path.write_text(text)

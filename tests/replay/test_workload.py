@@ -126,6 +126,24 @@ def test_tiled_workload_streams_the_same_requests(azure):
     assert TableWorkload(part).fingerprint() == TableWorkload(part.slice(0)).fingerprint()
 
 
+@pytest.mark.parametrize(
+    ("columns", "message"),
+    [
+        ({"num_prompt_tokens": [-5, 5, 5]}, "num_prompt_tokens must be at least 0: row 0 has -5"),
+        ({"num_output_tokens": [3, -1, 3]}, "num_output_tokens must be at least 0: row 1 has -1"),
+        ({"num_branches": [1, 1, 0]}, "num_branches must be at least 1: row 2 has 0"),
+        ({"prefix_block_ids": [[1], [], []], "prefix_block_size_tokens": [0, None, None]},
+         "prefix_block_size_tokens must be at least 1: row 0 has 0"),
+        ({"request_id": ["a", "b", "a"]}, "request ids are not unique: 'a' is there more than once"),
+    ],
+)
+def test_a_workload_with_impossible_rows_is_refused_naming_the_row(columns, message):
+    base = {"num_prompt_tokens": [5, 5, 5], "num_output_tokens": [3, 3, 3], **columns}
+    with pytest.raises(ReplayError, match=message):
+        TableWorkload(make_workload([0, 10, 20], base.pop("num_prompt_tokens"), base.pop("num_output_tokens"), **base))
+    TableWorkload(make_workload([0, 10, 20], [0, 5, 5], [0, 3, 3]))  # empty prompts and outputs are real (BurstGPT)
+
+
 def test_poisson_workload_is_seeded_with_the_asked_rate():
     w = poisson_workload(50.0, 20_000, seed=3)
     a = w["arrival_ns"].to_numpy()

@@ -157,6 +157,21 @@ def test_bad_config_and_unwritable_output_are_clean_errors(tmp_path):
     assert proc.returncode == 3 and "error:" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize(
+    "command",
+    [["replay", "--workload", "{junk}", "--out", "{out}"], ["gate", "--baseline", "{junk}", "--candidate", "{junk}"],
+     ["metrics", "export", "{junk}", "--format", "openmetrics", "--out", "{out}/m.txt"],
+     ["trace", "to-blis", "{junk}", "--out", "{out}/w.yaml"], ["requests", "derive", "{junk}", "--out", "{out}/r.parquet"]],
+)
+def test_a_file_that_is_not_parquet_is_named_as_such_by_every_command_that_reads_one(tmp_path, command):
+    junk = tmp_path / "cut.parquet"
+    junk.write_bytes(b"PAR1" + bytes(100))  # a copy cut short: the magic bytes, no footer
+    args = [a.replace("{junk}", str(junk)).replace("{out}", str(tmp_path / "o")) for a in command]
+    proc = servelens(*args)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "cut.parquet" in proc.stderr and "not a readable" in proc.stderr and "internal error" not in proc.stderr
+
+
 def test_storing_without_a_pseudonym_key_is_refused_with_a_hint(tmp_path):
     events = tmp_path / "e.jsonl"
     assert servelens("trace", "convert", "burstgpt-1", "--to", "events", "--out", str(events)).returncode == 0
