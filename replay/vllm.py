@@ -91,6 +91,10 @@ def read_vllm_settings(path: str | Path) -> tuple[VllmSettings, str | None]:
     data = {str(k).replace("-", "_"): v for k, v in data.items()}
     spec = data.pop("engine", None)
     model, accel = data.pop("model", None), data.pop("accelerator", None)
+    for key, value in (("engine", spec), ("model", model), ("accelerator", accel)):
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"{path}: {key} must be text, not {value!r}",
+                              "e.g. engine: meta-llama/Llama-3.1-8B-Instruct@h100 (or model: ... and accelerator: h100)")
     if spec is None and model is not None:
         if accel is None:
             raise ConfigError(f"{path}: 'model' needs 'accelerator' (e.g. accelerator: h100-sxm)")

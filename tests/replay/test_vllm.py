@@ -1,0 +1,49 @@
+"""vLLM's settings by vLLM's names: an engine YAML read with dashes or underscores, typed, and bad values named."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from replay.vllm import VllmSettings, read_vllm_settings, vllm_instance
+from servelens.errors import ConfigError
+
+
+def test_an_engine_file_takes_vllm_serve_keys_with_dashes_or_underscores(tmp_path):
+    path = tmp_path / "engine.yaml"
+    path.write_text("model: meta-llama/Llama-3.1-8B-Instruct\naccelerator: h100\nmax-num-seqs: 64\n"
+                    "max_num_batched_tokens: 4096\ngpu-memory-utilization: 1\nenable-prefix-caching: false\n")
+    settings, spec = read_vllm_settings(path)
+    assert spec == "meta-llama/Llama-3.1-8B-Instruct@h100"
+    assert (settings.max_num_seqs, settings.max_num_batched_tokens) == (64, 4096)
+    assert settings.gpu_memory_utilization == 1.0 and isinstance(settings.gpu_memory_utilization, float)
+    assert settings.enable_prefix_caching is False
+    engine = settings.engine()
+    assert (engine.max_num_seqs, engine.max_num_batched_tokens, engine.gpu_memory_utilization) == (64, 4096, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("max-num-seqs: lots\n", "max_num_seqs must be int, not 'lots'"),
+        ("gpu-memory-utilization: true\n", "gpu_memory_utilization must be float, not True"),
+        ("engine: 5\n", "engine must be text, not 5"),
+        ("model: llama-3-8b\n", "'model' needs 'accelerator'"),
+        ("max-num-sequences: 8\n", "unknown setting(s) max_num_sequences"),
+        ("- a\n- b\n", "an engine file is a mapping"),
+        ("a: [\n", "not valid YAML"),
+    ],
+)
+def test_a_bad_engine_file_is_named(tmp_path, text, message):
+    path = tmp_path / "engine.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        read_vllm_settings(path)
+
+
+def test_parallel_sizes_below_one_are_refused_before_an_instance_is_built():
+    assert vllm_instance("llama-3-8b@h100", VllmSettings(tensor_parallel_size=2)).accelerator.tensor_parallel_size == 2
+    for settings in (VllmSettings(tensor_parallel_size=0), VllmSettings(pipeline_parallel_size=-1)):
+        with pytest.raises(ConfigError, match="must be at least 1"):
+            vllm_instance("llama-3-8b@h100", settings)
