@@ -246,4 +246,11 @@ def resolve_trace(name_or_path: str, shared: Path | None) -> tuple[Path, str, st
 def read_trace(name_or_path: str, shared: Path | None = None) -> pa.Table:
     """The workload table of a bundled trace (by name) or a trace file (format detected)."""
     path, fmt, prefix = resolve_trace(name_or_path, shared)
-    return READERS[fmt](path, prefix)
+    try:
+        table = READERS[fmt](path, prefix)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:  # a column's text that is not its type's
+        raise ServelensError(f"{path}: not a readable {fmt} trace: {exc}",
+                             "check the file's columns hold what this format holds (numbers where counts are)") from None
+    if table.num_rows == 0:
+        raise ServelensError(f"{path}: the trace holds no requests", "give a trace with at least one row")
+    return table

@@ -95,6 +95,19 @@ def test_unknown_format_and_missing_columns_are_clear_errors(tmp_path):
         read_trace("no-such-trace")
 
 
+def test_a_cell_that_is_not_its_columns_type_and_an_empty_trace_are_clear_errors(tmp_path):
+    header = "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+    for cell, message in (("abc", "Failed to parse string: 'abc'"), ("99999999999999999999", "truncated")):
+        bad = tmp_path / "burstgpt.csv"
+        bad.write_text(header + f"5,ChatGPT,{cell},18,490,Conversation log\n")
+        with pytest.raises(ServelensError, match=f"not a readable burstgpt trace: .*{message}"):
+            read_trace(str(bad))
+    empty = tmp_path / "azure.csv"
+    empty.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n")
+    with pytest.raises(ServelensError, match="the trace holds no requests"):
+        read_trace(str(empty))
+
+
 def test_arrival_events_are_valid_and_one_per_request(shared):
     w = read_trace("burstgpt-3", shared)
     events = arrival_events(w, engine_id="trace:burstgpt-3")
