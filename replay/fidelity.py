@@ -99,11 +99,15 @@ def _stages(path: Path) -> dict[str, tuple]:
         return {}
     by_id: dict[str, list] = {}
     with path.open(newline="") as fh:
-        for row in csv.DictReader(fh):
-            if int(row["stage_index"]) < 0:
-                continue
-            values = tuple((m, float(row[f"{m}_ms"]) / 1e3) for m in RECORDED_METRICS if row.get(f"{m}_ms"))
-            by_id.setdefault(row["id"], []).append((int(row["stage_index"]), values))
+        for number, row in enumerate(csv.DictReader(fh), start=2):
+            try:
+                if int(row["stage_index"]) < 0:
+                    continue
+                values = tuple((m, float(row[f"{m}_ms"]) / 1e3) for m in RECORDED_METRICS if row.get(f"{m}_ms"))
+                by_id.setdefault(row["id"], []).append((int(row["stage_index"]), values))
+            except (KeyError, ValueError) as exc:
+                raise ReplayError(f"{path} line {number}: unreadable ({type(exc).__name__}: {exc})",
+                                  "stages.csv needs id, stage_index and the metrics' _ms columns") from None
     return {k: tuple(sorted(v)) for k, v in by_id.items() if len(v) > 1}
 
 
@@ -126,7 +130,10 @@ def _experiment(row: dict[str, str], folder: Path) -> FidelityExperiment:
                                    else None),
             recorded=recorded,
         )
-    except (KeyError, ValueError) as exc:
+    except KeyError as exc:
+        raise ReplayError(f"experiments.csv row {row.get('id', '?')}: no column {exc}",
+                          "the fidelity data's experiments.csv columns: see its README") from None
+    except ValueError as exc:
         raise ReplayError(f"experiments.csv row {row.get('id', '?')}: unreadable ({exc})") from None
 
 

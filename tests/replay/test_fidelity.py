@@ -38,3 +38,19 @@ def test_stage_errors_compare_each_stage_both_sides_have():
     # stage 1 was not replayed; e2e_mean was not recorded: neither is compared
     assert [(i, e.metric) for i, e in errors] == [(0, "ttft_mean"), (0, "ttft_p99")]
     assert errors[0][1].signed_pct == pytest.approx(10.0) and errors[1][1].signed_pct == pytest.approx(-25.0)
+
+
+def test_a_fidelity_folder_with_a_column_missing_or_a_cell_unreadable_names_it(shared, tmp_path):
+    from replay.errors import ReplayError
+
+    source = shared / FIDELITY_DIR
+    folder = tmp_path / "fidelity"
+    folder.mkdir()
+    header, first = (source / "experiments.csv").read_text().splitlines()[:2]
+    (folder / "experiments.csv").write_text(header.replace(",gpu,", ",accelerator,") + "\n" + first + "\n")
+    with pytest.raises(ReplayError, match="experiments.csv row 17: no column 'gpu'"):
+        read_experiments(folder)
+    (folder / "experiments.csv").write_text(header + "\n" + first + "\n")
+    (folder / "stages.csv").write_text("id,stage_index,e2e_mean_ms\n17,first,1.0\n")
+    with pytest.raises(ReplayError, match="stages.csv line 2: unreadable"):
+        read_experiments(folder)
