@@ -85,7 +85,7 @@ def _fields(obj: Any) -> dict[str, Any]:
 
 def calibration_from_json(doc_: dict[str, Any], where: str = "calibration") -> Calibration:
     """A calibration from its JSON form (``Calibration.as_json``); unknown or missing keys are errors."""
-    if doc_.get("calibration_version") != CALIBRATION_VERSION:
+    if not isinstance(doc_, dict) or doc_.get("calibration_version") != CALIBRATION_VERSION:
         raise ConfigError(f"{where}: not a calibration of version {CALIBRATION_VERSION}",
                           "write one with `servelens calibrate`")
     try:
@@ -103,8 +103,8 @@ def calibration_from_json(doc_: dict[str, Any], where: str = "calibration") -> C
             notes=tuple(doc_.get("notes", ())),
             fitted_load=Load.of_json(doc_["fitted_load"]) if "fitted_load" in doc_ else None,
         )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}: malformed calibration ({exc})", "write one with `servelens calibrate`") from None
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ConfigError(f"{where}: malformed calibration ({type(exc).__name__}: {exc})", "write one with `servelens calibrate`") from None
 
 
 def shipped_calibrations() -> dict[str, Path]:

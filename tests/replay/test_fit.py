@@ -109,6 +109,11 @@ def test_a_calibration_round_trips_and_applies(tmp_path):
     assert kept.engine.async_scheduling is False  # a setting the user gave wins over the engine default
     with pytest.raises(Exception, match="not a calibration of version"):
         calibration_from_json({"name": "x"})
+    with pytest.raises(Exception, match="not a calibration of version"):
+        calibration_from_json([1, 2])  # type: ignore[arg-type]  # a JSON file whose top level is a list
+    broken = {**cal.as_json(), "engine_defaults": [True]}
+    with pytest.raises(Exception, match="malformed calibration .AttributeError"):
+        calibration_from_json(broken)
 
 
 def test_the_shipped_calibration_is_bounded_and_says_its_held_out_error():
