@@ -229,6 +229,46 @@ def run_requests(run: runs.RunInfo, cache_dir: str, memory_limit: str | None) ->
     return str(runs.run_requests_path(run, cache_dir, memory_limit))
 
 
+def _unreadable_errors() -> tuple[type[BaseException], ...]:
+    import duckdb
+
+    return (OSError, ValueError, duckdb.Error)  # pyarrow's ArrowInvalid is a ValueError, its IO errors OSErrors
+
+
+def report_unreadable(broken: list[tuple[str, BaseException]]) -> None:
+    """An error above the page naming each run whose files cannot be read (names as text: they are data)."""
+    if broken:
+        st.error(f"{len(broken)} of the chosen runs cannot be read (a file cut short, or not Parquet); "
+                 "the others are shown. Replay them again, or remove them from dashboard.runs_dir.")
+        for name, exc in broken:
+            st.text(f"{name}: {type(exc).__name__}: {exc}")
+
+
+def readable_run_metrics(s: Settings, selected: tuple[runs.RunInfo, ...], config: MetricsConfig,
+                         ) -> tuple[tuple[runs.RunInfo, ...], tuple[pa.Table, ...]]:
+    """The chosen runs whose files can be read, with their metrics (``run_metric_values``); the others are
+    named in an error above the page instead of ending it."""
+    kept, values, broken = [], [], []
+    for run in selected:
+        try:
+            values.append(run_metric_values(run, s.dashboard.cache_dir, config, s.lake.duckdb_memory_limit))
+            kept.append(run)
+        except _unreadable_errors() as exc:
+            broken.append((run.name, exc))
+    report_unreadable(broken)
+    return tuple(kept), tuple(values)
+
+
+def readable_run_requests(s: Settings, run: runs.RunInfo) -> str:
+    """``run_requests``, or an error naming the run and a stop when its files cannot be read."""
+    try:
+        return run_requests(run, s.dashboard.cache_dir, s.lake.duckdb_memory_limit)
+    except _unreadable_errors() as exc:
+        report_unreadable([(run.name, exc)])
+        st.stop()
+        raise
+
+
 @st.cache_data(show_spinner=False, max_entries=16)
 def gate_report(folder: str, mtime_ns: int) -> runs.GateReport | None:
     return runs.read_gate_report(folder)

@@ -26,7 +26,9 @@ if not selected:
     st.stop()
 
 config = ui.metrics_config(s)
-values = tuple(ui.run_metric_values(r, s.dashboard.cache_dir, config, s.lake.duckdb_memory_limit) for r in selected)
+selected, values = ui.readable_run_metrics(s, selected, config)
+if not selected:
+    st.stop()
 classes = sorted({g for v in values for g, scope in zip(v["group"].to_pylist(), v["scope"].to_pylist()) if scope == "class"})
 service_class = ui.class_filter(tuple(classes), "policies")
 table = comparison_table(selected, values, service_class or "")

@@ -43,7 +43,7 @@ if source == LAKE:
                 "(dashboard.viewer_tenant, set on the server). Batch composition below needs none.")
 else:
     run = runs[source]
-    path = ui.run_requests(run, s.dashboard.cache_dir, s.lake.duckdb_memory_limit)
+    path = ui.readable_run_requests(s, run)
     ov = ui.overview(path)
     hive = False
 

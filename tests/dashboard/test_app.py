@@ -363,3 +363,16 @@ def test_the_gate_page_serves_only_files_inside_its_folders(sample, app, tmp_pat
     shown = " ".join(_texts(at))
     assert all(str(secret) not in shown for secret in secrets)
     assert str(sample.root / "runs" / "fcfs" / "manifest.json") in shown
+
+
+def test_a_run_whose_request_table_is_cut_short_is_named_and_the_others_still_show(sample, app, tmp_path):
+    runs_dir = tmp_path / "replay"
+    for name in ("fcfs", "fcfs@2x"):
+        shutil.copytree(sample.root / "runs" / name, runs_dir / name)
+    broken = runs_dir / "fcfs@2x" / "requests.parquet"
+    broken.write_bytes(broken.read_bytes()[:200])  # a copy cut short
+    at = app(sample.with_dashboard(runs_dir=str(runs_dir), cache_dir=str(tmp_path / "cache")), "policies")
+    assert not at.exception, [e.value for e in at.exception]
+    assert [e.value.split(";")[0] for e in at.error] == ["1 of the chosen runs cannot be read (a file cut short, or not Parquet)"]
+    assert any(t.startswith("fcfs@2x: ArrowInvalid") for t in _texts(at))
+    assert list(at.dataframe[0].value["run"]) == ["fcfs"]  # the readable run is still compared
