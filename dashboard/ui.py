@@ -235,11 +235,14 @@ def _unreadable_errors() -> tuple[type[BaseException], ...]:
     return (OSError, ValueError, duckdb.Error)  # pyarrow's ArrowInvalid is a ValueError, its IO errors OSErrors
 
 
-def report_unreadable(broken: list[tuple[str, BaseException]]) -> None:
-    """An error above the page naming each run whose files cannot be read (names as text: they are data)."""
+def report_unreadable(broken: list[tuple[str, BaseException]], *, of: int) -> None:
+    """An error above the page naming each run whose files cannot be read, of ``of`` chosen (names as text:
+    they are data)."""
     if broken:
-        st.error(f"{len(broken)} of the chosen runs cannot be read (a file cut short, or not Parquet); "
-                 "the others are shown. Replay them again, or remove them from dashboard.runs_dir.")
+        which = f"{len(broken)} of the {of} chosen runs" if of > 1 else "The chosen run"
+        shown = "; the others are shown" if of > len(broken) else ""
+        st.error(f"{which} cannot be read (a file cut short, or not Parquet){shown}. "
+                 "Replay again, or remove what cannot be read from dashboard.runs_dir.")
         for name, exc in broken:
             st.text(f"{name}: {type(exc).__name__}: {exc}")
 
@@ -255,7 +258,7 @@ def readable_run_metrics(s: Settings, selected: tuple[runs.RunInfo, ...], config
             kept.append(run)
         except _unreadable_errors() as exc:
             broken.append((run.name, exc))
-    report_unreadable(broken)
+    report_unreadable(broken, of=len(selected))
     return tuple(kept), tuple(values)
 
 
@@ -264,7 +267,7 @@ def readable_run_requests(s: Settings, run: runs.RunInfo) -> str:
     try:
         return run_requests(run, s.dashboard.cache_dir, s.lake.duckdb_memory_limit)
     except _unreadable_errors() as exc:
-        report_unreadable([(run.name, exc)])
+        report_unreadable([(run.name, exc)], of=1)
         st.stop()
         raise
 

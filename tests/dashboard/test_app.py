@@ -373,6 +373,13 @@ def test_a_run_whose_request_table_is_cut_short_is_named_and_the_others_still_sh
     broken.write_bytes(broken.read_bytes()[:200])  # a copy cut short
     at = app(sample.with_dashboard(runs_dir=str(runs_dir), cache_dir=str(tmp_path / "cache")), "policies")
     assert not at.exception, [e.value for e in at.exception]
-    assert [e.value.split(";")[0] for e in at.error] == ["1 of the chosen runs cannot be read (a file cut short, or not Parquet)"]
+    assert [e.value.split(";")[0] for e in at.error] == ["1 of the 2 chosen runs cannot be read (a file cut short, or not Parquet)"]
     assert any(t.startswith("fcfs@2x: ArrowInvalid") for t in _texts(at))
     assert list(at.dataframe[0].value["run"]) == ["fcfs"]  # the readable run is still compared
+    events = runs_dir / "fcfs@2x" / "events.parquet"  # the explorer derives its table from the run's events
+    events.write_bytes(events.read_bytes()[:200])
+    at = app(sample.with_dashboard(runs_dir=str(runs_dir), cache_dir=str(tmp_path / "cache2")), "request_explorer",
+             {"source": "fcfs@2x"})
+    assert not at.exception, [e.value for e in at.exception]
+    assert [e.value.split(".")[0] for e in at.error] == ["The chosen run cannot be read (a file cut short, or not Parquet)"]
+    assert any(t.startswith("fcfs@2x: ") for t in _texts(at))
