@@ -37,6 +37,7 @@ from replay.config import EngineConfig, InstanceConfig
 from replay.errors import ReplayError
 from replay.inference_perf import InferencePerfSpec, LoadStage, inference_perf_workload, read_inference_perf
 from replay.load import Load
+from schemas.validate import read_parquet_schema, read_parquet_table
 from servelens.errors import DataNotFoundError
 
 #: The metrics the fidelity data records (whole-run values), in its order.
@@ -252,8 +253,6 @@ class RequestTimes:
 
 def latencies_of_events(path: str | Path) -> dict[str, np.ndarray]:
     """``RequestTimes.latencies`` of an events Parquet file (only the columns it needs are read)."""
-    from schemas.validate import read_parquet_schema, read_parquet_table
-
     times = RequestTimes()
     columns = [c for c in RequestTimes._COLUMNS if c in read_parquet_schema(path).names]
     table = read_parquet_table(path, columns=columns, filters=[("event_type", "in", list(RequestTimes._TYPES.to_pylist()))])

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from replay.metrics import MetricsConfig, percentile, run_metrics
+from schemas.validate import read_parquet_table
 
 #: The step columns run metrics read: busy time per instance (membership is not needed for them).
 STEP_TIMING_COLUMNS = ["event_type", "instance_id", "start_ns", "end_ns"]
@@ -27,7 +27,7 @@ STEP_TIMING_COLUMNS = ["event_type", "instance_id", "start_ns", "end_ns"]
 def read_step_timing(events_path: str | Path) -> pa.Table:
     """A run's engine steps with their timing and instance, and empty membership lists:
     ``replay.metrics.summarize`` reads only busy time and instances from steps."""
-    steps = pq.read_table(events_path, columns=STEP_TIMING_COLUMNS, filters=[("event_type", "==", "step_executed")])
+    steps = read_parquet_table(events_path, columns=STEP_TIMING_COLUMNS, filters=[("event_type", "==", "step_executed")])
     n = steps.num_rows
     empty_ids = pa.ListArray.from_arrays(pa.array([0] * (n + 1), pa.int32()), pa.array([], pa.string()))
     empty_tokens = pa.ListArray.from_arrays(pa.array([0] * (n + 1), pa.int32()), pa.array([], pa.int64()))

@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from replay.compare import (
     Difference,
@@ -75,6 +74,7 @@ from replay.judge import (  # noqa: F401
 from replay.load import describe_load
 from replay.metrics import Requests, load_requests, load_steps
 from replay.request_table import REQUESTS_FILE
+from schemas.validate import read_parquet_schema, read_parquet_table
 from servelens.errors import DataNotFoundError, ServelensError
 
 # ------------------------------------------------------------------------------------------ runs
@@ -106,23 +106,16 @@ def load_run(path: str | Path, label: str, *, memory_limit: str | None = None) -
     the request table is derived from the events; ``memory_limit`` (e.g. "2GB", ``lake.duckdb_memory_limit``)
     caps DuckDB while it does (it spills to disk beyond it; unset: DuckDB's default, 80% of RAM).
     """
-    try:
-        return _load_run(Path(path), label, memory_limit)
-    except (pa.ArrowException, OSError) as exc:  # a file cut short, or not Parquet at all
-        raise ServelensError(f"{label} {path}: not a readable run ({type(exc).__name__}: {exc})",
-                             "check that the files are complete: a replay output folder, an events file or a request table") from None
-
-
-def _load_run(path: Path, label: str, memory_limit: str | None) -> Run:
     import hashlib
 
+    path = Path(path)
     manifest = None
     if path.is_dir():
         manifest = path / "manifest.json" if (path / "manifest.json").is_file() else None
         own, events = path / REQUESTS_FILE, path / "events.parquet"
         if own.is_file() and events.is_file():
             sha = hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest else None
-            return Run(label, pq.read_table(own), read_step_timing(events), str(events),
+            return Run(label, read_parquet_table(own), read_step_timing(events), str(events),
                        str(manifest) if manifest else None, sha)
         for candidate in (own, events):
             if candidate.is_file():
@@ -144,9 +137,9 @@ def _requests_and_steps(path: Path, memory_limit: str | None) -> tuple[pa.Table,
     from schemas.validate import detect_format, iter_event_tables
 
     if detect_format(path) == "parquet":
-        names = pq.read_schema(path).names
+        names = read_parquet_schema(path).names
         if "ttft_s" in names:
-            return pq.read_table(path), None
+            return read_parquet_table(path), None
         if "event_type" in names:
             # DuckDB streams the file: events never all in memory
             return derive_requests(path, con=connect(memory_limit)), read_step_timing(path)

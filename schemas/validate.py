@@ -279,7 +279,11 @@ def _readable(path: str | Path, read: Any) -> Any:
     except FileNotFoundError:
         raise
     except (pa.ArrowException, OSError) as exc:
-        raise UnreadableFileError(f"{path} is not a readable Parquet file ({type(exc).__name__}: {exc})") from None
+        raise _unreadable(path, exc) from None
+
+
+def _unreadable(path: str | Path, exc: BaseException) -> UnreadableFileError:
+    return UnreadableFileError(f"{path} is not a readable Parquet file ({type(exc).__name__}: {exc})")
 
 
 def _parquet_batches(path: Path, batch_rows: int, columns: list[str] | None = None) -> Iterator[pa.RecordBatch]:
@@ -291,7 +295,7 @@ def _parquet_batches(path: Path, batch_rows: int, columns: list[str] | None = No
         file = pq.ParquetFile(path)
         yield from file.iter_batches(batch_size=batch_rows, columns=columns)
     except (pa.ArrowException, OSError) as exc:
-        raise UnreadableFileError(f"{path} is not a readable Parquet file ({type(exc).__name__}: {exc})") from None
+        raise _unreadable(path, exc) from None
 
 
 def _iter_parquet(path: Path, batch_rows: int) -> Iterator[RecordResult]:
