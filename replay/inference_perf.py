@@ -41,7 +41,7 @@ import numpy as np
 import pyarrow as pa
 
 from replay.errors import ReplayError
-from replay.traces import MAX_WORKLOAD_REQUESTS, WORKLOAD_SCHEMA
+from replay.traces import WORKLOAD_SCHEMA, check_workload_size
 
 Arrivals = Literal["poisson", "constant"]
 #: Tokens a chat template adds to every prompt (Llama chat template with a system and a user turn,
@@ -146,12 +146,8 @@ def parse_inference_perf(doc: dict[str, Any], *, name: str = "inference-perf", w
         LoadStage(_number(_need(s, "rate", where), "rate", where), _number(_need(s, "duration", where), "duration", where))
         for s in raw_stages
     )
-    asked = sum(s.rate_per_s * s.duration_s for s in stages)
-    if asked > MAX_WORKLOAD_REQUESTS:
-        raise ReplayError(
-            f"{where}: the stages ask for {asked:,.0f} requests, more than the {MAX_WORKLOAD_REQUESTS:,} a workload may hold",
-            "lower a stage's rate or duration (the summed rate x duration is the request count)",
-        )
+    check_workload_size(int(sum(s.rate_per_s * s.duration_s for s in stages)), f"{where}: the stages ask for",
+                        "lower a stage's rate or duration (the summed rate x duration is the request count)")
     kind = str(data.get("type", "shared_prefix"))
     api = doc.get("api")
     chat_api = (api.get("type") if isinstance(api, dict) else api) == "chat"

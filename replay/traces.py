@@ -29,6 +29,7 @@ import pyarrow.csv as pacsv
 import pyarrow.json as pajson
 
 from replay.blis import read_blis_workload
+from replay.errors import ReplayError
 from schemas.arrow import arrow_schema
 from schemas.records import WorkloadRequest
 from servelens.errors import DataNotFoundError, ServelensError
@@ -39,6 +40,14 @@ MOONCAKE_BLOCK_TOKENS = 512
 #: windows: about 100 bytes a request, and the replay's state beside them). Tiling (``--requests``) streams
 #: its copies and has no such bound.
 MAX_WORKLOAD_REQUESTS = 50_000_000
+
+
+def check_workload_size(num_requests: int, what: str, hint: str) -> None:
+    """A ``ReplayError`` (``what`` the count's source, then the count) when a workload to be built in
+    memory would hold more than ``MAX_WORKLOAD_REQUESTS``."""
+    if num_requests > MAX_WORKLOAD_REQUESTS:
+        raise ReplayError(f"{what} {num_requests:,} requests, more than the {MAX_WORKLOAD_REQUESTS:,} a workload "
+                          "built in memory may hold", hint)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from replay.errors import ReplayError
-from replay.traces import MAX_WORKLOAD_REQUESTS, WORKLOAD_SCHEMA
+from replay.traces import WORKLOAD_SCHEMA, check_workload_size
 from schemas.arrow import EVENTS_SCHEMA
 from schemas.events import SCHEMA_VERSION
 from schemas.validate import read_parquet_table
@@ -271,9 +271,13 @@ def scale_rate(workload: pa.Table, factor: float | Fraction) -> pa.Table:
     return workload.set_column(index, workload.schema.field(index), pa.array(scaled, pa.int64()))
 
 
+#: The hint when superposed copies or bootstrapped windows would make too large a workload.
+_TOO_MANY = "use fewer copies or windows; --requests N tiles the workload as a stream, without this bound"
+
+
 def superpose(workload: pa.Table, num_copies: int, shift_ns: int) -> pa.Table:
     """``num_copies`` copies, copy i shifted by ``i * shift_ns``, merged by arrival (ties: copy order)."""
-    _check_size(num_copies * workload.num_rows, f"{num_copies:,} superposed copies")
+    check_workload_size(num_copies * workload.num_rows, f"{num_copies:,} superposed copies make about", _TOO_MANY)
     copies = [_shifted_copy(workload, i * shift_ns, f"#{i}") for i in range(num_copies)]
     merged = pa.concat_tables(copies)
     copy_index = np.repeat(np.arange(num_copies), workload.num_rows)
@@ -313,7 +317,8 @@ def block_bootstrap(workload: pa.Table, window_ns: int, num_windows: int, seed: 
     num_source = int((arrivals[-1] - t0) // window_ns)
     if num_source < 1:
         raise ReplayError(f"the workload spans less than one {window_ns / 1e9:g} s window")
-    _check_size(num_windows * len(arrivals) // num_source, f"{num_windows:,} bootstrapped windows")
+    check_workload_size(num_windows * len(arrivals) // num_source, f"{num_windows:,} bootstrapped windows make about",
+                        _TOO_MANY)
     window_of = (arrivals - t0) // window_ns
     draws = np.random.default_rng(seed).integers(0, num_source, size=num_windows)
     starts = np.searchsorted(window_of, np.arange(num_source + 1))
@@ -328,15 +333,6 @@ def trim(workload: pa.Table, start_ns: int, end_ns: int) -> pa.Table:
     """The requests arriving in [start_ns, end_ns)."""
     a = workload["arrival_ns"]
     return workload.filter(pc.and_(pc.greater_equal(a, start_ns), pc.less(a, end_ns)))
-
-
-def _check_size(num_requests: int, what: str) -> None:
-    if num_requests > MAX_WORKLOAD_REQUESTS:
-        raise ReplayError(
-            f"{what} make about {num_requests:,} requests, more than the {MAX_WORKLOAD_REQUESTS:,} a workload built "
-            "in memory may hold",
-            "use fewer copies or windows; --requests N tiles the workload as a stream, without this bound",
-        )
 
 
 def _shifted_copy(table: pa.Table, shift_ns: int, suffix: str) -> pa.Table:
