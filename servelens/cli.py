@@ -44,7 +44,7 @@ class _Group(click.Group):
             _fail(str(exc), "check that the file is complete (a copy cut short, or not Parquet at all)")
         except OSError as exc:
             where = f": {exc.filename}" if exc.filename else ""
-            _fail(f"{exc.strerror or exc}{where}", "check the path and its permissions")
+            _fail(f"{exc.strerror or type(exc).__name__}{where or f': {exc}'}", "check the path and its permissions")
         except (click.exceptions.Exit, click.ClickException, click.Abort, KeyboardInterrupt):
             raise
         except Exception as exc:  # a bug: say so plainly, keep the traceback for those who ask

@@ -238,3 +238,13 @@ def test_a_corrupt_parquet_file_is_a_clean_error_not_an_internal_one(tmp_path):
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert "is not a readable Parquet file" in proc.stderr and "internal error" not in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_device_given_as_parquet_is_named_as_not_a_file(tmp_path):
+    """pyarrow answers /dev/null with a bare FileNotFoundError('/dev/null'): the reader says what is wrong."""
+    from schemas.validate import UnreadableFileError, read_parquet_table
+
+    with pytest.raises(UnreadableFileError, match="/dev/null is not a regular file"):
+        read_parquet_table("/dev/null")
+    with pytest.raises(FileNotFoundError):  # a missing file stays the OS's error, for the CLI's own message
+        read_parquet_table(tmp_path / "missing.parquet")
