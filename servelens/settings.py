@@ -10,6 +10,7 @@ their own sections with ``build`` and never import it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 import typing
@@ -36,18 +37,41 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
             return value.lower() in ("1", "true", "yes")
         if isinstance(value, bool):
             return value
-    elif inner in (int, float):
-        try:
-            if isinstance(value, str) or (isinstance(value, (int, float)) and not isinstance(value, bool)):
-                return inner(value)
-        except ValueError:
-            pass
+    elif inner in (int, float) and not isinstance(value, bool):
+        number = _number(value, inner, key)
+        if number is not None:
+            return number
     elif inner is str:
         if isinstance(value, (str, Path)):
             return str(value)
     raise ConfigError(
         f"config key {key} has value {value!r} ({type(value).__name__}); expected {getattr(inner, '__name__', inner)}"
     )
+
+
+def _number(value: Any, kind: type, key: str) -> int | float | None:
+    """``value`` as ``kind`` (int or float), from a number or the environment's text; None when it is neither.
+    NaN and infinities (TOML's nan/inf, YAML's .nan/.inf) and a fraction for a whole number are refused."""
+    if not isinstance(value, (str, int, float)):
+        return None
+    try:
+        as_float = float(value)
+    except ValueError:
+        return None
+    except OverflowError:  # an integer beyond any float
+        as_float = math.inf
+    if not math.isfinite(as_float):
+        raise ConfigError(f"config key {key} must be a finite number, not {value!r}", "leave the key out for its default")
+    if kind is float:
+        return as_float
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            return None
+    if as_float != int(as_float):
+        raise ConfigError(f"config key {key} must be a whole number, not {value!r}")
+    return int(value)
 
 
 def build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
@@ -75,6 +99,10 @@ def build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
             kwargs[name] = tuple(build(item, v, f"{prefix}{name}[{i}].") for i, v in enumerate(value))
         else:
             kwargs[name] = _coerce(value, annotation, f"{prefix}{name}")
+    missing = [f.name for f in fields.values() if f.name not in kwargs and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"config key {prefix}{missing[0]} is required", f"give {', '.join(prefix + m for m in missing)}")
     return cls(**kwargs)
 
 

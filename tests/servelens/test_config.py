@@ -40,6 +40,27 @@ def test_wrong_types_and_bad_files_are_named(tmp_path):
         load_config(tmp_path / "missing.toml", env={})
 
 
+def test_settings_that_are_not_finite_or_not_whole_or_missing_are_named():
+    from dataclasses import dataclass
+
+    from servelens.settings import build
+
+    @dataclass(frozen=True)
+    class Section:
+        count: int
+        share: float = 0.5
+
+    assert build(Section, {"count": 3.0, "share": "0.25"}) == Section(count=3, share=0.25)  # a whole float, text
+    for data, message in [({"count": 3, "share": float("nan")}, "share must be a finite number, not nan"),
+                          ({"count": 3, "share": "inf"}, "share must be a finite number, not 'inf'"),  # the environment's text
+                          ({"count": float("inf")}, "count must be a finite number"),
+                          ({"count": 2.5}, "count must be a whole number, not 2.5"),
+                          ({"count": 10**400}, "count must be a finite number"),
+                          ({"share": 0.1}, "config key count is required")]:
+        with pytest.raises(ConfigError, match=message):
+            build(Section, data)
+
+
 def test_missing_shared_data_says_where_it_looked_and_where_to_get_it(tmp_path):
     config = load_config(env={"SERVELENS_SHARED_DIR": str(tmp_path / "nowhere")})
     with pytest.raises(DataNotFoundError, match="shared data not found") as err:
