@@ -177,6 +177,7 @@ def _grid(baseline: Run, candidate: Run, config: GateConfig) -> _Grid:
     sc = load_steps(candidate.steps, origin) if candidate.steps is not None else None
     end = max([r.arrival_s.max() for r in (rb, rc) if r.size] or [0.0])
     num_windows = max(1, int(np.floor(end / config.window_s)) + 1)
+    _check_resampled_size(num_windows, config)
     tenants = np.union1d(rb.tenant_names, rc.tenant_names)
     rng = np.random.default_rng(config.seed)
     boot = resampling(num_windows, config.resamples, config.block_windows, rng)
@@ -188,6 +189,20 @@ def _grid(baseline: Run, candidate: Run, config: GateConfig) -> _Grid:
                  window_stats(rc, mc, sc if not g else None, num_windows, mconfig, tenants))
              for g, (mb, mc) in groups.items()}
     return _Grid(rb, rc, classes, groups, stats, boot, rng)
+
+
+#: The most windows a judgement holds (each side's per-window histograms take about 50 kB a window: 20,000 are
+#: two weeks of 60 s windows and about 1 GB) and the most window draws its bootstrap holds (resamples x windows).
+MAX_WINDOWS, MAX_RESAMPLED_WINDOWS = 20_000, 20_000_000
+
+
+def _check_resampled_size(num_windows: int, config: GateConfig) -> None:
+    draws = num_windows * config.resamples
+    if num_windows > MAX_WINDOWS or draws > MAX_RESAMPLED_WINDOWS:
+        raise ServelensError(
+            f"the runs span {num_windows:,} windows of {config.window_s:g} s, {draws:,} window draws with "
+            f"{config.resamples:,} resamples: the gate holds at most {MAX_WINDOWS:,} windows and {MAX_RESAMPLED_WINDOWS:,} draws",
+            "judge a shorter span (--since with --live), longer windows (window_s) or fewer resamples")
 
 
 def _of_class(r: Requests, name: str) -> np.ndarray:

@@ -341,3 +341,15 @@ def test_the_calibration_named_in_the_manifests_brings_its_held_out_error(tmp_pa
     off = compare_runs(*runs, dataclasses.replace(GATE, calibration_error=False))
     assert off.status == PASS and not any("calibration" in n for n in off.notes)
     assert calibration_errors(*runs)[0] == {"itl_mean": 0.2, "ttft_mean": 0.06}
+
+
+def test_windows_too_many_for_memory_are_refused_before_the_bootstrap_is_built():
+    """10 ms windows over the synthetic runs' span are tens of thousands of windows, each side's histograms
+    about 50 kB a window: refused with the way out, not a MemoryError minutes later."""
+    from servelens.errors import ServelensError
+
+    runs = [Run(label, synthetic_requests(seed=5), None, label, None, None) for label in ("baseline", "candidate")]
+    with pytest.raises(ServelensError, match=r"windows of 0\.01 s.*at most 20,000 windows") as err:
+        compare_runs(*runs, dataclasses.replace(GATE, window_s=0.01))
+    assert "longer windows (window_s)" in err.value.hint
+    assert compare_runs(*runs, GATE).status  # the same runs at 10 s windows are judged

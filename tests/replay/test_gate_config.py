@@ -70,6 +70,13 @@ def test_the_configuration_round_trips_and_bad_ones_are_named(tmp_path):
         "model_error:\n  - {metric: itl_mean, error: 5}\n": "a fraction",
         "metrics: 5\n": "metrics must be a list",
         "min_windows: many\n": "min_windows has value 'many'",
+        "min_windows: 2.7\n": "min_windows must be a whole number, not 2.7",
+        "window_s: .nan\n": "window_s must be a finite number, not nan",  # was an internal ValueError
+        "window_s: .inf\n": "window_s must be a finite number",             # an OverflowError
+        "window_s: 0\n": "window_s above 0",
+        "resamples: 1000000000\n": "resamples must be between 100 and 10,000",  # a MemoryError of 7 TiB
+        "conditions:\n  - {metric: attainment, at_least: .nan}\n": r"conditions\[0\]\.at_least must be a finite",
+        "metrics:\n  - {name: ttft_p99_s, allowed: 0.1, critical: 0.2}\n": r"metrics\[0\]\.bad is required",  # a TypeError
     }
     for text, message in cases.items():
         path.write_text(text)
