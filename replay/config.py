@@ -234,8 +234,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "max_num_batched_tokens", "max_num_seqs", "block_size_tokens", "swap_bandwidth_bytes_per_s")
-        if self.cpu_kv_offload_bytes < 0:
-            raise ReplayError(f"cpu_kv_offload_bytes must be >= 0, not {self.cpu_kv_offload_bytes}")
+        for name in ("cpu_kv_offload_bytes", "activation_reserve_bytes", "encoder_s_per_image_token"):
+            if getattr(self, name) < 0:
+                raise ReplayError(f"{name} must be >= 0, not {getattr(self, name)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ReplayError(f"gpu_memory_utilization must be in (0, 1], not {self.gpu_memory_utilization}")
         if not 0 <= self.kv_watermark_fraction < 1:

@@ -72,9 +72,9 @@ from replay.costmodel import StepShape
 from replay.errors import ReplayError
 from replay.policies.base import AdmissionDecision, Policy, register
 from replay.policies.predict import OutputLengthPredictor
-from replay.policies.sarathi import StallFreeChunks
+from replay.policies.sarathi import StallFreeChunks, check_chunk_settings
 from replay.policies.tenancy import ClassConfig, Tenancy, TenantBook
-from replay.policies.vtc import FairShare, Quotas
+from replay.policies.vtc import FairShare, Quotas, check_token_weights
 from replay.views import EngineView, RequestView
 from schemas.types import doc
 
@@ -154,6 +154,11 @@ class DeadlineConfig:
             )
         if self.history_requests < 1 or self.min_history < 1 or self.prior_output_tokens_high < 1:
             raise ReplayError("deadline: history_requests, min_history and prior_output_tokens_high must be >= 1")
+        if not 0 <= self.prior_output_tokens_low <= self.prior_output_tokens_high:
+            raise ReplayError("deadline: need 0 <= prior_output_tokens_low <= prior_output_tokens_high, not "
+                              f"{self.prior_output_tokens_low} and {self.prior_output_tokens_high}")
+        check_chunk_settings("deadline", self.step_time_share, self.min_chunk_tokens)
+        check_token_weights("deadline", self.input_token_weight, self.output_token_weight)
         if not self.drain_window_s > 0 or self.retry_after_min_s < 0:
             raise ReplayError("deadline: drain_window_s must be positive and retry_after_min_s non-negative")
         if self.min_degraded_output_tokens < 1 or self.min_branches < 1:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from replay.errors import ReplayError
 from replay.policies.base import Policy, register
 from replay.views import EngineView, RequestView
 from schemas.types import doc
@@ -24,6 +25,10 @@ class FcfsConfig:
     long_prefill_token_threshold: int = doc(
         "Most prompt tokens one request may put into a step (vLLM's long_prefill_token_threshold); 0: no cap.", 0
     )
+
+    def __post_init__(self) -> None:
+        if self.long_prefill_token_threshold < 0:
+            raise ReplayError(f"long_prefill_token_threshold must be >= 0 (0: no cap), not {self.long_prefill_token_threshold}")
 
 
 @register

@@ -24,17 +24,14 @@ from itertools import islice
 from replay.errors import ReplayError
 from replay.policies.base import Policy, register
 from replay.policies.batch import BatchSnapshot
+from replay.policies.fcfs import FcfsConfig
 from replay.views import EngineView, RequestView
 from schemas.types import doc
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class PrefillFirstConfig:
-    """Settings of the prefill-first policy."""
-
-    long_prefill_token_threshold: int = doc(
-        "Most prompt tokens one request may put into a step (vLLM's long_prefill_token_threshold); 0: no cap.", 0
-    )
+class PrefillFirstConfig(FcfsConfig):
+    """Settings of the prefill-first policy: FCFS's (the per-request prefill cap)."""
 
 
 @register

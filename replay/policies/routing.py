@@ -278,6 +278,12 @@ class GieConfig:
     prefix_weight: float = doc("Weight of the prefix-cache scorer.", 3.0)
     shedding: SheddingConfig | None = doc("When sheddable classes are shed (None: never).", None)
 
+    def __post_init__(self) -> None:
+        weights = (self.queue_weight, self.kv_weight, self.prefix_weight)
+        if min(weights) < 0:
+            raise ReplayError(f"gie: scorer weights must be non-negative, not {weights}",
+                              "a scorer that should not count has weight 0")
+
 
 @register_router
 class GieRouter(Router):

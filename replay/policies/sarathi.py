@@ -38,10 +38,18 @@ class SarathiConfig:
     min_chunk_tokens: int = doc("A step with no prefill yet takes at least this many prompt tokens.", 32)
 
     def __post_init__(self) -> None:
-        if not 0 < self.step_time_share <= 1:
-            raise ReplayError(f"sarathi: step_time_share must be in (0, 1], not {self.step_time_share}")
-        if self.min_chunk_tokens < 1:
-            raise ReplayError("sarathi: min_chunk_tokens must be at least 1")
+        check_chunk_settings("sarathi", self.step_time_share, self.min_chunk_tokens, self.default_itl_objective_s)
+
+
+def check_chunk_settings(policy: str, step_time_share: float, min_chunk_tokens: int,
+                         default_itl_objective_s: float | None = None) -> None:
+    """The stall-free chunk rule's settings, as ``sarathi`` and ``deadline`` both take them."""
+    if not 0 < step_time_share <= 1:
+        raise ReplayError(f"{policy}: step_time_share must be in (0, 1], not {step_time_share}")
+    if min_chunk_tokens < 1:
+        raise ReplayError(f"{policy}: min_chunk_tokens must be at least 1, not {min_chunk_tokens}")
+    if default_itl_objective_s is not None and not default_itl_objective_s > 0:
+        raise ReplayError(f"{policy}: default_itl_objective_s must be positive (or absent), not {default_itl_objective_s}")
 
 
 class StallFreeChunks:

@@ -49,10 +49,16 @@ class VtcConfig:
     quota_retry_after_min_s: float = doc("Shortest retry-after a quota rejection sends, seconds.", 1.0)
 
     def __post_init__(self) -> None:
-        if self.input_token_weight < 0 or self.output_token_weight < 0:
-            raise ReplayError("vtc: token weights must be non-negative integers")
+        check_token_weights("vtc", self.input_token_weight, self.output_token_weight)
         if self.quota_output_tokens < 0 or self.quota_retry_after_min_s < 0:
             raise ReplayError("vtc: quota_output_tokens and quota_retry_after_min_s must be non-negative")
+
+
+def check_token_weights(policy: str, input_token_weight: int, output_token_weight: int) -> None:
+    """Service per token must count up: a negative weight would rank the heaviest tenant first."""
+    if input_token_weight < 0 or output_token_weight < 0:
+        raise ReplayError(f"{policy}: token weights must be non-negative integers, not {input_token_weight} and "
+                          f"{output_token_weight}")
 
 
 class FairShare:

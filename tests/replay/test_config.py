@@ -79,7 +79,7 @@ def test_engine_defaults_are_vllm_v1s_and_validated():
     assert (e.max_num_batched_tokens, e.max_num_seqs, e.block_size_tokens) == (2048, 128, 16)
     assert e.enable_chunked_prefill and e.enable_prefix_caching and e.preemption_mode == "recompute"
     for bad in ({"max_num_seqs": 0}, {"gpu_memory_utilization": 1.5}, {"preemption_mode": "migrate"},
-                {"kv_watermark_fraction": 1.0}):
+                {"kv_watermark_fraction": 1.0}, {"activation_reserve_bytes": -1}, {"encoder_s_per_image_token": -0.1}):
         with pytest.raises(ReplayError):
             EngineConfig(**bad)
 

@@ -40,6 +40,35 @@ def test_load_policy_config_builds_the_typed_config(tmp_path):
         load_policy_config("lottery", path)
 
 
+@pytest.mark.parametrize(("policy", "text", "message"), [
+    ("deadline", "step_time_share: 0\n", r"deadline: step_time_share must be in \(0, 1\]"),
+    ("deadline", "min_chunk_tokens: -5\n", "deadline: min_chunk_tokens must be at least 1"),
+    ("deadline", "input_token_weight: -1\n", "deadline: token weights must be non-negative"),
+    ("deadline", "prior_output_tokens_low: -3\n", "need 0 <= prior_output_tokens_low <= prior_output_tokens_high"),
+    ("deadline", "prior_output_tokens_low: 600\n", "need 0 <= prior_output_tokens_low"),  # above the default high, 512
+    ("sarathi", "default_itl_objective_s: 0\n", "default_itl_objective_s must be positive"),
+    ("fcfs", "long_prefill_token_threshold: -1\n", "long_prefill_token_threshold must be >= 0"),
+    ("prefill-first", "long_prefill_token_threshold: -1\n", "long_prefill_token_threshold must be >= 0"),
+])
+def test_settings_the_policies_cannot_mean_are_refused_by_name(tmp_path, policy, text, message):
+    """Each of these replayed silently before (a negative token weight ranks the heaviest tenant first)."""
+    path = tmp_path / "policy.yaml"
+    path.write_text(text)
+    with pytest.raises(ReplayError, match=message):
+        load_policy_config(policy, path)
+
+
+def test_a_negative_router_weight_is_refused(tmp_path):
+    from replay.policies.routing import load_router_config
+
+    path = tmp_path / "gie.yaml"
+    path.write_text("prefix_weight: -3\n")
+    with pytest.raises(ReplayError, match="gie: scorer weights must be non-negative"):
+        load_router_config("gie", path)
+    path.write_text("prefix_weight: 0\n")
+    assert load_router_config("gie", path).prefix_weight == 0.0
+
+
 def test_cli_replays_with_a_policy_config(tmp_path):
     workload = tmp_path / "w.parquet"
     pq.write_table(make_workload([0, 1_000_000], [10, 20], [3, 4], tenant=["chat-a", "x"]), workload)
