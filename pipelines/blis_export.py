@@ -9,11 +9,13 @@ it (a workload's ``prefix_block_size_tokens``: Mooncake's 512).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from privacy.views import coarsen_ns
 from replay.blis import BlisExport, BlisHeader, to_blis
 from replay.derive import derive_requests, read_events
 from replay.traces import BUNDLED_TRACES, detect_format
@@ -30,24 +32,51 @@ class ExportInputError(ServelensError):
     """The input of a BLIS export is not events, a workload or a trace, or holds invalid events."""
 
 
-def export_blis(source: str, shared: Path | None, *, header: BlisHeader, block_tokens: int | None = None) -> BlisExport:
+#: The events' timestamps an export writes (directly, or through the request table derived from them).
+TIME_COLUMNS = ("ts_ns", "ttft_deadline_ns", "e2e_deadline_ns", "client_sent_ns", "start_ns", "end_ns",
+                "first_byte_ns", "last_byte_ns")
+
+
+def export_blis(source: str, shared: Path | None, *, header: BlisHeader, block_tokens: int | None = None,
+                time_quantum_ns: int = 0) -> BlisExport:
     """``source`` (events file, workload Parquet, trace file or bundled trace name) as a trace v2.
 
     ``block_tokens`` (tokens per prefix block id) defaults to what the input records: a workload's
     ``prefix_block_size_tokens``; events do not record it (``to_blis`` then notes its default).
+    ``time_quantum_ns`` > 0 rounds every time of an events input down to that quantum before anything
+    is derived (``privacy.views.coarsen_ns``: a shareable trace of recorded traffic keeps its order and
+    bursts but not the sub-quantum timing where prefix-cache hits show); workloads and traces are
+    exported as they are.
     """
-    events, recorded = export_input(source, shared)
-    return to_blis(events, derive_requests(events), header=header,
-                   block_tokens=block_tokens if block_tokens is not None else recorded)
+    events, recorded, is_events = export_input(source, shared)
+    quantum = time_quantum_ns if is_events else 0
+    if quantum:
+        events = coarsened(events, quantum)
+    export = to_blis(events, derive_requests(events), header=header,
+                     block_tokens=block_tokens if block_tokens is not None else recorded)
+    return replace(export, time_quantum_ns=quantum)
 
 
-def export_input(source: str, shared: Path | None) -> tuple[pa.Table, int | None]:
-    """(events, the prefix block size they were recorded with, if known) of an export's input."""
+def coarsened(events: pa.Table, quantum_ns: int) -> pa.Table:
+    """``events`` with each of its ``TIME_COLUMNS`` rounded down to ``quantum_ns`` (nulls stay null)."""
+    for name in TIME_COLUMNS:
+        if name not in events.column_names:
+            continue
+        column = events[name].combine_chunks()
+        rounded = coarsen_ns(column.fill_null(0).to_numpy(), quantum_ns)
+        mask = column.is_null().to_numpy(zero_copy_only=False)
+        events = events.set_column(events.column_names.index(name), events.field(name),
+                                   pa.array(rounded, type=column.type, mask=mask))
+    return events
+
+
+def export_input(source: str, shared: Path | None) -> tuple[pa.Table, int | None, bool]:
+    """(events, the prefix block size they were recorded with if known, whether the input was events)."""
     path = Path(source)
     if source not in BUNDLED_TRACES and path.is_file() and _is_events(path):
-        return read_events(path), None
+        return read_events(path), None, True
     workload = load_workload(source, shared).table
-    return arrival_events(workload, engine_id=f"trace:{source}"), _prefix_block_tokens(workload)
+    return arrival_events(workload, engine_id=f"trace:{source}"), _prefix_block_tokens(workload), False
 
 
 def _is_events(path: Path) -> bool:

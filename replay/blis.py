@@ -326,6 +326,7 @@ class BlisExport:
     unknown_output_ids: tuple[str, ...] = ()  # requests with no recorded output length (as exported)
     num_without_arrival: int = 0  # requests left out: no request_arrived event
     assumed_block_tokens: int | None = None  # set when prefix block ids were taken to be this size, unsaid
+    time_quantum_ns: int = 0  # the events' times were rounded down to this quantum before the export (0: exact)
 
     @property
     def warnings(self) -> tuple[str, ...]:
@@ -354,6 +355,10 @@ class BlisExport:
         else:
             out.append(f"the recorded requests end after blis replay's default horizon ({self.default_horizon_us} us, "
                        f"2 x the last arrival): run it with --horizon {self.horizon_us}")
+        if self.time_quantum_ns:
+            out.append(f"every time was rounded down to {self.time_quantum_ns / 1e6:g} ms (privacy.export_time_quantum_ms): "
+                       "the order and the bursts are kept, sub-quantum timing (where prefix-cache hits show) is not; "
+                       "--time-quantum-ms 0 keeps exact times, for a trace that stays in-house")
         if self.assumed_block_tokens:
             out.append(f"prefix block ids taken as {self.assumed_block_tokens} tokens each (vLLM's default): give the "
                        "block size (--block-tokens) when they name larger blocks (Mooncake: 512)")

@@ -290,15 +290,20 @@ def trace_stats(ctx: click.Context, trace_name: str) -> None:
 @click.option("--block-tokens", type=click.IntRange(min=1),
               help="Tokens per prefix block id. Default: a workload's or trace's own (Mooncake: 512); for events, "
                    "which do not record it, 16 (vLLM's).")
+@click.option("--time-quantum-ms", type=click.IntRange(min=0), metavar="MS",
+              help="With --mode real, round an events input's times down to this quantum (default "
+                   "privacy.export_time_quantum_ms, 100): a shareable trace hides the sub-quantum timing where "
+                   "prefix-cache hits show (docs/privacy.md). 0 keeps exact times.")
 @click.pass_context
 def trace_to_blis(ctx: click.Context, source: str, out: Path, mode: str, model: str | None,
-                  block_tokens: int | None) -> None:
+                  block_tokens: int | None, time_quantum_ms: int | None) -> None:
     """Export INPUT as a BLIS (inference-sim) trace v2 that `blis replay` runs as is (docs/interop.md).
 
     INPUT is events (JSONL or Parquet; real or replayed), a workload (Parquet), or a trace: a
     bundled name (mooncake, ...) or an Azure, Mooncake, BurstGPT or BLIS file. Times start at the
     first arrival; prefix block ids become BLIS prefix groups. Requests whose output length the
-    input does not record are counted in a warning (stderr and the header).
+    input does not record are counted in a warning (stderr and the header). Recorded events
+    exported as --mode real have their times rounded down to 100 ms (--time-quantum-ms).
 
     \b
     Example:
@@ -311,7 +316,10 @@ def trace_to_blis(ctx: click.Context, source: str, out: Path, mode: str, model: 
 
     header = BlisHeader(mode=mode, created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                         server=BlisServer(model=model) if model else None)
-    export = export_blis(source, _shared_or_none(ctx, source), header=header, block_tokens=block_tokens)
+    if time_quantum_ms is None:
+        time_quantum_ms = _config(ctx).privacy.export_time_quantum_ms
+    export = export_blis(source, _shared_or_none(ctx, source), header=header, block_tokens=block_tokens,
+                         time_quantum_ns=time_quantum_ms * 1_000_000 if mode == "real" else 0)
     write_blis(export.header, export.rows, out.with_suffix(".yaml"), out, export.comments)
     for warning in export.warnings:
         click.echo(f"warning: {warning}", err=True)

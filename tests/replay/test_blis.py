@@ -452,3 +452,32 @@ def test_rounds_are_numbered_within_each_session_in_arrival_order():
                               for i, session in enumerate(["a", "b", None, "a", "b", "a"])])
     # BLIS's closed-loop replay refuses a session whose rounds are not 0, 1, 2, ...
     assert export(events).rows["round_index"].to_pylist() == ["0", "0", "0", "1", "1", "2"]
+
+
+def test_recorded_events_exported_as_real_traffic_have_their_times_rounded_down_to_the_privacy_quantum(tmp_path):
+    """A shareable trace keeps order and bursts but not sub-quantum timing (docs/privacy.md, Exported traces):
+    a 3 ms TTFT, the size of a prefix-cache hit's saving, is not in it; --mode replayed and 0 keep exact times."""
+    from click.testing import CliRunner
+
+    from schemas.wire import iter_table_json, write_jsonl
+    from servelens.cli import cli
+
+    ms = 1_000_000
+    events = [*_lifecycle("a", 1_250 * ms, first_ns=1_253 * ms, finish=("completed", 5)),
+              *_lifecycle("b", 1_420 * ms, first_ns=1_561 * ms, finish=("completed", 5))]
+    write_jsonl(iter_table_json(events_to_table(events)), tmp_path / "e.jsonl")
+    runner = CliRunner()
+    times = {}
+    for name, args in {"real": [], "exact": ["--time-quantum-ms", "0"], "replayed": ["--mode", "replayed"],
+                       "coarser": ["--time-quantum-ms", "500"]}.items():
+        result = runner.invoke(cli, ["trace", "to-blis", str(tmp_path / "e.jsonl"), "--out", str(tmp_path / name / "t.csv"),
+                                     *args])
+        assert result.exit_code == 0, result.output
+        back = read_blis(tmp_path / name / "t.yaml", tmp_path / name / "t.csv").records
+        times[name] = (back["arrival_time_us"].to_pylist(), back["first_chunk_time_us"].to_pylist())
+        rounded = "every time was rounded down to" in (tmp_path / name / "t.yaml").read_text()
+        assert rounded == (name in ("real", "coarser")), name
+    # from the first arrival (1,200 ms rounded, 1,250 exact), in microseconds
+    assert times["real"] == ([0, 200_000], [0, 300_000])
+    assert times["exact"] == times["replayed"] == ([0, 170_000], [3_000, 311_000])
+    assert times["coarser"] == ([0, 0], [0, 500_000])  # 1,000 ms is the origin; b's first token at 1,500
