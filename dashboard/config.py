@@ -21,7 +21,8 @@ from pipelines.config import LakeConfig
 from privacy.config import PrivacyConfig
 from schemas.types import doc
 from servelens import layout
-from servelens.settings import build, read_settings
+from servelens.errors import ConfigError
+from servelens.settings import build, check_bounds, read_settings
 
 #: Environment variable carrying the resolved settings from ``serve`` to the Streamlit process.
 SETTINGS_ENV = "SERVELENS_DASHBOARD_SETTINGS"
@@ -75,6 +76,11 @@ class DashboardConfig:
         "rebuilt when it finds one).",
         60.0,
     )
+
+    def __post_init__(self) -> None:
+        check_bounds("dashboard", self, at_least={"port": 1, "max_points": 2}, above={"refresh_interval_s": 0})
+        if self.port > 65_535:
+            raise ConfigError(f"dashboard.port must be a TCP port, 1 to 65535, not {self.port}")
 
 
 @dataclass(frozen=True, slots=True)

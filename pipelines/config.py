@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from schemas.types import doc
+from servelens.errors import ConfigError
+from servelens.settings import check_bounds
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +30,9 @@ class LakeConfig:
         "secret; its values win over the same variables in the environment. Never logged.",
         None,
     )
+
+    def __post_init__(self) -> None:
+        check_bounds("lake", self, at_least={"target_file_bytes": 1, "compact_min_files": 2, "vacuum_retention_hours": 0})
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +92,17 @@ class IngestConfig:
         600.0,
     )
 
+    def __post_init__(self) -> None:
+        check_bounds("ingest", self, at_least={
+            "poll_max_records": 1, "switch_interval_ms": 0, "flush_max_events": 1, "commits_in_flight": 1,
+            "max_message_bytes": 1, "max_json_depth": 0, "max_future_skew_s": 0, "dedup_window_events": 1,
+            "session_timeout_ms": 1, "heartbeat_interval_ms": 1, "compact_interval_s": 0},
+            above={"flush_interval_s": 0, "status_interval_s": 0})
+        if self.heartbeat_interval_ms >= self.session_timeout_ms:
+            raise ConfigError(f"ingest.heartbeat_interval_ms ({self.heartbeat_interval_ms}) must be below "
+                              f"ingest.session_timeout_ms ({self.session_timeout_ms})",
+                              "Kafka's rule: a third of it or less (the defaults: 3,000 and 10,000)")
+
 
 @dataclass(frozen=True, slots=True)
 class NightlyConfig:
@@ -121,3 +137,6 @@ class DagsterConfig:
     celery_backend: str = doc("The Celery executor's result backend.", "rpc://")
     k8s_namespace: str | None = doc("Namespace of the k8s executor's step Jobs; unset: the run's own.", None)
     k8s_image: str | None = doc("Image of the k8s executor's step Jobs; unset: the run's own (the servelens image).", None)
+
+    def __post_init__(self) -> None:
+        check_bounds("dagster", self, at_least={"max_concurrent_steps": 0})

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from schemas.types import doc
 from servelens.errors import ServelensError
+from servelens.settings import check_bounds
 
 #: Compression codecs the emitter accepts, each with the Python package kafka-python needs for it.
 COMPRESSION_PACKAGES: dict[str, str | None] = {
@@ -75,6 +76,12 @@ class KafkaConfig:
         "on restart, and consumers de-duplicate retried events by event_id anyway.",
         False,
     )
+
+    def __post_init__(self) -> None:
+        check_bounds("kafka", self, at_least={
+            "num_partitions": 1, "linger_ms": 0, "batch_bytes": 1, "max_buffered_events": 1, "delivery_timeout_ms": 1,
+            "max_block_ms": 0, "reconnect_backoff_ms": 0, "reconnect_backoff_max_ms": 0},
+            above={"connect_timeout_s": 0})
 
 
 class BrokerUnreachableError(ServelensError):

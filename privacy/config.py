@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from schemas.types import doc
 from servelens.errors import ConfigError
+from servelens.settings import check_bounds
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,12 +54,10 @@ class PrivacyConfig:
     def __post_init__(self) -> None:
         """Each bound is a privacy guarantee: a setting that would lift one silently is refused by name
         (a negative length cut would keep all but a character; a budget of 0 or k of 0, nothing)."""
-        at_least = {"tenant_budget": 1, "model_budget": 1, "adapter_budget": 1, "instance_budget": 1, "label_budget": 1,
-                    "sketch_factor": 1, "min_group_size": 1, "label_max_chars": 1, "text_max_chars": 0,
-                    "scrub_budget_per_batch": 0, "export_time_quantum_ms": 0, "hysteresis_margin": 0}
-        for name, least in at_least.items():
-            if getattr(self, name) < least:
-                raise ConfigError(f"privacy.{name} must be at least {least}, not {getattr(self, name)}")
+        check_bounds("privacy", self, at_least={
+            "tenant_budget": 1, "model_budget": 1, "adapter_budget": 1, "instance_budget": 1, "label_budget": 1,
+            "sketch_factor": 1, "min_group_size": 1, "label_max_chars": 1, "text_max_chars": 0,
+            "scrub_budget_per_batch": 0, "export_time_quantum_ms": 0, "hysteresis_margin": 0})
         if not 0 <= self.score_threshold <= 1:
             raise ConfigError(f"privacy.score_threshold is a Presidio score, between 0 and 1, not {self.score_threshold}",
                               "0.35 (the default) redacts phone numbers and keeps weak guesses out")

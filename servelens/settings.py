@@ -74,6 +74,19 @@ def _number(value: Any, kind: type, key: str) -> int | float | None:
     return int(value)
 
 
+def check_bounds(section: str, config: object, *, at_least: Mapping[str, float] = {},
+                 above: Mapping[str, float] = {}) -> None:
+    """Refuse, naming it, the first setting of ``config`` below its ``at_least`` bound or not above its
+    ``above`` bound (a section's ``__post_init__`` calls it: a count of 0 or a negative time is refused
+    where it is set, not found as a hang or a lost guarantee later)."""
+    for name, least in at_least.items():
+        if getattr(config, name) < least:
+            raise ConfigError(f"{section}.{name} must be at least {least:g}, not {getattr(config, name)}")
+    for name, bound in above.items():
+        if not getattr(config, name) > bound:
+            raise ConfigError(f"{section}.{name} must be above {bound:g}, not {getattr(config, name)}")
+
+
 def build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
     """A frozen dataclass from a mapping (TOML, YAML, environment): types checked, nested sections
     and lists of sections built, unknown keys refused with the valid ones listed."""

@@ -61,6 +61,22 @@ def test_settings_that_are_not_finite_or_not_whole_or_missing_are_named():
             build(Section, data)
 
 
+@pytest.mark.parametrize(("env", "message"), [
+    ({"SERVELENS_INGEST__DEDUP_WINDOW_EVENTS": "0"}, "ingest.dedup_window_events must be at least 1"),  # retries stored twice
+    ({"SERVELENS_INGEST__MAX_MESSAGE_BYTES": "-1"}, "ingest.max_message_bytes must be at least 1"),
+    ({"SERVELENS_INGEST__FLUSH_INTERVAL_S": "0"}, "ingest.flush_interval_s must be above 0"),
+    ({"SERVELENS_INGEST__HEARTBEAT_INTERVAL_MS": "20000"}, "must be below ingest.session_timeout_ms"),
+    ({"SERVELENS_KAFKA__NUM_PARTITIONS": "0"}, "kafka.num_partitions must be at least 1"),
+    ({"SERVELENS_KAFKA__CONNECT_TIMEOUT_S": "-5"}, "kafka.connect_timeout_s must be above 0"),
+    ({"SERVELENS_LAKE__COMPACT_MIN_FILES": "1"}, "lake.compact_min_files must be at least 2"),
+    ({"SERVELENS_DASHBOARD__PORT": "70000"}, "dashboard.port must be a TCP port"),
+    ({"SERVELENS_DAGSTER__MAX_CONCURRENT_STEPS": "-1"}, "dagster.max_concurrent_steps must be at least 0"),
+])
+def test_out_of_range_settings_are_refused_where_they_are_set(env, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(env=env)
+
+
 def test_missing_shared_data_says_where_it_looked_and_where_to_get_it(tmp_path):
     config = load_config(env={"SERVELENS_SHARED_DIR": str(tmp_path / "nowhere")})
     with pytest.raises(DataNotFoundError, match="shared data not found") as err:
