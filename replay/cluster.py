@@ -134,6 +134,19 @@ class ScalingDelays:
         return round(self.startup_s * 1e9), round(load_s * 1e9), round(self.cache_warm_s * 1e9)
 
 
+#: The latest time a schedule may name, seconds after the first arrival (about 31 years: nanoseconds of it
+#: still fit the kernel's 64-bit clock), and the most instances a cluster may ever hold (initial, decode
+#: and scaled up: each is an engine with its KV pool in memory).
+MAX_SCHEDULE_S = 1e9
+MAX_INSTANCES = 10_000
+
+
+def _check_time(what: object, at_s: float) -> None:
+    if not 0 <= at_s <= MAX_SCHEDULE_S:
+        raise ReplayError(f"{what}: the time must be between 0 and {MAX_SCHEDULE_S:g} s after the first arrival, "
+                          f"not {at_s:g}")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ScaleStep:
     """One step of a fixed scaling schedule."""
@@ -143,8 +156,9 @@ class ScaleStep:
     instance: InstanceConfig | None = doc("Configuration of added instances (None: the cluster's first).", None)
 
     def __post_init__(self) -> None:
-        if self.at_s < 0 or self.delta == 0:
-            raise ReplayError(f"scale step at {self.at_s} s by {self.delta}: the time must be >= 0 and the delta non-zero")
+        _check_time("scale step", self.at_s)
+        if self.delta == 0:
+            raise ReplayError(f"scale step at {self.at_s} s by 0: the delta must be non-zero")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -161,8 +175,9 @@ class MigrationStep:
     keep_kv: bool = doc("True: its KV moves with it (a transfer); False: it is recomputed at the destination.", True)
 
     def __post_init__(self) -> None:
-        if self.at_s < 0 or self.instance < 0 or self.request_rank < 0:
-            raise ReplayError(f"migration step {self}: time, instance and rank must be >= 0")
+        _check_time("migration step", self.at_s)
+        if self.instance < 0 or self.request_rank < 0:
+            raise ReplayError(f"migration step {self}: instance and rank must be >= 0")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -173,8 +188,9 @@ class InstanceFailure:
     instance: int = doc("The instance, by creation index (nothing happens if it is not up then).")
 
     def __post_init__(self) -> None:
-        if self.at_s < 0 or self.instance < 0:
-            raise ReplayError(f"instance failure {self}: time and instance must be >= 0")
+        _check_time("instance failure", self.at_s)
+        if self.instance < 0:
+            raise ReplayError(f"instance failure {self}: the instance must be >= 0")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -235,6 +251,12 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if not self.instances:
             raise ReplayError("a cluster needs at least one instance")
+        most = max(len(self.instances) + len(self.decode_instances) + sum(max(0, s.delta) for s in self.scaling),
+                   getattr(self.autoscaler_config, "max_instances", 0))
+        if most > MAX_INSTANCES:
+            raise ReplayError(f"the cluster could hold {most:,} instances (initial, decode, scaled up or the autoscaler's "
+                              f"max_instances): at most "
+                              f"{MAX_INSTANCES:,}", "model a larger fleet as a sample of it at the same load per instance")
         if self.autoscaler is not None:
             from replay.policies.autoscale import autoscaler_class
 

@@ -22,6 +22,7 @@ import click
 
 from schemas.validate import UnreadableFileError, read_parquet_table
 from servelens import __version__, layout
+from servelens.click_types import Finite
 from servelens.config import Config, load_config, shared_dir
 from servelens.engine_options import DEFAULT_ENGINE, ENGINE_HELP, engine_instance, vllm_options
 from servelens.errors import ServelensError
@@ -486,7 +487,7 @@ def metrics() -> None:
 @click.option("--format", "fmt", type=click.Choice(["prometheus", "otlp-json", "openmetrics"]), default="prometheus",
               show_default=True, help="Prometheus text exposition (one snapshot), an OTLP ExportMetricsServiceRequest "
               "in JSON, or an OpenMetrics time series for `promtool tsdb create-blocks-from openmetrics`.")
-@click.option("--interval-s", type=click.FloatRange(min=0, min_open=True), default=15.0, show_default=True,
+@click.option("--interval-s", type=Finite(min=0, min_open=True), default=15.0, show_default=True,
               help="openmetrics: one cumulative point per interval (requests observed when they finish).")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Output file; default: standard output.")
 @click.option("--labels", default="model", show_default=True,
@@ -701,7 +702,7 @@ def broker(ctx: click.Context, port: int | None) -> None:
 
 @cli.group(invoke_without_command=True)
 @click.option("--max-records", type=click.IntRange(min=1), default=None, help="Stop after reading this many records.")
-@click.option("--idle-exit-s", type=click.FloatRange(min=0), default=None, help="Stop after this long with nothing to read.")
+@click.option("--idle-exit-s", type=Finite(min=0), default=None, help="Stop after this long with nothing to read.")
 @click.option("--name", "consumer_name", default=None, help="This process's name in logs and status files.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 @click.pass_context
@@ -871,26 +872,26 @@ def _cluster_options(command):
                      help="YAML file of the router's settings, e.g. shedding: {sheddable_classes: [batch]}."),
         click.option("--scale", multiple=True, expose_value=False, callback=_stash("scale"),
                      help="Scaling step AT_S:+N or AT_S:-N (seconds after the first arrival; repeatable), e.g. 120:+2."),
-        click.option("--startup-s", type=float, expose_value=False, callback=_stash("startup_s"),
+        click.option("--startup-s", type=Finite(), expose_value=False, callback=_stash("startup_s"),
                      help="An added instance's start-up delay, seconds (default 30)."),
-        click.option("--weight-load-s", type=float, expose_value=False, callback=_stash("weight_load_s"),
+        click.option("--weight-load-s", type=Finite(), expose_value=False, callback=_stash("weight_load_s"),
                      help="Its weight-loading delay, seconds (default: weight bytes / --weight-load-gbps)."),
-        click.option("--weight-load-gbps", type=float, expose_value=False, callback=_stash("weight_load_gbps"),
+        click.option("--weight-load-gbps", type=Finite(), expose_value=False, callback=_stash("weight_load_gbps"),
                      help="Bandwidth weights load at, GB/s (default 2)."),
-        click.option("--cache-warm-s", type=float, expose_value=False, callback=_stash("cache_warm_s"),
+        click.option("--cache-warm-s", type=Finite(), expose_value=False, callback=_stash("cache_warm_s"),
                      help="Its cache warm-up delay after loading, seconds (default 10)."),
         click.option("--decode-instances", type=int, expose_value=False, callback=_stash("decode_instances"),
                      help="Disaggregated serving: this many decode instances; --instances is then the prefill pool."),
         click.option("--decode-router", expose_value=False, callback=_stash("decode_router"),
                      help="Router of the decode pool (default least-outstanding-tokens)."),
-        click.option("--kv-transfer-gbps", type=float, expose_value=False, callback=_stash("kv_transfer_gbps"),
+        click.option("--kv-transfer-gbps", type=Finite(), expose_value=False, callback=_stash("kv_transfer_gbps"),
                      help="Bandwidth of an instance's link for KV leaving it, GB/s (default 50)."),
-        click.option("--kv-transfer-latency-s", type=float, expose_value=False, callback=_stash("kv_transfer_latency_s"),
+        click.option("--kv-transfer-latency-s", type=Finite(), expose_value=False, callback=_stash("kv_transfer_latency_s"),
                      help="Latency added to every KV transfer, seconds (default 0.00002)."),
         click.option("--fail", multiple=True, expose_value=False, callback=_stash("fail"),
                      help="Instance failure AT_S:INDEX (seconds after the first arrival, instance by creation index; "
                           "repeatable), e.g. 300:1."),
-        click.option("--failure-rate-per-hour", type=float, expose_value=False, callback=_stash("failure_rate_per_hour"),
+        click.option("--failure-rate-per-hour", type=Finite(), expose_value=False, callback=_stash("failure_rate_per_hour"),
                      help="Random instance failures per hour over the cluster (seeded by --seed), within the first hour."),
         click.option("--autoscaler", expose_value=False, callback=_stash("autoscaler"),
                      help="Autoscaler that sizes an aggregated cluster as it runs: request-rate, workload-aware "
@@ -898,9 +899,9 @@ def _cluster_options(command):
         click.option("--autoscaler-config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
                      expose_value=False, callback=_stash("autoscaler_config_file"),
                      help="YAML file of the autoscaler's settings, e.g. {target_requests_per_s: 4, max_instances: 16}."),
-        click.option("--autoscale-interval-s", type=float, expose_value=False, callback=_stash("autoscale_interval_s"),
+        click.option("--autoscale-interval-s", type=Finite(), expose_value=False, callback=_stash("autoscale_interval_s"),
                      help="Seconds between the autoscaler's decisions (default 15)."),
-        click.option("--autoscale-window-s", type=float, expose_value=False, callback=_stash("autoscale_window_s"),
+        click.option("--autoscale-window-s", type=Finite(), expose_value=False, callback=_stash("autoscale_window_s"),
                      help="Seconds of arrivals each decision measures (default 60)."),
     ]
     for option in reversed(options):
@@ -1108,7 +1109,7 @@ def _fitted_profile(ctx: click.Context, profile_path: Path, *, full_layers: bool
 @click.option("--repeats", type=click.IntRange(min=1), default=None,
               help="Timed runs per shape [default: 7 on cuda, 5 (tiny) or 3 on cpu].")
 @click.option("--warmup", type=click.IntRange(min=0), default=None, help="Untimed runs per shape first [default: 3 on cuda, 1 on cpu].")
-@click.option("--max-seconds", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--max-seconds", type=Finite(min=0, min_open=True), default=None,
               help="Time box: stop sweeping after this long (the profile says so).")
 @click.option("--threads", "num_threads", type=click.IntRange(min=1), default=None, help="torch CPU threads [default: torch's].")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of weights, tokens, shape order and the held-out split.")
@@ -1336,7 +1337,7 @@ def _gate_runs(ctx: click.Context, baseline: Path | None, candidate: Path | None
 @click.option("--candidates", default=None,
               help="Comma-separated candidate policies judged against nightly.production [default: sarathi,vtc,deadline].")
 @click.option("--loads", default=None, help="Comma-separated load scenarios [default: 1x,2x].")
-@click.option("--speedup", type=click.FloatRange(min=0, min_open=True), default=100.0, show_default=True,
+@click.option("--speedup", type=Finite(min=0, min_open=True), default=100.0, show_default=True,
               help="Emit the engine fleet's events this many times faster than recorded (bursts kept).")
 @click.option("--requests", "num_requests", type=click.IntRange(min=100), default=None,
               help="Only the trace's first N requests (a quicker look) [default: all].")

@@ -20,6 +20,7 @@ import click
 from replay.calibration import Calibration, calibration_named
 from replay.config import InstanceConfig
 from replay.vllm import VllmSettings, read_vllm_settings, vllm_instance
+from servelens.click_types import Finite
 from servelens.config import Config, shared_dir
 from servelens.errors import DataNotFoundError, ServelensError
 
@@ -53,7 +54,8 @@ def _option(f: dataclasses.Field) -> Callable:
                             help=help_text)
     click_type = int if "int" in kind else float if "float" in kind else str
     metavar = {int: "N", float: "X", str: "NAME"}[click_type]
-    return click.option(flag, *_ALIASES.get(f.name, ()), type=click_type, default=None, expose_value=False,
+    return click.option(flag, *_ALIASES.get(f.name, ()), type=Finite() if click_type is float else click_type,
+                        default=None, expose_value=False,
                         callback=_stash(f.name), metavar=metavar, help=help_text)
 
 

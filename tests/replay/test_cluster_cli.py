@@ -38,6 +38,12 @@ def test_cluster_options_fail_cleanly(tmp_path):
         (["--scale", "5:2"], "is not AT_S:+N or AT_S:-N"),
         (["--instances", "0"], "--instances must be at least 1"),
         (["--instances", "1", "--scale", "5:-1"], "leaves 0 instances"),
+        # each of these was an internal OverflowError, a replay that never ended, or taken as given
+        (["--instances", "2", "--fail", "1e20:1"], "instance failure: the time must be between 0 and 1e+09 s"),
+        (["--scale", "nan:+1"], "scale step: the time must be between 0"),
+        (["--instances", "2", "--scale", "600:+100000"], "could hold 100,002 instances"),
+        (["--instances", "2", "--failure-rate-per-hour", "nan"], "'nan' is not a finite number"),
+        (["--gpu-memory-utilization", "inf"], "'inf' is not a finite number"),
     ):
         proc = servelens("replay", "--workload", "azure-conv", "--requests", "50", *args, "--out", str(tmp_path / "x"))
         assert proc.returncode == 3 and message in proc.stderr and "Traceback" not in proc.stderr, (args, proc.stderr)

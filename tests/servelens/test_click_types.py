@@ -1,0 +1,23 @@
+"""The CLI's shared parameter types."""
+
+from __future__ import annotations
+
+import click
+from click.testing import CliRunner
+
+from servelens.click_types import Finite
+
+
+@click.command()
+@click.option("--rate", type=Finite(min=0, min_open=True), required=True)
+def _command(rate: float) -> None:
+    click.echo(f"rate {rate}")
+
+
+def test_finite_refuses_nan_and_inf_and_keeps_its_range():
+    runner = CliRunner()
+    assert runner.invoke(_command, ["--rate", "2.5"]).output == "rate 2.5\n"
+    for value, message in (("nan", "'nan' is not a finite number"), ("inf", "'inf' is not a finite number"),
+                           ("-inf", "-inf"), ("0", "not in the range x>0"), ("fast", "'fast' is not a valid")):
+        result = runner.invoke(_command, ["--rate", value])
+        assert result.exit_code == 2 and message in result.output, (value, result.output)
