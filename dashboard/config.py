@@ -78,9 +78,9 @@ class DashboardConfig:
     )
 
     def __post_init__(self) -> None:
-        check_bounds("dashboard", self, at_least={"port": 1, "max_points": 2}, above={"refresh_interval_s": 0})
+        check_bounds("dashboard", self, at_least={"port": 0, "max_points": 2}, above={"refresh_interval_s": 0})
         if self.port > 65_535:
-            raise ConfigError(f"dashboard.port must be a TCP port, 1 to 65535, not {self.port}")
+            raise ConfigError(f"dashboard.port must be a TCP port, 0 to 65535 (0: a free one), not {self.port}")
 
 
 @dataclass(frozen=True, slots=True)
