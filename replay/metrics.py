@@ -302,8 +302,8 @@ def max_backlogged_gap(r: Requests, weights: dict[str, float], window_s: float) 
     measure, per window)."""
     if not r.size:
         return None
-    windows = np.floor(r.arrival_s / window_s).astype(np.int64)
-    windows -= windows.min()
+    # the windows that hold arrivals, numbered densely: a run's span may be years between two requests
+    _, windows = np.unique(np.floor(r.arrival_s / window_s).astype(np.int64), return_inverse=True)
     num_t = len(r.tenant_names)
     cell = windows * num_t + r.tenant_code
     size = (windows.max() + 1) * num_t
@@ -321,10 +321,15 @@ def flaps(r: Requests) -> int:
     """Times the admission controller switched between rejecting and not rejecting, by 1 s windows."""
     if not r.size:
         return 0
-    seconds = np.floor(r.arrival_s).astype(np.int64)
-    rejecting = np.zeros(seconds.max() - seconds.min() + 1, dtype=bool)
-    np.logical_or.at(rejecting, seconds[r.rejected] - seconds.min(), True)
-    return int(np.count_nonzero(rejecting[1:] != rejecting[:-1]))
+    seconds, second = np.unique(np.floor(r.arrival_s).astype(np.int64), return_inverse=True)
+    rejecting = np.zeros(len(seconds), dtype=bool)
+    np.logical_or.at(rejecting, second[r.rejected], True)
+    # the seconds between two with arrivals reject nothing: one False stands for each such gap (sparse, so a
+    # span of years between two requests costs nothing)
+    gaps = np.diff(seconds) > 1
+    sequence = np.zeros(len(seconds) + int(gaps.sum()), dtype=bool)
+    sequence[np.arange(len(seconds)) + np.concatenate([[0], np.cumsum(gaps)])] = rejecting
+    return int(np.count_nonzero(sequence[1:] != sequence[:-1]))
 
 
 def attribution(r: Requests, steps: Steps | None) -> np.ndarray:

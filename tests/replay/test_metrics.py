@@ -137,3 +137,18 @@ def _twice():
     from replay.presets import LoadShape
 
     return LoadShape(load=2)
+
+
+def test_metrics_over_a_span_of_decades_between_two_requests_stay_sparse():
+    """Per-window and per-second figures are built over the windows that hold arrivals: a request 30 years
+    after the others (a clock gone wrong) used to allocate every second between them (gigabytes)."""
+    requests, events = _run()
+    late = events_to_table(_request("r5", "tn_b", 1e9, 0.3, "completed"))
+    far_events = pa.concat_tables([events, late])
+    values = run_metrics(derive_requests(far_events), far_events, CONFIG)
+    near = run_metrics(requests, events, CONFIG)
+    # flaps: rejecting in second 2 only, so on at 2 and off at 3: 2 switches, over each run's own span
+    assert _value(near, "admission_flaps_per_hour") == pytest.approx(2 / (10.5 / 3600))
+    assert _value(values, "admission_flaps_per_hour") == pytest.approx(2 / ((1e9 + 0.5) / 3600))
+    # the backlog gap of the first window (tn_a 32 against tn_b's 0) is unchanged; r5's window has one tenant
+    assert _value(values, "max_backlogged_service_gap") == _value(near, "max_backlogged_service_gap") == 32
