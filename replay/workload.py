@@ -273,6 +273,9 @@ def scale_rate(workload: pa.Table, factor: float | Fraction) -> pa.Table:
 
 #: The hint when superposed copies or bootstrapped windows would make too large a workload.
 _TOO_MANY = "use fewer copies or windows; --requests N tiles the workload as a stream, without this bound"
+#: The most windows a block bootstrap draws from or draws (10M: 115 days of 1 s windows; its arrays and its
+#: loop over the draws are that long).
+MAX_BOOTSTRAP_WINDOWS = 10_000_000
 
 
 def superpose(workload: pa.Table, num_copies: int, shift_ns: int) -> pa.Table:
@@ -317,16 +320,19 @@ def block_bootstrap(workload: pa.Table, window_ns: int, num_windows: int, seed: 
     num_source = int((arrivals[-1] - t0) // window_ns)
     if num_source < 1:
         raise ReplayError(f"the workload spans less than one {window_ns / 1e9:g} s window")
+    if max(num_source, num_windows) > MAX_BOOTSTRAP_WINDOWS:
+        raise ReplayError(f"{max(num_source, num_windows):,} windows of {window_ns / 1e9:g} s to draw from or to draw: at "
+                          f"most {MAX_BOOTSTRAP_WINDOWS:,}", "a longer window, fewer windows, or check the workload's "
+                          "first and last arrival (a clock gone wrong spans years)")
     check_workload_size(num_windows * len(arrivals) // num_source, f"{num_windows:,} bootstrapped windows make about",
                         _TOO_MANY)
     window_of = (arrivals - t0) // window_ns
     draws = np.random.default_rng(seed).integers(0, num_source, size=num_windows)
     starts = np.searchsorted(window_of, np.arange(num_source + 1))
-    parts = []
-    for j, w in enumerate(draws):
-        part = workload.slice(int(starts[w]), int(starts[w + 1] - starts[w]))
-        parts.append(_shifted_copy(part, (j - int(w)) * window_ns, f"#b{j}"))
-    return pa.concat_tables(parts)
+    parts = [_shifted_copy(workload.slice(int(starts[w]), int(starts[w + 1] - starts[w])), (j - int(w)) * window_ns,
+                           f"#b{j}")
+             for j, w in enumerate(draws) if starts[w + 1] > starts[w]]  # an empty window adds nothing but time
+    return pa.concat_tables(parts) if parts else workload.slice(0, 0)
 
 
 def trim(workload: pa.Table, start_ns: int, end_ns: int) -> pa.Table:

@@ -115,6 +115,22 @@ def test_copies_and_windows_beyond_what_memory_holds_are_refused_before_any_is_b
         block_bootstrap(part, 60 * 10**9, 2_000_000, seed=0)
 
 
+def test_a_bootstrap_over_a_span_of_decades_is_sparse_or_refused(azure):
+    """One arrival 20 years after the rest (a clock gone wrong) is 10.5M windows of 60 s: drawing them took
+    24 GB before it was killed; a span of 300,000 windows is drawn in a blink, its empty windows skipped."""
+    part = azure.slice(0, 200)
+    last = part["arrival_ns"].to_numpy()[0] + 20 * 365 * 86_400 * 10**9
+    far = part.set_column(1, part.schema.field("arrival_ns"),
+                          pa.array([*part["arrival_ns"].to_numpy()[:-1], last], pa.int64()))
+    with pytest.raises(ReplayError, match="windows of 60 s to draw from or to draw: at most 10,000,000") as err:
+        block_bootstrap(far, 60 * 10**9, 100, seed=0)
+    assert "a clock gone wrong" in err.value.hint
+    # 20 years of hours, all empty but the first (the 199 other requests): seed 0 draws it twice in 175,200 draws
+    boot = block_bootstrap(far, 3_600 * 10**9, 175_200, seed=0)
+    assert boot.num_rows == 2 * 199 and boot.schema == part.schema
+    assert block_bootstrap(far, 3_600 * 10**9, 175_200, seed=1).num_rows == 0  # drawn not once: nothing, not an error
+
+
 def test_tiled_workload_streams_the_same_requests(azure):
     part = azure.slice(0, 300)
     stream = TiledWorkload(part, 4, num_requests=1000)
