@@ -28,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from replay.errors import ReplayError
 from replay.kernel import CONTROL, Kernel
 from replay.policies.autoscale import Autoscaler, LoadSummary, ScaleDecision, make_autoscaler
 from replay.request import Request
@@ -49,6 +50,10 @@ class ScalableCluster(Protocol):
 
 
 NS = 1_000_000_000
+#: The most consultations of one replay (each is recorded): 2M are 347 days at the default 15 s, about a
+#: minute of replay; beyond them the workload's span is wrong or the interval is far too short for it.
+MAX_CONSULTATIONS = 2_000_000
+
 #: Finished requests the output figures are taken from.
 OUTPUT_HISTORY = 512
 
@@ -148,6 +153,12 @@ class Autoscaling:
     def tick(self) -> None:
         cluster = self.cluster
         now = self.kernel.now_ns
+        if len(self.records) >= MAX_CONSULTATIONS:
+            raise ReplayError(
+                f"the autoscaler was consulted {MAX_CONSULTATIONS:,} times, every {self.interval_ns / NS:g} s for "
+                f"{(now - self.start_ns) / NS / 86_400:,.0f} days of the workload, with requests still to come",
+                "check the workload's first and last arrival (a clock gone wrong spans years), or consult it less often "
+                "(--autoscale-interval-s)")
         live = ready = queued = queued_tokens = 0
         for inst in cluster.instances:
             if inst.state in ("starting", "ready"):

@@ -155,3 +155,17 @@ def test_workload_aware_scales_for_what_the_requests_ask_request_rate_does_not(t
     wa_short, wa_long = (run_cluster_replay(w, wa, out_dir=tmp_path / f"wa{i}") for i, w in enumerate((short, long)))
     assert most(rr_short) == most(rr_long) == 3  # ceil(24 / 8), whatever the outputs
     assert most(wa_long) > most(wa_short), (most(wa_short), most(wa_long))
+
+
+def test_an_autoscaler_consulted_without_end_stops_with_the_likely_cause(tmp_path, monkeypatch):
+    """A request 146 years after the others (a clock gone wrong) kept a replay consulting its autoscaler every
+    15 s for minutes without end; the bound (2M consultations, about a minute) is lowered here to 40."""
+    import replay.autoscaling
+
+    monkeypatch.setattr(replay.autoscaling, "MAX_CONSULTATIONS", 40)
+    late = make_workload([0, 1 * S, 2 * S, 3_600 * S], [300] * 4, [40] * 4)  # an hour: 240 consultations of 15 s
+    with pytest.raises(ReplayError, match="consulted 40 times, every 15 s for 0 days of the workload") as err:
+        run_cluster_replay(late, _autoscaled("request-rate", None), out_dir=tmp_path / "late")
+    assert "a clock gone wrong" in err.value.hint
+    early = make_workload([0, 1 * S, 2 * S, 500 * S], [300] * 4, [40] * 4)  # 34 consultations: within the bound
+    assert run_cluster_replay(early, _autoscaled("request-rate", None), out_dir=tmp_path / "early").num_requests == 4
