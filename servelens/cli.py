@@ -22,7 +22,7 @@ import click
 
 from schemas.validate import UnreadableFileError, read_parquet_table
 from servelens import __version__, layout
-from servelens.click_types import Finite
+from servelens.click_types import Finite, refuse_overwriting
 from servelens.config import Config, load_config, shared_dir
 from servelens.engine_options import DEFAULT_ENGINE, ENGINE_HELP, engine_instance, vllm_options
 from servelens.errors import ServelensError
@@ -236,6 +236,7 @@ def trace_convert(ctx: click.Context, trace_name: str, out: Path, kind: str) -> 
       servelens trace convert azure-conv --out azure.workload.parquet
       servelens trace convert mooncake --to events --out mooncake.events.jsonl
     """
+    refuse_overwriting(out, trace_name)
     import pyarrow.parquet as pq
 
     from replay.traces import read_trace
@@ -312,6 +313,7 @@ def trace_to_blis(ctx: click.Context, source: str, out: Path, mode: str, model: 
       servelens trace to-blis mooncake --out blis/mooncake.csv
       blis replay --trace-header blis/trace.yaml --trace-data blis/trace.csv ...
     """
+    refuse_overwriting([out, out.with_suffix(".yaml")], source)
     from pipelines.blis_export import export_blis
     from replay.blis import BlisHeader, BlisServer, write_blis
 
@@ -346,6 +348,8 @@ def trace_from_blis(data_file: Path, out: Path) -> None:
     import pyarrow.parquet as pq
 
     from replay.blis import blis_events, header_path_for, read_blis
+
+    refuse_overwriting(out, data_file, header_path_for(data_file))
 
     events = blis_events(read_blis(header_path_for(data_file), data_file), engine_id=f"blis:{data_file.stem}")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -394,6 +398,7 @@ def requests_derive(ctx: click.Context, events_file: Path, out: Path) -> None:
     Example:
       servelens requests derive out/demo/engine/events.parquet --out out/requests.parquet
     """
+    refuse_overwriting(out, events_file)
     import shutil
 
     from pipelines.lake import is_sanitized, staged_parquet
@@ -519,6 +524,8 @@ def metrics_export(ctx: click.Context, requests_file: Path, events_file: Path | 
       servelens metrics export out/demo/engine/events.parquet --format openmetrics --out run.om
       promtool tsdb create-blocks-from openmetrics run.om /prometheus/data   # (Prometheus's tool, not servelens)
     """
+    if out is not None:
+        refuse_overwriting(out, requests_file, events_file)
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
@@ -650,6 +657,7 @@ def privacy_sanitize(ctx: click.Context, events_file: Path, out: Path) -> None:
     from pipelines.lake import events_to_parquet
     from schemas.validate import InvalidEventsError
 
+    refuse_overwriting(out, events_file)
     sanitizer = _sanitizer(ctx)
     try:
         count = events_to_parquet(events_file, out, sanitizer, progress=_event_progress("sanitized"))

@@ -1,11 +1,15 @@
-"""Click parameter types the commands share (a base module of the CLI)."""
+"""Click parameter types and checks the commands share (a base module of the CLI)."""
 
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 from typing import Any
 
 import click
+
+from servelens.errors import ServelensError
 
 
 class Finite(click.FloatRange):
@@ -19,3 +23,13 @@ class Finite(click.FloatRange):
         if not math.isfinite(number):
             self.fail(f"{value!r} is not a finite number", param, ctx)
         return number
+
+
+def refuse_overwriting(outputs: Path | list[Path], *inputs: str | Path | None) -> None:
+    """Refuse an output that is one of the command's inputs (the same file, through any path or link): the
+    writer would truncate what is still to be read, and the input would be gone either way."""
+    for out in outputs if isinstance(outputs, list) else [outputs]:
+        for source in inputs:
+            if source is not None and out.exists() and Path(source).exists() and os.path.samefile(out, source):
+                raise ServelensError(f"{out} is also an input of this command: writing it would destroy {source}",
+                                     "write the output to another file")

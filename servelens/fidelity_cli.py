@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from replay.calibration import Calibration, default_calibration, write_calibration
+from servelens.click_types import refuse_overwriting
 from servelens.config import Config, shared_dir
 from servelens.engine_options import ENGINE_HELP, choose_calibration, engine_instance, vllm_options
 from servelens.errors import ServelensError
@@ -177,6 +178,7 @@ def calibrate_command(ctx: click.Context, source: str, data: Path | None, ids: s
       servelens calibrate --from steps --events out/demo/engine/events.parquet --engine llama-2-7b@a100-80gx2 --out my.json
       servelens --lake out/demo/lake calibrate --from requests --events lake --engine llama-2-7b@a100-80gx2 --out my.json
     """
+    refuse_overwriting(out, events)
     name = name or out.stem
     if source == "experiments":
         if events is not None or engine_spec is not None:

@@ -172,6 +172,22 @@ def test_a_file_that_is_not_parquet_is_named_as_such_by_every_command_that_reads
     assert "cut.parquet" in proc.stderr and "not a readable" in proc.stderr and "internal error" not in proc.stderr
 
 
+@pytest.mark.parametrize("command", [
+    ["privacy", "sanitize", "{events}", "--out", "{events}"],  # truncated its input to 4 bytes before
+    ["requests", "derive", "{events}", "--out", "{events}"],
+    ["metrics", "export", "{events}", "--out", "{events}"],
+    ["trace", "to-blis", "{events}", "--out", "{events}"],
+    ["trace", "convert", "{events}", "--out", "{events}"],
+])
+def test_an_output_that_is_the_input_is_refused_and_the_input_kept(tmp_path, command):
+    events = tmp_path / "e.jsonl"
+    assert servelens("trace", "convert", "burstgpt-1", "--to", "events", "--out", str(events)).returncode == 0
+    before = events.read_bytes()
+    proc = servelens(*[a.replace("{events}", str(events)) for a in command], env=KEY_ENV)
+    assert proc.returncode == 3 and "is also an input of this command" in proc.stderr, proc.stderr
+    assert events.read_bytes() == before
+
+
 def test_storing_without_a_pseudonym_key_is_refused_with_a_hint(tmp_path):
     events = tmp_path / "e.jsonl"
     assert servelens("trace", "convert", "burstgpt-1", "--to", "events", "--out", str(events)).returncode == 0
