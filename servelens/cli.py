@@ -1034,6 +1034,7 @@ def replay_command(ctx: click.Context, workload_name: str, policy_name: str, pol
       servelens replay --workload azure-conv --instances 2 --autoscaler workload-aware --autoscale-interval-s 15 --out out/autoscaled
       servelens replay --workload azure-conv --requests 40 --profile out/profiles/tiny-cpu.parquet --measured --out out/measured
     """  # noqa: E501 (help examples run as written: one command per line)
+    refuse_overwriting([out / "events.parquet", out / "requests.parquet"], workload_name)
     if any(key.startswith("cluster.") for key in ctx.meta):
         return _replay_cluster(ctx, workload_name, policy_name, policy_config, engine_spec, cost_model, profile_path,
                                mode, num_requests, seed, out)

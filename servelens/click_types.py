@@ -32,4 +32,4 @@ def refuse_overwriting(outputs: Path | list[Path], *inputs: str | Path | None) -
         for source in inputs:
             if source is not None and out.exists() and Path(source).exists() and os.path.samefile(out, source):
                 raise ServelensError(f"{out} is also an input of this command: writing it would destroy {source}",
-                                     "write the output to another file")
+                                     "write the output elsewhere")
