@@ -156,7 +156,7 @@ class Autoscaling:
         if len(self.records) >= MAX_CONSULTATIONS:
             raise ReplayError(
                 f"the autoscaler was consulted {MAX_CONSULTATIONS:,} times, every {self.interval_ns / NS:g} s for "
-                f"{(now - self.start_ns) / NS / 86_400:,.0f} days of the workload, with requests still to come",
+                f"{(now - self.start_ns) / NS / 86_400:,.1f} days of the workload, with requests still to come",
                 "check the workload's first and last arrival (a clock gone wrong spans years), or consult it less often "
                 "(--autoscale-interval-s)")
         live = ready = queued = queued_tokens = 0

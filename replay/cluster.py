@@ -255,8 +255,8 @@ class ClusterConfig:
                    getattr(self.autoscaler_config, "max_instances", 0))
         if most > MAX_INSTANCES:
             raise ReplayError(f"the cluster could hold {most:,} instances (initial, decode, scaled up or the autoscaler's "
-                              f"max_instances): at most "
-                              f"{MAX_INSTANCES:,}", "model a larger fleet as a sample of it at the same load per instance")
+                              f"max_instances): at most {MAX_INSTANCES:,}",
+                              "model a larger fleet as a sample of it at the same load per instance")
         if self.autoscaler is not None:
             from replay.policies.autoscale import autoscaler_class
 

@@ -164,7 +164,7 @@ def test_an_autoscaler_consulted_without_end_stops_with_the_likely_cause(tmp_pat
 
     monkeypatch.setattr(replay.autoscaling, "MAX_CONSULTATIONS", 40)
     late = make_workload([0, 1 * S, 2 * S, 3_600 * S], [300] * 4, [40] * 4)  # an hour: 240 consultations of 15 s
-    with pytest.raises(ReplayError, match="consulted 40 times, every 15 s for 0 days of the workload") as err:
+    with pytest.raises(ReplayError, match="consulted 40 times, every 15 s for 0.0 days of the workload") as err:
         run_cluster_replay(late, _autoscaled("request-rate", None), out_dir=tmp_path / "late")
     assert "a clock gone wrong" in err.value.hint
     early = make_workload([0, 1 * S, 2 * S, 500 * S], [300] * 4, [40] * 4)  # 34 consultations: within the bound
