@@ -20,6 +20,7 @@ from replay.blis import BlisExport, BlisHeader, to_blis
 from replay.derive import derive_requests, read_events
 from replay.traces import BUNDLED_TRACES, detect_format
 from replay.workload import arrival_events, load_workload
+from schemas.arrow import EVENTS_SCHEMA
 from schemas.validate import detect_format as events_format
 from schemas.validate import read_parquet_schema
 from servelens.errors import ServelensError
@@ -32,9 +33,9 @@ class ExportInputError(ServelensError):
     """The input of a BLIS export is not events, a workload or a trace, or holds invalid events."""
 
 
-#: The events' timestamps an export writes (directly, or through the request table derived from them).
-TIME_COLUMNS = ("ts_ns", "ttft_deadline_ns", "e2e_deadline_ns", "client_sent_ns", "start_ns", "end_ns",
-                "first_byte_ns", "last_byte_ns")
+#: The events' times (every ``*_ns`` field of the contract), which an export writes directly or through the
+#: request table derived from them: a field the contract gains is rounded too.
+TIME_COLUMNS = tuple(f.name for f in EVENTS_SCHEMA if f.name.endswith("_ns"))
 
 
 def export_blis(source: str, shared: Path | None, *, header: BlisHeader, block_tokens: int | None = None,

@@ -41,6 +41,13 @@ def _positive(obj: object, *names: str) -> None:
             raise ReplayError(f"{type(obj).__name__}.{name} must be positive, not {value!r}")
 
 
+def _non_negative(obj: object, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not value >= 0:
+            raise ReplayError(f"{type(obj).__name__}.{name} must be >= 0, not {value!r}")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AcceleratorConfig:
     """The accelerators of one instance (all ``tensor_parallel_size`` x ``pipeline_parallel_size`` alike)."""
@@ -234,9 +241,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "max_num_batched_tokens", "max_num_seqs", "block_size_tokens", "swap_bandwidth_bytes_per_s")
-        for name in ("cpu_kv_offload_bytes", "activation_reserve_bytes", "encoder_s_per_image_token"):
-            if getattr(self, name) < 0:
-                raise ReplayError(f"{name} must be >= 0, not {getattr(self, name)}")
+        _non_negative(self, "cpu_kv_offload_bytes", "activation_reserve_bytes", "encoder_s_per_image_token")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ReplayError(f"gpu_memory_utilization must be in (0, 1], not {self.gpu_memory_utilization}")
         if not 0 <= self.kv_watermark_fraction < 1:
@@ -303,9 +308,7 @@ class FrontendConfig:
     )
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            if not getattr(self, f.name) >= 0:
-                raise ReplayError(f"FrontendConfig.{f.name} must be >= 0, not {getattr(self, f.name)!r}")
+        _non_negative(self, *(f.name for f in dataclasses.fields(self)))
 
     def in_delay_ns(self, num_prompt_tokens: int, request_id: str = "") -> int:
         """From the client's send to the engine's scheduler: the overhead, the prompt's tokenization and the

@@ -276,10 +276,10 @@ def _readable(path: str | Path, read: Any) -> Any:
 
     try:
         return read()
-    except FileNotFoundError as exc:
+    except FileNotFoundError:
         if Path(path).exists():  # pyarrow's word for a device or a pipe: there, but not a file
             raise UnreadableFileError(f"{path} is not a regular file (a device or a pipe?): give a Parquet file") from None
-        raise exc from None
+        raise
     except (pa.ArrowException, OSError) as exc:
         raise _unreadable(path, exc) from None
 
