@@ -236,6 +236,12 @@ def resolve_instance(
             "of (vLLM splits KV heads evenly, or replicates them when there are fewer than devices)",
             f"use a tensor-parallel size that divides {kv} or that {kv} divides",
         )
+    if pipeline_parallel_size > model.num_layers:
+        raise ConfigError(
+            f"{model.name} has {model.num_layers} layers, too few for {pipeline_parallel_size} pipeline stages "
+            "(each stage holds at least one layer)",
+            f"use at most {model.num_layers} pipeline stages",
+        )
     instance = InstanceConfig(
         accelerator=accelerator(accel_name, tp, pipeline_parallel_size),
         model=model,

@@ -57,6 +57,36 @@ class VllmSettings:
             changes["cpu_kv_offload_bytes"] = round(self.kv_offloading_size * GIB)
         return dataclasses.replace(base or EngineConfig(), **changes)
 
+    def check(self, base: EngineConfig) -> None:
+        """Refuse, by vLLM's option names, what ``vllm serve`` refuses at start-up; ``base`` is the engine
+        configuration these settings change (the values they leave unset are its)."""
+        for name in _AT_LEAST_ONE:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{_flag(name)} must be at least 1, not {value}", _AT_LEAST_ONE[name])
+        if self.block_size is not None and self.block_size not in VLLM_BLOCK_SIZES:
+            raise ConfigError(f"--block-size {self.block_size} is not one of vLLM's block sizes",
+                              f"use one of {', '.join(map(str, VLLM_BLOCK_SIZES))} (16 is vLLM's default)")
+        share = self.gpu_memory_utilization
+        if share is not None and not 0 < share <= 1:
+            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], not {share}",
+                              "it is the share of each device's memory vLLM may use (0.9 by default)")
+        if self.kv_offloading_size is not None and self.kv_offloading_size < 0:
+            raise ConfigError(f"--kv-offloading-size must be at least 0 GiB, not {self.kv_offloading_size}",
+                              "it is the CPU tier's size in GiB; leave it out for no CPU tier")
+        self._check_budget(base)
+
+    def _check_budget(self, base: EngineConfig) -> None:
+        if self.max_num_batched_tokens is None and self.max_num_seqs is None:
+            return  # the base's own pair is the library's to choose
+        budget = base.max_num_batched_tokens if self.max_num_batched_tokens is None else self.max_num_batched_tokens
+        seqs = base.max_num_seqs if self.max_num_seqs is None else self.max_num_seqs
+        if budget < seqs:
+            raise ConfigError(
+                f"--max-num-batched-tokens {budget} is below --max-num-seqs {seqs}: vLLM refuses a step budget "
+                "smaller than its batch (each running sequence takes at least one token a step)",
+                "raise --max-num-batched-tokens or lower --max-num-seqs")
+
     def merged(self, other: VllmSettings) -> VllmSettings:
         """These settings with every setting ``other`` gives (``other`` wins)."""
         given = {f.name: getattr(other, f.name) for f in dataclasses.fields(other) if getattr(other, f.name) is not None}
@@ -74,6 +104,23 @@ _ENGINE_FIELDS = {
     "enable_chunked_prefill": "enable_chunked_prefill",
     "async_scheduling": "async_scheduling",
 }
+
+
+#: vLLM's choices for --block-size (``vllm.config.cache.BlockSize`` in v0.15).
+VLLM_BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
+
+#: Settings that are counts of at least one, with the hint for a smaller value.
+_AT_LEAST_ONE = {
+    "tensor_parallel_size": "1 is one accelerator (no parallelism)",
+    "pipeline_parallel_size": "1 is one accelerator (no parallelism)",
+    "max_num_seqs": "it is the most requests in the running batch (vLLM's default: 128 on most GPUs)",
+    "max_num_batched_tokens": "it is one step's token budget (vLLM's default: 2048 with chunked prefill)",
+    "num_gpu_blocks_override": "it is the KV cache's size in blocks; leave it out to size the cache from memory",
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def read_vllm_settings(path: str | Path) -> tuple[VllmSettings, str | None]:
@@ -127,9 +174,8 @@ def vllm_instance(spec: str, settings: VllmSettings | None = None, shared: Path 
     weight_dtype = "fp8" if (s.quantization or "").lower() == "fp8" else s.dtype
     if s.quantization not in (None, "fp8", "FP8", "none"):
         raise ConfigError(f"quantization {s.quantization!r} is not modelled", "the replay models fp8 (W8A8) or none")
-    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-        if getattr(s, name) is not None and getattr(s, name) < 1:
-            raise ConfigError(f"{name} must be at least 1, not {getattr(s, name)}", "1 is one accelerator (no parallelism)")
+    base = base or EngineConfig()
+    s.check(base)
     return resolve_instance(
         spec, s.engine(base), shared,
         tensor_parallel_size=s.tensor_parallel_size,
@@ -139,4 +185,4 @@ def vllm_instance(spec: str, settings: VllmSettings | None = None, shared: Path 
     )
 
 
-__all__ = ["VllmSettings", "read_vllm_settings", "vllm_instance"]
+__all__ = ["VLLM_BLOCK_SIZES", "VllmSettings", "read_vllm_settings", "vllm_instance"]

@@ -47,3 +47,38 @@ def test_parallel_sizes_below_one_are_refused_before_an_instance_is_built():
     for settings in (VllmSettings(tensor_parallel_size=0), VllmSettings(pipeline_parallel_size=-1)):
         with pytest.raises(ConfigError, match="must be at least 1"):
             vllm_instance("llama-3-8b@h100", settings)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (VllmSettings(max_num_seqs=0), "--max-num-seqs must be at least 1, not 0"),
+        (VllmSettings(max_num_batched_tokens=-4), "--max-num-batched-tokens must be at least 1, not -4"),
+        (VllmSettings(num_gpu_blocks_override=0), "--num-gpu-blocks-override must be at least 1, not 0"),
+        (VllmSettings(block_size=0), "--block-size 0 is not one of vLLM's block sizes"),
+        (VllmSettings(block_size=24), "--block-size 24 is not one of vLLM's block sizes"),
+        (VllmSettings(gpu_memory_utilization=0.0), "--gpu-memory-utilization must be in (0, 1], not 0.0"),
+        (VllmSettings(kv_offloading_size=-1.0), "--kv-offloading-size must be at least 0 GiB, not -1.0"),
+        # vLLM's SchedulerConfig refuses a step budget below the batch; the default batch (128) counts
+        (VllmSettings(max_num_batched_tokens=64), "--max-num-batched-tokens 64 is below --max-num-seqs 128"),
+        (VllmSettings(max_num_seqs=4096), "--max-num-batched-tokens 2048 is below --max-num-seqs 4096"),
+    ],
+)
+def test_settings_vllm_refuses_are_refused_by_their_option_names_with_a_hint(settings, message):
+    with pytest.raises(ConfigError, match=re.escape(message)) as caught:
+        vllm_instance("llama-3-8b@h100", settings)
+    assert caught.value.hint
+
+
+def test_settings_vllm_accepts_replay():
+    instance = vllm_instance("llama-3-8b@h100", VllmSettings(block_size=32, max_num_seqs=256, max_num_batched_tokens=256,
+                                                              gpu_memory_utilization=1.0, kv_offloading_size=0.0))
+    engine = instance.engine
+    assert (engine.block_size_tokens, engine.max_num_seqs, engine.max_num_batched_tokens) == (32, 256, 256)
+
+
+def test_more_pipeline_stages_than_layers_are_refused_with_the_sizes():
+    assert vllm_instance("llama-3-8b@h100", VllmSettings(pipeline_parallel_size=32)).accelerator.pipeline_parallel_size == 32
+    with pytest.raises(ConfigError, match="has 32 layers, too few for 33 pipeline stages") as caught:
+        vllm_instance("llama-3-8b@h100", VllmSettings(pipeline_parallel_size=33))
+    assert caught.value.hint == "use at most 32 pipeline stages"
