@@ -96,6 +96,10 @@ BUNDLED_TRACES: dict[str, BundledTrace] = {
 }
 
 
+#: What the workload's required columns are in a trace's terms.
+_MEANING = {"arrival_ns": "arrival time", "num_prompt_tokens": "prompt length", "num_output_tokens": "output length"}
+
+
 def _seconds_to_ns(values: pa.Array) -> pa.Array:
     """Decimal seconds (as text) to integer nanoseconds, exactly."""
     as_decimal = pc.cast(pc.utf8_trim_whitespace(values), pa.decimal128(20, 9))  # up to 10^11 s
@@ -103,8 +107,14 @@ def _seconds_to_ns(values: pa.Array) -> pa.Array:
     return pc.cast(scaled, pa.int64())
 
 
-def _workload(prefix: str, columns: dict[str, pa.Array]) -> pa.Table:
-    """Assemble a workload table: fill absent columns with their defaults, ids from row numbers."""
+def _workload(path: Path, prefix: str, columns: dict[str, pa.Array]) -> pa.Table:
+    """Assemble a workload table: fill absent columns with their defaults, ids from row numbers; a row
+    without a value a request must have is an error naming it."""
+    for field in WORKLOAD_SCHEMA:
+        if not field.nullable and field.name in columns and columns[field.name].null_count:
+            row = pc.index(pc.is_null(columns[field.name]), True).as_py()
+            raise ServelensError(f"{path}: data row {row + 1} has no {_MEANING.get(field.name, field.name)}",
+                                 "fill in the empty cell or drop the row: every request needs it")
     n = len(next(iter(columns.values())))
     width = max(6, len(str(n)))
     ids = [f"{prefix}-{i:0{width}d}" for i in range(n)]
@@ -142,6 +152,7 @@ def read_azure(path: Path, prefix: str = "azure") -> pa.Table:
         t = _read_csv(path, {"TIMESTAMP": pa.timestamp("ns", tz="UTC"), **tokens})
     _require(path, t, ["TIMESTAMP", "ContextTokens", "GeneratedTokens"])
     return _workload(
+        path,
         prefix,
         {
             "arrival_ns": pc.cast(t["TIMESTAMP"], pa.int64()),
@@ -167,6 +178,7 @@ def read_mooncake(path: Path, prefix: str = "mooncake") -> pa.Table:
         raise ServelensError(f"{path}: not a readable Mooncake JSONL trace: {exc}") from None
     n = t.num_rows
     return _workload(
+        path,
         prefix,
         {
             "arrival_ns": pc.multiply(t["timestamp"], 1_000_000),
@@ -193,7 +205,7 @@ def read_burstgpt(path: Path, prefix: str = "burstgpt") -> pa.Table:
     if "Session ID" in t.column_names:
         session = t["Session ID"]
         columns["session_id"] = pc.if_else(pc.equal(session, ""), pa.scalar(None, pa.string()), session)
-    return _workload(prefix, columns)
+    return _workload(path, prefix, columns)
 
 
 def _require(path: Path, table: pa.Table, names: list[str]) -> None:
@@ -262,4 +274,25 @@ def read_trace(name_or_path: str, shared: Path | None = None) -> pa.Table:
                              "check the file's columns hold what this format holds (numbers where counts are)") from None
     if table.num_rows == 0:
         raise ServelensError(f"{path}: the trace holds no requests", "give a trace with at least one row")
-    return table
+    _check_not_negative(path, table)
+    return _in_arrival_order(table)
+
+
+def _check_not_negative(path: Path, table: pa.Table) -> None:
+    for column, what in _MEANING.items():
+        low = pc.min(table[column]).as_py()
+        if low is not None and low < 0:
+            row = pc.index(table[column], low).as_py()
+            where = " (before 1970, or before 0 in a trace of relative times)" if column == "arrival_ns" else ""
+            raise ServelensError(f"{path}: data row {row + 1} (request {table['request_id'][row]}) has a negative "
+                                 f"{what}{where}: {column} {low}",
+                                 "fix or drop the row: a replay cannot run a negative count or time")
+
+
+def _in_arrival_order(table: pa.Table) -> pa.Table:
+    """The rows by arrival time, equal times in the file's order (a stable sort: the gaps, and so the bursts,
+    are the trace's own); a table already in order is returned as it is."""
+    arrivals = table["arrival_ns"]
+    if pc.all(pc.greater_equal(arrivals[1:], arrivals[:-1])).as_py() is not False:
+        return table
+    return table.take(pc.sort_indices(table, [("arrival_ns", "ascending")]))

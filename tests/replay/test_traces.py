@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from datetime import UTC, datetime
 
 import pytest
@@ -106,6 +107,44 @@ def test_a_cell_that_is_not_its_columns_type_and_an_empty_trace_are_clear_errors
     empty.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n")
     with pytest.raises(ServelensError, match="the trace holds no requests"):
         read_trace(str(empty))
+
+
+AZURE_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("azure.csv", AZURE_HEADER + "2023-11-16 18:15:46,5,4\n2023-11-16 18:15:47,-374,44\n",
+         "data row 2 (request azure-000001) has a negative prompt length: num_prompt_tokens -374"),
+        ("burstgpt.csv", "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                         "5,ChatGPT,472,-18,490,Conversation log\n",
+         "data row 1 (request burstgpt-000000) has a negative output length: num_output_tokens -18"),
+        ("mooncake.jsonl", '{"timestamp": -5, "input_length": 10, "output_length": 6, "hash_ids": [0]}\n',
+         "data row 1 (request mooncake-000000) has a negative arrival time (before 1970"),
+        ("azure.csv", AZURE_HEADER + ",3,44\n", "data row 1 has no arrival time"),
+        ("azure.csv", AZURE_HEADER + "2023-11-16 18:15:46,5,4\n2023-11-16 18:15:47,3,\n", "data row 2 has no output length"),
+        ("mooncake.jsonl", '{"timestamp": 5, "input_length": null, "output_length": 6}\n', "data row 1 has no prompt length"),
+    ],
+)
+def test_a_negative_or_empty_count_or_time_is_named_by_its_row(tmp_path, name, text, message):
+    """These were written as workloads the replay refuses, or were internal errors (a null in a required column)."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ServelensError, match=re.escape(message)) as err:
+        read_trace(str(path))
+    assert str(path) in err.value.message and err.value.hint
+
+
+def test_a_trace_out_of_arrival_order_is_put_in_order_with_equal_times_in_file_order(tmp_path):
+    path = tmp_path / "merged.csv"
+    path.write_text(AZURE_HEADER + "2023-11-16 18:15:50,1,1\n2023-11-16 18:15:46,2,2\n2023-11-16 18:15:50,3,3\n"
+                    "2023-11-16 18:15:46,4,4\n2023-11-16 18:15:48,5,5\n")
+    w = read_trace(str(path))
+    assert w["request_id"].to_pylist() == [f"merged-00000{i}" for i in (1, 3, 4, 0, 2)]
+    assert w["num_prompt_tokens"].to_pylist() == [2, 4, 5, 1, 3]
+    gaps = [b - a for a, b in zip(w["arrival_ns"].to_pylist(), w["arrival_ns"].to_pylist()[1:], strict=False)]
+    assert gaps == [0, 2 * 10**9, 2 * 10**9, 0]
 
 
 def test_arrival_events_are_valid_and_one_per_request(shared):
