@@ -104,7 +104,7 @@ def _stages(path: Path) -> dict[str, tuple]:
             try:
                 if int(row["stage_index"]) < 0:
                     continue
-                values = tuple((m, float(row[f"{m}_ms"]) / 1e3) for m in RECORDED_METRICS if row.get(f"{m}_ms"))
+                values = _recorded(row, f"{path} line {number}")
                 by_id.setdefault(row["id"], []).append((int(row["stage_index"]), values))
             except (KeyError, ValueError) as exc:
                 raise ReplayError(f"{path} line {number}: unreadable ({type(exc).__name__}: {exc})",
@@ -112,10 +112,29 @@ def _stages(path: Path) -> dict[str, tuple]:
     return {k: tuple(sorted(v)) for k, v in by_id.items() if len(v) > 1}
 
 
+def _recorded(row: dict[str, str], where: str) -> tuple[tuple[str, float], ...]:
+    """The row's measured metrics, seconds: each a finite latency above zero (a NaN or a negative mean was
+    taken and reported as a 'nan%' or 92,404% error)."""
+    out = []
+    for m in RECORDED_METRICS:
+        if row.get(f"{m}_ms"):
+            value = float(row[f"{m}_ms"])
+            if not 0 < value < _MAX_MS:
+                raise ReplayError(f"{where}: {m}_ms {row[f'{m}_ms']!r} is not a measured latency",
+                                  f"a latency is a finite number of milliseconds above 0 (below {_MAX_MS:g}); "
+                                  "leave the cell empty where it was not measured")
+            out.append((m, value / 1e3))
+    return tuple(out)
+
+
+#: A measured latency above this many milliseconds (about 11.6 days) is not one.
+_MAX_MS = 1e9
+
+
 def _experiment(row: dict[str, str], folder: Path) -> FidelityExperiment:
+    where = f"{folder / 'experiments.csv'} row {row.get('id', '?')}"
     try:
-        recorded = tuple((m, float(row[f"{m}_ms"]) / 1e3) for m in RECORDED_METRICS if row.get(f"{m}_ms"))
-        return FidelityExperiment(
+        exp = FidelityExperiment(
             id=row["id"],
             model=row["model"],
             accelerator=_accelerator_name(row["gpu"]),
@@ -129,13 +148,36 @@ def _experiment(row: dict[str, str], folder: Path) -> FidelityExperiment:
             workload_path=folder / "workloads" / f"{row['profile']}.yaml",
             counted_output_tokens=(float(row["derived_mean_output_tokens"]) if row.get("derived_mean_output_tokens")
                                    else None),
-            recorded=recorded,
+            recorded=_recorded(row, where),
         )
+        _check_settings(exp, where)
+        return exp
     except KeyError as exc:
         raise ReplayError(f"experiments.csv row {row.get('id', '?')}: no column {exc}",
                           "the fidelity data's experiments.csv columns: see its README") from None
     except ValueError as exc:
         raise ReplayError(f"experiments.csv row {row.get('id', '?')}: unreadable ({exc})") from None
+
+
+def _check_settings(exp: FidelityExperiment, where: str) -> None:
+    """A recorded run's settings are ones vLLM started with: counts of at least one, a step budget no
+    smaller than the batch, a counted output length above zero."""
+    counts = [("tp", exp.tensor_parallel_size, 1), ("max_num_seqs", exp.max_num_seqs, 1),
+              ("max_num_batched_tokens", exp.max_num_batched_tokens, 1), ("cpu_kv_blocks", exp.cpu_kv_blocks, 0)]
+    if exp.num_gpu_blocks is not None:
+        counts.append(("total_kv_blocks", exp.num_gpu_blocks, 1))
+    for column, value, least in counts:
+        if value < least:
+            raise ReplayError(f"{where}: {column} must be at least {least}, not {value}",
+                              "copy the run's settings from its server log (vLLM starts with none smaller)")
+    if exp.max_num_batched_tokens < exp.max_num_seqs:
+        raise ReplayError(f"{where}: max_num_batched_tokens {exp.max_num_batched_tokens} is below max_num_seqs "
+                          f"{exp.max_num_seqs}, which vLLM refuses to start with",
+                          "copy the run's settings from its server log")
+    counted = exp.counted_output_tokens
+    if counted is not None and not 0 < counted < float("inf"):
+        raise ReplayError(f"{where}: derived_mean_output_tokens {counted} is not a mean output length",
+                          "a finite number of tokens above 0, or an empty cell (the engine's own count)")
 
 
 def _accelerator_name(gpu: str) -> str:

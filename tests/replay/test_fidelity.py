@@ -3,6 +3,8 @@ recorded ITL is over the output tokens the client counted by tokenizing the stre
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -53,4 +55,50 @@ def test_a_fidelity_folder_with_a_column_missing_or_a_cell_unreadable_names_it(s
     (folder / "experiments.csv").write_text(header + "\n" + first + "\n")
     (folder / "stages.csv").write_text("id,stage_index,e2e_mean_ms\n17,first,1.0\n")
     with pytest.raises(ReplayError, match="stages.csv line 2: unreadable"):
+        read_experiments(folder)
+
+
+@pytest.mark.parametrize(
+    ("column", "value", "message"),
+    [
+        ("e2e_mean_ms", "nan", "e2e_mean_ms 'nan' is not a measured latency"),  # reported as 'nan%' before
+        ("e2e_mean_ms", "-5", "e2e_mean_ms '-5' is not a measured latency"),  # reported as a 92,404% error
+        ("ttft_p99_ms", "1e308", "ttft_p99_ms '1e308' is not a measured latency"),
+        ("itl_mean_ms", "0", "itl_mean_ms '0' is not a measured latency"),
+        ("max_num_seqs", "0", "max_num_seqs must be at least 1, not 0"),  # an EngineConfig field's name before
+        ("total_kv_blocks", "-1", "total_kv_blocks must be at least 1, not -1"),
+        ("cpu_kv_blocks", "-2", "cpu_kv_blocks must be at least 0, not -2"),
+        ("max_num_batched_tokens", "8", "max_num_batched_tokens 8 is below max_num_seqs 128"),  # replayed before
+        ("derived_mean_output_tokens", "0", "derived_mean_output_tokens 0.0 is not a mean output length"),
+    ],
+)
+def test_a_recorded_run_with_a_latency_or_a_setting_no_real_run_has_is_named(shared, tmp_path, column, value, message):
+    import csv
+
+    from replay.errors import ReplayError
+
+    with (shared / FIDELITY_DIR / "experiments.csv").open(newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    row = next(r for r in rows if r["id"] == "60")
+    assert row[column]  # the cell is filled in the real data (so the test changes a real value)
+    row[column] = value
+    folder = tmp_path / "fidelity"
+    folder.mkdir()
+    with (folder / "experiments.csv").open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    with pytest.raises(ReplayError, match=f"experiments.csv row 60: {re.escape(message)}") as err:
+        read_experiments(folder)
+    assert err.value.hint
+
+
+def test_a_stage_latency_no_real_run_has_is_named_by_its_line(shared, tmp_path):
+    from replay.errors import ReplayError
+
+    folder = tmp_path / "fidelity"
+    folder.mkdir()
+    (folder / "experiments.csv").write_text((shared / FIDELITY_DIR / "experiments.csv").read_text())
+    (folder / "stages.csv").write_text("id,stage_index,e2e_mean_ms\n60,0,1.0\n60,1,-3\n")
+    with pytest.raises(ReplayError, match=r"stages.csv line 3: e2e_mean_ms '-3' is not a measured latency"):
         read_experiments(folder)
