@@ -98,7 +98,7 @@ def _count(cfg: dict[str, Any], where: str, key: str, default: Any = None) -> in
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value <= 2**53 or value != int(value):
         raise ConfigError(
             f"{where}: field {key!r} must be a positive whole number, not {raw if raw is not None else value!r}",
-            "fix the config.json (a Hugging Face model's own file has it right)",
+            "fix that value (a Hugging Face model's own config.json has it right)",
         )
     return int(value)
 
