@@ -275,7 +275,7 @@ def read_trace(name_or_path: str, shared: Path | None = None) -> pa.Table:
     if table.num_rows == 0:
         raise ServelensError(f"{path}: the trace holds no requests", "give a trace with at least one row")
     _check_not_negative(path, table)
-    return _in_arrival_order(table)
+    return table
 
 
 def _check_not_negative(path: Path, table: pa.Table) -> None:
@@ -287,12 +287,3 @@ def _check_not_negative(path: Path, table: pa.Table) -> None:
             raise ServelensError(f"{path}: data row {row + 1} (request {table['request_id'][row]}) has a negative "
                                  f"{what}{where}: {column} {low}",
                                  "fix or drop the row: a replay cannot run a negative count or time")
-
-
-def _in_arrival_order(table: pa.Table) -> pa.Table:
-    """The rows by arrival time, equal times in the file's order (a stable sort: the gaps, and so the bursts,
-    are the trace's own); a table already in order is returned as it is."""
-    arrivals = table["arrival_ns"]
-    if pc.all(pc.greater_equal(arrivals[1:], arrivals[:-1])).as_py() is not False:
-        return table
-    return table.take(pc.sort_indices(table, [("arrival_ns", "ascending")]))

@@ -231,6 +231,8 @@ def trace_list(ctx: click.Context) -> None:
 def trace_convert(ctx: click.Context, trace_name: str, out: Path, kind: str) -> None:
     """Convert TRACE (a bundled name or a file) to a workload table or to arrival events.
 
+    A trace whose rows are not in arrival order is refused, as `servelens replay` refuses it.
+
     \b
     Example:
       servelens trace convert azure-conv --out azure.workload.parquet
@@ -240,10 +242,11 @@ def trace_convert(ctx: click.Context, trace_name: str, out: Path, kind: str) -> 
     import pyarrow.parquet as pq
 
     from replay.traces import read_trace
-    from replay.workload import arrival_events
+    from replay.workload import TableWorkload, arrival_events
     from schemas.wire import iter_table_json, write_jsonl
 
-    workload = read_trace(trace_name, _shared_or_none(ctx, trace_name))
+    # checked as a replay checks it (arrival order, unique ids): a workload written is one a replay takes
+    workload = TableWorkload(read_trace(trace_name, _shared_or_none(ctx, trace_name))).table
     out.parent.mkdir(parents=True, exist_ok=True)
     if kind == "workload":
         pq.write_table(workload, out, compression="zstd")

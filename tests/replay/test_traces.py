@@ -136,17 +136,6 @@ def test_a_negative_or_empty_count_or_time_is_named_by_its_row(tmp_path, name, t
     assert str(path) in err.value.message and err.value.hint
 
 
-def test_a_trace_out_of_arrival_order_is_put_in_order_with_equal_times_in_file_order(tmp_path):
-    path = tmp_path / "merged.csv"
-    path.write_text(AZURE_HEADER + "2023-11-16 18:15:50,1,1\n2023-11-16 18:15:46,2,2\n2023-11-16 18:15:50,3,3\n"
-                    "2023-11-16 18:15:46,4,4\n2023-11-16 18:15:48,5,5\n")
-    w = read_trace(str(path))
-    assert w["request_id"].to_pylist() == [f"merged-00000{i}" for i in (1, 3, 4, 0, 2)]
-    assert w["num_prompt_tokens"].to_pylist() == [2, 4, 5, 1, 3]
-    gaps = [b - a for a, b in zip(w["arrival_ns"].to_pylist(), w["arrival_ns"].to_pylist()[1:], strict=False)]
-    assert gaps == [0, 2 * 10**9, 2 * 10**9, 0]
-
-
 def test_arrival_events_are_valid_and_one_per_request(shared):
     w = read_trace("burstgpt-3", shared)
     events = arrival_events(w, engine_id="trace:burstgpt-3")

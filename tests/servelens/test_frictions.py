@@ -50,10 +50,11 @@ def test_azure_2024_timestamps_and_gzipped_traces_are_read(tmp_path):
     assert stats.exit_code == 0 and stats.output.startswith("2 requests")
 
 
-def test_trace_stats_refuses_an_unsorted_trace_as_replay_does(tmp_path):
+def test_trace_stats_and_convert_refuse_an_unsorted_trace_as_replay_does(tmp_path):
     csv = tmp_path / "unsorted.csv"
     csv.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:05,100,20\n2023-11-16 18:00:01,200,30\n")
-    for args in (["trace", "stats", str(csv)], ["replay", "--workload", str(csv), "--out", str(tmp_path / "r")]):
+    for args in (["trace", "stats", str(csv)], ["replay", "--workload", str(csv), "--out", str(tmp_path / "r")],
+                 ["trace", "convert", str(csv), "--out", str(tmp_path / "w.parquet")]):  # convert wrote it before
         done = CliRunner().invoke(cli, args)
         assert done.exit_code == 3 and "not in arrival order" in done.output, done.output
 
