@@ -60,9 +60,11 @@ adm AS (
 ),
 fin AS (
     SELECT
-        request_id, min(ts_ns) AS finish_ns, arg_max(outcome, (ts_ns, event_id)) AS outcome,
-        arg_max(num_output_tokens, (ts_ns, event_id)) AS finished_output_tokens, max(last_byte_ns) AS last_byte_ns,
-        arg_max(num_cached_prefix_tokens, (ts_ns, event_id)) AS finished_cached_tokens
+        -- a request finishes once; of conflicting finishes the first counts, each field from it (else a later's)
+        request_id, min(ts_ns) AS finish_ns, arg_min(outcome, (ts_ns, event_id)) AS outcome,
+        arg_min(num_output_tokens, (ts_ns, event_id)) AS finished_output_tokens,
+        arg_min(last_byte_ns, (ts_ns, event_id)) AS last_byte_ns,
+        arg_min(num_cached_prefix_tokens, (ts_ns, event_id)) AS finished_cached_tokens
     FROM {source} WHERE event_type = 'request_finished' GROUP BY request_id
 ),
 can AS (
@@ -144,14 +146,15 @@ SELECT
          WHEN delivered_tokens > 0 THEN delivered_tokens END AS num_output_tokens,
     coalesce(num_preemptions, 0) AS num_preemptions, coalesce(num_migrations, 0) AS num_migrations,
     coalesce(num_lost_tokens, 0) AS num_lost_tokens,
-    (scheduled_ns - arrival_ns) / 1e9 AS queue_s,
-    (first_token_ns - arrival_ns) / 1e9 AS ttft_s,
+    -- a duration whose end precedes its start (clocks that disagree, a broken emitter) is not one: null
+    CASE WHEN scheduled_ns >= arrival_ns THEN (scheduled_ns - arrival_ns) / 1e9 END AS queue_s,
+    CASE WHEN first_token_ns >= arrival_ns THEN (first_token_ns - arrival_ns) / 1e9 END AS ttft_s,
     CASE WHEN num_output_tokens > 1
          THEN (last_token_ns - first_token_ns) / 1e9 / (num_output_tokens - 1) END AS tpot_s,
-    (last_token_ns - arrival_ns) / 1e9 AS e2e_s,
+    CASE WHEN last_token_ns >= arrival_ns THEN (last_token_ns - arrival_ns) / 1e9 END AS e2e_s,
     client_sent_ns, last_byte_ns,
-    (first_byte_ns - client_sent_ns) / 1e9 AS ttft_client_s,
-    (last_byte_ns - client_sent_ns) / 1e9 AS e2e_client_s,
+    CASE WHEN first_byte_ns >= client_sent_ns THEN (first_byte_ns - client_sent_ns) / 1e9 END AS ttft_client_s,
+    CASE WHEN last_byte_ns >= client_sent_ns THEN (last_byte_ns - client_sent_ns) / 1e9 END AS e2e_client_s,
     coalesce(num_itl_gaps, 0) AS num_itl_gaps, itl_mean_s, itl_p50_s, itl_p99_s, itl_max_s,
     coalesce(itl_from_chunks, false) AS itl_from_chunks, coalesce(num_other_events, 0) + coalesce(num_deliveries, 0) AS num_events
 FROM req
@@ -236,6 +239,17 @@ def derive_requests(source: EventSource, *, con: duckdb.DuckDBPyConnection | Non
     con = con or connect()
     table = con.sql(requests_query(con, source)).to_arrow_table()
     return table.cast(REQUESTS_SCHEMA)
+
+
+#: The request-table rows with a duration left null because its end precedes its start.
+BACKWARDS_SQL = ("scheduled_ns < arrival_ns OR first_token_ns < arrival_ns OR last_token_ns < arrival_ns "
+                 "OR first_byte_ns < client_sent_ns OR last_byte_ns < client_sent_ns")
+
+
+def count_backwards(con: duckdb.DuckDBPyConnection, requests: str | Path) -> int:
+    """How many requests of a request-table file have a timestamp before the one it is measured from."""
+    (count,) = con.execute(f"SELECT count(*) FROM {parquet_relation([requests])} WHERE {BACKWARDS_SQL}").fetchone()
+    return int(count)
 
 
 def write_requests(

@@ -405,7 +405,7 @@ def requests_derive(ctx: click.Context, events_file: Path, out: Path) -> None:
     import shutil
 
     from pipelines.lake import is_sanitized, staged_parquet
-    from replay.derive import connect, write_requests
+    from replay.derive import BACKWARDS_SQL, connect, count_backwards, write_requests
     from schemas.validate import InvalidEventsError, detect_format
 
     own = _replays_own_table(events_file)
@@ -426,8 +426,14 @@ def requests_derive(ctx: click.Context, events_file: Path, out: Path) -> None:
         click.echo(f"  sanitized in {time.monotonic() - started:,.1f} s; deriving the request table ...", err=True)
     else:
         click.echo(f"{events_file} is sanitized (every event carries a pseudonym key id): deriving ...", err=True)
-    count = write_requests(staged, out, con=connect(_config(ctx).lake.duckdb_memory_limit))
+    con = connect(_config(ctx).lake.duckdb_memory_limit)
+    count = write_requests(staged, out, con=con)
     click.echo(f"wrote {count:,} requests to {out} in {time.monotonic() - started:,.1f} s")
+    backwards = count_backwards(con, out)
+    if backwards:
+        click.echo(f"warning: {backwards:,} requests have a timestamp before the one their latency is measured from "
+                   "(e.g. a first token before the arrival: clocks that disagree, or a broken emitter); those "
+                   f"latencies are left null, the timestamps kept (the rows: WHERE {BACKWARDS_SQL})", err=True)
 
 
 def _event_progress(verb: str):

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from replay.derive import REQUESTS_SCHEMA, derive_requests, write_requests
+from replay.derive import REQUESTS_SCHEMA, connect, count_backwards, derive_requests, write_requests
 from schemas.arrow import events_to_table
 from schemas.events import (
     AdmissionDecided,
@@ -117,6 +117,36 @@ def test_requests_that_legitimately_lack_events():
     assert can["first_token_ns"] is None and can["ttft_s"] is None
     assert new["outcome"] is None and new["num_output_tokens"] is None and new["num_events"] == 1
     assert [r["request_id"] for r in derive_requests(events_to_table(events)).to_pylist()] == ["rej", "can", "new"]
+
+
+def test_a_duration_whose_end_precedes_its_start_is_null_and_the_timestamps_are_kept(tmp_path):
+    """One engine clock makes these impossible; a skewed clock or a broken emitter makes them anyway. They were
+    derived as negative latencies (TTFT -4 s) that the gate, the metrics and a Prometheus export took."""
+    early = [e for e in completed_request() if e.event_type != "first_token"] + [
+        FirstToken(event_id="r1:ft", ts_ns=T0 - 4_000 * MS, request_id="r1", **ENV),  # 4 s before the arrival
+    ]
+    (row,) = derive_requests(events_to_table(early)).to_pylist()
+    assert row["first_token_ns"] == T0 - 4_000 * MS and row["arrival_ns"] == T0  # kept as recorded
+    assert row["ttft_s"] is None  # not -4.0
+    assert row["e2e_s"] == pytest.approx(0.160, abs=1e-12)  # last token 160 ms after the arrival: still a duration
+    assert row["queue_s"] == pytest.approx(0.020, abs=1e-12)
+    client = completed_request()
+    client[0] = arrived("r1", T0, client_sent_ns=T0 + 60 * MS)  # the client "sent" after its first byte (52 ms)
+    (row,) = derive_requests(events_to_table(client)).to_pylist()
+    assert row["ttft_client_s"] is None and row["ttft_s"] == pytest.approx(0.050, abs=1e-12)
+    path = tmp_path / "requests.parquet"
+    write_requests(events_to_table(early), path)
+    assert count_backwards(connect(), path) == 1
+    write_requests(events_to_table(completed_request()), path)
+    assert count_backwards(connect(), path) == 0
+
+
+def test_of_two_conflicting_finishes_the_first_counts_with_its_own_fields():
+    # a request finishes once; before, the finish time was the first's and the outcome the last's
+    events = [*completed_request(), RequestFinished(event_id="r1:fin2", ts_ns=T0 + 900 * MS, request_id="r1",
+                                                    outcome="cancelled", num_output_tokens=2, **ENV)]
+    (row,) = derive_requests(events_to_table(events)).to_pylist()
+    assert (row["finish_ns"], row["outcome"], row["num_output_tokens"]) == (T0 + 161 * MS, "completed", 5)
 
 
 def test_preemptions_and_lost_tokens_are_counted():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import gzip
 import shutil
 from pathlib import Path
@@ -72,6 +73,20 @@ def test_requests_derive_needs_no_key_for_sanitized_events_and_copies_a_replays_
     _run("privacy", "sanitize", str(summary.events_path), "--out", str(sanitized), env={"SERVELENS_PSEUDONYM_KEY": KEY})
     done = _run("requests", "derive", str(sanitized), "--out", str(tmp_path / "derived.parquet"))
     assert done.exit_code == 0 and pq.read_metadata(tmp_path / "derived.parquet").num_rows == 2
+
+
+def test_requests_derive_warns_of_latencies_left_null_because_a_clock_ran_backwards(tmp_path):
+    from schemas.arrow import events_to_table
+    from tests.pipelines.test_tables import T0, completed_request
+
+    events = completed_request()
+    events[0] = dataclasses.replace(events[0], ts_ns=T0 + 4 * 10**9)  # arrives 4 s after its own first token
+    path = tmp_path / "events.parquet"
+    pq.write_table(events_to_table(events), path)
+    done = _run("requests", "derive", str(path), "--out", str(tmp_path / "r.parquet"), env={"SERVELENS_PSEUDONYM_KEY": KEY})
+    assert done.exit_code == 0, done.output
+    assert "warning: 1 requests have a timestamp before the one their latency is measured from" in done.output
+    assert pq.read_table(tmp_path / "r.parquet")["ttft_s"].to_pylist() == [None]
 
 
 def test_durations_and_the_lake_option(tmp_path):
