@@ -143,10 +143,12 @@ def _requests_and_steps(path: Path, memory_limit: str | None) -> tuple[pa.Table,
         if "event_type" in names:
             # DuckDB streams the file: events never all in memory
             return derive_requests(path, con=connect(memory_limit)), read_step_timing(path)
-        raise ServelensError(f"{path} is neither an events file nor a request table")
+        raise ServelensError(f"{path} is neither an events file nor a request table",
+                             "give a replay output folder, an events file (it has event_type) or a request table (ttft_s); "
+                             "a workload is replayed first: servelens replay --workload FILE --out DIR")
     events = pa.concat_tables(list(iter_event_tables(path))) if path.stat().st_size else None
     if events is None:
-        raise ServelensError(f"{path} is empty")
+        raise ServelensError(f"{path} is empty", "give the events of a run (JSONL or Parquet), or its replay folder")
     steps = events.filter(pc.equal(events["event_type"], "step_executed")).select(STEP_COLUMNS)
     return derive_requests(events), steps
 

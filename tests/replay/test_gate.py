@@ -353,3 +353,19 @@ def test_windows_too_many_for_memory_are_refused_before_the_bootstrap_is_built()
         compare_runs(*runs, dataclasses.replace(GATE, window_s=0.01))
     assert "longer windows (window_s)" in err.value.hint
     assert compare_runs(*runs, GATE).status  # the same runs at 10 s windows are judged
+
+
+def test_an_input_that_is_no_run_is_named_with_what_to_give(tmp_path, shared):
+    from replay.gate import load_run
+    from replay.traces import read_trace
+    from servelens.errors import ServelensError
+
+    workload = tmp_path / "workload.parquet"  # a workload table: arrivals, no outcomes yet
+    pq.write_table(read_trace("azure-conv", shared).slice(0, 5), workload)
+    empty = tmp_path / "events.jsonl"
+    empty.write_text("")
+    for path, message, hint in ((workload, "is neither an events file nor a request table", "servelens replay --workload"),
+                                (empty, "is empty", "the events of a run")):
+        with pytest.raises(ServelensError, match=message) as err:
+            load_run(path, "baseline")
+        assert hint in err.value.hint
