@@ -26,6 +26,7 @@ import pyarrow.compute as pc
 
 from replay.calibration import Calibration
 from replay.config import InstanceConfig
+from replay.errors import ReplayError
 from replay.fidelity import compare, median_abs_error
 from replay.fit import (
     ENGINE_PARAMETERS,
@@ -42,6 +43,9 @@ from replay.fit import (
 from replay.load import Load, StepLoadMeter
 
 Progress = Callable[[str], None]
+#: The fewest requests (or steps) in each half of a run for its held-out error: fewer, and a second half's
+#: p99 is its largest value or near it, and the figure the gate would apply as the model's error is noise.
+MIN_HELD_OUT_PER_HALF = 100
 #: What one recorded run can separate (the weights' bandwidth share comes from the base calibration).
 REQUEST_PARAMETERS = tuple(p for p in ENGINE_PARAMETERS if p.name in ("kv_memory_efficiency", "step_overhead_ns",
                                                                      "seq_overhead_ns"))
@@ -111,8 +115,18 @@ def _rounded(errors: dict[str, float] | None) -> tuple[tuple[str, float], ...]:
 def _halves(requests: pa.Table) -> tuple[pa.Table, pa.Table]:
     """The request table split at its median arrival."""
     ordered = requests.filter(pc.is_valid(requests["arrival_ns"])).sort_by("arrival_ns")
+    _check_enough(ordered.num_rows, "requests")
     half = ordered.num_rows // 2
     return ordered.slice(0, half), ordered.slice(half)
+
+
+def _check_enough(count: int, what: str) -> None:
+    if count < 2 * MIN_HELD_OUT_PER_HALF:
+        raise ReplayError(
+            f"a held-out error needs at least {MIN_HELD_OUT_PER_HALF} {what} in each half of the run; this run "
+            f"holds {count:,}",
+            f"record a longer run ({2 * MIN_HELD_OUT_PER_HALF} {what} or more), or fit with --no-held-out: the "
+            "calibration then states no held-out error, and the gate applies none from it")
 
 
 def _fit_requests(target: Target, base: Calibration, sim: Simulator, parameters: Sequence[Parameter],
@@ -162,6 +176,7 @@ def calibrate_steps(events: pa.Table, instance: InstanceConfig, base: Calibratio
     steps = step_shapes(events)
     held: dict[str, float] | None = None
     if held_out:
+        _check_enough(len(steps), "steps")
         half = len(steps) // 2
         _say(progress, f"held-out error: fitting the first {half:,} steps, judging the other {len(steps) - half:,}")
         first = fit_steps(steps[:half], instance, base.roofline)

@@ -154,3 +154,26 @@ def test_a_held_out_run_s_stage_errors_are_its_recorded_stages_against_its_repla
                                                                                        (1, "ttft_p99", 20.0)]
     assert [round(e.signed_pct, 6) for e in held.errors] == [-10.0]
     assert HeldOut(target, fit_result, {"ttft_p99": 0.09}, Load(0.1, 0.1), Load(0.5, 0.5)).stage_errors == []
+
+
+def test_a_held_out_error_needs_enough_of_the_run_in_each_half(tmp_path):
+    """50 requests (25 a half) gave a held-out TTFT p99 error of 6.0% from a half's near-largest value, which the
+    gate would then have applied as the model's error; now refused before any fitting, with the way out."""
+    from replay.calibrate import MIN_HELD_OUT_PER_HALF, calibrate_requests, calibrate_steps
+    from replay.calibration import calibration_named
+    from replay.derive import derive_requests
+    from replay.errors import ReplayError
+    from tests.replay.conftest import make_workload
+
+    n = 2 * MIN_HELD_OUT_PER_HALF - 1
+    summary = run_replay(make_workload([i * 10**8 for i in range(n)], [100] * n, [2] * n), out_dir=tmp_path)
+    events = pq.read_table(summary.events_path)
+    requests, instance, base = derive_requests(events), instance_config(), calibration_named("vllm-0.15.1-h100")
+    with pytest.raises(ReplayError, match=f"at least 100 requests in each half of the run; this run holds {n}") as err:
+        calibrate_requests(requests, instance, base, name="mine", engine="test")
+    assert "--no-held-out" in err.value.hint
+    short = pq.read_table(run_replay(make_workload([i * 10**8 for i in range(40)], [100] * 40, [2] * 40),
+                                     out_dir=tmp_path / "short").events_path)
+    assert len(step_shapes(short)) == 80  # one request at a time: its prefill step and its one decode
+    with pytest.raises(ReplayError, match="at least 100 steps in each half of the run; this run holds 80"):
+        calibrate_steps(short, instance, base, name="mine", engine="test")
