@@ -1350,7 +1350,8 @@ def _gate_runs(ctx: click.Context, baseline: Path | None, candidate: Path | None
 @click.option("--trace", "trace_name", default="azure-conv", show_default=True, help="Bundled trace name or trace file.")
 @click.option(
     "--out", type=click.Path(file_okay=False, path_type=Path), default=None,
-    help="Demo folder, emptied first (the demo key is kept) [default: <out_dir>/demo].",
+    help="Demo folder, emptied first (the demo key is kept); a folder with files that is not a demo's is refused "
+         "[default: <out_dir>/demo].",
 )
 @click.option("--candidates", default=None,
               help="Comma-separated candidate policies judged against nightly.production [default: sarathi,vtc,deadline].")

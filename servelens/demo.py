@@ -197,6 +197,28 @@ def run_demo(
                       speedup, key_path, days, metrics, verdicts, failed_checks, time.monotonic() - started, policies)
 
 
+#: The folders of a demo folder that each run empties first, and the file that marks a folder as a demo's.
+DEMO_STAGES = ("lake", "out", "engine", "dagster")
+DEMO_MARKER = ".servelens-demo"
+
+
+def _check_demo_folder(out_dir: Path) -> None:
+    """Refuse to empty the stage folders of a folder that is not a demo's: ``--out .`` in a project would
+    have deleted its ``out/`` (every replay there), ``--out ~`` a home's ``lake/`` or ``engine/``."""
+    if not out_dir.exists() or (out_dir / DEMO_MARKER).is_file():
+        return
+    if not out_dir.is_dir():
+        raise ServelensError(f"--out {out_dir} is a file, not a folder", "give a new or empty folder, e.g. out/demo")
+    earlier = all((out_dir / name).is_file() for name in ("engine.yaml", "deadline.yaml"))  # a demo before the marker
+    if any(out_dir.iterdir()) and not earlier:
+        held = sorted(s for s in DEMO_STAGES if (out_dir / s).exists())
+        raise ServelensError(
+            f"--out {out_dir} is not a demo folder (it has files, and no {DEMO_MARKER} from an earlier demo): the "
+            "demo empties " + ", ".join(f"{s}/" for s in DEMO_STAGES) + " in it first"
+            + (f", and this folder holds {', '.join(f'{s}/' for s in held)}" if held else ""),
+            "give a new or empty folder (the default is out/demo)")
+
+
 def _prepare_demo(config: Config, out_dir: Path, candidates: tuple[str, ...], progress: Callable[[str], None]):
     """Check the policies, get the demo's pseudonym key (created on first use), empty ``out_dir``'s stages and
     write the demo's settings there; returns (the demo's configuration, the key's path, the keyring)."""
@@ -211,9 +233,12 @@ def _prepare_demo(config: Config, out_dir: Path, candidates: tuple[str, ...], pr
     keyring, key_created = demo_keyring(key_path)
     if key_created:
         progress(f"generated a local pseudonym key for the demo at {key_path} (demo only: configure your own key)")
-    for stale in ("lake", "out", "engine", "dagster"):
+    _check_demo_folder(out_dir)
+    for stale in DEMO_STAGES:
         shutil.rmtree(out_dir / stale, ignore_errors=True)
     out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / DEMO_MARKER).write_text("a servelens demo folder: `servelens demo --out` empties its "
+                                       + ", ".join(f"{s}/" for s in DEMO_STAGES) + " before each run\n")
     config = demo_config(config, out_dir)
     write_demo_settings(out_dir)
     return config, key_path, keyring

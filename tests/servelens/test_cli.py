@@ -146,6 +146,27 @@ def test_missing_shared_data_is_a_clean_error(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_the_demo_never_empties_a_folder_that_is_not_a_demo_s(tmp_path):
+    from servelens.demo import DEMO_MARKER, _check_demo_folder
+    from servelens.errors import ServelensError
+
+    project = tmp_path / "project"  # `servelens demo --out .` from a project root deleted its out/ (every replay)
+    (project / "out" / "replay").mkdir(parents=True)
+    (project / "out" / "replay" / "events.parquet").write_text("keep")
+    proc = servelens("demo", "--out", str(project), "--no-serve")
+    assert proc.returncode == 3 and "is not a demo folder" in proc.stderr and "this folder holds out/" in proc.stderr
+    assert (project / "out" / "replay" / "events.parquet").read_text() == "keep"
+    for folder, files in (("new", ()), ("marked", (DEMO_MARKER,)), ("earlier", ("engine.yaml", "deadline.yaml"))):
+        (tmp_path / folder).mkdir()
+        for name in files:
+            (tmp_path / folder / name).write_text("")
+        _check_demo_folder(tmp_path / folder)  # a new folder, a demo's, or one an earlier demo wrote: emptied
+    _check_demo_folder(tmp_path / "missing")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ServelensError, match="is a file, not a folder"):
+        _check_demo_folder(tmp_path / "file")
+
+
 def test_bad_config_and_unwritable_output_are_clean_errors(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text("[nope]\n")
