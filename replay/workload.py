@@ -237,7 +237,7 @@ def _checked(table: pa.Table) -> pa.Table:
             "sort it by arrival_ns once; the replay never reorders arrivals itself",
         )
     for column, least in (("arrival_ns", 0), ("num_prompt_tokens", 0), ("num_output_tokens", 0), ("num_branches", 1),
-                          ("prefix_block_size_tokens", 1)):
+                          ("prefix_block_size_tokens", 1), ("cancel_after_ns", 0)):
         low = pc.min(table[column]).as_py()
         if low is not None and low < least:
             row = pc.index(table[column], low).as_py()

@@ -151,6 +151,8 @@ def test_tiled_workload_streams_the_same_requests(azure):
         ({"prefix_block_ids": [[1], [], []], "prefix_block_size_tokens": [0, None, None]},
          "prefix_block_size_tokens must be at least 1: row 0 has 0"),
         ({"request_id": ["a", "b", "a"]}, "request ids are not unique: 'a' is there more than once"),
+        # a cancel before the arrival was ignored: the request completed as if never cancelled
+        ({"cancel_after_ns": [None, -5, 10]}, "cancel_after_ns must be at least 0: row 1 has -5"),
     ],
 )
 def test_a_workload_with_impossible_rows_is_refused_naming_the_row(columns, message):
