@@ -94,7 +94,7 @@ class Tenancy:
         if self.default_class not in names:
             raise ReplayError(
                 f"tenancy: the default class {self.default_class!r} is not among the classes",
-                f"classes: {', '.join(names)}",
+                f"set tenancy.default_class (the class of tenants not listed) to one of: {', '.join(names)}",
             )
         seen: set[str] = set()
         for t in self.tenants:

@@ -264,3 +264,9 @@ def test_the_engine_refuses_a_degrade_that_adds_branches(run):
             run(make_workload([0], [10], [5], num_branches=[2]), policy_name=Greedy.name, **CONSTANT)
     finally:
         del POLICIES[Greedy.name]
+
+
+def test_a_tenancy_whose_default_class_is_undefined_says_which_key_to_set():
+    with pytest.raises(ReplayError, match="the default class 'default' is not among the classes") as err:
+        Tenancy(classes=(ClassConfig(name="interactive"),), tenants=(TenantConfig(name="a", service_class="interactive"),))
+    assert err.value.hint == "set tenancy.default_class (the class of tenants not listed) to one of: interactive"
