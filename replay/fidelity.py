@@ -112,6 +112,10 @@ def _stages(path: Path) -> dict[str, tuple]:
     return {k: tuple(sorted(v)) for k, v in by_id.items() if len(v) > 1}
 
 
+#: A measured latency above this many milliseconds (about 11.6 days) is not one.
+_MAX_MS = 1e9
+
+
 def _recorded(row: dict[str, str], where: str) -> tuple[tuple[str, float], ...]:
     """The row's measured metrics, seconds: each a finite latency above zero (a NaN or a negative mean was
     taken and reported as a 'nan%' or 92,404% error)."""
@@ -125,10 +129,6 @@ def _recorded(row: dict[str, str], where: str) -> tuple[tuple[str, float], ...]:
                                   "leave the cell empty where it was not measured")
             out.append((m, value / 1e3))
     return tuple(out)
-
-
-#: A measured latency above this many milliseconds (about 11.6 days) is not one.
-_MAX_MS = 1e9
 
 
 def _experiment(row: dict[str, str], folder: Path) -> FidelityExperiment:
