@@ -201,6 +201,19 @@ def dead_letter_rate(lake: LakeResource) -> dg.AssetCheckResult:
     return dg.AssetCheckResult(passed=rate < MAX_DEAD_LETTER_RATE, metadata={"dead_letter_rate": rate, "dead_letters": dead})
 
 
+@dg.asset_check(asset=request_table, description="No request holds a timestamp before the one its latency is measured "
+                                                 "from (a first token before its arrival: clocks that disagree, a "
+                                                 "broken emitter); the request table leaves such latencies null.")
+def request_timestamps_in_order(lake: LakeResource) -> dg.AssetCheckResult:
+    from replay.derive import BACKWARDS_SQL, connect, count_backwards
+
+    con = connect(lake.config().lake.duckdb_memory_limit)
+    days = {path.stem.removeprefix("dt="): count_backwards(con, path)
+            for path in sorted((lake.out_dir() / "tables" / "requests").glob("dt=*.parquet"))}
+    return dg.AssetCheckResult(passed=not any(days.values()), severity=dg.AssetCheckSeverity.WARN,
+                               metadata={"requests_out_of_order_by_day": days, "condition": BACKWARDS_SQL})
+
+
 def _bursts_kept(arrivals: np.ndarray, recorded: np.ndarray, factor: Fraction = Fraction(1)) -> dict[str, bool]:
     """Same order and gaps (divided by ``factor``, to the nanosecond) as recorded, and the same
     inter-arrival CV."""
@@ -267,8 +280,8 @@ def replay_is_deterministic(context: dg.AssetCheckExecutionContext, lake: LakeRe
                                metadata={"checked": len(manifests), "mismatched": mismatched})
 
 
-CHECKS = [events_schema_conforms, no_raw_identifiers, cardinality_within_budget, dead_letter_rate, workload_keeps_bursts,
-          scaled_workload_keeps_bursts, replay_is_deterministic]
+CHECKS = [events_schema_conforms, no_raw_identifiers, cardinality_within_budget, dead_letter_rate,
+          request_timestamps_in_order, workload_keeps_bursts, scaled_workload_keeps_bursts, replay_is_deterministic]
 
 
 # ------------------------------------------------------------------------------------------ automation

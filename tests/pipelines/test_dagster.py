@@ -338,6 +338,21 @@ def test_a_shuffled_workload_fails_the_burstiness_check(materialized, tmp_path):
     assert not evaluation.passed and evaluation.metadata["days"].value[DAY]["arrivals_as_recorded"] is False
 
 
+def test_a_request_whose_first_token_precedes_its_arrival_warns_in_its_check(materialized, tmp_path):
+    deployment = materialized[0].copy(tmp_path / "skewed")
+    path = deployment.out_dir / "tables" / "requests" / f"dt={DAY}.parquet"
+    table = pq.read_table(path)
+    first = table["first_token_ns"].to_pylist()
+    first[3] = table["arrival_ns"][3].as_py() - 1  # one request's first token 1 ns before its arrival
+    pq.write_table(table.set_column(table.schema.get_field_index("first_token_ns"), "first_token_ns", pa.array(first)), path)
+    with dg.instance_for_test() as instance, deployment.environment():
+        result = dg.materialize([*assets.ASSETS, *assets.CHECKS], instance=instance, resources=resources(),
+                                selection=dg.AssetSelection.checks(assets.request_timestamps_in_order))
+    evaluation = check_results(result)["request_timestamps_in_order"]
+    assert not evaluation.passed and evaluation.severity == dg.AssetCheckSeverity.WARN
+    assert evaluation.metadata["requests_out_of_order_by_day"].value == {DAY: 1}
+
+
 def test_a_nondeterministic_replay_fails_the_determinism_check(materialized, instance, tmp_path):
     deployment = materialized[0].copy(tmp_path / "deployment")
     instance.add_dynamic_partitions("replay_case", ["test-coin-flip@2x"])
