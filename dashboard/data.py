@@ -66,8 +66,9 @@ LATENCY_COLUMNS = ("ttft_s", "itl_p99_s", "e2e_s")
 BUSY_COLUMN = "busy_accelerator_s"
 REQUEST_SEQ = "request_seq"
 CROWD_ID = "crowd_id"
-#: Bumped whenever the derived file's columns or encoding change, so files of an older layout are rebuilt.
-DERIVED_FORMAT = 4
+#: Bumped whenever the derived file's columns, encoding or derivation change, so files of an older layout are
+#: rebuilt (5: durations whose end precedes their start are null, the first of conflicting finishes counts).
+DERIVED_FORMAT = 5
 #: Compression of the derived request file: every page query decodes it, and Snappy decodes in
 #: about a fifth less CPU time than zstd for these pages (1,000,000 requests: 133 MB against 76 MB).
 DERIVED_COMPRESSION = "snappy"
