@@ -278,11 +278,19 @@ def read_trace(name_or_path: str, shared: Path | None = None) -> pa.Table:
     return table
 
 
+def first_below(table: pa.Table, column: str, least: int) -> tuple[int, int] | None:
+    """(row, value) of the first row holding ``column``'s smallest value when that is below ``least``; else None."""
+    low = pc.min(table[column]).as_py()
+    if low is None or low >= least:
+        return None
+    return pc.index(table[column], low).as_py(), low
+
+
 def _check_not_negative(path: Path, table: pa.Table) -> None:
     for column, what in _MEANING.items():
-        low = pc.min(table[column]).as_py()
-        if low is not None and low < 0:
-            row = pc.index(table[column], low).as_py()
+        found = first_below(table, column, 0)
+        if found is not None:
+            row, low = found
             where = " (before 1970, or before 0 in a trace of relative times)" if column == "arrival_ns" else ""
             raise ServelensError(f"{path}: data row {row + 1} (request {table['request_id'][row]}) has a negative "
                                  f"{what}{where}: {column} {low}",

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from replay.errors import ReplayError
-from replay.traces import WORKLOAD_SCHEMA, check_workload_size
+from replay.traces import WORKLOAD_SCHEMA, check_workload_size, first_below
 from schemas.arrow import EVENTS_SCHEMA
 from schemas.events import SCHEMA_VERSION
 from schemas.validate import read_parquet_table
@@ -238,9 +238,9 @@ def _checked(table: pa.Table) -> pa.Table:
         )
     for column, least in (("arrival_ns", 0), ("num_prompt_tokens", 0), ("num_output_tokens", 0), ("num_branches", 1),
                           ("prefix_block_size_tokens", 1), ("cancel_after_ns", 0)):
-        low = pc.min(table[column]).as_py()
-        if low is not None and low < least:
-            row = pc.index(table[column], low).as_py()
+        found = first_below(table, column, least)
+        if found is not None:
+            row, low = found
             raise ReplayError(f"the workload's {column} must be at least {least}: row {row} has {low}",
                               "fix the rows (a trace's converter wrote them wrong), or drop them")
     if table.num_rows and pc.count_distinct(table["request_id"]).as_py() < table.num_rows:
