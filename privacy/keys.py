@@ -24,8 +24,9 @@ import hmac
 import os
 import re
 import secrets
+import tempfile
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -118,11 +119,11 @@ def load_keyring(path: str | Path | None = None, env: Mapping[str, str] | None =
             raise ConfigError(
                 f"pseudonym key file {path} does not exist", f"create it with `servelens privacy keygen --out {path}`"
             ) from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"pseudonym key file {path} is not valid TOML: {exc}") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"pseudonym key file {path} is not valid TOML: {exc}", _KEY_FILE_HINT) from None
         keys = data.get("keys")
         if not isinstance(keys, dict) or not keys or not isinstance(data.get("active"), str):
-            raise ConfigError(f"pseudonym key file {path} needs `active = \"<id>\"` and a [keys] table")
+            raise ConfigError(f"pseudonym key file {path} needs `active = \"<id>\"` and a [keys] table", _KEY_FILE_HINT)
         return KeyRing(data["active"], {k: _decode_secret(k, str(v), str(path)) for k, v in keys.items()})
     if env.get(ENV_KEY):
         key_id, sep, text = env[ENV_KEY].partition(":")
@@ -136,20 +137,40 @@ def load_keyring(path: str | Path | None = None, env: Mapping[str, str] | None =
     )
 
 
-def new_key_id() -> str:
-    return "k" + datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
+#: What a key file holds, for the errors that find it malformed.
+_KEY_FILE_HINT = ('a key file is `active = "<id>"` and a [keys] table of "<id>" = "<base64 secret>", as '
+                  "`servelens privacy keygen --out FILE` writes; restore the file from its backup rather than "
+                  "making a new key, or the lake's pseudonyms can no longer be looked up")
+
+
+def new_key_id(taken: Collection[str] = ()) -> str:
+    """A key id from the current UTC second; ``-2``, ``-3``, ... appended while it is in ``taken``
+    (two rotations within one second)."""
+    base = "k" + datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
+    key_id, n = base, 1
+    while key_id in taken:
+        n += 1
+        key_id = f"{base}-{n}"
+    return key_id
 
 
 def write_keyfile(path: str | Path, ring: KeyRing) -> None:
-    """Write a key ring as TOML, readable by its owner only."""
+    """Write a key ring as TOML, readable by its owner only. The ring goes to a temporary file beside
+    ``path`` that then replaces it, so a crash mid-write (a rotation) leaves the old ring whole."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = [f'active = "{ring.active_id}"', "", "[keys]"]
     lines += [f'"{k}" = "{base64.b64encode(v).decode()}"' for k, v in ring.secrets.items()]
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write("\n".join(lines) + "\n")
-    os.chmod(path, 0o600)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # created 0600
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write("\n".join(lines) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def generate_keyring(key_id: str | None = None) -> KeyRing:
@@ -159,9 +180,9 @@ def generate_keyring(key_id: str | None = None) -> KeyRing:
 
 def rotate(ring: KeyRing, key_id: str | None = None) -> KeyRing:
     """A ring with a fresh active key; the old keys stay for lookups."""
-    key_id = key_id or new_key_id()
+    key_id = key_id or new_key_id(ring.secrets)
     if key_id in ring.secrets:
-        raise ConfigError(f"pseudonym key id {key_id!r} already exists")
+        raise ConfigError(f"pseudonym key id {key_id!r} already exists", "choose another --id, or leave it out for a fresh one")
     return KeyRing(key_id, {**ring.secrets, key_id: secrets.token_bytes(MIN_KEY_BYTES)})
 
 

@@ -8,7 +8,16 @@ import stat
 
 import pytest
 
-from privacy.keys import ENV_KEY, KeyRing, demo_keyring, generate_keyring, load_keyring, rotate, write_keyfile
+from privacy.keys import (
+    ENV_KEY,
+    KeyRing,
+    demo_keyring,
+    generate_keyring,
+    load_keyring,
+    new_key_id,
+    rotate,
+    write_keyfile,
+)
 from servelens.errors import ConfigError
 
 
@@ -80,3 +89,29 @@ def test_integer_remap_keeps_equality_and_hides_the_value(keyring):
     assert keyring.remap_int("blk", 7) == keyring.remap_int("blk", 7)
     assert keyring.remap_int("blk", 7) != keyring.remap_int("blk", 8)
     assert 0 <= keyring.remap_int("blk", 7) < 2**63 and keyring.remap_int("blk", 7) != 7
+
+
+def test_rotations_within_one_second_get_distinct_ids():
+    ring = generate_keyring()
+    twice = rotate(rotate(ring))  # three keys made within a few microseconds: the same second, mostly
+    assert len(twice.secrets) == 3 and twice.active_id not in ring.secrets
+    first = new_key_id()
+    assert new_key_id({first}) in (f"{first}-2", new_key_id())  # suffixed, unless the second just turned
+    assert new_key_id({first, f"{first}-2"}) in (f"{first}-3", new_key_id())
+
+
+def test_a_rewritten_key_file_replaces_the_old_one_whole(tmp_path):
+    path = tmp_path / "keys.toml"
+    write_keyfile(path, generate_keyring("k1"))
+    write_keyfile(path, rotate(load_keyring(path, env={}), "k2"))
+    assert set(load_keyring(path, env={}).secrets) == {"k1", "k2"}
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["keys.toml"]  # no temporary file left beside it
+
+
+def test_a_key_file_that_is_not_toml_says_what_one_holds(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(b"\x00\x01 not toml")
+    with pytest.raises(ConfigError, match="not valid TOML") as err:
+        load_keyring(bad, env={})
+    assert "privacy keygen" in err.value.hint and "backup" in err.value.hint
