@@ -70,6 +70,60 @@ def resolve_device(device: str):
     return torch.device(device)
 
 
+def executor_bytes(shape: LlamaShape, num_kv_blocks: int, block_size: int, element_bytes: int) -> tuple[int, int]:
+    """What a ``StepExecutor`` allocates, bytes: (the part that does not grow with the layers built,
+    the part each built layer adds). The first holds the embedding, the LM head and, while a weight is
+    drawn, its float32 draw (the largest: the embedding's); the second a layer's weights and KV pools."""
+    s = shape
+    q_dim, kv_dim = s.num_attention_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    layer_weights = s.hidden_size * (q_dim + 2 * kv_dim) + q_dim * s.hidden_size + 3 * s.hidden_size * s.intermediate_size
+    kv_pools = 2 * num_kv_blocks * block_size * kv_dim
+    fixed = 2 * s.vocab_size * s.hidden_size * element_bytes + s.vocab_size * s.hidden_size * 4
+    return fixed, (layer_weights + kv_pools) * element_bytes
+
+
+def available_bytes(device) -> int | None:
+    """Memory free for new tensors on ``device`` (CUDA: the driver's free memory; CPU: Linux's
+    MemAvailable), or None where it cannot be read."""
+    torch = require_torch()
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+#: The share of free memory the executor's tensors may take: the rest is the steps' activations.
+MEMORY_SHARE = 0.9
+
+
+def check_fits(shape: LlamaShape, num_kv_blocks: int, block_size: int, element_bytes: int, device,
+               free: int | None = None) -> None:
+    """Refuse, before allocating, an executor that would not fit ``free`` bytes (default: the device's
+    free memory now), where the kernel would kill the process or CUDA fail part way; the error names
+    the sizes and the layers that fit."""
+    free = available_bytes(device) if free is None else free
+    if free is None:
+        return
+    fixed, per_layer = executor_bytes(shape, num_kv_blocks, block_size, element_bytes)
+    need, room = fixed + per_layer * shape.num_layers, MEMORY_SHARE * free
+    if need <= room:
+        return
+    fits = int((room - fixed) // per_layer)
+    hint = (f"build at most {fits} layers (`servelens profile --layers {fits}`: the fitted model scales them to all "
+            f"{shape.full_num_layers})"
+            if fits >= 1 else "profile a smaller model shape, or on a device with more memory")
+    raise ReplayError(
+        f"{shape.name} with {shape.num_layers} layers and {num_kv_blocks:,} KV blocks needs about "
+        f"{need / 2**30:,.1f} GiB on {device.type}, and {free / 2**30:,.1f} GiB is free", hint
+    )
+
+
 class SeqWork(NamedTuple):
     """One sequence's part of a step."""
 
@@ -129,6 +183,7 @@ class StepExecutor:
         ]
         if num_kv_blocks < 1 or block_size < 1:
             raise ReplayError("the KV cache needs at least one block of at least one token")
+        check_fits(shape, num_kv_blocks, block_size, torch.finfo(self.dtype).bits // 8, self.device)
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
         s = shape

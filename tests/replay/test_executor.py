@@ -12,7 +12,14 @@ except ImportError as exc:  # pragma: no cover
     raise ImportError("PyTorch is missing: `make env` (pip install -e '.[dev]') installs the pinned torch==2.13.0") from exc
 
 from replay.errors import ReplayError  # noqa: E402
-from replay.measured.executor import SeqWork, StepExecutor  # noqa: E402
+from replay.measured.executor import (  # noqa: E402
+    MEMORY_SHARE,
+    SeqWork,
+    StepExecutor,
+    available_bytes,
+    check_fits,
+    executor_bytes,
+)
 from replay.measured.shapes import llama_shape  # noqa: E402
 
 
@@ -139,3 +146,35 @@ def test_layer_scaling_and_unknown_shapes() -> None:
         llama_shape("llama-7b")
     with pytest.raises(ReplayError, match="between 1 and 16"):
         llama_shape("llama-1b", 17)
+
+
+def test_the_memory_estimate_is_what_the_executor_allocates(executor: StepExecutor) -> None:
+    s = executor.shape
+    tensors = [executor.embedding, executor.lm_head, executor.final_norm, *executor.k_cache, *executor.v_cache]
+    tensors += [t for layer in executor.layers for t in layer.tensors()]
+    allocated = sum(t.numel() * t.element_size() for t in tensors)
+    fixed, per_layer = executor_bytes(s, executor.num_kv_blocks, executor.block_size, 4)
+    draw = s.vocab_size * s.hidden_size * 4  # the embedding's float32 draw, held while it is converted
+    norms = (2 * s.num_layers + 1) * s.hidden_size * 4  # the RMSNorm weights, left out of the estimate
+    assert fixed + per_layer * s.num_layers == allocated + draw - norms
+
+
+def test_an_executor_larger_than_free_memory_is_refused_with_the_layers_that_fit() -> None:
+    cpu, shape = torch.device("cpu"), llama_shape("llama-1b")
+    fixed, per_layer = executor_bytes(shape, 1024, 16, 4)
+    free = int((fixed + 3.5 * per_layer) / MEMORY_SHARE)  # room for three and a half of its sixteen layers
+    with pytest.raises(ReplayError, match=r"llama-1b with 16 layers and 1,024 KV blocks needs about 7.6 GiB on cpu, "
+                                          r"and 4.4 GiB is free") as err:
+        check_fits(shape, 1024, 16, 4, cpu, free=free)
+    assert "at most 3 layers (`servelens profile --layers 3`" in err.value.hint
+    check_fits(shape.with_layers(3), 1024, 16, 4, cpu, free=free)  # and three do fit
+    with pytest.raises(ReplayError) as err:
+        check_fits(shape, 1024, 16, 4, cpu, free=fixed)
+    assert "smaller model shape" in err.value.hint
+
+
+def test_the_executor_reads_free_memory_and_refuses_what_no_machine_has() -> None:
+    free = available_bytes(torch.device("cpu"))
+    assert free is not None and 0 < free < 2**50  # Linux's MemAvailable, in bytes
+    with pytest.raises(ReplayError, match="GiB is free"):  # 40 PiB of KV pools, refused before allocating
+        StepExecutor(llama_shape("llama-1b"), device="cpu", num_kv_blocks=2**30)
