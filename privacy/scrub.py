@@ -16,6 +16,12 @@ Free text is analysed for every entity but the ones that only add noise to error
 (dates, organisations, nationalities); labels (``for_labels``) by the pattern recognizers alone,
 since a model name is not a sentence the NER model can read.
 
+The analyzer reads the text NFKC-normalized and without invisible characters (zero-width spaces
+and joiners, soft hyphens, bidirectional controls), and that form is what is kept: full-width
+letters, no-break spaces and invisible characters make an address or a number look whole to a
+reader while hiding it from every pattern. Look-alike letters from other scripts (a Cyrillic
+``ѕ`` in ``ѕk-...``) are not mapped: NFKC leaves them as they are.
+
 Each detected span is replaced by ``<ENTITY_TYPE>``. Results are cached per distinct string, and
 each batch may spend at most ``budget`` analyses on strings it has not seen: beyond that, a string
 is replaced whole by ``<REDACTED>`` (never let through unscanned), so a flood of unique strings
@@ -31,6 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import unicodedata
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +46,18 @@ from typing import Any
 REDACTED = "<REDACTED>"
 _LABEL_UNSAFE = re.compile(r"[^A-Za-z0-9._:/@+=\-]")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+#: Characters that render as nothing (the soft hyphen, zero-width spaces and joiners, word joiners,
+#: bidirectional controls, the byte-order mark): inside an address or a number they hide it from
+#: every pattern while a reader still sees it whole.
+_INVISIBLE = re.compile("[\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180b-\u180f\u200b-\u200f\u202a-\u202e"
+                        "\u2060-\u206f\u3164\ufe00-\ufe0f\ufeff\uffa0]")
+
+
+def normalized(text: str) -> str:
+    """The text the analyzer reads, and that is kept: NFKC-normalized (full-width letters and digits,
+    no-break and other spaces, ligatures and the like become their plain forms, so ``ｊｏｈｎ＠ｅｘａｍｐｌｅ.ｃｏｍ``
+    is an e-mail address) and without invisible characters (``john@exam\u200bple.com`` is one too)."""
+    return _INVISIBLE.sub("", unicodedata.normalize("NFKC", text))
 
 #: Patterns added to Presidio's: secrets it does not recognize, and a phone-number safety net
 #: (its phonenumbers-based recognizer misses numbers that sit next to other digits).
@@ -76,8 +95,9 @@ def inert_label(value: str, max_chars: int = 128) -> str:
 
 
 def clean_text(value: str, max_chars: int = 1024) -> str:
-    """Free text with control characters replaced and its length bounded."""
-    return _CONTROL.sub(" ", value[:max_chars])
+    """Free text, normalized as the analyzer reads it, with control characters replaced and its length
+    bounded (cut before normalizing, which bounds the work, and after, since NFKC can lengthen text)."""
+    return _CONTROL.sub(" ", normalized(value[:max_chars])[:max_chars])
 
 
 def _ner_error(ner_model: str | None, why: str) -> Exception:
@@ -208,6 +228,7 @@ class Scrubber:
 
     def _analyze(self, text: str) -> ScrubResult:
         analyzer, entities = self._engine.get(self.labels)
+        text = normalized(text)
         results = analyzer.analyze(text, language="en", entities=entities, score_threshold=self.score_threshold)
         return _redact(text, [(r.start, r.end, r.entity_type) for r in results])
 

