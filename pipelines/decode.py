@@ -36,9 +36,8 @@ from pipelines.otlp import FORMATS, decode_spans
 from schemas.arrow import EVENTS_SCHEMA, events_to_table
 from schemas.columnar import WIRE_SCHEMA, check_table
 from schemas.validate import FieldError, validate_record
-from schemas.wire import decode_json
+from schemas.wire import OVERSIZED, decode_json
 
-OVERSIZED = "oversized"
 CLOCK_SKEW = "clock_skew"
 TOO_DEEP = "too_deep"
 

@@ -16,11 +16,11 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from schemas.events import EVENT_TYPES, SCHEMA_MAJOR, SCHEMA_VERSION, Event
 from schemas.types import FieldSpec, field_specs
-from schemas.wire import NOT_UTF8, decode_json
+from schemas.wire import MAX_RECORD_BYTES, NOT_UTF8, OVERSIZED, decode_json
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -240,9 +240,26 @@ def validate_record(record: Any, number: int = 0) -> RecordResult:
     return RecordResult(number, cls(**values), (), ignored)
 
 
-def _iter_jsonl(path: Path) -> Iterator[RecordResult]:
+def _lines(fh: IO[bytes], limit: int) -> Iterator[tuple[bytes | None, int]]:
+    """Each line and its length in bytes, or ``None`` and the length of a line whose record is longer
+    than ``limit``: that one is read in pieces, never held whole (``/dev/zero`` has no newline)."""
+    while line := fh.readline(limit + 1):
+        if len(line) <= limit or line.endswith(b"\n"):
+            yield line, len(line)
+            continue
+        size = len(line)
+        while (piece := fh.readline(limit)) and not piece.endswith(b"\n"):
+            size += len(piece)
+        yield None, size + len(piece) - piece.endswith(b"\n")
+
+
+def _iter_jsonl(path: Path, limit: int = MAX_RECORD_BYTES) -> Iterator[RecordResult]:
     with path.open("rb") as fh:
-        for number, line in enumerate(fh, start=1):
+        for number, (line, size) in enumerate(_lines(fh, limit), start=1):
+            if line is None:
+                yield RecordResult(number, None, (FieldError(OVERSIZED, "$", f"the line holds {size:,} bytes, more than "
+                                                              f"the {limit:,}-byte limit on one record"),))
+                continue
             if not line.strip():
                 continue
             record, reason, message = decode_json(line)
@@ -317,13 +334,16 @@ def detect_format(path: Path) -> str:
     return "parquet" if path.suffix == ".parquet" else "jsonl"
 
 
-def iter_file(path: Path | str, *, batch_rows: int = 65_536) -> Iterator[RecordResult]:
-    """Validate every record of a JSONL or Parquet file, streaming."""
+def iter_file(
+    path: Path | str, *, batch_rows: int = 65_536, max_record_bytes: int = MAX_RECORD_BYTES
+) -> Iterator[RecordResult]:
+    """Validate every record of a JSONL or Parquet file, streaming (a JSONL line longer than
+    ``max_record_bytes`` is an ``oversized`` record)."""
     path = Path(path)
     if detect_format(path) == "parquet":
         yield from _iter_parquet(path, batch_rows)
     else:
-        yield from _iter_jsonl(path)
+        yield from _iter_jsonl(path, max_record_bytes)
 
 
 @dataclass

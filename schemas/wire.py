@@ -18,6 +18,10 @@ from schemas.types import field_specs
 
 INVALID_JSON = "invalid_json"
 NOT_UTF8 = "not_utf8"
+OVERSIZED = "oversized"
+#: The longest JSON document read from a file, like the ingest's default ``max_message_bytes`` (Kafka's
+#: own default message size): a longer line is an ``oversized`` record, skipped without being held.
+MAX_RECORD_BYTES = 1_048_576
 
 
 def _dumps(obj: dict[str, Any]) -> bytes:

@@ -25,7 +25,7 @@ from schemas.validate import (
     iter_file,
     validate_record,
 )
-from schemas.wire import INVALID_JSON, NOT_UTF8
+from schemas.wire import INVALID_JSON, NOT_UTF8, OVERSIZED
 
 ARRIVED = {
     "event_id": "e1",
@@ -238,6 +238,36 @@ def test_a_corrupt_parquet_file_is_a_clean_error_not_an_internal_one(tmp_path):
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert "is not a readable Parquet file" in proc.stderr and "internal error" not in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_an_overlong_line_is_one_oversized_record_and_the_lines_around_it_still_count(tmp_path):
+    """A line past the limit is named by its number and size, read in pieces (never held whole), and
+    the next line is still record 3; limits at the edge: exactly the limit is a record, one more is not."""
+    good = _line()
+    limit = len(good)
+    path = tmp_path / "long.jsonl"
+    path.write_text(f"{good}\n{'x' * (10 * limit + 3)}\n{good}\n{good} \n{'y' * (limit + 1)}")
+    results = list(iter_file(path, max_record_bytes=limit))
+    assert [(r.number, r.event is not None) for r in results] == [(1, True), (2, False), (3, True), (4, False), (5, False)]
+    assert results[1].errors[0].reason == OVERSIZED and f"{10 * limit + 3:,} bytes" in results[1].errors[0].message
+    assert results[3].errors[0].reason == OVERSIZED and results[4].errors[0].reason == OVERSIZED
+
+
+def test_an_overlong_line_is_skipped_in_pieces_not_held(tmp_path):
+    """A 16 MiB line with no newline (the end of a truncated or hostile file), read with a 64 KiB limit:
+    Python's allocations stay near the limit, where holding the line would take all 16 MiB."""
+    import tracemalloc
+
+    path = tmp_path / "noline.jsonl"
+    path.write_bytes(b"{" * (16 << 20))
+    tracemalloc.start()
+    try:
+        results = list(iter_file(path, max_record_bytes=64 << 10))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [r.errors[0].reason for r in results] == [OVERSIZED]
+    assert peak < 1 << 20, peak
 
 
 def test_a_device_given_as_parquet_is_named_as_not_a_file(tmp_path):
