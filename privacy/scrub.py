@@ -56,7 +56,7 @@ _INVISIBLE = re.compile("[\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180b-\u180
 def normalized(text: str) -> str:
     """The text the analyzer reads, and that is kept: NFKC-normalized (full-width letters and digits,
     no-break and other spaces, ligatures and the like become their plain forms, so ``ｊｏｈｎ＠ｅｘａｍｐｌｅ.ｃｏｍ``
-    is an e-mail address) and without invisible characters (``john@exam\u200bple.com`` is one too)."""
+    is an e-mail address) and without invisible characters (``john@exam``, U+200B, ``ple.com`` is one too)."""
     return _INVISIBLE.sub("", unicodedata.normalize("NFKC", text))
 
 #: Patterns added to Presidio's: secrets it does not recognize, and a phone-number safety net
