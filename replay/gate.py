@@ -267,33 +267,69 @@ def _condition_verdicts(diffs: _Differences, config: GateConfig, errors: dict[st
     return out
 
 
+#: The largest model error a calibration record adds (a fraction): a held-out error of 100% or more says
+#: the model cannot vouch for the figure, and this much error keeps every metric resting on it from passing.
+MAX_CALIBRATION_ERROR = 0.99
+
+
 def calibration_errors(*runs: Run) -> tuple[dict[str, float], list[str]]:
     """The held-out errors (fractions, the larger of the runs' per figure) of the calibrations the runs'
     manifests name, and a line per calibration for the report (and one per run whose load lies beyond the
     load its calibration was fitted on, ``replay.load``)."""
-    import json
-
     errors: dict[str, float] = {}
-    lines = []
+    lines: list[str] = []
     for run in runs:
         if run.manifest_path is None:
             continue
-        manifest = json.loads(Path(run.manifest_path).read_text())
-        record = manifest.get("calibration")
-        if not record:
-            continue
-        held = record.get("held_out_error_pct") or {}
+        manifest = read_manifest(run.manifest_path)
+        try:
+            record = manifest.get("calibration")
+            if not record:
+                continue
+            held = _held_out(record)
+            line = (f"replay model: calibration {record['name']} ({record.get('engine', '')}"
+                    + (", extrapolated to this accelerator" if record.get("extrapolated") else "") + "), held-out error "
+                    + (", ".join(f"{k} {v:.1f}%" for k, v in sorted(held.items())) or "not measured"))
+            load, beyond = describe_load(manifest["load"]) if manifest.get("load") else ("", False)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise _bad_manifest(run.manifest_path, f"its calibration or load record is malformed ({type(exc).__name__}: {exc})") from None
         for figure, pct in held.items():
-            errors[figure] = max(errors.get(figure, 0.0), pct / 100)
-        line = (f"replay model: calibration {record['name']} ({record.get('engine', '')}"
-                + (", extrapolated to this accelerator" if record.get("extrapolated") else "") + "), held-out error "
-                + (", ".join(f"{k} {v:.1f}%" for k, v in sorted(held.items())) or "not measured"))
+            errors[figure] = max(errors.get(figure, 0.0), min(pct / 100, MAX_CALIBRATION_ERROR))
         if line not in lines:
             lines.append(line)
-        load, beyond = describe_load(manifest["load"]) if manifest.get("load") else ("", False)
         if beyond:  # the held-out errors above do not vouch for this run
             lines.append(f"{run.label} replay {load}")
     return errors, lines
+
+
+def read_manifest(path: str | Path) -> dict:
+    """A run's ``manifest.json`` as written by ``servelens replay``, or an error that names the file."""
+    import json
+
+    try:
+        manifest = json.loads(Path(path).read_text())
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise _bad_manifest(path, f"it is not valid JSON ({exc})") from None
+    if not isinstance(manifest, dict):
+        raise _bad_manifest(path, f"it holds a JSON {type(manifest).__name__}, not an object")
+    return manifest
+
+
+def _held_out(record: dict) -> dict[str, float]:
+    """A calibration record's held-out errors: percentages, finite and not negative."""
+    held = record.get("held_out_error_pct") or {}
+    if not isinstance(held, dict):
+        raise TypeError(f"held_out_error_pct is {held!r}, not a mapping of figure to percent")
+    for figure, pct in held.items():
+        if isinstance(pct, bool) or not isinstance(pct, (int, float)) or not 0 <= pct < float("inf"):
+            raise ValueError(f"held_out_error_pct {figure} is {pct!r}, not a percentage of at least 0")
+    return {str(k): float(v) for k, v in held.items()}
+
+
+def _bad_manifest(path: str | Path, why: str) -> ServelensError:
+    return ServelensError(f"the run manifest {path} cannot be read: {why}",
+                             "it is written by `servelens replay`: replay the run again, or give the gate the run's "
+                             "events.parquet instead of its folder to judge it without its manifest")
 
 
 def compare_runs(baseline: Run, candidate: Run, config: GateConfig) -> Verdict:

@@ -408,15 +408,19 @@ def _wait(live: bool, wait: float | None) -> str:
     return "replay more traffic (no estimate of how much)" if wait is None else f"replay {wait:,.0f} more minutes of traffic"
 
 
-def action_words(status: str, decision: str | None, wait_minutes: float | None, rollback_on: str = "fail") -> str:
+def action_words(status: str, decision: str | None, wait_minutes: float | None, rollback_on: str = "fail",
+                 model_bound: bool = False) -> str:
     """What to do, in the gate's own words: from a live decision (``decision``: promote, continue,
-    rollback) or, offline (None), from the status alone."""
+    rollback) or, offline (None), from the status alone (``model_bound``: a metric that no amount of
+    replayed traffic can decide, its margin smaller than the replay model's known error)."""
     if decision == "promote":
         return "promote"
     if decision == "rollback":
         return "roll back"
     if decision == "continue":
         return _wait(True, wait_minutes) if status == INCONCLUSIVE else f"keep watching (rollback_on: {rollback_on})"
+    if status == INCONCLUSIVE and model_bound:
+        return "judge it on a measured run (the replay model's known error is larger than a metric's margin)"
     return {PASS: "ready for a canary", FAIL: "do not ship the candidate",
             INCONCLUSIVE: _wait(False, wait_minutes)}.get(status, "see the reasons")
 
@@ -424,8 +428,11 @@ def action_words(status: str, decision: str | None, wait_minutes: float | None, 
 def headline(verdict: Verdict, decision: Decision | None = None) -> str:
     """The verdict and the action, first line of every report: 'FAIL: roll back', 'PASS: promote',
     'INCONCLUSIVE: continue 12 more minutes', or the offline equivalents."""
+    model_bound = verdict.wait_minutes is None and any(
+        m.undecided == MODEL_ERROR and m.more_windows is None and not m.informative for m in verdict.metrics)
     action = action_words(verdict.status, decision.action if decision else None,
-                          decision.wait_minutes if decision else verdict.wait_minutes, verdict.config.rollback_on)
+                          decision.wait_minutes if decision else verdict.wait_minutes, verdict.config.rollback_on,
+                          model_bound)
     restore = f" to {decision.restore}" if decision is not None and decision.action == "rollback" and decision.restore else ""
     return f"{verdict.status.upper()}: {action}{restore}"
 

@@ -18,6 +18,7 @@ from replay.compare import default_block_windows
 from replay.gate import (
     FAIL,
     INCONCLUSIVE,
+    MAX_CALIBRATION_ERROR,
     PASS,
     GateConfig,
     ModelError,
@@ -341,6 +342,45 @@ def test_the_calibration_named_in_the_manifests_brings_its_held_out_error(tmp_pa
     off = compare_runs(*runs, dataclasses.replace(GATE, calibration_error=False))
     assert off.status == PASS and not any("calibration" in n for n in off.notes)
     assert calibration_errors(*runs)[0] == {"itl_mean": 0.2, "ttft_mean": 0.06}
+
+
+@pytest.mark.parametrize(("text", "why"), [
+    ("{not json", "it is not valid JSON"),
+    ("[1, 2]", "it holds a JSON list, not an object"),
+    ('{"calibration": {"name": "c", "held_out_error_pct": {"itl_mean": "5%"}}}', "held_out_error_pct itl_mean is '5%'"),
+    ('{"calibration": {"name": "c", "held_out_error_pct": {"itl_mean": NaN}}}', "held_out_error_pct itl_mean is nan"),
+    ('{"calibration": {"name": "c", "held_out_error_pct": {"itl_mean": -1}}}', "held_out_error_pct itl_mean is -1"),
+    ('{"calibration": {"name": "c", "held_out_error_pct": 5}}', "held_out_error_pct is 5, not a mapping"),
+    ('{"calibration": {"held_out_error_pct": {}}}', "KeyError: 'name'"),
+    ('{"calibration": {"name": "c"}, "load": "2x"}', "AttributeError"),
+])
+def test_a_malformed_manifest_is_named_with_what_is_wrong_and_the_way_round_it(tmp_path, text, why):
+    """A manifest edited by hand or cut short: an error naming the file and the fault, with the two ways
+    on (replay again, or judge the events file without the manifest), never an internal error."""
+    from servelens.errors import ServelensError
+
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(text)
+    run = Run("candidate", synthetic_requests(seed=5), None, "candidate", str(manifest), None)
+    with pytest.raises(ServelensError, match="cannot be read") as err:
+        calibration_errors(run)
+    assert str(manifest) in err.value.message and why in err.value.message
+    assert "events.parquet instead of its folder" in (err.value.hint or "")
+
+
+def test_a_held_out_error_of_100_percent_or_more_keeps_the_metric_from_passing(tmp_path):
+    """A calibration that misses ITL by 170% cannot vouch for it: the error is capped just below 1 (a model
+    error must be a fraction below 1) and no ITL metric passes; the notes keep the recorded 170%."""
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({"calibration": {"name": "poor", "engine": "vLLM", "held_out_error_pct": {"itl_mean": 170.0}}}))
+    table = synthetic_requests(seed=5)
+    runs = [Run(label, table, None, label, str(manifest), None) for label in ("baseline", "candidate")]
+    assert calibration_errors(*runs)[0] == {"itl_mean": MAX_CALIBRATION_ERROR}
+    verdict = compare_runs(*runs, GATE)
+    assert "itl_mean 170.0%" in verdict.notes[0]
+    itl = [m for m in verdict.metrics if m.metric.startswith(("itl", "tpot")) and not m.informative]
+    assert itl and all(m.status == INCONCLUSIVE and m.undecided == MODEL_ERROR for m in itl)
+    assert verdict.status == INCONCLUSIVE
 
 
 def test_windows_too_many_for_memory_are_refused_before_the_bootstrap_is_built():

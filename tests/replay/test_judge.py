@@ -164,3 +164,19 @@ def test_the_headline_says_the_action_live_and_offline():
     assert decide(waiting, None).wait_minutes == 12.0
     passing = dataclasses.replace(verdict, status=PASS)
     assert headline(passing) == "PASS: ready for a canary" and headline(passing, decide(passing, None)) == "PASS: promote"
+
+
+def test_offline_a_metric_the_replay_models_error_keeps_undecided_is_sent_to_a_measured_run():
+    """+6% [+4%, +8%] with a 20% model error can never pass and more traffic cannot rule out the critical
+    +25%: the headline says to measure, not to replay more; with a 5% error more traffic can settle it."""
+    stuck = _judge(_diff(effect=0.06, ci=(0.04, 0.08)), error=(0.20, "itl_mean"))
+    assert stuck.undecided == MODEL_ERROR and stuck.more_windows is None
+    run = judge_run([stuck], [], CONFIG)
+    verdict = Verdict(run.status, run.score, run.reasons, (stuck,), "b", "c", None, None, CONFIG)
+    assert headline(verdict) == ("INCONCLUSIVE: judge it on a measured run (the replay model's known error is larger "
+                                 "than a metric's margin)")
+    settles = _judge(_diff(effect=0.0, ci=(-0.05, 0.09)), error=(0.05, "itl_mean"))
+    assert settles.undecided == MODEL_ERROR and settles.more_windows is not None
+    run = judge_run([settles], [], CONFIG)
+    verdict = Verdict(run.status, run.score, run.reasons, (settles,), "b", "c", None, None, CONFIG, wait_minutes=run.wait_windows)
+    assert headline(verdict).startswith("INCONCLUSIVE: replay ")
