@@ -32,6 +32,8 @@ EACH_CLASS = "*"  # a condition's service_class that judges every class on its o
 #: Monte Carlo error is long negligible and memory is not (10,000 take 0.6 GB on 8 windows). How many windows
 #: the runs span is checked when they are judged (``replay.gate``).
 MIN_RESAMPLES, MAX_RESAMPLES = 100, 10_000
+#: The fewest bootstrap blocks a resample of ``min_windows`` windows may hold (``block_windows``).
+MIN_BLOCKS = 5
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -229,6 +231,40 @@ def _validate_model_error(item: ModelError, known: set[str]) -> None:
         raise ConfigError(f"model_error {item.metric}: error is a fraction below 1 (0.05 for 5%), not {item.error}")
 
 
+def _validate_objectives(config: GateConfig) -> None:
+    """Class objectives, tenant weights and prices: a negative or zero one would turn a metric's sense."""
+    for cls in config.classes:
+        for key in ("ttft_s", "itl_s", "e2e_s", "max_queue_s"):
+            value = getattr(cls, key)
+            if value is not None and not value > 0:
+                raise ConfigError(f"class {cls.name!r}: {key} must be above 0 seconds, not {value:g}",
+                                  "leave it out for no objective on that latency")
+    for tw in config.tenant_weights:
+        if not tw.weight > 0:
+            raise ConfigError(f"tenant_weights {tw.tenant!r}: weight must be above 0, not {tw.weight:g}",
+                              "an entitlement weight: 1 for an ordinary tenant, 2 for one entitled to twice the service")
+    if not config.cost.accelerator_hour_price >= 0 or config.cost.accelerators_per_instance < 1:
+        raise ConfigError(f"cost: accelerator_hour_price must be at least 0 and accelerators_per_instance at least 1 "
+                          f"(got {config.cost.accelerator_hour_price:g} and {config.cost.accelerators_per_instance})")
+
+
+def _validate_bootstrap(config: GateConfig) -> None:
+    """The resampling: a block so long that a resample holds few blocks gives intervals far too narrow
+    (one block: every resample is the run itself, shifted, and every interval has zero width)."""
+    if not MIN_RESAMPLES <= config.resamples <= MAX_RESAMPLES or not config.window_s > 0:
+        raise ConfigError(f"resamples must be between {MIN_RESAMPLES} and {MAX_RESAMPLES:,} and window_s above 0 "
+                          f"(got {config.resamples} and {config.window_s:g})", "the defaults are 1000 resamples of 60 s windows")
+    if config.min_windows < 1 or config.min_window_requests < 1 or config.min_points < 1:
+        raise ConfigError("min_windows, min_window_requests and min_points must be at least 1")
+    if config.seed < 0:
+        raise ConfigError(f"seed must be at least 0, not {config.seed}")
+    if config.block_windows < 0 or config.block_windows * MIN_BLOCKS > config.min_windows:
+        raise ConfigError(
+            f"block_windows {config.block_windows} must be from 0 to min_windows / {MIN_BLOCKS} "
+            f"({config.min_windows // MIN_BLOCKS} with min_windows {config.min_windows}), so that a resample of the fewest "
+            f"windows decided holds at least {MIN_BLOCKS} blocks", "0 (the default) picks 1.5 x the cube root of the windows")
+
+
 def validate(config: GateConfig) -> GateConfig:
     """The configuration, or a ``ConfigError`` naming the first bad setting and how to fix it."""
     known = set(metric_names(config.metrics_config()))
@@ -238,17 +274,14 @@ def validate(config: GateConfig) -> GateConfig:
         _validate_condition(cond, known)
     for item in config.model_error:
         _validate_model_error(item, known)
+    _validate_objectives(config)
+    _validate_bootstrap(config)
     if not 0 < config.confidence < 1:
         raise ConfigError(f"confidence must be between 0 and 1, not {config.confidence}")
     if config.rollback_on not in ("fail", "critical", "never"):
         raise ConfigError(f"rollback_on must be 'fail', 'critical' or 'never', not {config.rollback_on!r}")
     if not 0 <= config.score.marginal <= config.score.pass_ <= 100:
         raise ConfigError("score thresholds need 0 <= marginal <= pass <= 100")
-    if not MIN_RESAMPLES <= config.resamples <= MAX_RESAMPLES or not config.window_s > 0:
-        raise ConfigError(f"resamples must be between {MIN_RESAMPLES} and {MAX_RESAMPLES:,} and window_s above 0 "
-                          f"(got {config.resamples} and {config.window_s:g})", "the defaults are 1000 resamples of 60 s windows")
-    if config.min_windows < 1 or config.min_window_requests < 1 or config.min_points < 1:
-        raise ConfigError("min_windows, min_window_requests and min_points must be at least 1")
     return config
 
 

@@ -70,6 +70,14 @@ def test_block_counts_resample_every_window_count_once_on_average():
     assert counts.mean() == pytest.approx(1.0) and np.allclose(counts.mean(0), 1.0, atol=0.1)
 
 
+def test_one_block_as_long_as_the_run_resamples_the_run_itself_every_time():
+    """Why the gate refuses a block_windows leaving fewer than 5 blocks: a circular block the length of the
+    run is the run shifted, so every resample holds each window once and every interval has zero width."""
+    counts = block_counts(30, 200, 30, np.random.default_rng(1))
+    assert np.all(counts == 1)
+    assert len({tuple(row) for row in block_counts(30, 200, 6, np.random.default_rng(1))}) > 100  # 5 blocks: they differ
+
+
 def test_rank_tests_see_a_shift_and_a_change_in_spread():
     rng = np.random.default_rng(3)
     base = rng.lognormal(0, 0.3, 5_000)

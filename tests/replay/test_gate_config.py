@@ -77,11 +77,21 @@ def test_the_configuration_round_trips_and_bad_ones_are_named(tmp_path):
         "resamples: 1000000000\n": "resamples must be between 100 and 10,000",  # a MemoryError of 7 TiB
         "conditions:\n  - {metric: attainment, at_least: .nan}\n": r"conditions\[0\]\.at_least must be a finite",
         "metrics:\n  - {name: ttft_p99_s, allowed: 0.1, critical: 0.2}\n": r"metrics\[0\]\.bad is required",  # a TypeError
+        "seed: -5\n": "seed must be at least 0",  # was numpy's internal "expected non-negative integer"
+        "block_windows: -3\n": "block_windows -3 must be from 0",  # "negative dimensions are not allowed"
+        "block_windows: 7\n": r"block_windows 7 must be from 0 to min_windows / 5 \(6 with min_windows 30\)",
+        "classes:\n  - {name: default, ttft_s: -2.0}\n": "class 'default': ttft_s must be above 0 seconds",
+        "classes:\n  - {name: default, e2e_s: 0}\n": "e2e_s must be above 0",
+        "tenant_weights:\n  - {tenant: t1, weight: -1}\n": "tenant_weights 't1': weight must be above 0",
+        "cost: {accelerator_hour_price: -1}\n": "accelerator_hour_price must be at least 0",  # a cost rise read as a fall
+        "cost: {accelerators_per_instance: 0}\n": "accelerators_per_instance at least 1",
     }
     for text, message in cases.items():
         path.write_text(text)
         with pytest.raises(ConfigError, match=message):
             load_config(path)
+    path.write_text("block_windows: 6\n")  # the longest block: 5 of them in 30 windows
+    assert load_config(path).block_windows == 6
     path.write_text("score: {pass: 80, marginal: 60}\nconditions: []\n")
     loaded = load_config(path)
     assert loaded.score.pass_ == 80 and loaded.conditions == () and loaded.metrics == DEFAULT_METRICS
