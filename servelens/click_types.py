@@ -18,6 +18,10 @@ class Finite(click.FloatRange):
 
     name = "number"
 
+    def _describe_range(self) -> str:
+        """No range for an unbounded number (click's own would print ``[x<=None]`` in --help)."""
+        return "" if self.min is None and self.max is None else super()._describe_range()
+
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         number = super().convert(value, param, ctx)
         if not math.isfinite(number):

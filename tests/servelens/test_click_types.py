@@ -38,3 +38,13 @@ def test_an_output_that_is_an_input_is_refused_through_any_path(tmp_path):
     refuse_overwriting(tmp_path / "new.parquet", source)  # not there yet: a new file
     refuse_overwriting([tmp_path / "other.csv"], source, tmp_path / "missing.yaml")
     assert source.read_bytes() == b"PAR1"
+
+
+def test_help_shows_a_range_only_where_there_is_one():
+    """click's FloatRange printed ``[x<=None]`` after every unbounded number in --help."""
+    from click.testing import CliRunner
+
+    from servelens.cli import cli
+
+    out = CliRunner().invoke(cli, ["replay", "--help"]).output
+    assert "None]" not in out and "[x>=1]" in out
