@@ -59,9 +59,15 @@ def _say(progress: Progress | None, message: str) -> None:
 def calibrate_experiments(targets: Sequence[Target], *, name: str, engine: str, held_out: bool = True,
                           workers: int | None = None, seed: int = 0, max_stage_s: float | None = 150.0,
                           max_evaluations: int = 40, progress: Progress | None = None,
-                          held: Sequence[str] | None = None) -> tuple[Calibration, list[HeldOut]]:
+                          held: Sequence[str] | None = None, group: Callable[[Target], str] | None = None,
+                          warm_folds: bool = True) -> tuple[Calibration, list[HeldOut]]:
     """A calibration fitted to every target and, when ``held_out``, the leave-one-out folds behind its
-    held-out error (every target, or those named in ``held``)."""
+    held-out error (every target, or those named in ``held``; with ``group``, each fold also leaves out
+    every run of the held-out run's group, e.g. its model).
+
+    ``warm_folds`` starts each fold's fit from the fit on every run, so each fold only corrects it: fast,
+    but the start has seen the held-out run, so the figures are the optimistic reading. Cold folds
+    start where the full fit does and never see the held-out run (slower; the strict reading)."""
     def step(n: int, cost: float) -> None:
         _say(progress, f"  fit: candidate {n}, loss {cost:.4f}")
 
@@ -70,9 +76,11 @@ def calibrate_experiments(targets: Sequence[Target], *, name: str, engine: str, 
         result = fit(targets, sim, seed=seed, max_stage_s=max_stage_s, max_evaluations=max_evaluations, progress=step)
         folds: list[HeldOut] = []
         if held_out and len(targets) >= 3:
-            _say(progress, f"held-out error: {len(held or targets)} folds, each fitted without its run")
-            folds = leave_one_out(targets, sim, start=result.units, seed=seed, max_stage_s=max_stage_s,
-                                  max_evaluations=max_evaluations, held=held, progress=progress)
+            _say(progress, f"held-out error: {len(held or targets)} runs, each predicted by a fit without it"
+                           + (" or any run of its group" if group is not None else ""))
+            folds = leave_one_out(targets, sim, start=result.units if warm_folds else None, seed=seed,
+                                  max_stage_s=max_stage_s, max_evaluations=max_evaluations, held=held, group=group,
+                                  progress=progress)
     accelerators = sorted({t.instance_config.accelerator.name for t in targets})
     draft = as_calibration(result, name=name, engine=engine, accelerators=accelerators, fitted_on=[t.name for t in targets],
                            method=f"simulation-based fit to {len(targets)} run summaries (replay.fit)")
@@ -80,7 +88,8 @@ def calibrate_experiments(targets: Sequence[Target], *, name: str, engine: str, 
     in_sample = [e for t, f in zip(targets, figures) for e in compare(t.name, t.recorded, f)]
     held_errors = median_abs_error([e for f in folds for e in f.errors]) if folds else None
     notes = [f"held-out errors: leave-one-out over {len(folds)} runs, each predicted by a calibration fitted "
-             "without it" if folds else "held-out error not measured"] + _beyond_note(folds)
+             f"without it{' or any run of its group' if group is not None else ''}"
+             if folds else "held-out error not measured"] + _beyond_note(folds)
     calibration = dataclasses.replace(
         draft, held_out_error_pct=_rounded(held_errors), in_sample_error_pct=_rounded(median_abs_error(in_sample)),
         notes=tuple(notes), fitted_load=load,

@@ -453,6 +453,7 @@ def leave_one_out(
     *,
     start: Sequence[float] | None = None,
     held: Sequence[str] | None = None,
+    group: Callable[[Target], str] | None = None,
     seed: int = 0,
     max_stage_s: float | None = 300.0,
     max_evaluations: int = 30,
@@ -462,17 +463,26 @@ def leave_one_out(
     progress: Callable[[str], None] | None = None,
 ) -> list[HeldOut]:
     """Each target (or each of ``held``) predicted by a calibration fitted on all the others, starting from
-    ``start`` (e.g. the fit on all targets, so each fold only corrects it)."""
+    ``start`` (e.g. the fit on all targets, so each fold only corrects it).
+
+    With ``group`` (e.g. a target's model), a fold leaves out every target of the held-out one's group, so
+    a run is never predicted by a fit that saw its model; one fit serves every target of a group."""
     out = []
+    fits: dict[str, tuple[list[Target], FitResult, Calibration]] = {}
     for i, target in enumerate(targets):
         if held is not None and target.name not in held:
             continue
-        rest = [t for j, t in enumerate(targets) if j != i]
-        result = fit(rest, simulator, start=start, seed=seed, max_stage_s=max_stage_s, max_evaluations=max_evaluations,
-                     parameters=parameters, base=base)
-        cal = calibration(result) if calibration is not None else as_calibration(
-            result, name=f"loo-{target.name}", engine="", accelerators=(), method="leave-one-out fold",
-            fitted_on=[t.name for t in rest])
+        key = group(target) if group is not None else str(i)
+        if key not in fits:
+            rest = [t for j, t in enumerate(targets)
+                    if (group(t) != key if group is not None else j != i)]
+            result = fit(rest, simulator, start=start, seed=seed, max_stage_s=max_stage_s,
+                         max_evaluations=max_evaluations, parameters=parameters, base=base)
+            cal = calibration(result) if calibration is not None else as_calibration(
+                result, name=f"loo-{target.name}", engine="", accelerators=(), method="leave-one-out fold",
+                fitted_on=[t.name for t in rest])
+            fits[key] = (rest, result, cal)
+        rest, result, cal = fits[key]
         replayed, stages, load = replay_measured(target, cal, seed)
         held_out = HeldOut(target, result, replayed, load, replay_targets(rest, cal, seed)[1], stages)
         out.append(held_out)

@@ -96,6 +96,25 @@ def test_latency_summaries_of_two_engines_give_back_their_step_costs(shared, sma
     assert max(e.abs_pct for e in result.errors) < 3.0  # every latency of both runs (tails move more than steps)
 
 
+def test_leaving_out_a_group_fits_each_fold_without_any_run_of_that_group(shared, small_spec):
+    """Leave-one-model-out: the two runs of one model are predicted by one fit that saw neither (only the
+    other model's run), and that model's run by a fit on the two it did not see."""
+    from replay.fit import leave_one_out
+
+    frontend = (0.004, 0.0, 0.0)
+    targets = [_synthetic(shared, small_spec, "llama-2-7b", 1, frontend),
+               _synthetic(shared, small_spec, "llama-2-7b", 2, frontend),
+               _synthetic(shared, small_spec, "llama-2-70b", 4, frontend)]
+    params = [p for p in ENGINE_PARAMETERS if p.name == "step_overhead_ns"]
+    with Simulator(1) as sim:
+        folds = leave_one_out(targets, sim, group=lambda t: t.experiment.model, parameters=params, base=TRUTH,
+                              max_stage_s=10.0, max_evaluations=2)
+    assert [f.target.name for f in folds] == [t.name for t in targets]
+    seen = [{e.experiment for e in f.fit.errors} for f in folds]
+    assert seen == [{"llama-2-70b-tp4"}, {"llama-2-70b-tp4"}, {"llama-2-7b-tp1", "llama-2-7b-tp2"}]
+    assert folds[0].fit is folds[1].fit and folds[2].fit is not folds[0].fit
+
+
 def test_a_calibration_round_trips_and_applies(tmp_path):
     cal = Calibration(name="c", engine="vLLM 0.15.1", accelerators=("h100-sxm",), roofline=TRUTH,
                       frontend=FrontendConfig(request_overhead_s=0.002, tokenize_s_per_token=1e-5),
