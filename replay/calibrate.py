@@ -68,6 +68,8 @@ def calibrate_experiments(targets: Sequence[Target], *, name: str, engine: str, 
     ``warm_folds`` starts each fold's fit from the fit on every run, so each fold only corrects it: fast,
     but the start has seen the held-out run, so the figures are the optimistic reading. Cold folds
     start where the full fit does and never see the held-out run (slower; the strict reading)."""
+    also = " or any run of its group" if group is not None else ""
+
     def step(n: int, cost: float) -> None:
         _say(progress, f"  fit: candidate {n}, loss {cost:.4f}")
 
@@ -76,8 +78,7 @@ def calibrate_experiments(targets: Sequence[Target], *, name: str, engine: str, 
         result = fit(targets, sim, seed=seed, max_stage_s=max_stage_s, max_evaluations=max_evaluations, progress=step)
         folds: list[HeldOut] = []
         if held_out and len(targets) >= 3:
-            _say(progress, f"held-out error: {len(held or targets)} runs, each predicted by a fit without it"
-                           + (" or any run of its group" if group is not None else ""))
+            _say(progress, f"held-out error: {len(held or targets)} runs, each predicted by a fit without it{also}")
             folds = leave_one_out(targets, sim, start=result.units if warm_folds else None, seed=seed,
                                   max_stage_s=max_stage_s, max_evaluations=max_evaluations, held=held, group=group,
                                   progress=progress)
@@ -88,7 +89,7 @@ def calibrate_experiments(targets: Sequence[Target], *, name: str, engine: str, 
     in_sample = [e for t, f in zip(targets, figures) for e in compare(t.name, t.recorded, f)]
     held_errors = median_abs_error([e for f in folds for e in f.errors]) if folds else None
     notes = [f"held-out errors: leave-one-out over {len(folds)} runs, each predicted by a calibration fitted "
-             f"without it{' or any run of its group' if group is not None else ''}"
+             f"without it{also}"
              if folds else "held-out error not measured"] + _beyond_note(folds)
     calibration = dataclasses.replace(
         draft, held_out_error_pct=_rounded(held_errors), in_sample_error_pct=_rounded(median_abs_error(in_sample)),

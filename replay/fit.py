@@ -468,23 +468,22 @@ def leave_one_out(
     With ``group`` (e.g. a target's model), a fold leaves out every target of the held-out one's group, so
     a run is never predicted by a fit that saw its model; one fit serves every target of a group."""
     out = []
-    fits: dict[str, tuple[list[Target], FitResult, Calibration]] = {}
-    for i, target in enumerate(targets):
+    keys = [group(t) if group is not None else str(j) for j, t in enumerate(targets)]
+    fits: dict[str, tuple[FitResult, Calibration, Load]] = {}  # per left-out group: its fold, fitted once
+    for target, key in zip(targets, keys):
         if held is not None and target.name not in held:
             continue
-        key = group(target) if group is not None else str(i)
         if key not in fits:
-            rest = [t for j, t in enumerate(targets)
-                    if (group(t) != key if group is not None else j != i)]
+            rest = [t for t, k in zip(targets, keys) if k != key]
             result = fit(rest, simulator, start=start, seed=seed, max_stage_s=max_stage_s,
                          max_evaluations=max_evaluations, parameters=parameters, base=base)
             cal = calibration(result) if calibration is not None else as_calibration(
                 result, name=f"loo-{target.name}", engine="", accelerators=(), method="leave-one-out fold",
                 fitted_on=[t.name for t in rest])
-            fits[key] = (rest, result, cal)
-        rest, result, cal = fits[key]
+            fits[key] = (result, cal, replay_targets(rest, cal, seed)[1])
+        result, cal, fitted_load = fits[key]
         replayed, stages, load = replay_measured(target, cal, seed)
-        held_out = HeldOut(target, result, replayed, load, replay_targets(rest, cal, seed)[1], stages)
+        held_out = HeldOut(target, result, replayed, load, fitted_load, stages)
         out.append(held_out)
         if progress is not None:
             worst = max(held_out.errors, key=lambda e: e.abs_pct)
