@@ -244,24 +244,46 @@ def test_a_retry_after_a_restart_is_dropped_however_far_other_partitions_ran_ahe
 
 
 def test_a_retry_is_dropped_while_the_consumer_runs_however_far_other_partitions_ran_ahead(broker, topic, tmp_path):
-    """One running consumer: partition 0's event, then 200 of partition 1 (in commits of about 25, more than
-    its overall window of 100 ids), then partition 0's retry. Its partition's own window still holds
-    the original (the 0.01-0.03% stored twice by one consumer of 8 partitions under load)."""
-    producer, original = _one_then_200_in_another_partition(broker.bootstrap, topic)
+    """One running consumer: partition 0's event, stored, then 200 of partition 1 (in commits of about 25,
+    more than its overall window of 100 ids), then partition 0's retry. Its partition's own window still
+    holds the original (the 0.01-0.03% stored twice by one consumer of 8 partitions under load).
+
+    The 200 are sent only once e0 is stored: a consumer fetching both partitions at once may read
+    partition 1 first, and then e0 would be the newest id of the overall window, not one it forgot."""
+    from kafka import KafkaProducer
+
+    original = arrivals(0, 1)[0]
+    producer = KafkaProducer(bootstrap_servers=broker.bootstrap)
+    producer.send(topic, key=original[0], value=original[1], partition=0)
+    producer.flush(30)
     ingest = consumer(broker.bootstrap, topic, tmp_path / "lake", dedup_window_events=100, flush_max_events=25,
                       poll_max_records=25)
     thread = threading.Thread(target=ingest.run, kwargs={"idle_exit_s": 4.0})
     thread.start()
-    deadline = time.monotonic() + 60
-    while _stored(tmp_path / "lake") < 201 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not ingest.recent.overall.seen(RecentIds.keys(pseudonyms(["e0"]))).any()  # the overall window forgot it
+    e0 = RecentIds.keys(pseudonyms(["e0"]))
+    assert _wait_for(lambda: ingest.recent.overall.seen(e0).any(), 60), "e0 was not stored within 60 s"
+    for key, value in arrivals(1_000, 200):
+        producer.send(topic, key=key, value=value, partition=1)
+    producer.flush(30)
+    # ids are remembered just after their batch is stored: wait for the window, not only the lake
+    assert _wait_for(lambda: _stored(tmp_path / "lake") >= 201 and not ingest.recent.overall.seen(e0).any(), 60), (
+        f"the overall window still holds e0 with {_stored(tmp_path / 'lake')} events stored")
     producer.send(topic, key=original[0], value=original[1], partition=0)  # the producer's retry
     producer.flush(30)
     producer.close()
     thread.join(90)
     assert ingest.stats().duplicates_dropped == 1
     assert lake_counts(tmp_path / "lake") == (201, 201)
+
+
+def _wait_for(condition, timeout_s: float) -> bool:
+    """Poll ``condition`` every 0.1 s until it holds (True) or ``timeout_s`` passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def test_records_read_again_below_the_marks_never_move_them_back(broker, topic, tmp_path):
