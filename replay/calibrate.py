@@ -3,10 +3,9 @@
 Three sources (docs/calibration.md):
 
 - ``calibrate_experiments``: run summaries of several runs (the fidelity data's experiments), fitted by
-  simulation (``replay.fit``); held-out error by leaving each run out in turn: each fold's search starts
-  where the full fit ended (a warm start: the replays are the cost) and goes on until it converges on
-  the fold's runs alone, and the run left out is then replayed at full length with that fold's
-  calibration;
+  simulation (``replay.fit``); held-out error by leaving each run out in turn: each fold is fitted as the
+  full fit is, from the same start, on the other runs alone, and the run left out is then replayed at
+  full length with that fold's calibration;
 - ``calibrate_requests``: one recorded run's per-request telemetry (its request table), fitted by
   simulation on top of a base calibration (one model cannot separate the weights' bandwidth share from
   the per-step overhead: the base keeps the first); held-out: fitted on the first half of the run (by
@@ -30,6 +29,7 @@ from replay.errors import ReplayError
 from replay.fidelity import compare, median_abs_error
 from replay.fit import (
     ENGINE_PARAMETERS,
+    FitResult,
     HeldOut,
     Parameter,
     Simulator,
@@ -39,6 +39,7 @@ from replay.fit import (
     leave_one_out,
     replay_target,
     replay_targets,
+    units_of,
 )
 from replay.load import Load, StepLoadMeter
 
@@ -60,22 +61,26 @@ def calibrate_experiments(targets: Sequence[Target], *, name: str, engine: str, 
                           workers: int | None = None, seed: int = 0, max_stage_s: float | None = 150.0,
                           max_evaluations: int = 40, progress: Progress | None = None,
                           held: Sequence[str] | None = None, group: Callable[[Target], str] | None = None,
-                          warm_folds: bool = True) -> tuple[Calibration, list[HeldOut]]:
+                          warm_folds: bool = False, also_from: Sequence[Calibration] = ()) -> tuple[Calibration, list[HeldOut]]:
     """A calibration fitted to every target and, when ``held_out``, the leave-one-out folds behind its
     held-out error (every target, or those named in ``held``; with ``group``, each fold also leaves out
     every run of the held-out run's group, e.g. its model).
 
-    ``warm_folds`` starts each fold's fit from the fit on every run, so each fold only corrects it: fast,
-    but the start has seen the held-out run, so the figures are the optimistic reading. Cold folds
-    start where the full fit does and never see the held-out run (slower; the strict reading)."""
+    Each fold's fit starts where the full fit does and never sees the held-out run (cold folds: the
+    held-out figures describe the procedure that made the calibration). ``warm_folds`` starts each fold
+    from the fit on every run instead, so each fold only corrects it: about three times faster, but that
+    start has seen the held-out run, so its figures are optimistic (docs/calibration.md).
+
+    ``also_from`` (e.g. the calibration this one replaces) searches again from each one's terms and keeps
+    the search that ended at the lowest loss: the search stops where its path takes it on a rough loss, so a
+    refit from the default start alone can end above the calibration it replaces. The folds never start
+    there (each has seen every run): the held-out figures are then the default start's, and the notes say
+    which search the terms came from."""
     also = " or any run of its group" if group is not None else ""
 
-    def step(n: int, cost: float) -> None:
-        _say(progress, f"  fit: candidate {n}, loss {cost:.4f}")
-
     with Simulator(workers) as sim:
-        _say(progress, f"fitting {len(ENGINE_PARAMETERS)} step-cost terms and the frontend to {len(targets)} runs")
-        result = fit(targets, sim, seed=seed, max_stage_s=max_stage_s, max_evaluations=max_evaluations, progress=step)
+        result, origin = _fit_all(targets, sim, also_from, seed=seed, max_stage_s=max_stage_s,
+                                  max_evaluations=max_evaluations, progress=progress)
         folds: list[HeldOut] = []
         if held_out and len(targets) >= 3:
             _say(progress, f"held-out error: {len(held or targets)} runs, each predicted by a fit without it{also}")
@@ -89,13 +94,36 @@ def calibrate_experiments(targets: Sequence[Target], *, name: str, engine: str, 
     in_sample = [e for t, f in zip(targets, figures) for e in compare(t.name, t.recorded, f)]
     held_errors = median_abs_error([e for f in folds for e in f.errors]) if folds else None
     notes = [f"held-out errors: leave-one-out over {len(folds)} runs, each predicted by a calibration fitted "
-             f"without it{also}"
-             if folds else "held-out error not measured"] + _beyond_note(folds)
+             f"without it{also}" + (", each fold started from the fit on every run (warm: optimistic)" if warm_folds else "")
+             if folds else "held-out error not measured"] + _beyond_note(folds) + origin
     calibration = dataclasses.replace(
         draft, held_out_error_pct=_rounded(held_errors), in_sample_error_pct=_rounded(median_abs_error(in_sample)),
         notes=tuple(notes), fitted_load=load,
     )
     return calibration, folds
+
+
+def _fit_all(targets: Sequence[Target], sim: Simulator, also_from: Sequence[Calibration], *, seed: int,
+             max_stage_s: float | None, max_evaluations: int, progress: Progress | None) -> tuple[FitResult, list[str]]:
+    """The fit to every target from the default start and from each of ``also_from``'s terms, the lowest loss
+    kept, and a note saying where it came from (none when only the default start searched)."""
+
+    def step(n: int, cost: float) -> None:
+        _say(progress, f"  fit: candidate {n}, loss {cost:.4f}")
+
+    _say(progress, f"fitting {len(ENGINE_PARAMETERS)} step-cost terms and the frontend to {len(targets)} runs")
+    best = fit(targets, sim, seed=seed, max_stage_s=max_stage_s, max_evaluations=max_evaluations, progress=step)
+    if not also_from:
+        return best, []
+    losses, origin = [f"the default start {best.loss:.4f}"], "the default start"
+    for previous in also_from:
+        _say(progress, f"fitting again, from calibration {previous.name}'s terms")
+        result = fit(targets, sim, start=units_of(previous.roofline), seed=seed, max_stage_s=max_stage_s,
+                     max_evaluations=max_evaluations, progress=step)
+        losses.append(f"{previous.name}'s terms {result.loss:.4f}")
+        if result.loss < best.loss:
+            best, origin = result, f"{previous.name}'s terms"
+    return best, [f"terms: the search from {origin} ended lowest (final loss from {', '.join(losses)})"]
 
 
 def median_abs_error_by_load(folds: Sequence[HeldOut]) -> dict[str, dict[str, float]]:

@@ -107,6 +107,14 @@ def roofline_at(units: Sequence[float], base: RooflineConfig | None = None,
     return dataclasses.replace(base or RooflineConfig(), **values)
 
 
+def units_of(roofline: RooflineConfig, parameters: Sequence[Parameter] = ENGINE_PARAMETERS) -> tuple[float, ...]:
+    """Where ``roofline``'s terms sit in [0, 1] of each parameter's bounds (a search's start; ``roofline_at``'s
+    inverse, clipped to the bounds; an unset KV or MoE share is the weights' one, as the cost model reads it)."""
+    values = [getattr(roofline, p.name) for p in parameters]
+    return tuple(min(1.0, max(0.0, p.unit(roofline.memory_efficiency if v is None else v)))
+                 for p, v in zip(parameters, values))
+
+
 # ---------------------------------------------------------------------------------------------- targets
 
 
@@ -304,6 +312,7 @@ class FitResult:
     units: tuple[float, ...]
     errors: tuple[MetricError, ...]
     num_replays: int
+    loss: float = math.nan  # the search's final cost: half the soft-L1 sum of the residuals on the cut replays
 
 
 def fit(
@@ -345,7 +354,7 @@ def fit(
     _, c, samples = evaluate(solution.x)
     errors = tuple(e for s, t in zip(samples, targets) for e in compare(t.name, t.recorded, s.metrics(c)))
     return FitResult(roofline_at(solution.x, base, parameters), c, tuple(float(u) for u in solution.x), errors,
-                     simulator.num_replays - before)
+                     simulator.num_replays - before, float(solution.cost))
 
 
 def as_calibration(result: FitResult, *, name: str, engine: str, accelerators: Sequence[str], method: str,
@@ -510,5 +519,6 @@ __all__ = [
     "replay_target",
     "replay_targets",
     "roofline_at",
+    "units_of",
     "simulate",
 ]

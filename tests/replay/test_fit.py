@@ -115,6 +115,28 @@ def test_leaving_out_a_group_fits_each_fold_without_any_run_of_that_group(shared
     assert folds[0].fit is folds[1].fit and folds[2].fit is not folds[0].fit
 
 
+def test_a_refit_also_searched_from_a_previous_calibration_keeps_the_lower_loss(shared, small_spec):
+    """``also_from``: the all-data fit searches from the default start and from the given calibration's terms
+    and keeps whichever ended lower; one evaluation each, so each search ends where it started: the
+    synthetic engine's own terms (loss near 0) beat the default start, and the notes say where the terms
+    came from."""
+    from replay.calibrate import calibrate_experiments
+
+    targets = [_synthetic(shared, small_spec, "llama-2-7b", 1, (0.004, 0.0, 0.0))]
+    # compute is not fitted; the MoE share is (an unset one reads as the weights')
+    truth = dataclasses.replace(TRUTH, compute_efficiency=RooflineConfig().compute_efficiency,
+                                moe_memory_efficiency=TRUTH.memory_efficiency)
+    previous = Calibration(name="previous", engine="", accelerators=("h100-sxm",), roofline=truth, frontend=FrontendConfig())
+    calibration, _ = calibrate_experiments(targets, name="c", engine="", held_out=False, workers=1,
+                                           max_stage_s=10.0, max_evaluations=1, also_from=[previous])
+    assert calibration.roofline == truth
+    (note,) = [n for n in calibration.notes if n.startswith("terms:")]
+    assert note.startswith("terms: the search from previous's terms ended lowest (final loss from the default start ")
+    alone, _ = calibrate_experiments(targets, name="c", engine="", held_out=False, workers=1, max_stage_s=10.0,
+                                     max_evaluations=1)
+    assert alone.roofline != truth and not any(n.startswith("terms:") for n in alone.notes)
+
+
 def test_a_calibration_round_trips_and_applies(tmp_path):
     cal = Calibration(name="c", engine="vLLM 0.15.1", accelerators=("h100-sxm",), roofline=TRUTH,
                       frontend=FrontendConfig(request_overhead_s=0.002, tokenize_s_per_token=1e-5),
