@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import sys
 import tempfile
 import time
@@ -46,6 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import pyarrow as pa  # noqa: E402
 import pyarrow.compute as pc  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
+
+from benchmarks.replay import children_cpu_s  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = "llama-2-7b@a100-80gx2"
@@ -99,15 +100,9 @@ def replay_cpu_s(workload, policy: str, out_dir: Path) -> float:
     """CPU seconds of one replay, all its threads and processes (from 5,000 requests its outputs are built in a
     process of its own, ``replay.outputs``: counted, as they were when the replay built them in-process): on a
     machine shared with other work, far steadier than wall time, which counts the time others hold the cores."""
-    cpu0 = time.process_time() + _children_cpu_s()
+    cpu0 = time.process_time() + children_cpu_s()
     replay_run(workload, policy, out_dir)
-    return time.process_time() + _children_cpu_s() - cpu0
-
-
-def _children_cpu_s() -> float:
-    """CPU seconds of this process's finished children (a replay's outputs process ends with the replay)."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+    return time.process_time() + children_cpu_s() - cpu0
 
 
 def figures(requests: pa.Table, steps: pa.Table | None) -> dict:

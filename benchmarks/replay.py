@@ -65,7 +65,7 @@ def replay_tiled(num_requests: int, out_dir: Path, calibrated: bool = False) -> 
         "simulated_s": round(summary.simulated_s, 1),
         "wall_s": round(summary.wall_s, 2),
         "process_cpu_s": round(cpu_s, 2),
-        "outputs_cpu_s": _children_cpu_s(),
+        "outputs_cpu_s": round(children_cpu_s(), 2),
         "requests_per_s": round(summary.requests_per_wall_s),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         # the outputs' own process (replay.outputs, from 5,000 requests): its peak, beside this one
@@ -102,7 +102,7 @@ def replay_cluster_tiled(num_requests: int, out_dir: Path) -> dict:
         "simulated_s": round(summary.simulated_s, 1),
         "wall_s": round(summary.wall_s, 2),
         "process_cpu_s": round(cpu_s, 2),
-        "outputs_cpu_s": _children_cpu_s(),
+        "outputs_cpu_s": round(children_cpu_s(), 2),
         "requests_per_s": round(summary.requests_per_wall_s),
         "routed_min_max": [min(routed), max(routed)],
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
@@ -111,10 +111,11 @@ def replay_cluster_tiled(num_requests: int, out_dir: Path) -> dict:
     }
 
 
-def _children_cpu_s() -> float:
-    """CPU seconds of this process's finished children: the outputs' own process (``replay.outputs``)."""
+def children_cpu_s() -> float:
+    """CPU seconds of this process's finished children: the outputs' own process (``replay.outputs``, from
+    5,000 requests), which ends with its replay."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return round(usage.ru_utime + usage.ru_stime, 2)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _child(flag: str, n: int) -> dict:
