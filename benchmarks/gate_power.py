@@ -10,7 +10,8 @@ with its defaults (``replay.gate.default_config``), many trials each:
   resampled workload each), each replayed on its own instance over the same period; a live canary's
   situation (two pools of equal size taking the traffic at random).
 
-Every trial takes a fresh slice (a random start in the trace) and fresh seeds. The gate should pass
+Every trial takes a fresh slice per run length (a start drawn at random from all that the trace
+allows for that length, so each length's figures cover the whole trace) and fresh seeds. The gate should pass
 an A/A pair: a FAIL is a false fail. A/B: the same pairs with a regression of known size injected
 into the candidate's request table (so the effect is exact and the noise is the A/A pair's):
 
@@ -25,15 +26,17 @@ The default thresholds make ITL x1.25 and goodput -10% threshold-sized (the ITL 
 the critical +25%; goodput -10% lies between the allowed 5% and the critical 20%, attainment -0.1
 on its critical 0.10): their FAIL rate is expected near half, and they should rarely PASS. The
 other four are critical-size (twice the critical effect or more): the target is FAIL in at least
-95% of trials once the run holds 30 windows. Each trial is judged at several run lengths (the first
-N one-minute windows of its runs). Targets (defaults): A/A false fail at most 5% and A/A pass at
+95% of trials once the run holds 30 windows. Each trial is judged at several run lengths (N
+one-minute windows), each on a slice of its own. Targets (defaults): A/A false fail at most 5% and A/A pass at
 least 90% at every length with the evidence minimums met (``min_windows``); below them the gate
 says "not enough data" (inconclusive), by design.
 
-    python benchmarks/gate_power.py            # 200 trials per design, 10/20/30/45 windows; rewrites docs/gate.md's table
+    python benchmarks/gate_power.py            # seed: 120 trials at 30 and 45 windows; split: 200 trials at 30, 35,
+                                               # 40 and 45; the injected effects at 30; rewrites docs/gate.md's table
     python benchmarks/gate_power.py --quick    # 8 trials, split design, 30 windows: under a minute
-    python benchmarks/gate_power.py --designs split --windows 30,35,40,45 --ab-windows 30 --workers 1
-                                               # A/A at four lengths, the injected effects at 30 only
+    python benchmarks/gate_power.py --designs split --no-docs > split.json    # one design per run (or machine),
+    python benchmarks/gate_power.py --designs seed --no-docs > seed.json      # then one table of both:
+    python benchmarks/gate_power.py --merge seed.json split.json              # (rewrites docs/gate.md's table)
 
 The last line of output is one JSON object with the figures (``aa_false_fail_rate``,
 ``detection_rate`` per injected effect, and the breakdowns by design and run length).
@@ -64,6 +67,9 @@ WINDOW_NS = 60 * 1_000_000_000
 EFFECTS = ("itl_x1.25", "itl_x1.5", "itl_x2", "ttft_tail_x2", "goodput_-10%", "goodput_-25%")
 CRITICAL_SIZE = ("itl_x1.5", "itl_x2", "ttft_tail_x2", "goodput_-25%")
 DETECTION_WINDOWS = 30  # the target holds from this run length on
+#: The run lengths (windows) judged by default: the evidence minimum on, and the trials per design.
+DEFAULT_WINDOWS = {"seed": (30, 45), "split": (30, 35, 40, 45)}
+DEFAULT_TRIALS = {"seed": 120, "split": 200}
 BEGIN, END = "<!-- gate-power:begin -->", "<!-- gate-power:end -->"
 #: The metric each injected effect is read on (its measured effect is reported beside the rates).
 PRIMARY = {"itl_x1.25": "itl_p99_p99_s", "itl_x1.5": "itl_p99_p99_s", "itl_x2": "itl_p99_p99_s",
@@ -139,19 +145,20 @@ def _trace() -> pa.Table:
     return read_trace(TRACE, shared_dir(load_config()))
 
 
-def _pair(design: str, trial: int, max_windows: int, out: Path):
-    """The A/A pair of one trial: a fresh slice and fresh seeds."""
+def _pair(design: str, trial: int, windows: int, out: Path):
+    """The A/A pair of one trial at one run length: a fresh slice of ``windows`` windows, its start
+    drawn from every start the trace allows for that length, and fresh seeds."""
     from replay.workload import superpose, trim
 
     trace = _trace()
-    rng = np.random.default_rng([trial, 0 if design == "seed" else 1])
+    rng = np.random.default_rng([trial, 0 if design == "seed" else 1, windows])
     t0 = int(trace["arrival_ns"][0].as_py())
     span = int(trace["arrival_ns"][-1].as_py()) - t0
-    start = t0 + int(rng.integers(0, max(1, span // WINDOW_NS - max_windows))) * WINDOW_NS
+    start = t0 + int(rng.integers(0, max(1, span // WINDOW_NS - windows + 1))) * WINDOW_NS
     if design == "seed":
-        w = trim(trace, start, start + max_windows * WINDOW_NS)
+        w = trim(trace, start, start + windows * WINDOW_NS)
         return _replay(w, 2 * trial, out / "b"), _replay(w, 2 * trial + 1, out / "c")
-    doubled = trim(superpose(trace, 2, span // 2), start, start + max_windows * WINDOW_NS)
+    doubled = trim(superpose(trace, 2, span // 2), start, start + windows * WINDOW_NS)
     mask = rng.random(doubled.num_rows) < 0.5
     return (_replay(doubled.filter(pa.array(mask)), trial, out / "b"),
             _replay(doubled.filter(pa.array(~mask)), trial, out / "c"))
@@ -168,19 +175,19 @@ def _cut_together(base, cand, windows: int):
     return cut
 
 
-def run_trial(args: tuple[str, int, tuple[int, ...], tuple[int, ...] | None]) -> list[dict]:
-    """One trial: its A/A pair at each run length, and each injected effect on it at each length of
-    ``ab_lengths`` (None: every length)."""
+def run_trial(args: tuple[str, int, tuple[int, ...], tuple[int, ...]]) -> list[dict]:
+    """One trial: an A/A pair at each run length (each on its own slice, so that every length's
+    slices cover the whole trace), and each injected effect on it at each length of ``ab_lengths``."""
     from replay.gate import compare_runs, default_config
 
     design, trial, lengths, ab_lengths = args
     config = dataclasses.replace(default_config(), rank_tests=False)  # descriptive only: never change a verdict
     out = []
     with tempfile.TemporaryDirectory() as tmp:  # open while judging: the gate reads the runs' manifests
-        base, cand = _pair(design, trial, max(lengths), Path(tmp))
         for windows in lengths:
+            base, cand = _pair(design, trial, windows, Path(tmp) / str(windows))
             b, c = _cut_together(base, cand, windows)
-            for effect in ("none", *(EFFECTS if ab_lengths is None or windows in ab_lengths else ())):
+            for effect in ("none", *(EFFECTS if windows in ab_lengths else ())):
                 injected = c if effect == "none" else dataclasses.replace(c, requests=inject(c.requests, effect, trial))
                 verdict = compare_runs(b, injected, config)
                 primary = next((m for m in verdict.metrics if m.metric == PRIMARY.get(effect) and not m.group), None)
@@ -207,42 +214,57 @@ def _rate(rows: list[dict], status: str) -> float | None:
     return round(sum(r["status"] == status for r in rows) / len(rows), 4) if rows else None
 
 
-def _judged(pick, rates: list[float | None]) -> float | None:
+def _judged(pick, rates: list[float]) -> float | None:
     """The lowest or highest rate among the lengths where the effect was judged (None: judged at none)."""
-    found = [r for r in rates if r is not None]
-    return pick(found) if found else None
+    return pick(rates) if rates else None
 
 
-def summarize(rows: list[dict], designs: tuple[str, ...], lengths: tuple[int, ...], min_windows: int) -> dict:
-    def pick(effect: str, design: str | None = None, windows: int | None = None) -> list[dict]:
-        return [r for r in rows if r["effect"] == effect and (design is None or r["design"] == design)
+def summarize(rows: list[dict], lengths: dict[str, tuple[int, ...]], min_windows: int) -> dict:
+    """The rates per design and run length, and the headline figures they give (``headline``)."""
+    def pick(effect: str, design: str, windows: int | None = None) -> list[dict]:
+        return [r for r in rows if r["effect"] == effect and r["design"] == design
                 and (windows is None or r["windows"] == windows)]
 
-    decided = [n for n in lengths if n >= min_windows]
-    long_runs = [n for n in lengths if n >= DETECTION_WINDOWS]
-    by = lambda effect, status: {d: {str(n): _rate(pick(effect, d, n), status) for n in lengths} for d in designs}  # noqa: E731
-    aa_fail = [_rate(pick("none", d, n), "fail") for d in designs for n in lengths]
-    aa_pass = [_rate(pick("none", d, n), "pass") for d in designs for n in decided]
-    detection = {e: _judged(min, [_rate(pick(e, d, n), "fail") for d in designs for n in long_runs]) for e in EFFECTS}
-    false_pass = {e: _judged(max, [_rate(pick(e, d, n), "pass") for d in designs for n in decided]) for e in EFFECTS}
-    held: dict[str, int] = {}
-    for r in pick("none"):
-        if r["windows"] >= min_windows and r["status"] == "inconclusive":
-            for metric in set(r["held_by"]):
-                held[metric] = held.get(metric, 0) + 1
-    measured = {e: _median([r["measured"] for n in long_runs for r in pick(e, None, n)]) for e in EFFECTS}
-    return {
-        "aa_false_fail_rate": max(aa_fail),
-        "aa_pass_rate_min": min(aa_pass) if aa_pass else None,
-        "detection_rate": detection,
-        "ab_false_pass_rate": false_pass,
+    by = lambda effect, status: {d: {str(n): _rate(pick(effect, d, n), status) for n in ns} for d, ns in lengths.items()}  # noqa: E731
+    held: dict[str, dict[str, int]] = {}
+    for design in lengths:
+        counts = held.setdefault(design, {})
+        for r in pick("none", design):
+            if r["windows"] >= min_windows and r["status"] == "inconclusive":
+                for metric in set(r["held_by"]):
+                    counts[metric] = counts.get(metric, 0) + 1
+        held[design] = dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+    figures = {
+        "min_windows": min_windows,
         "aa_false_fail_rate_by_windows": by("none", "fail"),
         "aa_pass_rate_by_windows": by("none", "pass"),
         "aa_inconclusive_rate_by_windows": by("none", "inconclusive"),
         "detection_rate_by_windows": {e: by(e, "fail") for e in EFFECTS},
         "ab_pass_rate_by_windows": {e: by(e, "pass") for e in EFFECTS},
-        "aa_inconclusive_held_by": dict(sorted(held.items(), key=lambda kv: -kv[1])),
-        "measured_effect_median": measured,
+        "aa_inconclusive_held_by": held,
+        "measured_effect_median": {d: {e: _median([r["measured"] for r in pick(e, d) if r["windows"] >= DETECTION_WINDOWS])
+                                       for e in EFFECTS} for d in lengths},
+    }
+    return headline(figures) | figures
+
+
+def _rates(table: dict, at_least: int) -> list[float]:
+    """The rates of a per-design, per-length table at run lengths of ``at_least`` windows or more."""
+    return [rate for by_length in table.values() for n, rate in by_length.items() if int(n) >= at_least and rate is not None]
+
+
+def headline(figures: dict) -> dict:
+    """The figures the targets are read on, from the per-design, per-length tables of ``figures``."""
+    min_windows = figures["min_windows"]
+    aa_fail = _rates(figures["aa_false_fail_rate_by_windows"], 0)
+    aa_pass = _rates(figures["aa_pass_rate_by_windows"], min_windows)
+    detection = {e: _judged(min, _rates(figures["detection_rate_by_windows"][e], DETECTION_WINDOWS)) for e in EFFECTS}
+    false_pass = {e: _judged(max, _rates(figures["ab_pass_rate_by_windows"][e], min_windows)) for e in EFFECTS}
+    return {
+        "aa_false_fail_rate": max(aa_fail),
+        "aa_pass_rate_min": min(aa_pass) if aa_pass else None,
+        "detection_rate": detection,
+        "ab_false_pass_rate": false_pass,
         "critical_size_effects": list(CRITICAL_SIZE),
         "targets_met": {
             "aa_false_fail_at_most_5pct": max(aa_fail) <= 0.05,
@@ -252,30 +274,53 @@ def summarize(rows: list[dict], designs: tuple[str, ...], lengths: tuple[int, ..
     }
 
 
+def merge(parts: list[dict]) -> dict:
+    """Several runs' figures (the last lines of their output, e.g. one run per design) as one run's."""
+    merged = dict(parts[0])
+    for part in parts[1:]:
+        if part["min_windows"] != merged["min_windows"] or (part["engine"], part["trace"]) != (merged["engine"], merged["trace"]):
+            raise SystemExit("gate_power: --merge takes runs with the same engine, trace and min_windows")
+        for key, value in part.items():
+            if key.endswith("_by_windows") and key.startswith(("detection", "ab_")):
+                merged[key] = {e: merged[key][e] | value[e] for e in EFFECTS}
+            elif key.endswith("_by_windows") or key in ("aa_inconclusive_held_by", "measured_effect_median",
+                                                        "trials_per_design", "windows"):
+                merged[key] = merged[key] | value
+        merged["runs"] = merged["runs"] + part["runs"]
+    merged["designs"] = list(merged["windows"])
+    return merged | headline(merged)
+
+
 def _pct(rate: float | None) -> str:
     return "n/a" if rate is None else f"{100 * rate:.0f}%" if rate in (0, 1) else f"{100 * rate:.1f}%"
 
 
 def render_table(figures: dict) -> str:
-    """The measured rates as Markdown (docs/gate.md, Measured error rates)."""
-    designs, windows = figures["designs"], [str(n) for n in figures["windows"]]
-    head = "| | " + " | ".join(f"{d}, {n} windows" for d in designs for n in windows) + " |"
-    lines = [head, "|---|" + "---:|" * (len(designs) * len(windows))]
+    """The measured rates as Markdown (docs/gate.md, Measured error rates): a column per design and
+    run length."""
+    columns = [(d, str(n)) for d, ns in figures["windows"].items() for n in ns]
+    lines = ["| | " + " | ".join(f"{d}, {n} windows" for d, n in columns) + " |", "|---|" + "---:|" * len(columns)]
 
     def row(label: str, table: dict) -> str:
-        return f"| {label} | " + " | ".join(_pct(table[d][n]) for d in designs for n in windows) + " |"
+        return f"| {label} | " + " | ".join(_pct(table[d].get(n)) for d, n in columns) + " |"
 
+    first = figures["designs"][0]
+    measured = figures["measured_effect_median"][first]
     lines.append(row("A/A: FAIL (false fail)", figures["aa_false_fail_rate_by_windows"]))
     lines.append(row("A/A: PASS", figures["aa_pass_rate_by_windows"]))
     lines.append(row("A/A: INCONCLUSIVE", figures["aa_inconclusive_rate_by_windows"]))
     for effect in EFFECTS:
         size = "critical-size" if effect in CRITICAL_SIZE else "threshold-sized"
-        lines.append(row(f"{effect} ({size}; bad effect read {_signed(figures['measured_effect_median'].get(effect))}): FAIL",
+        lines.append(row(f"{effect} ({size}; bad effect read {_signed(measured.get(effect))}): FAIL",
                          figures["detection_rate_by_windows"][effect]))
         lines.append(row(f"{effect}: PASS (false pass)", figures["ab_pass_rate_by_windows"][effect]))
-    held = ", ".join(f"{m} ({n})" for m, n in list(figures["aa_inconclusive_held_by"].items())[:5]) or "none"
-    lines += ["", f"{figures['trials_per_design']} trials per design, {figures['seconds']:.0f} s. A/A runs held "
-              f"inconclusive at {figures['min_windows']}+ windows, by the metric that held them (runs): {held}."]
+    trials = figures["trials_per_design"]
+    runs = "; ".join(f"{' and '.join(r['designs'])}: {'/'.join(str(trials[d]) for d in r['designs'])} trials, {r['seconds']:.0f} s"
+                     for r in figures["runs"])
+    held = "; ".join(f"{d}: " + (", ".join(f"{m} ({n})" for m, n in list(figures["aa_inconclusive_held_by"][d].items())[:5]) or "none")
+                     for d in figures["designs"])
+    lines += ["", f"{runs}. The effect read is the {first} design's median. A/A runs held inconclusive at "
+              f"{figures['min_windows']}+ windows (all lengths together), by the metric that held them (runs): {held}."]
     return "\n".join(lines)
 
 
@@ -292,38 +337,54 @@ def write_docs(markdown: str) -> None:
         path.write_text(head + f"{BEGIN}\n{markdown}\n{END}" + rest.split(END, 1)[1])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="8 trials, split design, 30 windows: under a minute")
-    parser.add_argument("--trials", type=int, default=None, help="trials per design [default: 200; quick 8]")
-    parser.add_argument("--windows", default=None, help="run lengths in windows, comma-separated [default: 10,20,30,45]")
-    parser.add_argument("--ab-windows", default=None,
-                        help="run lengths at which the injected effects are judged [default: every length]")
-    parser.add_argument("--designs", default=None, help="A/A designs: seed,split [default: both; quick: split]")
-    parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="processes [default: 2]")
-    parser.add_argument("--no-docs", action="store_true", help="do not rewrite the table in docs/gate.md (a full run does)")
-    args = parser.parse_args()
+def _figures(args: argparse.Namespace) -> dict:
+    """Run the trials that ``args`` ask for, and their figures."""
     from replay.gate import default_config
 
-    trials = args.trials or (8 if args.quick else 200)
-    lengths = tuple(int(n) for n in (args.windows or ("30" if args.quick else "10,20,30,45")).split(","))
     designs = tuple((args.designs or ("split" if args.quick else "seed,split")).split(","))
-    started = time.perf_counter()
-    ab_lengths = None if args.ab_windows is None else tuple(int(n) for n in args.ab_windows.split(","))
-    jobs = [(d, t, lengths, ab_lengths) for t in range(trials) for d in designs]
-    rows: list[dict] = []
+    if unknown := set(designs) - set(DEFAULT_WINDOWS):
+        raise SystemExit(f"gate_power: unknown design {sorted(unknown)}; the designs are seed and split")
+    trials = {d: args.trials or (8 if args.quick else DEFAULT_TRIALS[d]) for d in designs}
+    windows = args.windows or ("30" if args.quick else None)
+    lengths = {d: tuple(int(n) for n in windows.split(",")) if windows else DEFAULT_WINDOWS[d] for d in designs}
+    ab_lengths = tuple(int(n) for n in (args.ab_windows or str(DETECTION_WINDOWS)).split(","))
+    jobs = [(d, t, lengths[d], ab_lengths) for t in range(max(trials.values())) for d in designs if t < trials[d]]
+    started, rows = time.perf_counter(), []
     with ProcessPoolExecutor(args.workers) as pool:
         for i, result in enumerate(pool.map(run_trial, jobs), start=1):
             rows += result
             if i % 20 == 0 or i == len(jobs):
                 print(f"{i}/{len(jobs)} trials, {time.perf_counter() - started:.0f} s", file=sys.stderr)
-    figures = {"trials_per_design": trials, "designs": list(designs), "windows": list(lengths),
-               "min_windows": default_config().min_windows, "engine": ENGINE, "trace": TRACE}
-    figures |= summarize(rows, designs, lengths, default_config().min_windows)
-    figures["seconds"] = round(time.perf_counter() - started, 1)
+    figures = {"trials_per_design": trials, "designs": list(designs), "windows": {d: list(ns) for d, ns in lengths.items()},
+               "engine": ENGINE, "trace": TRACE}
+    figures |= summarize(rows, lengths, default_config().min_windows)
+    return figures | {"runs": [{"designs": list(designs), "seconds": round(time.perf_counter() - started, 1)}]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="8 trials, split design, 30 windows: under a minute")
+    parser.add_argument("--trials", type=int, default=None, help="trials per design [default: seed 120, split 200; quick 8]")
+    parser.add_argument("--windows", default=None,
+                        help="run lengths in windows, comma-separated [default: seed 30,45; split 30,35,40,45; quick 30]")
+    parser.add_argument("--ab-windows", default=None,
+                        help=f"run lengths at which the injected effects are judged [default: {DETECTION_WINDOWS}]")
+    parser.add_argument("--designs", default=None, help="A/A designs: seed,split [default: both; quick: split]")
+    parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="processes [default: 2]")
+    parser.add_argument("--merge", nargs="+", metavar="FILE", default=None,
+                        help="run nothing: the table of earlier runs, each FILE holding one run's output (its last "
+                             "line is read), e.g. one run per design; rewrites docs/gate.md's table")
+    parser.add_argument("--no-docs", action="store_true",
+                        help="do not rewrite the table in docs/gate.md (a run with the defaults, or --merge, does)")
+    args = parser.parse_args()
+    if args.merge:
+        figures = merge([json.loads(Path(f).read_text().strip().splitlines()[-1]) for f in args.merge])
+    else:
+        figures = _figures(args)
     table = render_table(figures)
     print(table, file=sys.stderr)
-    if not (args.quick or args.no_docs or args.trials or args.windows or args.designs or args.ab_windows):
+    defaults = not (args.quick or args.trials or args.windows or args.designs or args.ab_windows)
+    if (defaults or args.merge) and not args.no_docs:
         write_docs(table)
     print(json.dumps(figures))
 
