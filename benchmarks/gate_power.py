@@ -10,9 +10,9 @@ with its defaults (``replay.gate.default_config``), many trials each:
   resampled workload each), each replayed on its own instance over the same period; a live canary's
   situation (two pools of equal size taking the traffic at random).
 
-Every trial takes a fresh slice per run length (a start drawn at random from all that the trace
-allows for that length, so each length's figures cover the whole trace) and fresh seeds. The gate should pass
-an A/A pair: a FAIL is a false fail. A/B: the same pairs with a regression of known size injected
+Every trial takes a fresh slice per run length (its start drawn at random from all that the trace
+allows for that length, so each length's figures cover the whole trace) and fresh seeds. The gate
+should pass an A/A pair: a FAIL is a false fail. A/B: the same pairs with a regression of known size injected
 into the candidate's request table (so the effect is exact and the noise is the A/A pair's):
 
 - ``itl_x1.25``, ``itl_x1.5``, ``itl_x2``: every inter-token gap x f (ITL and TPOT columns; E2E
@@ -27,16 +27,16 @@ the critical +25%; goodput -10% lies between the allowed 5% and the critical 20%
 on its critical 0.10): their FAIL rate is expected near half, and they should rarely PASS. The
 other four are critical-size (twice the critical effect or more): the target is FAIL in at least
 95% of trials once the run holds 30 windows. Each trial is judged at several run lengths (N
-one-minute windows), each on a slice of its own. Targets (defaults): A/A false fail at most 5% and A/A pass at
-least 90% at every length with the evidence minimums met (``min_windows``); below them the gate
+one-minute windows), each on a slice of its own. Targets (defaults): A/A false fail at most 5% and
+A/A pass at least 90% at every length with the evidence minimums met (``min_windows``); below them the gate
 says "not enough data" (inconclusive), by design.
 
     python benchmarks/gate_power.py            # seed: 120 trials at 30 and 45 windows; split: 200 trials at 30, 35,
                                                # 40 and 45; the injected effects at 30; rewrites docs/gate.md's table
     python benchmarks/gate_power.py --quick    # 8 trials, split design, 30 windows: under a minute
-    python benchmarks/gate_power.py --designs split --no-docs > split.json    # one design per run (or machine),
-    python benchmarks/gate_power.py --designs seed --no-docs > seed.json      # then one table of both:
-    python benchmarks/gate_power.py --merge seed.json split.json              # (rewrites docs/gate.md's table)
+    python benchmarks/gate_power.py --designs split > split.json    # one design per run (or machine),
+    python benchmarks/gate_power.py --designs seed > seed.json      # then one table of both
+    python benchmarks/gate_power.py --merge seed.json split.json    # (rewrites docs/gate.md's table)
 
 The last line of output is one JSON object with the figures (``aa_false_fail_rate``,
 ``detection_rate`` per injected effect, and the breakdowns by design and run length).
@@ -274,6 +274,17 @@ def headline(figures: dict) -> dict:
     }
 
 
+def _read_run(path: Path) -> dict:
+    """One earlier run's figures: the last line of its output."""
+    try:
+        figures = json.loads(path.read_text().strip().splitlines()[-1])
+    except (OSError, IndexError, ValueError) as exc:
+        raise SystemExit(f"gate_power: cannot read {path} ({exc}); --merge takes files holding a run's output") from None
+    if not isinstance(figures, dict) or not isinstance(figures.get("windows"), dict) or "runs" not in figures:
+        raise SystemExit(f"gate_power: {path} is not the output of a run of this version of gate_power.py; run it again")
+    return figures
+
+
 def merge(parts: list[dict]) -> dict:
     """Several runs' figures (the last lines of their output, e.g. one run per design) as one run's."""
     merged = dict(parts[0])
@@ -378,7 +389,7 @@ def main() -> None:
                         help="do not rewrite the table in docs/gate.md (a run with the defaults, or --merge, does)")
     args = parser.parse_args()
     if args.merge:
-        figures = merge([json.loads(Path(f).read_text().strip().splitlines()[-1]) for f in args.merge])
+        figures = merge([_read_run(Path(f)) for f in args.merge])
     else:
         figures = _figures(args)
     table = render_table(figures)

@@ -4,6 +4,8 @@ one design at a time giving what one run of both designs gives."""
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.gate_power import EFFECTS, merge, render_table, summarize
 
 MIN_WINDOWS = 30
@@ -62,3 +64,9 @@ def test_the_table_has_a_column_per_design_and_length_and_names_what_held_the_ru
     assert "| itl_x2 (critical-size; bad effect read +50.0%): FAIL | 100% | n/a | 100% |" in lines
     assert lines[-1].startswith("seed: 4 trials, 4 s; split: 4 trials, 6 s.")
     assert lines[-1].endswith("seed: none; split: ttft_p99_s (1).")
+
+
+def test_runs_judged_under_other_evidence_minimums_are_not_merged():
+    other = _run(SPLIT, {"split": (30, 45)}, 6.0) | {"min_windows": 20}
+    with pytest.raises(SystemExit, match="same engine, trace and min_windows"):
+        merge([_run(SEED, {"seed": (30, 45)}, 4.0), other])
