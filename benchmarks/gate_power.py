@@ -12,8 +12,9 @@ with its defaults (``replay.gate.default_config``), many trials each:
 
 Every trial takes a fresh slice per run length (its start drawn at random from all that the trace
 allows for that length, so each length's figures cover the whole trace) and fresh seeds. The gate
-should pass an A/A pair: a FAIL is a false fail. A/B: the same pairs with a regression of known size injected
-into the candidate's request table (so the effect is exact and the noise is the A/A pair's):
+should pass an A/A pair: a FAIL is a false fail. A/B: the same pairs with a regression of known
+size injected into the candidate's request table (so the effect is exact and the noise is the A/A
+pair's):
 
 - ``itl_x1.25``, ``itl_x1.5``, ``itl_x2``: every inter-token gap x f (ITL and TPOT columns; E2E
   lengthened by the decode time added);
@@ -28,8 +29,8 @@ on its critical 0.10): their FAIL rate is expected near half, and they should ra
 other four are critical-size (twice the critical effect or more): the target is FAIL in at least
 95% of trials once the run holds 30 windows. Each trial is judged at several run lengths (N
 one-minute windows), each on a slice of its own. Targets (defaults): A/A false fail at most 5% and
-A/A pass at least 90% at every length with the evidence minimums met (``min_windows``); below them the gate
-says "not enough data" (inconclusive), by design.
+A/A pass at least 90% at every length with the evidence minimums met (``min_windows``); below them
+the gate says "not enough data" (inconclusive), by design.
 
     python benchmarks/gate_power.py            # seed: 120 trials at 30 and 45 windows; split: 200 trials at 30, 35,
                                                # 40 and 45; the injected effects at 30; rewrites docs/gate.md's table
@@ -228,7 +229,7 @@ def summarize(rows: list[dict], lengths: dict[str, tuple[int, ...]], min_windows
     by = lambda effect, status: {d: {str(n): _rate(pick(effect, d, n), status) for n in ns} for d, ns in lengths.items()}  # noqa: E731
     held: dict[str, dict[str, int]] = {}
     for design in lengths:
-        counts = held.setdefault(design, {})
+        counts: dict[str, int] = {}
         for r in pick("none", design):
             if r["windows"] >= min_windows and r["status"] == "inconclusive":
                 for metric in set(r["held_by"]):
@@ -285,18 +286,22 @@ def _read_run(path: Path) -> dict:
     return figures
 
 
+#: The figures keyed by design, and those keyed by injected effect and then design (what ``merge`` unites).
+_PER_DESIGN = ("trials_per_design", "windows", "aa_false_fail_rate_by_windows", "aa_pass_rate_by_windows",
+               "aa_inconclusive_rate_by_windows", "aa_inconclusive_held_by", "measured_effect_median")
+_PER_EFFECT = ("detection_rate_by_windows", "ab_pass_rate_by_windows")
+
+
 def merge(parts: list[dict]) -> dict:
     """Several runs' figures (the last lines of their output, e.g. one run per design) as one run's."""
     merged = dict(parts[0])
     for part in parts[1:]:
         if part["min_windows"] != merged["min_windows"] or (part["engine"], part["trace"]) != (merged["engine"], merged["trace"]):
             raise SystemExit("gate_power: --merge takes runs with the same engine, trace and min_windows")
-        for key, value in part.items():
-            if key.endswith("_by_windows") and key.startswith(("detection", "ab_")):
-                merged[key] = {e: merged[key][e] | value[e] for e in EFFECTS}
-            elif key.endswith("_by_windows") or key in ("aa_inconclusive_held_by", "measured_effect_median",
-                                                        "trials_per_design", "windows"):
-                merged[key] = merged[key] | value
+        for key in _PER_DESIGN:
+            merged[key] = merged[key] | part[key]
+        for key in _PER_EFFECT:
+            merged[key] = {e: merged[key][e] | part[key][e] for e in EFFECTS}
         merged["runs"] = merged["runs"] + part["runs"]
     merged["designs"] = list(merged["windows"])
     return merged | headline(merged)
