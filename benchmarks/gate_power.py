@@ -371,10 +371,17 @@ def _figures(args: argparse.Namespace) -> dict:
             rows += result
             if i % 20 == 0 or i == len(jobs):
                 print(f"{i}/{len(jobs)} trials, {time.perf_counter() - started:.0f} s", file=sys.stderr)
-    figures = {"trials_per_design": trials, "designs": list(designs), "windows": {d: list(ns) for d, ns in lengths.items()},
+    return figures_of(rows, trials, lengths, default_config().min_windows, round(time.perf_counter() - started, 1))
+
+
+def figures_of(rows: list[dict], trials: dict[str, int], lengths: dict[str, tuple[int, ...]], min_windows: int,
+               seconds: float) -> dict:
+    """One run's figures (what its last line prints and ``--merge`` reads): its settings, ``summarize``'s
+    rates and headline, and the run's designs and duration."""
+    designs = list(lengths)
+    figures = {"trials_per_design": trials, "designs": designs, "windows": {d: list(ns) for d, ns in lengths.items()},
                "engine": ENGINE, "trace": TRACE}
-    figures |= summarize(rows, lengths, default_config().min_windows)
-    return figures | {"runs": [{"designs": list(designs), "seconds": round(time.perf_counter() - started, 1)}]}
+    return figures | summarize(rows, lengths, min_windows) | {"runs": [{"designs": designs, "seconds": seconds}]}
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.gate_power import EFFECTS, merge, render_table, summarize
+from benchmarks.gate_power import EFFECTS, figures_of, merge, render_table
 
 MIN_WINDOWS = 30
 
@@ -31,9 +31,7 @@ LENGTHS = {"seed": (30, 45), "split": (30, 45)}
 
 
 def _run(rows: list[dict], lengths: dict, seconds: float) -> dict:
-    figures = {"trials_per_design": dict.fromkeys(lengths, 4), "designs": list(lengths),
-               "windows": {d: list(ns) for d, ns in lengths.items()}, "engine": "e", "trace": "t"}
-    return figures | summarize(rows, lengths, MIN_WINDOWS) | {"runs": [{"designs": list(lengths), "seconds": seconds}]}
+    return figures_of(rows, dict.fromkeys(lengths, 4), lengths, MIN_WINDOWS, seconds)
 
 
 def test_the_figures_count_each_design_and_length_and_read_the_targets_on_the_worst():
