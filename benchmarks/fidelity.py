@@ -143,7 +143,7 @@ def shipped_in_sample() -> dict:
 
 
 def main() -> None:
-    from replay.fit import ENGINE_PARAMETERS
+    from replay.fit import ENGINE_PARAMETERS, PENALTY_PARAMETER
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="under a minute: see the module docstring")
@@ -174,7 +174,8 @@ def main() -> None:
         "targets_pct": TARGETS_PCT,
         "meets_targets": all(medians[m] <= t for m, t in TARGETS_PCT.items()) if not args.quick else None,
         "experiments": {label: {m: round(v, 2) for m, v in errs.items()} for label, errs in main_run["rows"].items()},
-        "fitted_terms": {p.name: getattr(main_run["calibration"].roofline, p.name) for p in ENGINE_PARAMETERS},
+        "fitted_terms": {p.name: getattr(main_run["calibration"].roofline, p.name)
+                         for p in (*ENGINE_PARAMETERS, PENALTY_PARAMETER)},
         "held_out_load": main_run["loads"],
         "median_abs_error_pct_by_load": {group: {k: round(v, 2) for k, v in medians_.items()}
                                          for group, medians_ in main_run["split"].items()},

@@ -14,7 +14,12 @@ for mixtures of experts ``num_local_experts`` / ``num_experts`` / ``n_routed_exp
 ``num_experts_per_tok``, ``moe_intermediate_size``, shared experts (``n_shared_experts``,
 ``shared_expert_intermediate_size``; Llama 4 has one per MoE layer), dense layers
 (``first_k_dense_replace``, Llama 4's ``interleave_moe_layer_step``); fp8 checkpoints from
-``quantization_config``. A missing required field is an error that names it.
+``quantization_config``. A missing required field is an error that names it. Beside it, a
+``generation_config.json`` whose ``repetition_penalty`` is not 1 marks the model's requests as penalized
+(``ModelConfig.sampling_penalties``): vLLM applies a checkpoint's generation config to requests that set no
+sampling parameters of their own (``--generation-config auto``, its default since 0.8), as inference-perf's
+do not. The fidelity table holds config.json fields only; the penalties its checkpoints publish are in
+``GENERATION_PENALTIES``.
 
 ``resolve_instance("meta-llama/Llama-3.1-70B-Instruct@H100x4", engine, shared)`` assembles an instance;
 ``MODEL@ACCELERATOR[xTP]`` names keep working.
@@ -34,6 +39,11 @@ from servelens.errors import ConfigError
 
 #: The fidelity data's model table, relative to the shared data folder.
 MODELS_CSV = Path("fidelity") / "models.csv"
+
+#: The fidelity models whose published generation_config.json sets a repetition penalty (its value): vLLM
+#: serves their requests with it unless a request sets its own (Qwen2.5-7B-Instruct: 1.05, with top-k 20,
+#: top-p 0.8 and temperature 0.7, the defaults its model card recommends).
+GENERATION_PENALTIES = {"Qwen/Qwen2.5-7B-Instruct": 1.05}
 
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 _REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
@@ -126,7 +136,26 @@ def read_hf_config(path: str | Path, name: str | None = None) -> ModelConfig:
     if not isinstance(config, dict):
         raise ConfigError(f"{file}: not a config.json (the top level is not an object)")
     default = p.name if p.is_dir() else (p.parent.name if p.name == "config.json" else p.stem)
-    return model_from_hf_config(config, name or config.get("_name_or_path") or default, where=str(file))
+    model = model_from_hf_config(config, name or config.get("_name_or_path") or default, where=str(file))
+    penalties = generation_penalties(file.parent)
+    return dataclasses.replace(model, sampling_penalties=True) if penalties else model
+
+
+def generation_penalties(folder: str | Path) -> bool:
+    """Whether the ``generation_config.json`` in ``folder`` (if any) sets a repetition penalty other than 1,
+    which vLLM's ``--generation-config auto`` puts on every request that sets none."""
+    file = Path(folder) / "generation_config.json"
+    if not file.is_file():
+        return False
+    try:
+        config = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{file}: not valid JSON ({exc})", "fix the file, or remove it to serve vLLM's defaults") from None
+    penalty = config.get("repetition_penalty", 1.0) if isinstance(config, dict) else None
+    if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not 0 < penalty < float("inf"):
+        raise ConfigError(f"{file}: repetition_penalty must be a number above 0, not {penalty!r}",
+                          "a Hugging Face model's own generation_config.json has it right (1.0: none)")
+    return penalty != 1.0
 
 
 def fidelity_models(shared: Path | None) -> dict[str, ModelConfig]:
@@ -156,6 +185,8 @@ def _model_from_row(row: dict[str, str]) -> ModelConfig:
         "model_type": "llama4" if row.get("architecture", "").startswith("Llama4") else "",
     }
     model = model_from_hf_config(config, row["model"], where=f"models.csv row {row['model']}")
+    if GENERATION_PENALTIES.get(row["model"], 1.0) != 1.0:
+        model = dataclasses.replace(model, sampling_penalties=True)
     if row.get("serving_precision", "").upper() == "FP8":
         model = dataclasses.replace(model, bytes_per_param=1, compute_dtype="fp8")
     return model
@@ -253,9 +284,11 @@ def resolve_instance(
 
 
 __all__ = [
+    "GENERATION_PENALTIES",
     "MODELS_CSV",
     "fidelity_models",
     "find_model",
+    "generation_penalties",
     "model_from_hf_config",
     "parse_engine_spec",
     "read_hf_config",

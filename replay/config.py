@@ -113,6 +113,10 @@ class ModelConfig:
     )
     num_moe_layers: int | None = doc("Layers whose MLP is a mixture of experts (None: all, when num_experts > 0).", None)
     tie_word_embeddings: bool = doc("The LM head is the embedding matrix (stored once).", False)
+    sampling_penalties: bool = doc(
+        "The model's generation_config.json sets a repetition, presence or frequency penalty, which vLLM applies to "
+        "every request that sets none of its own (`--generation-config auto`, vLLM's default since 0.8).", False
+    )
     profile_name: str | None = doc(
         "Folder of this model in the Vidur profiles (profiles/vidur/compute/<gpu>/<name>), if any.", None
     )
@@ -238,6 +242,11 @@ class EngineConfig:
         "device are kept there and a later hit copies them back at swap_bandwidth_bytes_per_s instead of "
         "recomputing them; 0: no CPU tier.", 0
     )
+    sampling_penalties: bool | None = doc(
+        "Requests carry sampling penalties (repetition, presence, frequency), so every step runs vLLM's penalty "
+        "pass. None: as the model's generation config says (vLLM's --generation-config auto); False: vLLM's own "
+        "defaults (--generation-config vllm).", None
+    )
 
     def __post_init__(self) -> None:
         _positive(self, "max_num_batched_tokens", "max_num_seqs", "block_size_tokens", "swap_bandwidth_bytes_per_s")
@@ -335,6 +344,12 @@ class InstanceConfig:
         metadata={"doc": "The API server and network around the engine (None: engine-side timestamps only).",
                   "omit_default": True},
     )
+
+    @property
+    def sampling_penalties(self) -> bool:
+        """Whether the instance's steps run the penalty pass: the engine's setting, else the model's defaults."""
+        setting = self.engine.sampling_penalties
+        return self.model.sampling_penalties if setting is None else setting
 
     @property
     def kv_head_replicas(self) -> int:

@@ -331,6 +331,11 @@ class RooflineConfig:
     seq_overhead_ns: int = doc(
         "Time per sequence in a step (input preparation, sampling, output processing), ns.", 0
     )
+    penalty_overhead_ns: int = doc(
+        "Time a step adds when its requests carry sampling penalties (InstanceConfig.sampling_penalties): vLLM's "
+        "penalty pass pads every running request's output tokens on the host and counts them, and the prompt's, "
+        "over the vocabulary, outside the CUDA graph, ns.", 0
+    )
     allreduce_latency_ns: int | None = doc(
         "Latency of one all-reduce per peer device, ns: a one-shot all-reduce over tp devices waits on tp - 1 of "
         "them (a pipeline hop: one); None: the accelerator's interconnect latency, once per all-reduce.",
@@ -343,7 +348,8 @@ class RooflineConfig:
             value = getattr(self, name)
             if value is not None and not 0 < value <= 1:
                 raise ReplayError(f"RooflineConfig.{name} must be in (0, 1] (a share of the hardware's peak), not {value}")
-        for name in ("step_overhead_ns", "layer_overhead_ns", "seq_overhead_ns", "allreduce_latency_ns"):
+        for name in ("step_overhead_ns", "layer_overhead_ns", "seq_overhead_ns", "penalty_overhead_ns",
+                     "allreduce_latency_ns"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ReplayError(f"RooflineConfig.{name} must be >= 0, not {value}")
@@ -399,6 +405,8 @@ class UnitCosts:
             self.comm_token += round(hops * m.hidden_size * 2 / link)
             self.comm_fixed += hops * (acc.interconnect_latency_ns if per_peer is None else per_peer) * TICKS_PER_NS
         self.fixed_ns = config.step_overhead_ns + m.num_layers * config.layer_overhead_ns
+        if instance.sampling_penalties:
+            self.fixed_ns += config.penalty_overhead_ns
         self.seq_ns = config.seq_overhead_ns
 
     def weights(self, num_tokens: int) -> int:
@@ -487,7 +495,7 @@ class RooflineCostModel(CostModelBase):
             ("step_overhead_ns", str(c.step_overhead_ns)),
         ]
         for name in ("kv_memory_efficiency", "moe_memory_efficiency", "layer_overhead_ns", "seq_overhead_ns",
-                     "allreduce_latency_ns"):  # recorded once set
+                     "penalty_overhead_ns", "allreduce_latency_ns"):  # recorded once set
             if getattr(c, name):
                 params.append((name, str(getattr(c, name))))
         return CostModelInfo(

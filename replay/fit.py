@@ -15,7 +15,9 @@ Two kinds of parameters:
   fixed cost per step and per sequence, an all-reduce latency per peer and the interconnect's bandwidth
   share), each bounded; they change the simulated batches, so every candidate is replayed.
   ``scipy.optimize.least_squares`` (trust region, bounds, finite differences over the parameters scaled
-  to [0, 1]) searches them;
+  to [0, 1]) searches them. Then, where some runs' requests carry sampling penalties, the penalty pass's
+  cost per step (``PENALTY_PARAMETER``), which no other run's latencies depend on, is fitted on those runs
+  alone with every other term held (``fit_penalty``: a bounded one-dimensional search);
 - the frontend's (``FrontendConfig``: a fixed overhead, tokenization per prompt token, the mean of a
   queueing wait): they add to client-side TTFT and E2E and change nothing inside the engine that
   matters (each request reaches it a little later), so for each candidate they are solved from that
@@ -95,6 +97,9 @@ ENGINE_PARAMETERS = (
     Parameter("allreduce_latency_ns", 0, 50_000, 8_000, integer=True),
     Parameter("interconnect_efficiency", 0.05, 1.0, 0.5),
 )
+#: The penalty pass's cost per step (``RooflineConfig.penalty_overhead_ns``): fitted after the search, on the
+#: runs whose requests carry sampling penalties alone (``fit_penalty``).
+PENALTY_PARAMETER = Parameter("penalty_overhead_ns", 0, 2_000_000, 0, integer=True)
 #: Robust loss of the fit: residuals (log errors) beyond about 5% count linearly, not squared, so that one
 #: run the model cannot explain does not pull every other run off (the field reports the median).
 LOSS_SCALE = 0.05
@@ -352,9 +357,44 @@ def fit(
     solution = least_squares(lambda x: evaluate(x)[0], x0, bounds=(0.0, 1.0), diff_step=0.03, x_scale=1.0,
                              loss="soft_l1", f_scale=LOSS_SCALE, xtol=1e-3, ftol=1e-4, max_nfev=max_evaluations)
     _, c, samples = evaluate(solution.x)
+    roofline = roofline_at(solution.x, base, parameters)
+    if PENALTY_PARAMETER not in parameters and any(t.instance_config.sampling_penalties for t in targets):
+        roofline, c, samples = fit_penalty(targets, samples, simulator, roofline, async_scheduling, seed, max_stage_s)
     errors = tuple(e for s, t in zip(samples, targets) for e in compare(t.name, t.recorded, s.metrics(c)))
-    return FitResult(roofline_at(solution.x, base, parameters), c, tuple(float(u) for u in solution.x), errors,
+    return FitResult(roofline, c, tuple(float(u) for u in solution.x), errors,
                      simulator.num_replays - before, float(solution.cost))
+
+
+def fit_penalty(targets: Sequence[Target], samples: Sequence[EngineSample], simulator: Simulator,
+                roofline: RooflineConfig, async_scheduling: bool = True, seed: int = 0,
+                max_stage_s: float | None = 300.0) -> tuple[RooflineConfig, tuple[float, ...], list[EngineSample]]:
+    """``roofline`` with the penalty pass's cost per step fitted: the fit's robust loss over every target
+    minimized over ``PENALTY_PARAMETER``'s bounds (a bounded one-dimensional search), the frontend solved
+    again at each value, every other term held. Only the targets whose requests carry sampling penalties are
+    replayed again (``samples``: every target's replay at ``roofline``); the others' latencies do not depend
+    on it. Returns the roofline, the frontend and every target's replay at the chosen value."""
+    from scipy.optimize import minimize_scalar
+
+    penalized = [i for i, t in enumerate(targets) if t.instance_config.sampling_penalties]
+    seen: dict[int, tuple[float, tuple[float, ...], list[EngineSample]]] = {}
+
+    def at(unit: float) -> float:
+        value = int(PENALTY_PARAMETER.value(unit))
+        if value not in seen:
+            rerun = simulator.run([targets[i] for i in penalized], dataclasses.replace(roofline, penalty_overhead_ns=value),
+                                  async_scheduling, seed, max_stage_s)
+            merged = list(samples)
+            for i, sample in zip(penalized, rerun):
+                merged[i] = sample
+            c = best_frontend(merged, targets)
+            loss = sum(_soft_l1(r) for s, t in zip(merged, targets) for r in s.residuals(t, c))
+            seen[value] = (loss, c, merged)
+        return seen[value][0]
+
+    minimize_scalar(at, bounds=(0.0, 1.0), method="bounded", options={"xatol": 2e-3})
+    value = min(seen, key=lambda v: seen[v][0])  # the lowest loss met (the search's end, or a point before it)
+    _, c, merged = seen[value]
+    return dataclasses.replace(roofline, penalty_overhead_ns=value), c, merged
 
 
 def as_calibration(result: FitResult, *, name: str, engine: str, accelerators: Sequence[str], method: str,
@@ -502,6 +542,7 @@ def leave_one_out(
 
 __all__ = [
     "ENGINE_PARAMETERS",
+    "PENALTY_PARAMETER",
     "EngineSample",
     "FIT_METRICS",
     "FitResult",
@@ -513,6 +554,7 @@ __all__ = [
     "as_calibration",
     "best_frontend",
     "fit",
+    "fit_penalty",
     "leave_one_out",
     "log_residuals",
     "replay_measured",

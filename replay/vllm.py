@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from replay.catalog import resolve_instance
+from replay.catalog import generation_penalties, resolve_instance
 from replay.config import GIB, EngineConfig, InstanceConfig
 from schemas.types import doc
 from servelens.errors import ConfigError
@@ -45,6 +45,11 @@ class VllmSettings:
     quantization: str | None = doc("Weight quantization: fp8 (W8A8 where the GPU has fp8 tensor cores) [none].", None)
     dtype: str | None = doc("Weight and activation dtype: auto, bf16, fp16 [auto].", None)
     kv_cache_dtype: str | None = doc("KV cache dtype: auto or fp8 [auto].", None)
+    generation_config: str | None = doc(
+        "Default sampling parameters of requests that set none: auto (the model's generation_config.json), vllm "
+        "(vLLM's own: no penalties) or a folder holding a generation_config.json [auto]. A repetition penalty "
+        "there adds vLLM's penalty pass to every step.", None
+    )
 
     def engine(self, base: EngineConfig | None = None) -> EngineConfig:
         """``base`` with every setting given here."""
@@ -55,6 +60,8 @@ class VllmSettings:
                 changes[field_name] = value
         if self.kv_offloading_size is not None:
             changes["cpu_kv_offload_bytes"] = round(self.kv_offloading_size * GIB)
+        if self.generation_config not in (None, "auto"):
+            changes["sampling_penalties"] = self.generation_config != "vllm" and generation_penalties(self.generation_config)
         return dataclasses.replace(base or EngineConfig(), **changes)
 
     def check(self, base: EngineConfig) -> None:
@@ -74,6 +81,10 @@ class VllmSettings:
         if self.kv_offloading_size is not None and self.kv_offloading_size < 0:
             raise ConfigError(f"--kv-offloading-size must be at least 0 GiB, not {self.kv_offloading_size}",
                               "it is the CPU tier's size in GiB; leave it out for no CPU tier")
+        if self.generation_config not in (None, "auto", "vllm") and not Path(self.generation_config).is_dir():
+            raise ConfigError(f"--generation-config {self.generation_config!r} is neither auto, vllm nor a folder",
+                              "auto: the model's generation_config.json (vLLM's default); vllm: vLLM's own defaults; "
+                              "or the folder of a generation_config.json")
         self._check_budget(base)
 
     def _check_budget(self, base: EngineConfig) -> None:

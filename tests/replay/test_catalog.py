@@ -159,3 +159,33 @@ def test_dtypes_and_parallelism_reach_the_instance():
     assert bf16.engine.max_num_seqs == 7
     with pytest.raises(ConfigError, match="unknown weight dtype 'int3'"):
         resolve_instance("llama-3-8b@h100", weight_dtype="int3")
+
+
+def test_a_repetition_penalty_in_generation_config_json_marks_the_model_s_requests(tmp_path):
+    """vLLM's --generation-config auto serves a checkpoint's generation_config.json to requests that set no
+    sampling parameters (inference-perf's): a repetition penalty there means a penalty pass in every step."""
+    folder = tmp_path / "qwen"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA_31_8B))
+    assert not read_hf_config(folder).sampling_penalties  # no generation_config.json: vLLM's defaults
+    (folder / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.0, "top_p": 0.9}))
+    assert not read_hf_config(folder).sampling_penalties  # 1.0 is no penalty; top-p alone is none
+    (folder / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.05, "top_k": 20}))
+    assert read_hf_config(folder).sampling_penalties
+    assert read_hf_config(folder / "config.json").sampling_penalties  # the file's folder is read the same
+    (folder / "generation_config.json").write_text(json.dumps({"repetition_penalty": "high"}))
+    with pytest.raises(ConfigError, match="repetition_penalty must be a number above 0, not 'high'"):
+        read_hf_config(folder)
+    (folder / "generation_config.json").write_text("{")
+    with pytest.raises(ConfigError, match="generation_config.json: not valid JSON"):
+        read_hf_config(folder)
+
+
+def test_the_fidelity_models_penalized_are_those_whose_checkpoints_publish_a_penalty(shared):
+    models = fidelity_models(shared)
+    assert {name for name, m in models.items() if m.sampling_penalties} == {"Qwen/Qwen2.5-7B-Instruct"}
+    qwen = resolve_instance("Qwen/Qwen2.5-7B-Instruct@h100", shared=shared)
+    assert qwen.sampling_penalties
+    off = resolve_instance("Qwen/Qwen2.5-7B-Instruct@h100", EngineConfig(sampling_penalties=False), shared)
+    assert not off.sampling_penalties  # the engine's setting wins (--generation-config vllm)
+    assert resolve_instance("llama-3-8b@h100", EngineConfig(sampling_penalties=True)).sampling_penalties

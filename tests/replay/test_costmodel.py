@@ -130,3 +130,16 @@ def test_tensor_parallelism_adds_all_reduces():
     assert one.units.comm_fixed == 0 and four.units.comm_fixed > 0
     # sharding splits the weights read by four, so a small decode step is faster, but not 4x (all-reduces)
     assert one.decode_step_ns(1, 100) / 4 < four.decode_step_ns(1, 100) < one.decode_step_ns(1, 100)
+
+
+def test_the_penalty_pass_costs_its_term_in_every_step_where_requests_carry_penalties():
+    config = RooflineConfig(step_overhead_ns=100_000, penalty_overhead_ns=300_000)
+    plain = RooflineCostModel(instance_config("llama-3-8b", "h100-sxm"), config)
+    penalized = RooflineCostModel(instance_config("llama-3-8b", "h100-sxm", engine=EngineConfig(sampling_penalties=True)),
+                                  config)
+    for shape in (StepShape((), 1, 1000), StepShape((), 32, 64_000), StepShape(((512, 0),), 8, 8000)):
+        assert penalized.step_time_ns(shape) - plain.step_time_ns(shape) == 300_000
+    assert penalized.decode_run(16, 16_000, 50, None).duration_ns - plain.decode_run(16, 16_000, 50, None).duration_ns \
+        == 50 * 300_000
+    with pytest.raises(ReplayError, match="penalty_overhead_ns must be >= 0"):
+        RooflineConfig(penalty_overhead_ns=-1)

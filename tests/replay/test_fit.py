@@ -20,7 +20,7 @@ from replay.calibration import Calibration, apply_calibration, calibration_from_
 from replay.config import EngineConfig, FrontendConfig, instance_config
 from replay.costmodel import RooflineConfig, RooflineCostModel, StepShape
 from replay.fidelity import FidelityExperiment, compare, median_abs_error, median_signed_error
-from replay.fit import ENGINE_PARAMETERS, Simulator, Target, fit, simulate
+from replay.fit import ENGINE_PARAMETERS, PENALTY_PARAMETER, Simulator, Target, fit, simulate, units_of
 from replay.run import run_replay
 from replay.stepfit import fit_steps, step_shapes
 from replay.traces import read_trace
@@ -66,12 +66,15 @@ def small_spec(tmp_path):
     return path
 
 
-def _synthetic(shared, spec, model, tp, frontend):
+def _synthetic(shared, spec, model, tp, frontend, truth=TRUTH, penalties=False):
     exp = FidelityExperiment(id=f"{model}-tp{tp}", model=model, accelerator="h100-sxm", tensor_parallel_size=tp,
                              precision="FP16", max_num_seqs=128, max_num_batched_tokens=2048, num_gpu_blocks=None,
                              cpu_kv_blocks=0, profile="small", workload_path=spec, counted_output_tokens=None, recorded=())
     target = Target.of_experiment(exp, shared)
-    recorded = simulate(target, TRUTH, True, 0, None).metrics(frontend)
+    if penalties:  # requests served with a repetition penalty: vLLM's penalty pass in every step
+        engine = dataclasses.replace(target.instance_config.engine, sampling_penalties=True)
+        target = dataclasses.replace(target, instance_config=dataclasses.replace(target.instance_config, engine=engine))
+    recorded = simulate(target, truth, True, 0, None).metrics(frontend)
     return dataclasses.replace(target, recorded_items=tuple(recorded.items()))
 
 
@@ -94,6 +97,27 @@ def test_latency_summaries_of_two_engines_give_back_their_step_costs(shared, sma
     total = result.frontend[0] + result.frontend[1] * prompt + result.frontend[2]  # the wait's mean: its term
     assert total == pytest.approx(frontend[0], abs=5e-4)
     assert max(e.abs_pct for e in result.errors) < 3.0  # every latency of both runs (tails move more than steps)
+
+
+def test_the_penalty_pass_is_fitted_on_the_runs_that_carry_penalties_alone(shared, small_spec):
+    """A synthetic engine whose requests carry sampling penalties (the penalty pass: 400 us a step) beside one
+    whose requests do not: with the other terms known, the fit's second stage finds the pass's cost within 2%
+    from the penalized run's latency summary alone, and both runs' latencies then agree within 1%."""
+    truth = dataclasses.replace(TRUTH, penalty_overhead_ns=400_000)
+    frontend = (0.004, 0.0, 0.0)
+    targets = [_synthetic(shared, small_spec, "llama-2-7b", 1, frontend, truth),
+               _synthetic(shared, small_spec, "llama-2-7b", 2, frontend, truth, penalties=True)]
+    params = [p for p in ENGINE_PARAMETERS if p.name == "step_overhead_ns"]
+    with Simulator(1) as sim:
+        result = fit(targets, sim, start=units_of(TRUTH, params), parameters=params, base=TRUTH, max_stage_s=None,
+                     max_evaluations=1)
+    assert result.roofline.step_overhead_ns == TRUTH.step_overhead_ns  # one evaluation: the search stays put
+    assert result.roofline.penalty_overhead_ns == pytest.approx(400_000, rel=0.02)
+    assert max(e.abs_pct for e in result.errors) < 1.0
+    with Simulator(1) as sim:  # no run carries penalties: the stage is skipped and the term stays unset
+        alone = fit(targets[:1], sim, start=units_of(TRUTH, params), parameters=params, base=TRUTH,
+                    max_stage_s=None, max_evaluations=1)
+    assert alone.roofline.penalty_overhead_ns == 0 and alone.num_replays < result.num_replays
 
 
 def test_leaving_out_a_group_fits_each_fold_without_any_run_of_that_group(shared, small_spec):
@@ -166,6 +190,7 @@ def test_the_shipped_calibration_is_bounded_and_says_its_held_out_error():
     assert all(0 < getattr(r, f) <= 1 for f in ("compute_efficiency", "memory_efficiency", "kv_memory_efficiency",
                                                 "moe_memory_efficiency"))
     assert all(getattr(r, f) >= 0 for f in ("step_overhead_ns", "seq_overhead_ns", "allreduce_latency_ns"))
+    assert PENALTY_PARAMETER.lower <= r.penalty_overhead_ns <= PENALTY_PARAMETER.upper
     held = dict(cal.held_out_error_pct)
     assert {"e2e_mean", "ttft_mean", "itl_mean", "e2e_p99", "ttft_p99"} <= set(held)
     assert len(cal.fitted_on) >= 10

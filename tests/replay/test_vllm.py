@@ -82,3 +82,17 @@ def test_more_pipeline_stages_than_layers_are_refused_with_the_sizes():
     with pytest.raises(ConfigError, match="has 32 layers, too few for 33 pipeline stages") as caught:
         vllm_instance("llama-3-8b@h100", VllmSettings(pipeline_parallel_size=33))
     assert caught.value.hint == "use at most 32 pipeline stages"
+
+
+def test_generation_config_auto_vllm_or_a_folder_decides_the_penalty_pass(tmp_path, shared):
+    qwen = "Qwen/Qwen2.5-7B-Instruct@h100"
+    assert vllm_instance(qwen, VllmSettings(), shared).sampling_penalties  # auto: the checkpoint's 1.05
+    assert vllm_instance(qwen, VllmSettings(generation_config="auto"), shared).sampling_penalties
+    assert not vllm_instance(qwen, VllmSettings(generation_config="vllm"), shared).sampling_penalties
+    (tmp_path / "generation_config.json").write_text('{"repetition_penalty": 1.1}')
+    assert vllm_instance("llama-3-8b@h100", VllmSettings(generation_config=str(tmp_path))).sampling_penalties
+    with pytest.raises(ConfigError, match="--generation-config 'greedy' is neither auto, vllm nor a folder"):
+        vllm_instance(qwen, VllmSettings(generation_config="greedy"), shared)
+    path = tmp_path / "engine.yaml"
+    path.write_text("generation-config: vllm\n")
+    assert read_vllm_settings(path)[0].engine().sampling_penalties is False
