@@ -114,8 +114,8 @@ class ModelConfig:
     num_moe_layers: int | None = doc("Layers whose MLP is a mixture of experts (None: all, when num_experts > 0).", None)
     tie_word_embeddings: bool = doc("The LM head is the embedding matrix (stored once).", False)
     sampling_penalties: bool = doc(
-        "The model's generation_config.json sets a repetition, presence or frequency penalty, which vLLM applies to "
-        "every request that sets none of its own (`--generation-config auto`, vLLM's default since 0.8).", False
+        "The model's generation_config.json sets a repetition penalty, which vLLM applies to every request that "
+        "sets none of its own (`--generation-config auto`, vLLM's default since 0.8).", False
     )
     profile_name: str | None = doc(
         "Folder of this model in the Vidur profiles (profiles/vidur/compute/<gpu>/<name>), if any.", None

@@ -16,8 +16,9 @@ Two kinds of parameters:
   share), each bounded; they change the simulated batches, so every candidate is replayed.
   ``scipy.optimize.least_squares`` (trust region, bounds, finite differences over the parameters scaled
   to [0, 1]) searches them. Then, where some runs' requests carry sampling penalties, the penalty pass's
-  cost per step (``PENALTY_PARAMETER``), which no other run's latencies depend on, is fitted on those runs
-  alone with every other term held (``fit_penalty``: a bounded one-dimensional search);
+  cost per step (``PENALTY_PARAMETER``), which no other run's latencies depend on, is fitted with every
+  other engine term held, only those runs replayed again (``fit_penalty``: a bounded one-dimensional
+  search on the same loss);
 - the frontend's (``FrontendConfig``: a fixed overhead, tokenization per prompt token, the mean of a
   queueing wait): they add to client-side TTFT and E2E and change nothing inside the engine that
   matters (each request reaches it a little later), so for each candidate they are solved from that
@@ -97,8 +98,8 @@ ENGINE_PARAMETERS = (
     Parameter("allreduce_latency_ns", 0, 50_000, 8_000, integer=True),
     Parameter("interconnect_efficiency", 0.05, 1.0, 0.5),
 )
-#: The penalty pass's cost per step (``RooflineConfig.penalty_overhead_ns``): fitted after the search, on the
-#: runs whose requests carry sampling penalties alone (``fit_penalty``).
+#: The penalty pass's cost per step (``RooflineConfig.penalty_overhead_ns``): fitted after the search, only the
+#: runs whose requests carry sampling penalties replayed for it (``fit_penalty``).
 PENALTY_PARAMETER = Parameter("penalty_overhead_ns", 0, 2_000_000, 0, integer=True)
 #: Robust loss of the fit: residuals (log errors) beyond about 5% count linearly, not squared, so that one
 #: run the model cannot explain does not pull every other run off (the field reports the median).
