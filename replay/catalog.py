@@ -129,16 +129,20 @@ def read_hf_config(path: str | Path, name: str | None = None) -> ModelConfig:
     file = p / "config.json" if p.is_dir() else p
     if not file.is_file():
         raise ConfigError(f"{path}: no config.json there", "give a Hugging Face config.json or the folder holding it")
-    try:
-        config = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{file}: not valid JSON ({exc})") from None
+    config = _read_json(file)
     if not isinstance(config, dict):
         raise ConfigError(f"{file}: not a config.json (the top level is not an object)")
     default = p.name if p.is_dir() else (p.parent.name if p.name == "config.json" else p.stem)
     model = model_from_hf_config(config, name or config.get("_name_or_path") or default, where=str(file))
-    penalties = generation_penalties(file.parent)
-    return dataclasses.replace(model, sampling_penalties=True) if penalties else model
+    return dataclasses.replace(model, sampling_penalties=generation_penalties(file.parent))
+
+
+def _read_json(file: Path, hint: str | None = None) -> Any:
+    """``file``'s JSON, or an error naming the file and the fault."""
+    try:
+        return json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{file}: not valid JSON ({exc})", hint) from None
 
 
 def generation_penalties(folder: str | Path) -> bool:
@@ -147,10 +151,7 @@ def generation_penalties(folder: str | Path) -> bool:
     file = Path(folder) / "generation_config.json"
     if not file.is_file():
         return False
-    try:
-        config = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{file}: not valid JSON ({exc})", "fix the file, or remove it to serve vLLM's defaults") from None
+    config = _read_json(file, "fix the file, or remove it to serve vLLM's defaults")
     penalty = config.get("repetition_penalty", 1.0) if isinstance(config, dict) else None
     if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not 0 < penalty < float("inf"):
         raise ConfigError(f"{file}: repetition_penalty must be a number above 0, not {penalty!r}",

@@ -243,7 +243,7 @@ class EngineConfig:
         "recomputing them; 0: no CPU tier.", 0
     )
     sampling_penalties: bool | None = doc(
-        "Requests carry sampling penalties (repetition, presence, frequency), so every step runs vLLM's penalty "
+        "Requests carry a sampling penalty (vLLM's repetition penalty), so every step runs vLLM's penalty "
         "pass. None: as the model's generation config says (vLLM's --generation-config auto); False: vLLM's own "
         "defaults (--generation-config vllm).", None
     )
