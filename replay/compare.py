@@ -6,7 +6,8 @@ would make every interval far too narrow. Both runs are therefore cut into the s
 over the same period), each window reduced to sufficient statistics (counts, sums, maxima, latency
 histograms with 1% bins), and whole runs of consecutive windows are resampled together: a circular
 moving-block bootstrap, the same blocks for both runs (paired). A metric is recomputed from each
-resample's statistics; its interval is the percentile interval of the paired difference, centred on
+resample's statistics (a latency quantile as the Harrell-Davis estimate on the pooled histogram,
+smooth in the resampled counts); its interval is the percentile interval of the paired difference, centred on
 the estimate and widened by t(k-1)/z for the k blocks per resample (few blocks mean few
 independent pieces of evidence; ``tests/replay/test_compare.py`` checks the stated coverage on
 autocorrelated data).
@@ -141,15 +142,40 @@ def _flaps_per_window(arrival_s: np.ndarray, rejected: np.ndarray, window_s: flo
 _EDGES = np.append(HIST_EDGES_S, HIST_EDGES_S[-1])  # the upper edge of each bin (the last one open)
 
 
+#: The incomplete beta function is evaluated only on ranks within this many standard deviations of the
+#: quantile's (plus as many ranks): the Harrell-Davis weight left outside is below 1e-12 at every
+#: sample size, a p99's skewed Beta law over a few dozen requests included.
+_HD_BAND_SD = 12.0
+
+
 def _quantile(hist: np.ndarray, q: float, bins: np.ndarray | None = None) -> np.ndarray:
-    """Quantile (0-1) of histogram rows [R, bins] on the log bins (upper edge of the bin reached).
+    """Quantile (0-1) of histogram rows [R, bins] on the log bins: the Harrell-Davis estimate, a
+    weighted mean of the order statistics (each at the upper edge of its 1% bin) with the weights of
+    a Beta((n + 1) q, (n + 1)(1 - q)) law over the ranks.
+
+    One order statistic (the edge of the bin the quantile reaches) makes a tail quantile a jump
+    between the few requests near it: its bootstrap distribution is lumpy and converges slowly (Hall
+    & Martin 1988), which widens a p99's interval by the lattice rather than the evidence. The
+    Harrell-Davis estimator (Harrell & Davis 1982) smooths over the neighbouring ranks, as a smoothed
+    bootstrap of a quantile does (Hall, DiCiccio & Romano 1989); measured on the gate's A/A pairs, its
+    90% intervals still hold the true difference about 90% of the time (docs/gate.md).
     ``bins``: the bin index of each column when ``hist`` holds only some bins (the others empty)."""
+    from scipy import special
+
     cum = np.cumsum(hist, axis=1)
-    total = cum[:, -1:]
-    idx = np.minimum((cum < q * total).sum(axis=1), hist.shape[1] - 1)
-    idx = idx if bins is None else bins[idx]
-    out = _EDGES[np.clip(idx, 0, len(_EDGES) - 1)]
-    return np.where(total[:, 0] > 0, out, np.nan)
+    n = cum[:, -1]
+    size = np.maximum(n, 1)[:, None]
+    below = cum / size  # the share of requests at or below each column's bin
+    a, b = q * (size + 1), (1 - q) * (size + 1)
+    half = _HD_BAND_SD * (np.sqrt(q * (1 - q) / size) + 1 / size)
+    weight_below = np.where(below <= q - half, 0.0, 1.0)  # the Beta law's CDF at each column's upper rank
+    band = (below > q - half) & (below < q + half)
+    weight_below[band] = special.betainc(np.broadcast_to(a, below.shape)[band], np.broadcast_to(b, below.shape)[band],
+                                         below[band])
+    weights = np.diff(weight_below, axis=1, prepend=0.0)
+    idx = np.arange(hist.shape[1]) if bins is None else bins
+    out = weights @ _EDGES[np.clip(idx, 0, len(_EDGES) - 1)]
+    return np.where(n > 0, out, np.nan)
 
 
 def _resampled_quantiles(s: WindowStats, c: np.ndarray, dist: str, *qs: float) -> list[np.ndarray]:
