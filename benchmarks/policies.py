@@ -9,7 +9,8 @@
    (``gpu_memory_utilization`` 0.5, as on a node shared with another model): the recorded rate is
    served comfortably, and at 2x the KV pool, not compute alone, is what runs out (llama-2-7b has no
    grouped-query attention), so FCFS preempts. Each run is exactly what ``servelens replay --workload
-   azure-conv --load <L>x --policy <P> --engine llama-2-7b@a100-80gx2 --gpu-memory-utilization 0.5``
+   azure-conv --load <L>x --policy <P> --engine llama-2-7b@a100-80gx2 --gpu-memory-utilization 0.5
+   --max-num-seqs 128``
    replays (``replay.presets``: the same workload, scenario, policy configuration, instance and
    calibration; ``tests/servelens/test_replay_cli.py`` checks the output is byte-identical). Per
    policy and load: SLO goodput, attainment per class, p99 TTFT and
@@ -51,6 +52,7 @@ from benchmarks.replay import children_cpu_s  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = "llama-2-7b@a100-80gx2"
 GPU_MEMORY_UTILIZATION = 0.5  # the engine gets half of the two GPUs' memory: KV is scarce, as on a shared node
+MAX_NUM_SEQS = 128  # the batch cap of the fidelity data's runs (vllm serve's own on an A100 is 256)
 POLICIES = ("fcfs", "priority", "decode-first", "prefill-first", "sarathi", "vtc", "deadline", "deadline-vtc")
 LOADS = (1.0, 1.5, 2.0)
 from replay.presets import TWO_CLASS as PRESET  # noqa: E402  (the documented two-class scenario, docs/policies.md)
@@ -61,12 +63,14 @@ NS = 1_000_000_000
 
 
 def instance_and_calibration():
-    """The instance and calibration `servelens replay --engine ENGINE --gpu-memory-utilization 0.5` replays on."""
+    """The instance and calibration `servelens replay --engine ENGINE --gpu-memory-utilization 0.5 --max-num-seqs 128`
+    replays on."""
     from replay.calibration import default_calibration
     from replay.vllm import VllmSettings, vllm_instance
     from servelens.config import load_config, shared_dir
 
-    instance = vllm_instance(ENGINE, VllmSettings(gpu_memory_utilization=GPU_MEMORY_UTILIZATION), shared_dir(load_config()))
+    instance = vllm_instance(ENGINE, VllmSettings(gpu_memory_utilization=GPU_MEMORY_UTILIZATION, max_num_seqs=MAX_NUM_SEQS),
+                             shared_dir(load_config()))
     return instance, default_calibration()
 
 
@@ -165,10 +169,11 @@ def fmt(value, digits: int = 2) -> str:
 def table_markdown(rows: list[dict], abuse: list[dict], speed: dict, num_requests: int) -> str:
     lines = [
         f"Azure conversation trace ({num_requests:,} requests), two-class scenario (docs/policies.md), one modelled "
-        f"{ENGINE.replace('@', ' on ')} with gpu_memory_utilization {GPU_MEMORY_UTILIZATION} (the roofline cost model with "
+        f"{ENGINE.replace('@', ' on ')} with gpu_memory_utilization {GPU_MEMORY_UTILIZATION} and max_num_seqs {MAX_NUM_SEQS} (the roofline cost model with "
         f"the shipped calibration {calibration_name()}, `servelens replay`'s default; latencies engine side); "
         f"`python benchmarks/policies.py` regenerates this table. Each row is what `servelens replay --workload azure-conv "
-        f"--load <load> --policy <policy> --engine {ENGINE} --gpu-memory-utilization {GPU_MEMORY_UTILIZATION} --out DIR` "
+        f"--load <load> --policy <policy> --engine {ENGINE} --gpu-memory-utilization {GPU_MEMORY_UTILIZATION} "
+        f"--max-num-seqs {MAX_NUM_SEQS} --out DIR` "
         "replays and prints.",
         "",
         "| load | policy | SLO goodput (req/s) | attainment interactive / batch | p99 TTFT (s) | p99 ITL (s) | "

@@ -205,8 +205,11 @@ class ModelConfig:
 class EngineConfig:
     """The serving engine's settings (vLLM v1 names and defaults where vLLM has them)."""
 
-    max_num_batched_tokens: int = doc("Token budget of one step (prefill chunks plus decodes).", 2048)
-    max_num_seqs: int = doc("Most requests in the running batch.", 128)
+    max_num_batched_tokens: int = doc(
+        "Token budget of one step (prefill chunks plus decodes; vLLM's SchedulerConfig default: `vllm serve` picks "
+        "by device, replay.vllm.serve_batch_defaults).", 2048
+    )
+    max_num_seqs: int = doc("Most requests in the running batch (vLLM's SchedulerConfig default; as above).", 128)
     block_size_tokens: int = doc("Tokens per KV cache block.", 16)
     gpu_memory_utilization: float = doc("Share of device memory the engine may use (weights, activations, KV).", 0.9)
     activation_reserve_bytes: int = doc(

@@ -1,7 +1,8 @@
 """A vLLM server's settings by vLLM's own names, as the replay models them.
 
 ``VllmSettings`` mirrors the ``vllm serve`` options the replay has a model for; every field is
-optional (None: the engine's default, ``replay.config.EngineConfig``). The command line generates its
+optional (None: what ``vllm serve`` would use: its step budget and batch size by device (``serve_batch_defaults``),
+the rest ``replay.config.EngineConfig``'s). The command line generates its
 engine options from these fields (``--max-num-seqs``, ``--enable-prefix-caching/--no-enable-prefix-caching``,
 ...), and an engine YAML file holds the same keys, with dashes or underscores, as a ``vllm serve
 --config`` file does (``read_vllm_settings``). ``vllm_instance`` assembles the instance.
@@ -16,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from replay.catalog import generation_penalties, resolve_instance
-from replay.config import GIB, EngineConfig, InstanceConfig
+from replay.catalog import generation_penalties, parse_engine_spec, resolve_instance
+from replay.config import GIB, AcceleratorConfig, EngineConfig, InstanceConfig, accelerator
 from schemas.types import doc
 from servelens.errors import ConfigError
 
@@ -28,8 +29,10 @@ class VllmSettings:
 
     tensor_parallel_size: int | None = doc("Tensor-parallel degree (overrides an xTP suffix of --engine).", None)
     pipeline_parallel_size: int | None = doc("Pipeline stages (each tensor_parallel_size accelerators wide).", None)
-    max_num_seqs: int | None = doc("Most requests in the running batch [vLLM default 128 on most GPUs].", None)
-    max_num_batched_tokens: int | None = doc("Token budget of one step [vLLM default 2048 with chunked prefill].", None)
+    max_num_seqs: int | None = doc(
+        "Most requests in the running batch [vllm serve: 1024 on H100, H200, B200; 256 on A100, L40S].", None)
+    max_num_batched_tokens: int | None = doc(
+        "Token budget of one step [vllm serve: 8192 on H100, H200, B200; 2048 on A100, L40S].", None)
     gpu_memory_utilization: float | None = doc("Share of device memory for weights, activations and KV [0.9].", None)
     num_gpu_blocks_override: int | None = doc("Exactly this many KV blocks (e.g. as a run's log reported).", None)
     block_size: int | None = doc("Tokens per KV cache block [16].", None)
@@ -124,8 +127,8 @@ VLLM_BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
 _AT_LEAST_ONE = {
     "tensor_parallel_size": "1 is one accelerator (no parallelism)",
     "pipeline_parallel_size": "1 is one accelerator (no parallelism)",
-    "max_num_seqs": "it is the most requests in the running batch (vLLM's default: 128 on most GPUs)",
-    "max_num_batched_tokens": "it is one step's token budget (vLLM's default: 2048 with chunked prefill)",
+    "max_num_seqs": "it is the most requests in the running batch (vllm serve's default: 1024 on H100, 256 on A100)",
+    "max_num_batched_tokens": "it is one step's token budget (vllm serve's default: 8192 on H100, 2048 on A100)",
     "num_gpu_blocks_override": "it is the KV cache's size in blocks; leave it out to size the cache from memory",
 }
 
@@ -178,14 +181,38 @@ def _typed(path: Path, f: dataclasses.Field, value: Any) -> Any:
     return float(value) if "float" in kind else value
 
 
+#: ``vllm serve``'s step budget and batch size (max_num_batched_tokens, max_num_seqs) where they are not given:
+#: on a device of at least 70 GiB that is not an A100 (H100, H200, B200) and on any other GPU (vLLM's
+#: ``EngineArgs`` defaults for the OpenAI API server, unchanged from v0.10 to v0.15).
+SERVE_BATCH_DEFAULTS_LARGE = (8192, 1024)
+SERVE_BATCH_DEFAULTS = (2048, 256)
+
+
+def serve_batch_defaults(accelerator: AcceleratorConfig) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) ``vllm serve`` picks on ``accelerator`` when neither is given."""
+    large = accelerator.memory_bytes >= 70 * GIB and not accelerator.name.lower().startswith("a100")
+    return SERVE_BATCH_DEFAULTS_LARGE if large else SERVE_BATCH_DEFAULTS
+
+
+def serve_engine(spec: str, settings: VllmSettings) -> EngineConfig:
+    """The engine configuration ``vllm serve`` starts from on ``spec``'s accelerator: its step budget and batch
+    size by device (a budget given and no batch size: vLLM caps the batch at the budget), the rest
+    ``EngineConfig``'s."""
+    budget, seqs = serve_batch_defaults(accelerator(parse_engine_spec(spec)[1]))
+    if settings.max_num_batched_tokens is not None and settings.max_num_batched_tokens >= 1:  # else refused by check
+        budget = settings.max_num_batched_tokens
+    return EngineConfig(max_num_batched_tokens=budget, max_num_seqs=min(seqs, budget))
+
+
 def vllm_instance(spec: str, settings: VllmSettings | None = None, shared: Path | None = None,
                   base: EngineConfig | None = None) -> InstanceConfig:
-    """The instance ``MODEL@ACCELERATOR[xTP]`` run with ``settings`` (see ``replay.catalog``)."""
+    """The instance ``MODEL@ACCELERATOR[xTP]`` run with ``settings`` (see ``replay.catalog``); what they leave
+    unset is ``base``'s, or where no ``base`` is given what ``vllm serve`` would use (``serve_engine``)."""
     s = settings or VllmSettings()
     weight_dtype = "fp8" if (s.quantization or "").lower() == "fp8" else s.dtype
     if s.quantization not in (None, "fp8", "FP8", "none"):
         raise ConfigError(f"quantization {s.quantization!r} is not modelled", "the replay models fp8 (W8A8) or none")
-    base = base or EngineConfig()
+    base = base or serve_engine(spec, s)
     s.check(base)
     return resolve_instance(
         spec, s.engine(base), shared,
@@ -196,4 +223,5 @@ def vllm_instance(spec: str, settings: VllmSettings | None = None, shared: Path 
     )
 
 
-__all__ = ["VLLM_BLOCK_SIZES", "VllmSettings", "read_vllm_settings", "vllm_instance"]
+__all__ = ["SERVE_BATCH_DEFAULTS", "SERVE_BATCH_DEFAULTS_LARGE", "VLLM_BLOCK_SIZES", "VllmSettings", "read_vllm_settings",
+           "serve_batch_defaults", "serve_engine", "vllm_instance"]

@@ -50,7 +50,7 @@ from servelens.errors import ServelensError
 #: llama-2-7b on two A100-80GB whose engine gets half of their memory, so that twice the trace's rate
 #: overloads it and the policies differ; calibrated as `servelens replay` is by default.
 DEMO_ENGINE = "llama-2-7b@a100-80gx2"
-DEMO_ENGINE_SETTINGS = "gpu_memory_utilization: 0.5\n"
+DEMO_ENGINE_SETTINGS = "gpu_memory_utilization: 0.5\nmax_num_seqs: 128\n"
 DEMO_CANDIDATES = ("sarathi", "vtc", "deadline", "prefill-first")
 DEMO_LOADS = ("1x", "2x")
 #: The engine fleet's tenants, by falling volume: shares proportional to 1 / rank^0.9 (a Zipf skew: the

@@ -59,15 +59,31 @@ def test_parallel_sizes_below_one_are_refused_before_an_instance_is_built():
         (VllmSettings(block_size=24), "--block-size 24 is not one of vLLM's block sizes"),
         (VllmSettings(gpu_memory_utilization=0.0), "--gpu-memory-utilization must be in (0, 1], not 0.0"),
         (VllmSettings(kv_offloading_size=-1.0), "--kv-offloading-size must be at least 0 GiB, not -1.0"),
-        # vLLM's SchedulerConfig refuses a step budget below the batch; the default batch (128) counts
-        (VllmSettings(max_num_batched_tokens=64), "--max-num-batched-tokens 64 is below --max-num-seqs 128"),
-        (VllmSettings(max_num_seqs=4096), "--max-num-batched-tokens 2048 is below --max-num-seqs 4096"),
+        # vLLM's SchedulerConfig refuses a step budget below the batch; the default budget (8192 on an H100) counts
+        (VllmSettings(max_num_batched_tokens=2048, max_num_seqs=4096),
+         "--max-num-batched-tokens 2048 is below --max-num-seqs 4096"),
+        (VllmSettings(max_num_seqs=9000), "--max-num-batched-tokens 8192 is below --max-num-seqs 9000"),
     ],
 )
 def test_settings_vllm_refuses_are_refused_by_their_option_names_with_a_hint(settings, message):
     with pytest.raises(ConfigError, match=re.escape(message)) as caught:
         vllm_instance("llama-3-8b@h100", settings)
     assert caught.value.hint
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "budget", "seqs"),
+    # vllm serve's defaults (EngineArgs, v0.10-v0.15): 8192 / 1024 on a device of >= 70 GiB that is not an A100
+    [("h100", 8192, 1024), ("h100-pcie", 8192, 1024), ("h200", 8192, 1024), ("b200", 8192, 1024),
+     ("a100-80g", 2048, 256), ("a100-40g", 2048, 256), ("l40s", 2048, 256)],
+)
+def test_what_is_not_given_is_what_vllm_serve_picks_on_that_device(accelerator, budget, seqs):
+    engine = vllm_instance(f"llama-3-8b@{accelerator}").engine
+    assert (engine.max_num_batched_tokens, engine.max_num_seqs) == (budget, seqs)
+    # a budget given and no batch: vLLM caps the batch at the budget; a batch given keeps the device's budget
+    assert vllm_instance(f"llama-3-8b@{accelerator}", VllmSettings(max_num_batched_tokens=64)).engine.max_num_seqs == 64
+    given = vllm_instance(f"llama-3-8b@{accelerator}", VllmSettings(max_num_seqs=32)).engine
+    assert (given.max_num_batched_tokens, given.max_num_seqs) == (budget, 32)
 
 
 def test_settings_vllm_accepts_replay():

@@ -17,7 +17,7 @@ from replay.workload import block_bootstrap
 from tests.servelens.test_cli import servelens
 
 README = Path(__file__).resolve().parents[2] / "README.md"
-ENGINE = ["--engine", "llama-2-7b@a100-80gx2", "--gpu-memory-utilization", "0.5"]
+ENGINE = ["--engine", "llama-2-7b@a100-80gx2", "--gpu-memory-utilization", "0.5", "--max-num-seqs", "128"]
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def _manifest(out: Path) -> dict:
 
 
 def test_the_command_line_replays_what_the_policy_table_replays(azure_slice, tmp_path):
-    """`replay --load 2x --policy deadline --engine ... --gpu-memory-utilization 0.5` and benchmarks/policies.py's run
+    """`replay --load 2x --policy deadline --engine ... --gpu-memory-utilization 0.5 --max-num-seqs 128` and benchmarks/policies.py's run
     of the same workload give byte-identical events and the same request table."""
     from benchmarks.policies import replay_run
 
