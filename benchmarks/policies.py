@@ -169,7 +169,8 @@ def fmt(value, digits: int = 2) -> str:
 def table_markdown(rows: list[dict], abuse: list[dict], speed: dict, num_requests: int) -> str:
     lines = [
         f"Azure conversation trace ({num_requests:,} requests), two-class scenario (docs/policies.md), one modelled "
-        f"{ENGINE.replace('@', ' on ')} with gpu_memory_utilization {GPU_MEMORY_UTILIZATION} and max_num_seqs {MAX_NUM_SEQS} (the roofline cost model with "
+        f"{ENGINE.replace('@', ' on ')} with gpu_memory_utilization {GPU_MEMORY_UTILIZATION} and max_num_seqs {MAX_NUM_SEQS} "
+        "(the roofline cost model with "
         f"the shipped calibration {calibration_name()}, `servelens replay`'s default; latencies engine side); "
         f"`python benchmarks/policies.py` regenerates this table. Each row is what `servelens replay --workload azure-conv "
         f"--load <load> --policy <policy> --engine {ENGINE} --gpu-memory-utilization {GPU_MEMORY_UTILIZATION} "

@@ -5,10 +5,13 @@ A calibration's error figures hold for runs like the ones it was fitted on. Load
 ``max_num_seqs`` an error in how the step grows with the batch is amplified (the batch is the arrival
 rate times E2E, and E2E grows with the step: docs/calibration.md, "The load a calibration vouches
 for"). So a run's load is measured the same way for both: from its ``step_executed`` events, per
-window of ``WINDOW_S`` seconds and per instance, the busy-time-weighted mean decode batch as a share of
-``max_num_seqs`` and the mean KV blocks in use as a share of the pool. The busiest window of each is
-the run's ``Load``; a calibration records the largest over its fitted runs (``fitted_load``), and a
-replay counts its windows beyond that.
+window of ``WINDOW_S`` seconds and per instance, the busy-time-weighted mean decode batch, in sequences
+and as a share of ``max_num_seqs``, and the mean KV blocks in use as a share of the pool. The busiest
+window of each is the run's ``Load``; a calibration records the largest over its fitted runs
+(``fitted_load``), and a replay counts its windows beyond that. The batch in sequences matters where the
+caps differ: a replay with ``vllm serve``'s 1024 seats on an H100 can decode more sequences a step than any
+fitted run (each capped at 128) while using a small share of its own cap; the step's growth with the batch
+is then an extrapolation, though no queue forms.
 
 ``StepLoadMeter`` sums the step events per window as they come: the replay's event writer feeds one for the
 manifest, a replay sink can be one (a calibration's replays), and recorded events can be added (a
@@ -29,6 +32,8 @@ import pyarrow.compute as pc
 WINDOW_S = 60.0
 #: How far beyond a fitted share a window must go to count as beyond it (a point: shares are recorded rounded).
 MARGIN = 0.01
+#: How far beyond the fitted decode batch a window's must go, in sequences (batches are recorded to a tenth).
+SEQS_MARGIN = 1.0
 #: The step events' columns a load is measured from.
 STEP_COLUMNS = ("instance_id", "start_ns", "end_ns", "num_decode_seqs", "num_kv_blocks_used", "num_kv_blocks_free")
 
@@ -36,26 +41,31 @@ STEP_COLUMNS = ("instance_id", "start_ns", "end_ns", "num_decode_seqs", "num_kv_
 @dataclass(frozen=True, slots=True)
 class Load:
     """The busiest window's load: its mean decode batch over ``max_num_seqs``, its mean KV blocks in use
-    over the pool (each the largest over windows and instances, busy-time-weighted within a window)."""
+    over the pool, its mean decode batch in sequences (each the largest over windows and instances,
+    busy-time-weighted within a window; ``batch_seqs`` 0: not recorded, as in files written before it)."""
 
     batch_share: float
     kv_share: float
+    batch_seqs: float = 0.0
 
     def beyond(self, fitted: Load) -> bool:
-        """Either share beyond ``fitted``'s by more than ``MARGIN``."""
-        return self.batch_share > fitted.batch_share + MARGIN or self.kv_share > fitted.kv_share + MARGIN
+        """Either share beyond ``fitted``'s by more than ``MARGIN``, or the batch beyond ``fitted``'s by more than
+        ``SEQS_MARGIN`` sequences (where ``fitted`` records one)."""
+        return (self.batch_share > fitted.batch_share + MARGIN or self.kv_share > fitted.kv_share + MARGIN
+                or 0 < fitted.batch_seqs < self.batch_seqs - SEQS_MARGIN)
 
     def as_json(self) -> dict[str, float]:
-        return {"batch_share": round(self.batch_share, 4), "kv_share": round(self.kv_share, 4)}
+        return {"batch_share": round(self.batch_share, 4), "kv_share": round(self.kv_share, 4),
+                **({"batch_seqs": round(self.batch_seqs, 1)} if self.batch_seqs else {})}
 
     @classmethod
     def of_json(cls, doc: Mapping[str, float]) -> Load:
-        return cls(float(doc["batch_share"]), float(doc["kv_share"]))
+        return cls(float(doc["batch_share"]), float(doc["kv_share"]), float(doc.get("batch_seqs", 0.0)))
 
     @staticmethod
     def peak(loads: list[Load]) -> Load:
-        """The largest of each share over ``loads`` (a calibration's fitted runs)."""
-        return Load(max((x.batch_share for x in loads), default=0.0), max((x.kv_share for x in loads), default=0.0))
+        """The largest of each figure over ``loads`` (a calibration's fitted runs)."""
+        return Load(*(max((getattr(x, f) for x in loads), default=0.0) for f in ("batch_share", "kv_share", "batch_seqs")))
 
 
 class StepLoadMeter:
@@ -98,10 +108,10 @@ class StepLoadMeter:
 
     def windows(self, max_num_seqs: int | Mapping[str, int]) -> pa.Table:
         """One row per instance and window with steps in it: ``instance_id``, ``window_start_ns``, ``busy_s``,
-        ``batch_share`` (of ``max_num_seqs``: one for all, or by instance id), ``kv_share``."""
+        ``batch_share`` (of ``max_num_seqs``: one for all, or by instance id), ``kv_share``, ``batch_seqs``."""
         if not self._sums:
             return pa.table({"instance_id": pa.array([], pa.string()), "window_start_ns": pa.array([], pa.int64()),
-                             **{c: pa.array([], pa.float64()) for c in ("busy_s", "batch_share", "kv_share")}})
+                             **{c: pa.array([], pa.float64()) for c in ("busy_s", "batch_share", "kv_share", "batch_seqs")}})
         sums = _summed(pa.concat_tables(self._sums))
         busy = sums["busy"].to_numpy()
         weight = np.where(busy > 0, busy, 1.0)
@@ -111,6 +121,7 @@ class StepLoadMeter:
             "busy_s": busy / 1e9,
             "batch_share": sums["seqs"].to_numpy() / weight / _caps(max_num_seqs, sums["instance_id"]),
             "kv_share": sums["kv"].to_numpy() / weight,
+            "batch_seqs": sums["seqs"].to_numpy() / weight,
         }).sort_by([("window_start_ns", "ascending"), ("instance_id", "ascending")])
 
     def load(self, max_num_seqs: int | Mapping[str, int]) -> Load:
@@ -133,14 +144,14 @@ def _caps(max_num_seqs: int | Mapping[str, int], instance_ids: pa.ChunkedArray) 
 
 
 def peak_of(windows: pa.Table) -> Load:
-    """The largest batch and KV shares of ``windows`` (``StepLoadMeter.windows``)."""
-    return Load(float(pc.max(windows["batch_share"]).as_py() or 0.0), float(pc.max(windows["kv_share"]).as_py() or 0.0))
+    """The largest batch and KV shares and batch of ``windows`` (``StepLoadMeter.windows``)."""
+    return Load(*(float(pc.max(windows[c]).as_py() or 0.0) for c in ("batch_share", "kv_share", "batch_seqs")))
 
 
 def windows_beyond(windows: pa.Table, fitted: Load) -> int:
     """How many of ``windows`` lie beyond ``fitted`` (``Load.beyond``: a few rows, one per minute)."""
-    shares = zip(windows["batch_share"].to_pylist(), windows["kv_share"].to_pylist())
-    return sum(Load(batch, kv).beyond(fitted) for batch, kv in shares)
+    rows = zip(*(windows[c].to_pylist() for c in ("batch_share", "kv_share", "batch_seqs")))
+    return sum(Load(*row).beyond(fitted) for row in rows)
 
 
 def load_record(windows: pa.Table, fitted: Load | None, window_s: float = WINDOW_S) -> dict[str, Any]:
@@ -155,13 +166,14 @@ def load_record(windows: pa.Table, fitted: Load | None, window_s: float = WINDOW
 def describe_load(record: Mapping[str, Any]) -> tuple[str, bool]:
     """A manifest's ``load`` record in words, and whether the run went beyond its calibration's fitted load."""
     minute = "minute" if record.get("window_s") == 60.0 else f"{record.get('window_s')} s window"
-    line = (f"load: busiest {minute} {_pct(record['batch_share'])} of max_num_seqs decoding, "
+    line = (f"load: busiest {minute} {_pct(record['batch_share'])} of max_num_seqs decoding{_seqs(record)}, "
             f"{_pct(record['kv_share'])} of the KV pool in use")
     fitted = record.get("fitted")
     beyond = int(record.get("windows_beyond_fitted") or 0)
     if not isinstance(fitted, Mapping) or not beyond:
         return line, False
-    return (line + f"; beyond the calibration's fitted runs (up to {_pct(fitted['batch_share'])} and "
+    seqs = f", {fitted['batch_seqs']:,.0f} sequences" if fitted.get("batch_seqs") else ""
+    return (line + f"; beyond the calibration's fitted runs (up to {_pct(fitted['batch_share'])}{seqs} and "
             f"{_pct(fitted['kv_share'])}) in {beyond} of {record['busy_windows']} busy {minute}s: an extrapolation, "
             "where errors can be several times the held-out figures (docs/calibration.md)"), True
 
@@ -170,4 +182,11 @@ def _pct(share: float) -> str:
     return f"{100 * share:.0f}%"
 
 
-__all__ = ["MARGIN", "STEP_COLUMNS", "WINDOW_S", "describe_load", "Load", "StepLoadMeter", "load_record", "peak_of", "windows_beyond"]
+def _seqs(record: Mapping[str, Any]) -> str:
+    """`` (N sequences)`` where ``record`` has the batch in sequences (older manifests and calibrations do not)."""
+    seqs = record.get("batch_seqs")
+    return f" ({seqs:,.0f} sequences)" if isinstance(seqs, (int, float)) and seqs > 0 else ""
+
+
+__all__ = ["MARGIN", "SEQS_MARGIN", "STEP_COLUMNS", "WINDOW_S", "describe_load", "Load", "StepLoadMeter", "load_record",
+           "peak_of", "windows_beyond"]

@@ -49,20 +49,37 @@ def test_each_window_is_weighted_by_busy_time_and_the_busiest_is_the_load():
         ("a", 0, 3.0), ("b", 0, 1.0), ("a", 60, 1.0)]
     assert [w["batch_share"] for w in windows] == pytest.approx([0.3, 0.5, 1.0])
     assert [w["kv_share"] for w in windows] == pytest.approx([1.1 / 3, 0.0, 0.0])
-    assert meter.load(caps) == Load(pytest.approx(1.0), pytest.approx(1.1 / 3))
+    assert [w["batch_seqs"] for w in windows] == pytest.approx([30.0, 25.0, 100.0])  # the same, in sequences
+    assert meter.load(caps) == Load(pytest.approx(1.0), pytest.approx(1.1 / 3), pytest.approx(100.0))
     assert meter.windows(1)["batch_share"].to_pylist() == pytest.approx([30.0, 25.0, 100.0])  # one cap for all
     table = meter.windows(caps)
     assert windows_beyond(table, Load(0.6, 0.5)) == 1  # minute 1 of a
     assert windows_beyond(table, Load(0.6, 0.3)) == 2  # and a's minute 0 by its KV
     assert windows_beyond(table, Load(0.995, 0.36)) == 0  # within the margin of a point
     record = load_record(table, Load(0.6, 0.5))
-    assert record == {"window_s": 60.0, "busy_windows": 3, "batch_share": 1.0, "kv_share": 0.3667,
+    assert record == {"window_s": 60.0, "busy_windows": 3, "batch_share": 1.0, "kv_share": 0.3667, "batch_seqs": 100.0,
                       "fitted": {"batch_share": 0.6, "kv_share": 0.5}, "windows_beyond_fitted": 1}
     line, beyond = describe_load(record)
-    assert beyond and line.startswith("load: busiest minute 100% of max_num_seqs decoding, 37% of the KV pool")
+    assert beyond and line.startswith("load: busiest minute 100% of max_num_seqs decoding (100 sequences), 37% of the KV")
     assert "beyond the calibration's fitted runs (up to 60% and 50%) in 1 of 3 busy minutes" in line
     assert describe_load(load_record(table, None)) == (line.split(";")[0], False)
     assert StepLoadMeter().load(8) == Load(0.0, 0.0)  # no steps: no load
+    # a fitted batch in sequences: a window decoding more sequences than any fitted run is beyond it, however
+    # small a share of its own cap (by hand: 25 sequences of b's 50 and 30 of a's 100 are within 29 + 1)
+    assert windows_beyond(table, Load(1.0, 1.0, 29.0)) == 1  # a's minute 1: 100 sequences
+    assert windows_beyond(table, Load(1.0, 1.0, 28.9)) == 2  # and a's minute 0: 30 sequences
+    assert describe_load(load_record(table, Load(1.0, 1.0, 29.0)))[0].endswith(
+        "beyond the calibration's fitted runs (up to 100%, 29 sequences and 100%) in 1 of 3 busy minutes: an "
+        "extrapolation, where errors can be several times the held-out figures (docs/calibration.md)")
+
+
+def test_a_large_cap_does_not_hide_a_batch_beyond_the_fitted_runs():
+    """vllm serve's 1024 seats on an H100: 123 sequences are 12% of the cap, far within the fitted runs' 59% of
+    128, but beyond their 75 sequences; a file without the batch in sequences judges by the shares alone."""
+    fitted = Load(0.59, 0.44, 75.0)
+    assert Load(0.12, 0.08, 123.0).beyond(fitted) and not Load(0.5, 0.2, 76.0).beyond(fitted)
+    assert not Load(0.12, 0.08, 123.0).beyond(Load(0.59, 0.44))
+    assert Load.of_json(fitted.as_json()) == fitted and Load.of_json({"batch_share": 0.5, "kv_share": 0.1}) == Load(0.5, 0.1)
 
 
 def test_a_replay_records_its_load_from_its_events_as_a_sink_sees_it(tmp_path, shared):
@@ -134,8 +151,9 @@ def test_the_shipped_fitted_load_is_its_fitted_runs_busiest_minute():
         replay_target(target, cal, 0, meter)
         loads.append(meter.load(target.instance_config.engine.max_num_seqs))
         assert not loads[-1].beyond(cal.fitted_load), target.name  # no fitted run is beyond its own envelope
-    peak = Load.peak(loads)
-    assert (peak.batch_share, peak.kv_share) == pytest.approx((cal.fitted_load.batch_share, cal.fitted_load.kv_share), abs=1e-4)
+    peak, fitted = Load.peak(loads), cal.fitted_load
+    assert (peak.batch_share, peak.kv_share) == pytest.approx((fitted.batch_share, fitted.kv_share), abs=1e-4)
+    assert peak.batch_seqs == pytest.approx(fitted.batch_seqs, abs=0.05)
 
 
 def test_the_gate_and_the_command_line_say_when_a_replay_is_beyond_its_calibration(tmp_path, shared):

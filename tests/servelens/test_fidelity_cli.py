@@ -125,7 +125,7 @@ def test_calibrate_from_a_recorded_run_s_steps_and_replay_with_it(tmp_path, shar
     assert written["held_out_error_pct"]["step_time_median"] < 1 and "step times" in written["method"]
     # the load it vouches for is the recorded run's own, as the recording's manifest measured it
     recorded = json.loads((rec / "manifest.json").read_text())["load"]
-    assert written["fitted_load"] == {"batch_share": recorded["batch_share"], "kv_share": recorded["kv_share"]}
+    assert written["fitted_load"] == {k: recorded[k] for k in ("batch_share", "kv_share", "batch_seqs")}
     assert f"fitted load: its runs' busiest minute {recorded['batch_share']:.0%} of max_num_seqs" in done.stdout
     again = servelens("replay", "--workload", "azure-conv", "--requests", "200", "--calibration", str(cal), "--out",
                       str(tmp_path / "again"), env={"SERVELENS_SHARED_DIR": str(shared)})
