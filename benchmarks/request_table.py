@@ -62,13 +62,15 @@ def replay_in_this_process(num_requests: int, out: Path, write: bool) -> dict:
     from replay.presets import prepared_workload
     from replay.run import run_replay
     from replay.traces import read_trace
-    from replay.vllm import vllm_instance
+    from replay.vllm import VllmSettings, vllm_instance
     from servelens.config import load_config, shared_dir
+
+    seats = VllmSettings(max_num_seqs=128, max_num_batched_tokens=2048)  # the engine its README figures were measured on
 
     workload, preset = prepared_workload(read_trace("azure-conv", shared_dir(load_config())), "azure-conv",
                                          num_requests=num_requests)
     cpu0 = time.process_time()
-    summary = run_replay(workload, scenario=preset.scenario, instance=vllm_instance("llama-3-8b@h100-sxm"),
+    summary = run_replay(workload, scenario=preset.scenario, instance=vllm_instance("llama-3-8b@h100-sxm", seats),
                          calibration=default_calibration(), out_dir=out, write_requests=write)
     figures = {"replay_wall_s": round(summary.wall_s, 2), "replay_cpu_s": round(time.process_time() - cpu0, 2),
                "events": summary.num_events, "requests": summary.num_requests}
