@@ -114,7 +114,7 @@ class NightlyConfig:
     engine: str = doc("The modelled instance of the replays, MODEL@GPU[xTP].", "llama-3-8b@h100-sxm")
     engine_config: str = doc(
         "YAML file of vllm serve settings for that instance (as `servelens replay --engine-config`, e.g. "
-        "gpu_memory_utilization: 0.5); empty: the engine's defaults.", "")
+        "gpu_memory_utilization: 0.5); empty: what vllm serve picks (as `servelens replay` without settings).", "")
     calibration: str = doc(
         "Calibration of the replays' roofline model: auto (the shipped one, as `servelens replay` uses), none, "
         "a shipped name or a file.", "auto")
