@@ -17,7 +17,8 @@ conditional writes must not have concurrent writers.
 
 Readers: every DuckDB connection of ``pipelines.tables.connect`` gets pyarrow's S3 filesystem
 registered for ``s3://`` (as an fsspec filesystem whose files are read positionally, thread by thread:
-``PositionalReader``), so ``read_parquet`` over a table version's files works unchanged on object storage. DuckDB's own ``httpfs`` and ``delta`` extensions are not
+``PositionalReader``), so ``read_parquet`` over a table version's files works unchanged on object
+storage. DuckDB's own ``httpfs`` and ``delta`` extensions are not
 used: PyPI ships them only up to DuckDB 1.5 (``duckdb-extension-httpfs``), they would otherwise be
 downloaded at run time, and DuckDB's automatic extension install is switched off.
 """
