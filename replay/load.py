@@ -65,7 +65,11 @@ class Load:
     @staticmethod
     def peak(loads: list[Load]) -> Load:
         """The largest of each figure over ``loads`` (a calibration's fitted runs)."""
-        return Load(*(max((getattr(x, f) for x in loads), default=0.0) for f in ("batch_share", "kv_share", "batch_seqs")))
+        return Load(*(max((getattr(x, f) for x in loads), default=0.0) for f in FIGURES))
+
+
+#: ``Load``'s figures, in its order: the columns of ``StepLoadMeter.windows`` a load is read from.
+FIGURES = ("batch_share", "kv_share", "batch_seqs")
 
 
 class StepLoadMeter:
@@ -111,7 +115,7 @@ class StepLoadMeter:
         ``batch_share`` (of ``max_num_seqs``: one for all, or by instance id), ``kv_share``, ``batch_seqs``."""
         if not self._sums:
             return pa.table({"instance_id": pa.array([], pa.string()), "window_start_ns": pa.array([], pa.int64()),
-                             **{c: pa.array([], pa.float64()) for c in ("busy_s", "batch_share", "kv_share", "batch_seqs")}})
+                             **{c: pa.array([], pa.float64()) for c in ("busy_s", *FIGURES)}})
         sums = _summed(pa.concat_tables(self._sums))
         busy = sums["busy"].to_numpy()
         weight = np.where(busy > 0, busy, 1.0)
@@ -145,12 +149,12 @@ def _caps(max_num_seqs: int | Mapping[str, int], instance_ids: pa.ChunkedArray) 
 
 def peak_of(windows: pa.Table) -> Load:
     """The largest batch and KV shares and batch of ``windows`` (``StepLoadMeter.windows``)."""
-    return Load(*(float(pc.max(windows[c]).as_py() or 0.0) for c in ("batch_share", "kv_share", "batch_seqs")))
+    return Load(*(float(pc.max(windows[c]).as_py() or 0.0) for c in FIGURES))
 
 
 def windows_beyond(windows: pa.Table, fitted: Load) -> int:
     """How many of ``windows`` lie beyond ``fitted`` (``Load.beyond``: a few rows, one per minute)."""
-    rows = zip(*(windows[c].to_pylist() for c in ("batch_share", "kv_share", "batch_seqs")))
+    rows = zip(*(windows[c].to_pylist() for c in FIGURES))
     return sum(Load(*row).beyond(fitted) for row in rows)
 
 
@@ -166,7 +170,7 @@ def load_record(windows: pa.Table, fitted: Load | None, window_s: float = WINDOW
 def describe_load(record: Mapping[str, Any]) -> tuple[str, bool]:
     """A manifest's ``load`` record in words, and whether the run went beyond its calibration's fitted load."""
     minute = "minute" if record.get("window_s") == 60.0 else f"{record.get('window_s')} s window"
-    line = (f"load: busiest {minute} {_pct(record['batch_share'])} of max_num_seqs decoding{_seqs(record)}, "
+    line = (f"load: busiest {minute} {_pct(record['batch_share'])} of max_num_seqs decoding{sequences(record.get('batch_seqs'))}, "
             f"{_pct(record['kv_share'])} of the KV pool in use")
     fitted = record.get("fitted")
     beyond = int(record.get("windows_beyond_fitted") or 0)
@@ -182,11 +186,11 @@ def _pct(share: float) -> str:
     return f"{100 * share:.0f}%"
 
 
-def _seqs(record: Mapping[str, Any]) -> str:
-    """`` (N sequences)`` where ``record`` has the batch in sequences (older manifests and calibrations do not)."""
-    seqs = record.get("batch_seqs")
-    return f" ({seqs:,.0f} sequences)" if isinstance(seqs, (int, float)) and seqs > 0 else ""
+def sequences(batch_seqs: object) -> str:
+    """`` (N sequences)`` for a recorded batch in sequences; nothing where none is recorded (older manifests and
+    calibrations)."""
+    return f" ({batch_seqs:,.0f} sequences)" if isinstance(batch_seqs, (int, float)) and batch_seqs > 0 else ""
 
 
-__all__ = ["MARGIN", "SEQS_MARGIN", "STEP_COLUMNS", "WINDOW_S", "describe_load", "Load", "StepLoadMeter", "load_record",
-           "peak_of", "windows_beyond"]
+__all__ = ["FIGURES", "MARGIN", "SEQS_MARGIN", "STEP_COLUMNS", "WINDOW_S", "describe_load", "Load", "StepLoadMeter",
+           "load_record", "peak_of", "sequences", "windows_beyond"]

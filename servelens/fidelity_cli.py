@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from replay.calibration import Calibration, default_calibration, write_calibration
+from replay.load import sequences
 from servelens.click_types import refuse_overwriting
 from servelens.config import Config, shared_dir
 from servelens.engine_options import ENGINE_HELP, choose_calibration, engine_instance, vllm_options
@@ -212,8 +213,8 @@ def calibrate_command(ctx: click.Context, source: str, data: Path | None, ids: s
         click.echo("held-out median absolute error: " + ", ".join(f"{k} {v:.1f}%" for k, v in calibration.held_out_error_pct))
     if calibration.fitted_load is not None:
         load = calibration.fitted_load
-        seqs = f" ({load.batch_seqs:,.0f} sequences)" if load.batch_seqs else ""
-        click.echo(f"fitted load: its runs' busiest minute {load.batch_share:.0%} of max_num_seqs decoding{seqs}, "
+        click.echo(f"fitted load: its runs' busiest minute {load.batch_share:.0%} of max_num_seqs decoding"
+                   f"{sequences(load.batch_seqs)}, "
                    f"{load.kv_share:.0%} of the KV pool in use (replays beyond it are flagged as extrapolations)")
     click.echo(f"written: {path}  (use: servelens replay --calibration {path} ...)")
 
