@@ -29,6 +29,7 @@ from replay.costmodel import RooflineConfig
 from replay.load import Load
 from schemas.types import doc
 from servelens.errors import ConfigError
+from servelens.settings import read_document
 
 CALIBRATION_VERSION = 1
 CALIBRATIONS_DIR = Path(__file__).resolve().parent / "calibrations"
@@ -119,11 +120,7 @@ def load_calibration(name_or_path: str | Path) -> Calibration:
     if not path.is_file():
         raise ConfigError(f"no calibration {str(name_or_path)!r}",
                           f"shipped: {', '.join(shipped) or 'none'}; or the path of a file from `servelens calibrate`")
-    try:
-        doc_ = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
-    return calibration_from_json(doc_, str(path))
+    return calibration_from_json(read_document(path, "calibration", "write one with `servelens calibrate`"), str(path))
 
 
 def write_calibration(calibration: Calibration, path: Path) -> Path:

@@ -36,6 +36,7 @@ from typing import Any
 
 from replay.config import MODELS, EngineConfig, InstanceConfig, ModelConfig, SpeculativeConfig, accelerator
 from servelens.errors import ConfigError
+from servelens.settings import read_document
 
 #: The fidelity data's model table, relative to the shared data folder.
 MODELS_CSV = Path("fidelity") / "models.csv"
@@ -139,10 +140,7 @@ def read_hf_config(path: str | Path, name: str | None = None) -> ModelConfig:
 
 def _read_json(file: Path, hint: str | None = None) -> Any:
     """``file``'s JSON, or an error naming the file and the fault."""
-    try:
-        return json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{file}: not valid JSON ({exc})", hint) from None
+    return read_document(file, "model configuration", hint)
 
 
 def generation_penalties(folder: str | Path) -> bool:

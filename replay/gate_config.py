@@ -24,7 +24,7 @@ from replay.compare import metric_names
 from replay.metrics import ClassObjectives, CostConfig, MetricsConfig, TenantWeight
 from schemas.types import doc
 from servelens.errors import ConfigError
-from servelens.settings import build
+from servelens.settings import build, read_document
 
 CONFIG_VERSION = 2
 EACH_CLASS = "*"  # a condition's service_class that judges every class on its own
@@ -306,15 +306,7 @@ def load_config(path: str | Path | None) -> GateConfig:
     (``conditions: []`` judges none)."""
     if path is None:
         return default_config()
-    import yaml
-
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"gate configuration {path} does not exist",
-                          "write one with `servelens gate --write-default-config gate.yaml`") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"gate configuration {path} is not valid YAML: {exc}") from None
+    data = read_document(path, "gate configuration", "write one with `servelens gate --write-default-config gate.yaml`") or {}
     if not isinstance(data, dict):
         raise ConfigError(f"gate configuration {path} must be a mapping of settings")
     config = build(GateConfig, _renamed_keys(data, path))

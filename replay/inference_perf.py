@@ -42,6 +42,7 @@ import pyarrow as pa
 
 from replay.errors import ReplayError
 from replay.traces import WORKLOAD_SCHEMA, check_workload_size
+from servelens.settings import read_document
 
 Arrivals = Literal["poisson", "constant"]
 #: Tokens a chat template adds to every prompt (Llama chat template with a system and a user turn,
@@ -121,13 +122,8 @@ class InferencePerfSpec:
 
 def read_inference_perf(path: str | Path) -> InferencePerfSpec:
     """Read an inference-perf config (YAML); an unknown or missing key is an error that names it."""
-    import yaml
-
     path = Path(path)
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ReplayError(f"{path}: not valid YAML: {exc}") from None
+    doc = read_document(path, "inference-perf config")
     if not isinstance(doc, dict) or not isinstance(doc.get("load"), dict) or not isinstance(doc.get("data"), dict):
         raise ReplayError(f"{path}: not an inference-perf config", "it needs a `load:` with stages and a `data:` section")
     return parse_inference_perf(doc, name=str(doc.get("profile") or path.stem), where=str(path))

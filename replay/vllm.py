@@ -21,6 +21,7 @@ from replay.catalog import generation_penalties, parse_engine_spec, resolve_inst
 from replay.config import GIB, AcceleratorConfig, EngineConfig, InstanceConfig, accelerator
 from schemas.types import doc
 from servelens.errors import ConfigError
+from servelens.settings import read_document
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -140,13 +141,8 @@ def _flag(name: str) -> str:
 def read_vllm_settings(path: str | Path) -> tuple[VllmSettings, str | None]:
     """(settings, engine spec) of an engine YAML file: ``vllm serve`` keys with dashes or underscores, and
     optionally ``engine: MODEL@ACCELERATOR[xTP]`` (or ``model`` and ``accelerator``)."""
-    import yaml
-
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    data = read_document(path, "engine file") or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: an engine file is a mapping of vllm serve settings")
     data = {str(k).replace("-", "_"): v for k, v in data.items()}

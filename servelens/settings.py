@@ -2,7 +2,8 @@
 
 ``build`` makes a frozen dataclass from a mapping (TOML, YAML, the environment), checking types and
 refusing unknown keys with the valid ones listed; ``read_settings`` reads the raw tree from a TOML file
-(``--config`` or ``$SERVELENS_CONFIG``) and environment variables named ``SERVELENS_<SECTION>__<FIELD>``.
+(``--config`` or ``$SERVELENS_CONFIG``) and environment variables named ``SERVELENS_<SECTION>__<FIELD>``;
+``read_document`` reads any YAML or JSON file a user hands over, every fault an error naming the file.
 The tree itself (``servelens.config.Config``) sits at the top, beside the CLI; the packages below build
 their own sections with ``build`` and never import it.
 """
@@ -10,6 +11,7 @@ their own sections with ``build`` and never import it.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import tomllib
@@ -17,6 +19,8 @@ import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from servelens.errors import ConfigError
 
@@ -160,9 +164,48 @@ def read_settings(path: str | Path | None = None, env: Mapping[str, str] | None 
             data = tomllib.loads(Path(path).read_text())
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist", "pass an existing TOML file or unset SERVELENS_CONFIG") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {_fault(exc)}") from None
     data = _merge(data, _env_overrides(env))
     if "SERVELENS_SHARED_DIR" in env:  # the short, documented spelling
         data = _merge(data, {"paths": {"shared_dir": env["SERVELENS_SHARED_DIR"]}})
     return data
+
+
+def read_document(path: str | Path, what: str, hint: str | None = None) -> Any:
+    """The content of the YAML (or, named ``*.json``, JSON) file ``path``; a ``ConfigError`` naming ``what`` and
+    the file when it is missing, a folder, not UTF-8 text, not valid YAML or JSON, nested too deeply to read,
+    or (YAML) a mapping that gives a key twice. An empty YAML file is ``None``."""
+    path = Path(path)
+    kind = "JSON" if path.suffix.lower() == ".json" else "YAML"
+    try:
+        text = path.read_text()
+        return json.loads(text) if kind == "JSON" else yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {path} does not exist", hint) from None
+    except IsADirectoryError:
+        raise ConfigError(f"{what} {path} is a folder, not a file", hint) from None
+    except (json.JSONDecodeError, yaml.YAMLError, UnicodeDecodeError, RecursionError) as exc:
+        raise ConfigError(f"{what} {path} is not valid {kind}: {_fault(exc)}", hint) from None
+
+
+def _fault(exc: Exception) -> str:
+    if isinstance(exc, UnicodeDecodeError):
+        return f"not UTF-8 text (byte {exc.start})"
+    if isinstance(exc, RecursionError):
+        return "nested too deeply to read"
+    return str(exc)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML has no type hints here
+    """PyYAML's safe loader, refusing a mapping that gives a key twice (the last would silently win)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice", key_node.start_mark)
+            seen.add(key)
+        mapping: dict[Any, Any] = super().construct_mapping(node, deep=deep)
+        return mapping

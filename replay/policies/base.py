@@ -46,7 +46,7 @@ from typing import ClassVar, Literal
 from replay.errors import ReplayError, unknown_name
 from replay.views import EngineView, RequestView
 from schemas.types import doc
-from servelens.settings import build
+from servelens.settings import build, read_document
 
 AdmissionKind = Literal["accept", "queue", "degrade", "route", "downgrade", "reject"]
 
@@ -198,14 +198,7 @@ def load_policy_config(name: str, path: str | Path) -> object:
 def read_settings(kind: str, path: str | Path, config_type: type) -> dict:
     """The YAML (or JSON) mapping of a ``kind`` (policy, router, autoscaler) configuration file, with
     a clear error for a missing file, invalid YAML or anything but a mapping."""
-    import yaml
-
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except FileNotFoundError:
-        raise ReplayError(f"{kind} configuration {path} does not exist") from None
-    except yaml.YAMLError as exc:
-        raise ReplayError(f"{kind} configuration {path} is not valid YAML: {exc}") from None
+    data = read_document(path, f"{kind} configuration") or {}
     if not isinstance(data, dict):
         raise ReplayError(f"{kind} configuration {path} must be a mapping of {config_type.__name__} settings")
     return data

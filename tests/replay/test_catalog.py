@@ -177,7 +177,7 @@ def test_a_repetition_penalty_in_generation_config_json_marks_the_model_s_reques
     with pytest.raises(ConfigError, match="repetition_penalty must be a number above 0, not 'high'"):
         read_hf_config(folder)
     (folder / "generation_config.json").write_text("{")
-    with pytest.raises(ConfigError, match="generation_config.json: not valid JSON"):
+    with pytest.raises(ConfigError, match="generation_config.json is not valid JSON"):
         read_hf_config(folder)
 
 
