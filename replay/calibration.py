@@ -28,8 +28,8 @@ from replay.config import FrontendConfig, InstanceConfig
 from replay.costmodel import RooflineConfig
 from replay.load import Load
 from schemas.types import doc
-from servelens.errors import ConfigError
-from servelens.settings import read_document
+from servelens.errors import ConfigError, ServelensError
+from servelens.settings import build, coerce, read_document
 
 CALIBRATION_VERSION = 1
 CALIBRATIONS_DIR = Path(__file__).resolve().parent / "calibrations"
@@ -91,21 +91,60 @@ def calibration_from_json(doc_: dict[str, Any], where: str = "calibration") -> C
                           "write one with `servelens calibrate`")
     try:
         return Calibration(
-            name=str(doc_["name"]),
-            engine=str(doc_["engine"]),
-            accelerators=tuple(doc_.get("accelerators", ())),
-            roofline=RooflineConfig(**doc_["roofline"]),
-            frontend=FrontendConfig(**doc_["frontend"]),
-            async_scheduling=bool(doc_.get("engine_defaults", {}).get("async_scheduling", True)),
-            method=str(doc_.get("method", "")),
-            fitted_on=tuple(doc_.get("fitted_on", ())),
-            held_out_error_pct=tuple((k, float(v)) for k, v in doc_.get("held_out_error_pct", {}).items()),
-            in_sample_error_pct=tuple((k, float(v)) for k, v in doc_.get("in_sample_error_pct", {}).items()),
-            notes=tuple(doc_.get("notes", ())),
+            name=_text(doc_, "name"),
+            engine=_text(doc_, "engine"),
+            accelerators=_texts(doc_, "accelerators"),
+            roofline=build(RooflineConfig, _section(doc_, "roofline"), "roofline."),
+            frontend=build(FrontendConfig, _section(doc_, "frontend"), "frontend."),
+            async_scheduling=build(_EngineDefaults, _section(doc_, "engine_defaults", {}), "engine_defaults.").async_scheduling,
+            method=_text(doc_, "method", ""),
+            fitted_on=_texts(doc_, "fitted_on"),
+            held_out_error_pct=_percents(doc_, "held_out_error_pct"),
+            in_sample_error_pct=_percents(doc_, "in_sample_error_pct"),
+            notes=_texts(doc_, "notes"),
             fitted_load=Load.of_json(doc_["fitted_load"]) if "fitted_load" in doc_ else None,
         )
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise ConfigError(f"{where}: malformed calibration ({type(exc).__name__}: {exc})", "write one with `servelens calibrate`") from None
+    except ServelensError as exc:  # a key of the wrong type, a value out of its bounds: named, with the file
+        raise ConfigError(f"{where}: {exc.message}", exc.hint or _REWRITE) from None
+
+
+_REWRITE = "write one with `servelens calibrate` (the shipped ones: replay/calibrations/)"
+
+
+@dataclass(frozen=True, slots=True)
+class _EngineDefaults:
+    async_scheduling: bool = True
+
+
+def _section(doc_: dict[str, Any], key: str, default: dict[str, Any] | None = None) -> dict[str, Any]:
+    value = doc_.get(key, default)
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key} must be a mapping" + ("" if key in doc_ else " and is missing"))
+    return value
+
+
+def _text(doc_: dict[str, Any], key: str, default: str | None = None) -> str:
+    value = doc_.get(key, default)
+    if not isinstance(value, str):
+        raise ConfigError(f"{key} must be text, not {value!r}" if key in doc_ else f"{key} is missing")
+    return value
+
+
+def _texts(doc_: dict[str, Any], key: str) -> tuple[str, ...]:
+    value = doc_.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{key} must be a list of names, not {value!r}")
+    return tuple(value)
+
+
+def _percents(doc_: dict[str, Any], key: str) -> tuple[tuple[str, float], ...]:
+    """A metric -> median absolute error mapping: each a finite percentage >= 0."""
+    value = _section(doc_, key, {})
+    out = tuple((str(k), coerce(v, float, f"{key}.{k}")) for k, v in value.items())
+    bad = next(((k, v) for k, v in out if v < 0), None)
+    if bad:
+        raise ConfigError(f"{key}.{bad[0]} is an absolute error, so at least 0, not {bad[1]}")
+    return out
 
 
 def shipped_calibrations() -> dict[str, Path]:

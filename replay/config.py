@@ -37,15 +37,15 @@ PreemptionMode = Literal["recompute", "swap"]
 def _positive(obj: object, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
-        if not value > 0:
-            raise ReplayError(f"{type(obj).__name__}.{name} must be positive, not {value!r}")
+        if not 0 < value < math.inf:
+            raise ReplayError(f"{type(obj).__name__}.{name} must be positive and finite, not {value!r}")
 
 
 def _non_negative(obj: object, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
-        if not value >= 0:
-            raise ReplayError(f"{type(obj).__name__}.{name} must be >= 0, not {value!r}")
+        if not 0 <= value < math.inf:
+            raise ReplayError(f"{type(obj).__name__}.{name} must be >= 0 and finite, not {value!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -294,6 +294,10 @@ def standard_exponential(key: str) -> float:
     return -math.log((int.from_bytes(digest, "big") + 1) / 2**64)
 
 
+#: The most any one frontend term may be, s (a minute: the fitted ones are microseconds to milliseconds).
+MAX_FRONTEND_S = 60.0
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FrontendConfig:
     """Time outside the engine step that client-side latencies include (the API server and the network).
@@ -321,6 +325,10 @@ class FrontendConfig:
 
     def __post_init__(self) -> None:
         _non_negative(self, *(f.name for f in dataclasses.fields(self)))
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) > MAX_FRONTEND_S:
+                raise ReplayError(f"FrontendConfig.{f.name} must be at most {MAX_FRONTEND_S:g} s, not {getattr(self, f.name)}",
+                                  "no API server's time per request or per token comes near a minute")
 
     def in_delay_ns(self, num_prompt_tokens: int, request_id: str = "") -> int:
         """From the client's send to the engine's scheduler: the overhead, the prompt's tokenization and the

@@ -309,6 +309,11 @@ class ConstantCostModel(CostModelBase):
 # ------------------------------------------------------------------------------------------ roofline
 
 
+#: The largest fixed cost a step, layer, sequence or all-reduce may add, ns: a second, far beyond any engine's (the
+#: fitted ones are microseconds to milliseconds, docs/calibration.md); also what keeps a step's ticks an integer.
+MAX_OVERHEAD_NS = 1_000_000_000
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RooflineConfig:
     """Efficiency factors and fixed costs of the roofline model (a calibration fits them: replay.calibration)."""
@@ -351,8 +356,9 @@ class RooflineConfig:
         for name in ("step_overhead_ns", "layer_overhead_ns", "seq_overhead_ns", "penalty_overhead_ns",
                      "allreduce_latency_ns"):
             value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ReplayError(f"RooflineConfig.{name} must be >= 0, not {value}")
+            if value is not None and not 0 <= value <= MAX_OVERHEAD_NS:
+                raise ReplayError(f"RooflineConfig.{name} must be in [0, {MAX_OVERHEAD_NS:,}] ns, not {value}",
+                                  None if value < 0 else "a fixed cost of a second or more per step is no engine's")
 
 
 class UnitCosts:

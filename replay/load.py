@@ -20,6 +20,7 @@ lake's, where an engine emits its steps).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
+from servelens.errors import ConfigError
+from servelens.settings import build
 
 #: The window over which a run's load is averaged (a minute: a burst, not a single step).
 WINDOW_S = 60.0
@@ -60,7 +64,15 @@ class Load:
 
     @classmethod
     def of_json(cls, doc: Mapping[str, float]) -> Load:
-        return cls(float(doc["batch_share"]), float(doc["kv_share"]), float(doc.get("batch_seqs", 0.0)))
+        """A load from its JSON form: each share a number in [0, 1], the batch a number >= 0 (else an error naming
+        the key)."""
+        if not isinstance(doc, Mapping):
+            raise ConfigError("fitted_load must be a mapping of batch_share, kv_share and batch_seqs")
+        load: Load = build(cls, doc, "fitted_load.")
+        for name, top in (("batch_share", 1.0), ("kv_share", 1.0), ("batch_seqs", math.inf)):
+            if not 0 <= getattr(load, name) <= top:
+                raise ConfigError(f"fitted_load.{name} must be in [0, {top:g}], not {getattr(load, name)}")
+        return load
 
     @staticmethod
     def peak(loads: list[Load]) -> Load:

@@ -27,7 +27,7 @@ from servelens.errors import ConfigError
 ENV_PREFIX = "SERVELENS_"
 
 
-def _coerce(value: Any, annotation: Any, key: str) -> Any:
+def coerce(value: Any, annotation: Any, key: str) -> Any:
     """Check (and, for strings from the environment, convert) one leaf value."""
     args = typing.get_args(annotation)
     nullable = type(None) in args
@@ -115,7 +115,7 @@ def build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
                 raise ConfigError(f"config key {prefix}{name} must be a list of tables of settings")
             kwargs[name] = tuple(build(item, v, f"{prefix}{name}[{i}].") for i, v in enumerate(value))
         else:
-            kwargs[name] = _coerce(value, annotation, f"{prefix}{name}")
+            kwargs[name] = coerce(value, annotation, f"{prefix}{name}")
     missing = [f.name for f in fields.values() if f.name not in kwargs and f.default is dataclasses.MISSING
                and f.default_factory is dataclasses.MISSING]
     if missing:

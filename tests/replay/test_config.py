@@ -12,6 +12,7 @@ from replay.config import (
     MODELS,
     AcceleratorConfig,
     EngineConfig,
+    FrontendConfig,
     InstanceConfig,
     ModelConfig,
     instance_config,
@@ -90,3 +91,15 @@ def test_configs_are_frozen_and_slotted():
         e.max_num_seqs = 3  # type: ignore[misc]
     assert not hasattr(e, "__dict__")
     assert [s.name for s in field_specs(EngineConfig)][:2] == ["max_num_batched_tokens", "max_num_seqs"]
+
+
+def test_settings_that_are_infinite_or_beyond_any_engine_are_refused():
+    """Infinities passed the positive and non-negative checks and then crashed a replay converting them to integer
+    nanoseconds (an internal OverflowError)."""
+    with pytest.raises(ReplayError, match="swap_bandwidth_bytes_per_s must be positive and finite, not inf"):
+        EngineConfig(swap_bandwidth_bytes_per_s=float("inf"))
+    with pytest.raises(ReplayError, match="request_jitter_s must be >= 0 and finite, not inf"):
+        FrontendConfig(request_jitter_s=float("inf"))
+    with pytest.raises(ReplayError, match="request_overhead_s must be at most 60 s, not 1e\\+30"):
+        FrontendConfig(request_overhead_s=1e30)
+    assert FrontendConfig(request_overhead_s=60.0).request_overhead_s == 60.0

@@ -141,5 +141,5 @@ def test_the_penalty_pass_costs_its_term_in_every_step_where_requests_carry_pena
         assert penalized.step_time_ns(shape) - plain.step_time_ns(shape) == 300_000
     assert penalized.decode_run(16, 16_000, 50, None).duration_ns - plain.decode_run(16, 16_000, 50, None).duration_ns \
         == 50 * 300_000
-    with pytest.raises(ReplayError, match="penalty_overhead_ns must be >= 0"):
+    with pytest.raises(ReplayError, match=r"penalty_overhead_ns must be in \[0, 1,000,000,000\] ns, not -1"):
         RooflineConfig(penalty_overhead_ns=-1)

@@ -24,6 +24,7 @@ from replay.fit import ENGINE_PARAMETERS, PENALTY_PARAMETER, Simulator, Target, 
 from replay.run import run_replay
 from replay.stepfit import fit_steps, step_shapes
 from replay.traces import read_trace
+from servelens.errors import ConfigError
 
 TRUTH = RooflineConfig(compute_efficiency=0.55, memory_efficiency=0.82, kv_memory_efficiency=0.45,
                        step_overhead_ns=900_000, seq_overhead_ns=12_000, allreduce_latency_ns=9_000)
@@ -177,8 +178,49 @@ def test_a_calibration_round_trips_and_applies(tmp_path):
     with pytest.raises(Exception, match="not a calibration of version"):
         calibration_from_json([1, 2])  # type: ignore[arg-type]  # a JSON file whose top level is a list
     broken = {**cal.as_json(), "engine_defaults": [True]}
-    with pytest.raises(Exception, match="malformed calibration .AttributeError"):
+    with pytest.raises(Exception, match="engine_defaults must be a mapping"):
         calibration_from_json(broken)
+
+
+def _shipped_with(path: str, value) -> dict:
+    """The shipped calibration's JSON with the key at ``path`` (dotted) set to ``value``."""
+    from replay.calibration import CALIBRATIONS_DIR
+
+    doc = json.loads(sorted(CALIBRATIONS_DIR.glob("*.json"))[-1].read_text())
+    *parents, key = path.split(".")
+    node = doc
+    for parent in parents:
+        node = node[parent]
+    node[key] = value
+    return doc
+
+
+@pytest.mark.parametrize(("path", "value", "message"), [
+    ("roofline.step_overhead_ns", float("nan"), "roofline.step_overhead_ns must be a finite number, not nan"),
+    ("roofline.step_overhead_ns", 1e30, r"step_overhead_ns must be in \[0, 1,000,000,000\] ns"),
+    ("roofline.memory_efficiency", True, "roofline.memory_efficiency has value True \\(bool\\); expected float"),
+    ("roofline.memory_efficiency", 5, r"memory_efficiency must be in \(0, 1\]"),
+    ("frontend.request_jitter_s", float("inf"), "frontend.request_jitter_s must be a finite number, not inf"),
+    ("frontend.request_overhead_s", 3600.0, "request_overhead_s must be at most 60 s"),
+    ("accelerators", "h100-sxm", "accelerators must be a list of names, not 'h100-sxm'"),
+    ("name", None, "name must be text, not None"),
+    ("engine_defaults.async_scheduling", 2, "engine_defaults.async_scheduling has value 2"),
+    ("held_out_error_pct.e2e_mean", float("nan"), "held_out_error_pct.e2e_mean must be a finite number"),
+    ("held_out_error_pct.itl_mean", -5, "held_out_error_pct.itl_mean is an absolute error, so at least 0, not -5"),
+    ("fitted_load.kv_share", 1.5, r"fitted_load.kv_share must be in \[0, 1\], not 1.5"),
+    ("fitted_load", [0.5], "fitted_load must be a mapping"),
+    ("notes", "x", "notes must be a list of names"),
+])
+def test_a_calibration_file_of_the_wrong_types_or_out_of_bounds_is_refused_naming_the_key(tmp_path, path, value, message):
+    """Each fault of a hand-edited calibration is an error naming the file and the key (before: NaN or 1e30 crashed
+    the replay as an internal error, a string list of accelerators was read letter by letter, a NaN held-out error
+    was printed as the model's error)."""
+    file = tmp_path / "cal.json"
+    file.write_text(json.dumps(_shipped_with(path, value)))
+    with pytest.raises(ConfigError, match=f"^{file}: .*{message}"):
+        load_calibration(file)
+    file.write_text(json.dumps(_shipped_with("name", "unchanged")))
+    assert load_calibration(file).name == "unchanged"  # the shipped values themselves pass
 
 
 def test_the_shipped_calibration_is_bounded_and_says_its_held_out_error():

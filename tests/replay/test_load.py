@@ -109,7 +109,7 @@ def test_a_calibration_keeps_its_fitted_load_and_the_shipped_one_holds_its_fitte
     assert load_calibration(write_calibration(older, tmp_path / "old.json")).fitted_load is None
     doc = cal.as_json()
     doc["fitted_load"] = {"batch_share": "most"}
-    with pytest.raises(ConfigError, match="malformed calibration"):
+    with pytest.raises(ConfigError, match="fitted_load.batch_share has value 'most'"):
         calibration_from_json(doc)
     shipped = default_calibration()
     assert shipped is not None and shipped.fitted_load is not None
