@@ -52,7 +52,11 @@ _REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "interme
 
 def model_from_hf_config(config: dict[str, Any], name: str, *, where: str = "config.json") -> ModelConfig:
     """A ``ModelConfig`` from a Hugging Face ``config.json`` mapping (see the module docstring)."""
-    cfg = {**config, **config["text_config"]} if isinstance(config.get("text_config"), dict) else dict(config)
+    text_config = config.get("text_config")
+    if text_config is not None and not isinstance(text_config, dict):
+        raise ConfigError(f"{where}: field 'text_config' must be an object (a multimodal model's language model), "
+                          f"not {type(text_config).__name__}", "fix that value, or remove it for a text-only model")
+    cfg = {**config, **text_config} if text_config else dict(config)
     missing = [k for k in _REQUIRED if cfg.get(k) is None]
     if missing:
         raise ConfigError(
@@ -64,16 +68,21 @@ def model_from_hf_config(config: dict[str, Any], name: str, *, where: str = "con
     layers, hidden, heads = count("num_hidden_layers"), count("hidden_size"), count("num_attention_heads")
     model_type = str(cfg.get("model_type", ""))
     experts = next((count(k) for k in _EXPERT_KEYS if cfg.get(k)), 0)
+    kv_heads = count("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise ConfigError(f"{where}: field 'num_key_value_heads' ({kv_heads}) must divide 'num_attention_heads' "
+                          f"({heads}): every KV head serves the same number of query heads, as vLLM requires",
+                          "fix that value (a Hugging Face model's own config.json has it right)")
     fields: dict[str, Any] = dict(
         name=name,
         num_layers=layers,
         hidden_size=hidden,
         num_attention_heads=heads,
-        num_kv_heads=count("num_key_value_heads", heads),
+        num_kv_heads=kv_heads,
         head_dim=count("head_dim", hidden // heads),
         intermediate_size=count("intermediate_size"),
         vocab_size=count("vocab_size"),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=_flag(cfg, where, "tie_word_embeddings"),
     )
     if experts:
         fields.update(_moe_fields(cfg, model_type, experts, layers, where))
@@ -84,12 +93,18 @@ def model_from_hf_config(config: dict[str, Any], name: str, *, where: str = "con
 
 def _moe_fields(cfg: dict[str, Any], model_type: str, experts: int, layers: int, where: str) -> dict[str, Any]:
     count = functools.partial(_count, cfg, where)
-    out: dict[str, Any] = {"num_experts": experts, "experts_per_token": count("num_experts_per_tok", 1)}
+    if cfg.get("num_experts_per_tok") is None:
+        raise ConfigError(f"{where}: missing field 'num_experts_per_tok' (the experts each token is routed to)",
+                          "a mixture of experts' config.json gives it beside the number of experts")
+    out: dict[str, Any] = {"num_experts": experts, "experts_per_token": count("num_experts_per_tok")}
+    if out["experts_per_token"] > experts:
+        raise ConfigError(f"{where}: field 'num_experts_per_tok' ({out['experts_per_token']}) is more than the "
+                          f"model's experts ({experts})", "fix that value (a Hugging Face model's own config.json has it right)")
     if model_type.startswith("llama4"):  # routed and shared experts of intermediate_size; dense MLPs are wider
         out.update(num_shared_experts=1, moe_intermediate_size=count("intermediate_size"))
         if cfg.get("intermediate_size_mlp"):
             out["intermediate_size"] = count("intermediate_size_mlp")
-        out["num_moe_layers"] = layers // count("interleave_moe_layer_step", 1)
+        out["num_moe_layers"] = layers // _within_layers(cfg, where, "interleave_moe_layer_step", layers, 1)
         return out
     if cfg.get("moe_intermediate_size"):
         out["moe_intermediate_size"] = count("moe_intermediate_size")
@@ -98,14 +113,32 @@ def _moe_fields(cfg: dict[str, Any], model_type: str, experts: int, layers: int,
     elif cfg.get("shared_expert_intermediate_size"):
         out.update(num_shared_experts=1, shared_expert_intermediate_size=count("shared_expert_intermediate_size"))
     if cfg.get("first_k_dense_replace"):
-        out["num_moe_layers"] = layers - count("first_k_dense_replace")
+        out["num_moe_layers"] = layers - _within_layers(cfg, where, "first_k_dense_replace", layers - 1)
     return out
 
 
+def _within_layers(cfg: dict[str, Any], where: str, key: str, most: int, default: Any = None) -> int:
+    """A layer count or step of ``cfg`` that leaves the model at least one MoE layer: at most ``most``."""
+    value = _count(cfg, where, key, default)
+    if value > most:
+        raise ConfigError(f"{where}: field {key!r} ({value}) leaves no mixture-of-experts layer in "
+                          f"{cfg['num_hidden_layers']} layers", "fix that value, or remove the experts for a dense model")
+    return value
+
+
+def _flag(cfg: dict[str, Any], where: str, key: str) -> bool:
+    """``cfg[key]`` as a JSON boolean (absent or null: false), else an error naming it."""
+    value = cfg.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError(f"{where}: field {key!r} must be true or false, not {value!r}",
+                          "fix that value (a Hugging Face model's own config.json has it right)")
+    return bool(value)
+
+
 def _count(cfg: dict[str, Any], where: str, key: str, default: Any = None) -> int:
-    """``cfg[key]`` (``default`` when absent, null or 0) as a positive whole number, else an error naming it."""
+    """``cfg[key]`` (``default`` when absent or null) as a positive whole number, else an error naming it."""
     raw = cfg.get(key)
-    value = raw or default
+    value = default if raw is None else raw
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value <= 2**53 or value != int(value):
         raise ConfigError(
             f"{where}: field {key!r} must be a positive whole number, not {raw if raw is not None else value!r}",
@@ -115,7 +148,7 @@ def _count(cfg: dict[str, Any], where: str, key: str, default: Any = None) -> in
 
 
 def _is_fp8(config: dict[str, Any]) -> bool:
-    q = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    q = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")  # checked: a dict
     if not isinstance(q, dict):
         return False
     if q.get("quant_method") == "fp8":
@@ -196,7 +229,7 @@ def find_model(name: str, shared: Path | None = None) -> ModelConfig:
     if name in MODELS:
         return MODELS[name]
     p = Path(name)
-    if p.suffix == ".json" or p.is_dir() or p.is_file():
+    if p.suffix == ".json" or _is_path(p):
         return read_hf_config(p)
     known = fidelity_models(shared)
     key = name.lower()
@@ -205,10 +238,18 @@ def find_model(name: str, shared: Path | None = None) -> ModelConfig:
             return model
     names = sorted(MODELS) + sorted(known)
     raise ConfigError(
-        f"unknown model {name!r}",
+        f"unknown model {name if len(name) <= 120 else name[:100] + f'... ({len(name):,} characters)'!r}",
         f"known models: {', '.join(names)}; or give the path of a Hugging Face config.json"
         + ("" if known else " (the fidelity model table was not found: set the shared data folder)"),
     )
+
+
+def _is_path(p: Path) -> bool:
+    """Whether ``p`` names a file or folder here (a name too long for a path, or otherwise unusable, does not)."""
+    try:
+        return p.is_dir() or p.is_file()
+    except OSError:
+        return False
 
 
 def parse_engine_spec(spec: str) -> tuple[str, str, int]:

@@ -82,6 +82,30 @@ def test_a_config_json_field_that_is_not_a_positive_whole_number_is_named(field,
     assert model_from_hf_config({**LLAMA_31_8B, "hidden_size": 4096.0}, "m").hidden_size == 4096  # 4096.0 is whole
 
 
+@pytest.mark.parametrize(("config", "message"), [
+    ({**LLAMA_31_8B, "num_key_value_heads": 5}, "field 'num_key_value_heads' \\(5\\) must divide 'num_attention_heads' \\(32\\)"),
+    ({**LLAMA_31_8B, "num_key_value_heads": 64}, "field 'num_key_value_heads' \\(64\\) must divide"),
+    ({**LLAMA_31_8B, "num_key_value_heads": 0}, "field 'num_key_value_heads' must be a positive whole number, not 0"),
+    ({**LLAMA_31_8B, "tie_word_embeddings": "false"}, "field 'tie_word_embeddings' must be true or false, not 'false'"),
+    ({**LLAMA_31_8B, "text_config": "x"}, "field 'text_config' must be an object"),
+    ({**LLAMA_31_8B, "text_config": [1]}, "field 'text_config' must be an object"),
+    ({k: v for k, v in MIXTRAL_8X7B.items() if k != "num_experts_per_tok"}, "missing field 'num_experts_per_tok'"),
+    ({**MIXTRAL_8X7B, "num_experts_per_tok": 9}, "field 'num_experts_per_tok' \\(9\\) is more than the model's experts \\(8\\)"),
+    ({**MIXTRAL_8X7B, "first_k_dense_replace": 64}, "field 'first_k_dense_replace' \\(64\\) leaves no mixture-of-experts layer"),
+    ({**MIXTRAL_8X7B, "model_type": "llama4_text", "interleave_moe_layer_step": 64},
+     "field 'interleave_moe_layer_step' \\(64\\) leaves no mixture-of-experts layer in 32 layers"),
+])
+def test_a_config_json_vllm_could_not_serve_is_refused_naming_the_field(tmp_path, config, message):
+    """Before, each of these was replayed: KV heads that do not divide the query heads (vLLM refuses them), 0 KV
+    heads read as one per query head, the text "false" read as true, an expert count per token defaulted to 1,
+    and more dense layers than layers gave a negative weight count (an ITL of 0.9 ms on an 8B shape)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=f"^{path}: {message}") as err:
+        read_hf_config(path)
+    assert err.value.hint
+
+
 def test_a_tensor_parallel_size_that_does_not_divide_the_heads_is_refused_as_vllm_does():
     with pytest.raises(ConfigError, match="32 attention heads, which a tensor-parallel size of 3 does not divide") as err:
         resolve_instance("llama-3-8b@h100", tensor_parallel_size=3)
@@ -189,3 +213,9 @@ def test_the_fidelity_models_penalized_are_those_whose_checkpoints_publish_a_pen
     off = resolve_instance("Qwen/Qwen2.5-7B-Instruct@h100", EngineConfig(sampling_penalties=False), shared)
     assert not off.sampling_penalties  # the engine's setting wins (--generation-config vllm)
     assert resolve_instance("llama-3-8b@h100", EngineConfig(sampling_penalties=True)).sampling_penalties
+
+
+def test_a_name_too_long_for_a_path_is_an_unknown_model_shortened():
+    with pytest.raises(ConfigError) as err:
+        find_model("a" * 100_000)
+    assert err.value.message == f"unknown model '{'a' * 100}... (100,000 characters)'"
