@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -198,7 +199,27 @@ def calibration_record(calibration: Calibration, instance: InstanceConfig) -> di
         "fitted_on_accelerators": list(calibration.accelerators),
         "extrapolated": bool(calibration.accelerators) and instance.accelerator.name not in calibration.accelerators,
         "held_out_error_pct": dict(calibration.held_out_error_pct),
+        **({"other_engine": note} if (note := other_engine(calibration)) else {}),
     }
+
+
+#: The first vLLM release whose default engine is v1, the scheduler the replay models (replay/engine.py).
+VLLM_V1_DEFAULT = (0, 8)
+
+
+def other_engine(calibration: Calibration) -> str | None:
+    """Why the calibration's terms may not hold for the replay's engine (vLLM v1's scheduling): fitted on another
+    engine, or on a vLLM release that ran the v0 engine; None when it names vLLM v1, or names no engine."""
+    engine = calibration.engine.strip()
+    if not engine:
+        return None
+    if not re.search(r"\bvllm\b", engine, re.IGNORECASE):
+        return f"fitted on {engine}, not vLLM: the replay schedules as vLLM v1 does, so its terms may not carry over"
+    version = re.search(r"(\d+)\.(\d+)", engine)
+    if version and (int(version[1]), int(version[2])) < VLLM_V1_DEFAULT:
+        return (f"fitted on {engine}, which ran vLLM's v0 engine: the replay schedules as v1 does "
+                f"({'.'.join(map(str, VLLM_V1_DEFAULT))} and later), so its terms may not carry over")
+    return None
 
 
 __all__ = [
@@ -210,6 +231,7 @@ __all__ = [
     "calibration_record",
     "default_calibration",
     "load_calibration",
+    "other_engine",
     "shipped_calibrations",
     "write_calibration",
 ]

@@ -288,7 +288,8 @@ def calibration_errors(*runs: Run) -> tuple[dict[str, float], list[str]]:
                 continue
             held = _held_out(record)
             line = (f"replay model: calibration {record['name']} ({record.get('engine', '')}"
-                    + (", extrapolated to this accelerator" if record.get("extrapolated") else "") + "), held-out error "
+                    + (", extrapolated to this accelerator" if record.get("extrapolated") else "")
+                    + (f"; {record['other_engine']}" if record.get("other_engine") else "") + "), held-out error "
                     + (", ".join(f"{k} {v:.1f}%" for k, v in sorted(held.items())) or "not measured"))
             load, beyond = describe_load(manifest["load"]) if manifest.get("load") else ("", False)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:

@@ -285,3 +285,19 @@ def test_a_held_out_error_needs_enough_of_the_run_in_each_half(tmp_path):
     assert len(step_shapes(short)) == 80  # one request at a time: its prefill step and its one decode
     with pytest.raises(ReplayError, match="at least 100 steps in each half of the run; this run holds 80"):
         calibrate_steps(short, instance, base, name="mine", engine="test")
+
+
+@pytest.mark.parametrize(("engine", "note"), [
+    ("vLLM 0.15.1", None), ("", None), ("vllm v0.8.0", None),
+    ("SGLang 0.4", "fitted on SGLang 0.4, not vLLM: the replay schedules as vLLM v1 does"),
+    ("vLLM 0.6.0", "fitted on vLLM 0.6.0, which ran vLLM's v0 engine: the replay schedules as v1 does (0.8 and later)"),
+])
+def test_a_calibration_fitted_on_another_engine_says_so_in_the_manifest(engine, note):
+    from replay.calibration import calibration_record, default_calibration, other_engine
+
+    cal = dataclasses.replace(default_calibration(), engine=engine)
+    record = calibration_record(cal, instance_config())
+    if note is None:
+        assert other_engine(cal) is None and "other_engine" not in record
+    else:
+        assert record["other_engine"].startswith(note) and record["other_engine"].endswith("may not carry over")

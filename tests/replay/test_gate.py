@@ -344,6 +344,11 @@ def test_the_calibration_named_in_the_manifests_brings_its_held_out_error(tmp_pa
     off = compare_runs(*runs, dataclasses.replace(GATE, calibration_error=False))
     assert off.status == PASS and not any("calibration" in n for n in off.notes)
     assert calibration_errors(*runs)[0] == {"itl_mean": 0.2, "ttft_mean": 0.06}
+    manifest.write_text(json.dumps({"calibration": {**record, "engine": "SGLang 0.4", "other_engine": "fitted on SGLang 0.4, "
+                                                    "not vLLM: the replay schedules as vLLM v1 does"}}))
+    assert compare_runs(*runs, GATE).notes[0] == ("replay model: calibration vllm-test (SGLang 0.4; fitted on SGLang 0.4, "
+                                                  "not vLLM: the replay schedules as vLLM v1 does), held-out error "
+                                                  "itl_mean 20.0%, ttft_mean 6.0%")
 
 
 @pytest.mark.parametrize(("text", "why"), [
