@@ -190,18 +190,23 @@ def generation_penalties(folder: str | Path) -> bool:
     return penalty != 1.0
 
 
-def fidelity_models(shared: Path | None) -> dict[str, ModelConfig]:
-    """The models of the shared data's ``fidelity/models.csv``, keyed by Hugging Face id."""
-    if shared is None or not (shared / MODELS_CSV).is_file():
+def fidelity_models(shared: Path | None, table: Path | None = None) -> dict[str, ModelConfig]:
+    """The models of a fidelity model table (``table``, else the shared data's ``fidelity/models.csv``), keyed by
+    Hugging Face id."""
+    table = table or (shared / MODELS_CSV if shared is not None else None)
+    if table is None or not table.is_file():
         return {}
     models = {}
-    with (shared / MODELS_CSV).open(newline="") as fh:
-        for row in csv.DictReader(fh):
-            models[row["model"]] = _model_from_row(row)
+    with table.open(newline="") as fh:
+        reader = csv.DictReader(fh)
+        if "model" not in (reader.fieldnames or ()):
+            raise ConfigError(f"{table}: no column 'model'", "a model table has the columns of the fidelity data's models.csv")
+        for row in reader:
+            models[row["model"]] = _model_from_row(row, table)
     return models
 
 
-def _model_from_row(row: dict[str, str]) -> ModelConfig:
+def _model_from_row(row: dict[str, str], table: Path) -> ModelConfig:
     """A models.csv row (the config.json fields, flattened) as a model."""
     def number(column: str) -> Any:  # a CSV cell is text: a whole number read as one, anything else kept to be named
         text = (row.get(column) or "").strip()
@@ -216,7 +221,7 @@ def _model_from_row(row: dict[str, str]) -> ModelConfig:
         "tie_word_embeddings": row.get("tie_word_embeddings") == "True",
         "model_type": "llama4" if row.get("architecture", "").startswith("Llama4") else "",
     }
-    model = model_from_hf_config(config, row["model"], where=f"models.csv row {row['model']}")
+    model = model_from_hf_config(config, row["model"], where=f"{table} row {row['model']}")
     if GENERATION_PENALTIES.get(row["model"], 1.0) != 1.0:
         model = dataclasses.replace(model, sampling_penalties=True)
     if row.get("serving_precision", "").upper() == "FP8":
@@ -224,14 +229,15 @@ def _model_from_row(row: dict[str, str]) -> ModelConfig:
     return model
 
 
-def find_model(name: str, shared: Path | None = None) -> ModelConfig:
-    """A model by preset name, ``config.json`` path, or Hugging Face id of the fidelity model table."""
+def find_model(name: str, shared: Path | None = None, models_table: Path | None = None) -> ModelConfig:
+    """A model by preset name, ``config.json`` path, or Hugging Face id of the fidelity model table (``models_table``,
+    else the shared data's)."""
     if name in MODELS:
         return MODELS[name]
     p = Path(name)
     if p.suffix == ".json" or _is_path(p):
         return read_hf_config(p)
-    known = fidelity_models(shared)
+    known = fidelity_models(shared, models_table)
     key = name.lower()
     for model_id, model in known.items():
         if key in (model_id.lower(), model_id.rsplit("/", 1)[-1].lower()):
@@ -276,12 +282,13 @@ def resolve_instance(
     weight_dtype: str | None = None,
     kv_cache_dtype: str | None = None,
     speculative: SpeculativeConfig | None = None,
+    models_table: Path | None = None,
 ) -> InstanceConfig:
     """An instance from ``MODEL@ACCELERATOR[xTP]`` and vLLM's settings: ``tensor_parallel_size`` overrides
     the spec's; ``weight_dtype`` 'fp8' (vLLM --quantization fp8) or 'bf16'/'fp16'/'auto'; ``kv_cache_dtype``
     'fp8' or 'auto'. A model that does not fit its accelerators' memory is an error with the sizes."""
     model_name, accel_name, tp = parse_engine_spec(spec)
-    model = find_model(model_name, shared)
+    model = find_model(model_name, shared, models_table)
     if weight_dtype == "fp8":
         model = dataclasses.replace(model, bytes_per_param=1, compute_dtype="fp8")
     elif weight_dtype in ("bf16", "fp16", "bfloat16", "float16"):

@@ -23,7 +23,8 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,12 +34,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from replay.catalog import resolve_instance
-from replay.config import EngineConfig, InstanceConfig
+from replay.config import EngineConfig, InstanceConfig, accelerator
 from replay.errors import ReplayError
 from replay.inference_perf import InferencePerfSpec, LoadStage, inference_perf_workload, read_inference_perf
 from replay.load import Load
 from schemas.validate import read_parquet_schema, read_parquet_table
-from servelens.errors import DataNotFoundError
+from servelens.errors import DataNotFoundError, ServelensError
 
 #: The metrics the fidelity data records (whole-run values), in its order.
 RECORDED_METRICS = ("e2e_mean", "e2e_p90", "e2e_p99", "ttft_mean", "ttft_p90", "ttft_p99", "itl_mean")
@@ -68,48 +69,166 @@ class FidelityExperiment:
     recorded: tuple[tuple[str, float], ...]  # metric -> seconds
     #: per load stage of a run of several (stages.csv): (stage index, its metric -> seconds)
     recorded_stages: tuple[tuple[int, tuple[tuple[str, float], ...]], ...] = ()
+    source: Path | None = None  # the experiments.csv it was read from
 
     @property
     def recorded_s(self) -> dict[str, float]:
         return dict(self.recorded)
 
+    @property
+    def where(self) -> str:
+        """Where it was recorded, for an error: its experiments.csv and id."""
+        return f"{self.source} row {self.id}" if self.source is not None else f"experiment {self.id}"
+
     def label(self) -> str:
         return f"{self.id} {self.model.rsplit('/', 1)[-1]} tp{self.tensor_parallel_size} {self.profile}"
 
 
+#: The precisions the fidelity data records (its README): FP8 serves the weights in fp8 (vLLM's --quantization
+#: fp8), FP16 in the checkpoint's own 16-bit dtype. A table without the column is FP16.
+PRECISIONS = ("FP16", "FP8")
+#: The fidelity data's GPU labels (its README: H100 is H100 80GB SXM); any accelerator preset is also taken.
+GPU_LABELS = {"H100": "h100-sxm", "A100": "a100-80g", "L40S": "l40s"}
+#: The columns every experiments.csv row needs. Not read (and so not checked): folder, split, vllm_version,
+#: cpu_offload (cpu_kv_blocks is its capacity), gpu_mem_util (total_kv_blocks is the pool it gave), prefix_caching,
+#: num_stages (the workload's stages are), spec_output_len (the workload's output_len is), notes.
+_EXPERIMENT_COLUMNS = ("id", "model", "gpu", "tp", "max_num_seqs", "max_num_batched_tokens", "profile")
+_EXPERIMENTS_HINT = "the fidelity data's experiments.csv: a header line, then one row per run (see its README)"
+_STAGES_HINT = ("stages.csv: a header with id, stage_index and the metrics' _ms columns, then one row per run and "
+                "stage; remove the file when no run was recorded stage by stage")
+
+
 def read_experiments(folder: Path) -> list[FidelityExperiment]:
-    """The measured experiments of a fidelity folder (``experiments.csv`` + ``workloads/<profile>.yaml``)."""
+    """The measured experiments of a fidelity folder (``experiments.csv``, ``workloads/<profile>.yaml`` and,
+    optional, ``stages.csv``). Every cell the replay reads is checked: an error names the file, the run's id
+    (or the line) and the column. The models are those of the folder's ``models.csv`` where it has one, else of
+    the shared data's ``fidelity/models.csv`` (``experiment_instance``)."""
     path = folder / "experiments.csv"
     if not path.is_file():
         raise DataNotFoundError(f"no fidelity experiments at {path}",
                                 "set the shared data folder (SERVELENS_SHARED_DIR) or give --data FOLDER")
-    stages = _stages(folder / "stages.csv")
+    stages_path = folder / "stages.csv"
+    stages = _stages(stages_path) if stages_path.exists() else {}
+    seen: dict[Any, int] = {}
     out = []
-    with path.open(newline="") as fh:
-        for row in csv.DictReader(fh):
-            if row.get("has_measurements", "yes") != "yes":
-                continue
-            exp = _experiment(row, folder)
-            out.append(dataclasses.replace(exp, recorded_stages=stages.get(exp.id, ())))
+    for line, row in _csv_rows(path, _EXPERIMENT_COLUMNS, _EXPERIMENTS_HINT):
+        where = f"{path} row {row['id']}" if row["id"].strip() else f"{path} line {line}"
+        _once(seen, _text(row, "id", where), f"id {row['id']!r}", path, line)
+        if _measured(row, where):
+            exp = _experiment(row, folder, where)
+            out.append(_with_stages(exp, stages.get(exp.id, []), stages_path))
+    if not out:
+        raise ReplayError(f"{path} records no measured run (no row has has_measurements yes)",
+                          "add the measured runs, with has_measurements yes and their _ms columns")
     return out
 
 
-def _stages(path: Path) -> dict[str, tuple]:
-    """Per experiment of several load stages, each stage's recorded metrics (seconds); none when absent."""
-    if not path.is_file():
-        return {}
-    by_id: dict[str, list] = {}
-    with path.open(newline="") as fh:
-        for number, row in enumerate(csv.DictReader(fh), start=2):
-            try:
-                if int(row["stage_index"]) < 0:
-                    continue
-                values = _recorded(row, f"{path} line {number}")
-                by_id.setdefault(row["id"], []).append((int(row["stage_index"]), values))
-            except (KeyError, ValueError) as exc:
-                raise ReplayError(f"{path} line {number}: unreadable ({type(exc).__name__}: {exc})",
-                                  "stages.csv needs id, stage_index and the metrics' _ms columns") from None
-    return {k: tuple(sorted(v)) for k, v in by_id.items() if len(v) > 1}
+def _csv_rows(path: Path, required: tuple[str, ...], hint: str) -> list[tuple[int, dict[str, str]]]:
+    """The rows of the CSV file ``path`` with their line numbers; an error naming the file when it is not UTF-8
+    CSV text, is empty, lacks a ``required`` column or every metric column, gives a column twice, has no rows,
+    or has a row of more or fewer cells than its header."""
+    try:
+        with path.open(newline="", encoding="utf-8") as fh:
+            reader = csv.DictReader(fh)
+            rows = [(reader.line_num, row) for row in reader]
+            columns = list(reader.fieldnames or ())
+    except UnicodeDecodeError as exc:
+        raise ReplayError(f"{path} is not a CSV file: not UTF-8 text (byte {exc.start})", hint) from None
+    except (csv.Error, OSError) as exc:
+        raise ReplayError(f"{path} is not a readable CSV file: {exc}", hint) from None
+    if not columns:
+        raise ReplayError(f"{path} is empty", hint)
+    missing = [c for c in required if c not in columns]
+    if missing or not any(f"{m}_ms" in columns for m in RECORDED_METRICS):
+        absent = ", ".join(map(repr, missing)) or "of the metrics (" + ", ".join(f"{m}_ms" for m in RECORDED_METRICS) + ")"
+        raise ReplayError(f"{path}: no column {absent}", hint)
+    twice = next((c for c in columns if columns.count(c) > 1), None)
+    if twice is not None:
+        raise ReplayError(f"{path}: the header gives column {twice!r} twice", hint)
+    if not rows:
+        raise ReplayError(f"{path} has a header but no rows", hint)
+    for line, row in rows:
+        if None in row or None in row.values():
+            cells = sum(v is not None for k, v in row.items() if k is not None) + len(row.get(None) or ())
+            raise ReplayError(f"{path} line {line} (id {row.get('id')!r}): {cells} cells, but the header has "
+                              f"{len(columns)}",
+                              "give every row one cell per column (quote a cell that holds a comma)")
+    return rows
+
+
+def _once(seen: dict[Any, int], key: Any, what: str, path: Path, line: int) -> None:
+    """An error when ``key`` was seen on an earlier line of ``path`` (``seen``: key -> line)."""
+    if key in seen:
+        raise ReplayError(f"{path} line {line}: {what} is given twice (also line {seen[key]})",
+                          "keep one of the two rows, or give the other its own id")
+    seen[key] = line
+
+
+def _text(row: dict[str, str], column: str, where: str) -> str:
+    """The row's ``column``, stripped; an error when it is empty."""
+    text = row[column].strip()
+    if not text:
+        raise ReplayError(f"{where}: the {column} column is empty",
+                          f"fill in the run's {column} (the fidelity data's README describes each column)")
+    return text
+
+
+def _read_cell(row: dict[str, str], column: str, where: str, kind: type[int] | type[float] = int, *,
+               required: bool = True) -> Any:
+    """The row's ``column`` as ``kind`` (int: a whole number); None when empty and not ``required``; an error
+    naming the column otherwise."""
+    text = (row.get(column) or "").strip()
+    if not text and not required:
+        return None
+    try:
+        return kind(_text(row, column, where))
+    except ValueError:
+        expected = "a whole number" if kind is int else "a number"
+        raise ReplayError(f"{where}: {column} {text!r} is not {expected}",
+                          f"write {column} as {expected}, as the run's server log or client report gives it") from None
+
+
+def _measured(row: dict[str, str], where: str) -> bool:
+    """Whether the row has measurements (``has_measurements`` yes; a table without the column: every row)."""
+    value = row.get("has_measurements", "yes").strip()
+    if value not in ("yes", "no"):
+        raise ReplayError(f"{where}: has_measurements {value!r} is not yes or no",
+                          "yes: the run's _ms columns are its measured latencies; no: the row is not replayed")
+    return value == "yes"
+
+
+def _stages(path: Path) -> dict[str, list[tuple[int, int, tuple[tuple[str, float], ...]]]]:
+    """Per run id, its stages.csv rows of load stages: (line, stage index, recorded metrics in seconds); the
+    whole run's rows (stage_index -1) are checked and left out."""
+    by_id: dict[str, list[tuple[int, int, tuple[tuple[str, float], ...]]]] = {}
+    seen: dict[Any, int] = {}
+    for line, row in _csv_rows(path, ("id", "stage_index"), _STAGES_HINT):
+        where = f"{path} line {line}"
+        run, index = _text(row, "id", where), _read_cell(row, "stage_index", where)
+        if index < -1:
+            raise ReplayError(f"{where}: stage_index {index} is not a stage",
+                              "-1 is the whole run, 0, 1, ... its load stages in order")
+        _once(seen, (run, index), f"run {run!r} stage_index {index}", path, line)
+        values = _recorded(row, where)
+        if index >= 0:
+            by_id.setdefault(run, []).append((line, index, values))
+    return by_id
+
+
+def _with_stages(exp: FidelityExperiment, stages: list[tuple[int, int, tuple[tuple[str, float], ...]]],
+                 path: Path) -> FidelityExperiment:
+    """``exp`` with its recorded load stages when it ran several; a stage its workload does not have is an error."""
+    if not stages:
+        return exp
+    count = len(_spec(exp).stages)
+    for line, index, _ in stages:
+        if index >= count:
+            raise ReplayError(f"{path} line {line}: stage_index {index} of run {exp.id}, whose workload "
+                              f"{exp.workload_path} has {count} load stage(s)",
+                              f"its stages are 0 to {count - 1} (-1: the whole run); check the id and the run's profile")
+    if len(stages) < 2:
+        return exp
+    return dataclasses.replace(exp, recorded_stages=tuple(sorted((index, values) for _, index, values in stages)))
 
 
 #: A measured latency above this many milliseconds (about 11.6 days) is not one.
@@ -121,47 +240,54 @@ def _recorded(row: dict[str, str], where: str) -> tuple[tuple[str, float], ...]:
     taken and reported as a 'nan%' or 92,404% error)."""
     out = []
     for m in RECORDED_METRICS:
-        if row.get(f"{m}_ms"):
-            value = float(row[f"{m}_ms"])
-            if not 0 < value < _MAX_MS:
-                raise ReplayError(f"{where}: {m}_ms {row[f'{m}_ms']!r} is not a measured latency",
-                                  f"a latency is a finite number of milliseconds above 0 (below {_MAX_MS:g}); "
-                                  "leave the cell empty where it was not measured")
-            out.append((m, value / 1e3))
+        value = _read_cell(row, f"{m}_ms", where, float, required=False)
+        if value is None:
+            continue
+        if not 0 < value < _MAX_MS:
+            raise ReplayError(f"{where}: {m}_ms {row[f'{m}_ms']!r} is not a measured latency",
+                              f"a latency is a finite number of milliseconds above 0 (below {_MAX_MS:g}); "
+                              "leave the cell empty where it was not measured")
+        out.append((m, value / 1e3))
     return tuple(out)
 
 
-def _experiment(row: dict[str, str], folder: Path) -> FidelityExperiment:
-    where = f"{folder / 'experiments.csv'} row {row.get('id', '?')}"
-    try:
-        exp = FidelityExperiment(
-            id=row["id"],
-            model=row["model"],
-            accelerator=_accelerator_name(row["gpu"]),
-            tensor_parallel_size=int(row["tp"]),
-            precision=row.get("precision", "FP16"),
-            max_num_seqs=int(row["max_num_seqs"]),
-            max_num_batched_tokens=int(row["max_num_batched_tokens"]),
-            num_gpu_blocks=int(row["total_kv_blocks"]) if row.get("total_kv_blocks") else None,
-            cpu_kv_blocks=int(row.get("cpu_kv_blocks") or 0),
-            profile=row["profile"],
-            workload_path=folder / "workloads" / f"{row['profile']}.yaml",
-            counted_output_tokens=(float(row["derived_mean_output_tokens"]) if row.get("derived_mean_output_tokens")
-                                   else None),
-            recorded=_recorded(row, where),
-        )
-        _check_settings(exp, where)
-        return exp
-    except KeyError as exc:
-        raise ReplayError(f"experiments.csv row {row.get('id', '?')}: no column {exc}",
-                          "the fidelity data's experiments.csv columns: see its README") from None
-    except ValueError as exc:
-        raise ReplayError(f"experiments.csv row {row.get('id', '?')}: unreadable ({exc})") from None
+def _experiment(row: dict[str, str], folder: Path, where: str) -> FidelityExperiment:
+    """The experiment of a measured experiments.csv row, every cell it reads checked."""
+    profile = _text(row, "profile", where)
+    exp = FidelityExperiment(
+        id=_text(row, "id", where),
+        model=_text(row, "model", where),
+        accelerator=_accelerator_name(_text(row, "gpu", where), where),
+        tensor_parallel_size=_read_cell(row, "tp", where),
+        precision=_precision(row, where),
+        max_num_seqs=_read_cell(row, "max_num_seqs", where),
+        max_num_batched_tokens=_read_cell(row, "max_num_batched_tokens", where),
+        num_gpu_blocks=_read_cell(row, "total_kv_blocks", where, required=False),
+        cpu_kv_blocks=_read_cell(row, "cpu_kv_blocks", where, required=False) or 0,
+        profile=profile,
+        workload_path=folder / "workloads" / f"{profile}.yaml",
+        counted_output_tokens=_read_cell(row, "derived_mean_output_tokens", where, float, required=False),
+        recorded=_recorded(row, where),
+        source=folder / "experiments.csv",
+    )
+    _check_settings(exp, where)
+    return exp
+
+
+def _precision(row: dict[str, str], where: str) -> str:
+    """The row's precision, one of ``PRECISIONS`` (upper case); FP16 in a table without the column."""
+    if "precision" not in row:
+        return "FP16"
+    precision = _text(row, "precision", where).upper()
+    if precision not in PRECISIONS:
+        raise ReplayError(f"{where}: precision {row['precision']!r} is not one the replay models",
+                          f"valid: {', '.join(PRECISIONS)} (FP8: fp8 weights, FP16: the checkpoint's 16-bit dtype)")
+    return precision
 
 
 def _check_settings(exp: FidelityExperiment, where: str) -> None:
     """A recorded run's settings are ones vLLM started with: counts of at least one, a step budget no
-    smaller than the batch, a counted output length above zero."""
+    smaller than the batch, a counted output length above zero, and at least one measured latency."""
     counts = [("tp", exp.tensor_parallel_size, 1), ("max_num_seqs", exp.max_num_seqs, 1),
               ("max_num_batched_tokens", exp.max_num_batched_tokens, 1), ("cpu_kv_blocks", exp.cpu_kv_blocks, 0)]
     if exp.num_gpu_blocks is not None:
@@ -178,11 +304,35 @@ def _check_settings(exp: FidelityExperiment, where: str) -> None:
     if counted is not None and not 0 < counted < float("inf"):
         raise ReplayError(f"{where}: derived_mean_output_tokens {counted} is not a mean output length",
                           "a finite number of tokens above 0, or an empty cell (the engine's own count)")
+    if not exp.recorded:
+        raise ReplayError(f"{where}: has_measurements is yes, but no _ms column has a latency",
+                          "fill in the run's measured latencies, or set has_measurements to no")
 
 
-def _accelerator_name(gpu: str) -> str:
-    """The fidelity data's GPU label as an accelerator preset (its README: H100 is H100 80GB SXM)."""
-    return {"H100": "h100-sxm", "A100": "a100-80g", "L40S": "l40s"}.get(gpu.strip(), gpu.strip().lower())
+def _accelerator_name(gpu: str, where: str) -> str:
+    """The row's GPU label as an accelerator preset (``GPU_LABELS``, else a preset's own name)."""
+    name = GPU_LABELS.get(gpu, gpu.lower())
+    try:
+        accelerator(name)
+    except ReplayError as exc:
+        raise ReplayError(f"{where}: gpu {gpu!r} is not an accelerator the replay knows",
+                          f"the fidelity data's labels: {', '.join(GPU_LABELS)}; or a preset's name ({exc.hint})") from None
+    return name
+
+
+def _spec(exp: FidelityExperiment) -> InferencePerfSpec:
+    """The experiment's workload spec as written; an error names the experiment's row and its profile."""
+    with _located(f"{exp.where} (profile {exp.profile!r})"):
+        return read_inference_perf(exp.workload_path)
+
+
+@contextmanager
+def _located(where: str) -> Iterator[None]:
+    """A ``ServelensError`` raised inside, with ``where`` (the row it concerns) before its message."""
+    try:
+        yield
+    except ServelensError as exc:
+        raise type(exc)(f"{where}: {exc.message}", exc.hint) from None
 
 
 def experiment_instance(exp: FidelityExperiment, shared: Path | None, engine: EngineConfig | None = None,
@@ -197,8 +347,11 @@ def experiment_instance(exp: FidelityExperiment, shared: Path | None, engine: En
         num_kv_blocks_override=exp.num_gpu_blocks,
         **engine_changes,
     )
-    instance = resolve_instance(f"{exp.model}@{exp.accelerator}x{exp.tensor_parallel_size}", engine, shared,
-                                weight_dtype="fp8" if exp.precision.upper() == "FP8" else None)
+    table = exp.source.parent / "models.csv" if exp.source is not None else None
+    with _located(exp.where):
+        instance = resolve_instance(f"{exp.model}@{exp.accelerator}x{exp.tensor_parallel_size}", engine, shared,
+                                    weight_dtype="fp8" if exp.precision.upper() == "FP8" else None,
+                                    models_table=table if table is not None and table.is_file() else None)
     if exp.cpu_kv_blocks:  # recorded in blocks of the model's size
         kv_block = instance.model.kv_bytes_per_token * instance.engine.block_size_tokens
         instance = dataclasses.replace(
@@ -218,7 +371,7 @@ def stage_starts_s(spec: InferencePerfSpec) -> list[float]:
 
 def experiment_spec(exp: FidelityExperiment, max_stage_s: float | None = None) -> InferencePerfSpec:
     """The experiment's workload spec; ``max_stage_s`` shortens each stage (a faster, noisier replay)."""
-    spec = read_inference_perf(exp.workload_path)
+    spec = _spec(exp)
     if max_stage_s is None:
         return spec
     stages = tuple(LoadStage(s.rate_per_s, min(s.duration_s, max(max_stage_s, 600 / s.rate_per_s))) for s in spec.stages)
@@ -247,7 +400,7 @@ def output_count_ratio(exp: FidelityExperiment) -> float:
     """
     if exp.counted_output_tokens is None:
         return 1.0
-    return exp.counted_output_tokens / read_inference_perf(exp.workload_path).output_tokens.mean
+    return exp.counted_output_tokens / _spec(exp).output_tokens.mean
 
 
 # ---------------------------------------------------------------------------------------------- measuring
@@ -546,8 +699,10 @@ __all__ = [
     "FIDELITY_DIR",
     "FidelityExperiment",
     "FidelityReport",
+    "GPU_LABELS",
     "METRICS",
     "MetricError",
+    "PRECISIONS",
     "RECORDED_METRICS",
     "RequestTimes",
     "compare",

@@ -22,6 +22,11 @@ mean, std_dev (or std), min, max, skew}``). Both the nested layout of inference-
 (``data: {type: shared_prefix, shared_prefix: {...}}``) and the flat transcription of
 ``../shared/fidelity/workloads`` (the generator's keys directly under ``data``) are read.
 
+Lengths are token counts: whole numbers (a distribution's mean may have a fraction), each and a sequence's
+sum at most ``MAX_SEQUENCE_TOKENS`` (10M, the longest context window served); a spec is also refused before
+anything is built when its distinct prompts exceed the request cap (``replay.traces.MAX_WORKLOAD_REQUESTS``)
+or its table would hold more than ``MAX_PREFIX_BLOCK_IDS`` prefix block ids (requests x prompt tokens / block).
+
 Templated prompts are longer than the spec's token counts: a chat API wraps every prompt in its
 model's template (the fidelity data's Llama runs: about 27 tokens, ``chat_template_tokens``). The
 template's head is part of the shared prefix, its tail follows the question.
@@ -35,7 +40,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import pyarrow as pa
@@ -53,6 +58,15 @@ DEFAULT_CHAT_TEMPLATE_TOKENS = 27
 ENGINE_BLOCK_TOKENS = 16
 RANDOM_PREFIX_BLOCK_TOKENS = 256
 DISTRIBUTIONS = ("normal", "lognormal", "skew_normal", "uniform")
+#: The longest sequence (prompt and output together) a spec may ask for, tokens: 10M, the longest context
+#: window of any released model (Llama 4 Scout's); no engine serves a longer one, and beyond it a spec's
+#: lengths are typos that would exhaust memory building the table (a 10M-token prompt is 100,000 prefix ids).
+MAX_SEQUENCE_TOKENS = 10_000_000
+#: The most prefix block ids a spec's table may hold (requests x prompt tokens / prefix block): built from
+#: Python lists at about 80 bytes and 1.3 us an id (measured), 50M ids are 4 GB and about a minute, as much as
+#: the request cap's 50M requests of one id each (a 2,000-token prompt behind a 100-token system prompt is 20
+#: ids: 2.5M such requests).
+MAX_PREFIX_BLOCK_IDS = 50_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +84,7 @@ class Lengths:
     mean: float
     std: float = 0.0
     min: int = 1
-    max: int = 1 << 30
+    max: int = MAX_SEQUENCE_TOKENS
     distribution: str = "normal"
     skew: float = 0.0
 
@@ -132,7 +146,7 @@ def read_inference_perf(path: str | Path) -> InferencePerfSpec:
 def parse_inference_perf(doc: dict[str, Any], *, name: str = "inference-perf", where: str = "config") -> InferencePerfSpec:
     """The spec of an inference-perf config already read into a mapping."""
     load, data = doc["load"], doc["data"]
-    arrivals = str(load.get("type", "poisson"))
+    arrivals = cast(Arrivals, str(load.get("type", "poisson")))
     if arrivals not in ("poisson", "constant"):
         raise ReplayError(f"{where}: load.type {arrivals!r} is not supported", "use poisson or constant")
     raw_stages = load.get("stages") or ()
@@ -148,25 +162,42 @@ def parse_inference_perf(doc: dict[str, Any], *, name: str = "inference-perf", w
     api = doc.get("api")
     chat_api = (api.get("type") if isinstance(api, dict) else api) == "chat"
     if kind == "shared_prefix":
-        g = data.get("shared_prefix") if isinstance(data.get("shared_prefix"), dict) else data
-        groups = g.get("num_unique_system_prompts", g.get("num_groups"))
-        per_group = g.get("num_users_per_system_prompt", g.get("num_prompts_per_group"))
-        if groups is None or per_group is None:
-            raise ReplayError(f"{where}: shared_prefix needs num_unique_system_prompts and num_users_per_system_prompt >= 1")
-        return InferencePerfSpec(
-            name, arrivals, stages, "shared_prefix", int(_number(groups, "num_unique_system_prompts", where, whole=True)),
-            int(_number(per_group, "num_users_per_system_prompt", where, whole=True)),
-            int(_number(_need(g, "system_prompt_len", where), "system_prompt_len", where, whole=True, zero=True)),
-            _lengths(_need(g, "question_len", where), where), _lengths(_need(g, "output_len", where), where),
-            bool(g.get("enable_multi_turn_chat", False)) or chat_api,
-        )
-    if kind == "random":
-        return InferencePerfSpec(
+        spec = _shared_prefix(data, name, arrivals, stages, chat_api, where)
+    elif kind == "random":
+        spec = InferencePerfSpec(
             name, arrivals, stages, "random", 1, 1, 0,
-            _lengths(_need(data, "input_distribution", where), where),
-            _lengths(_need(data, "output_distribution", where), where), chat_api,
+            _lengths(_need(data, "input_distribution", where), "input_distribution", where),
+            _lengths(_need(data, "output_distribution", where), "output_distribution", where), chat_api,
         )
-    raise ReplayError(f"{where}: data.type {kind!r} is not supported", "supported: shared_prefix, random")
+    else:
+        raise ReplayError(f"{where}: data.type {kind!r} is not supported", "supported: shared_prefix, random")
+    _check_table_size(spec, where)
+    return spec
+
+
+def _shared_prefix(data: dict[str, Any], name: str, arrivals: Arrivals, stages: tuple[LoadStage, ...], chat_api: bool,
+                   where: str) -> InferencePerfSpec:
+    """The spec of a ``shared_prefix`` generator (nested or flat); its distinct prompts at most a workload's
+    requests (``MAX_WORKLOAD_REQUESTS``): each is drawn whether or not it is sent."""
+    g: dict[str, Any] = data["shared_prefix"] if isinstance(data.get("shared_prefix"), dict) else data
+    groups = g.get("num_unique_system_prompts", g.get("num_groups"))
+    per_group = g.get("num_users_per_system_prompt", g.get("num_prompts_per_group"))
+    if groups is None or per_group is None:
+        raise ReplayError(f"{where}: shared_prefix needs num_unique_system_prompts and num_users_per_system_prompt >= 1")
+    num_groups = int(_number(groups, "num_unique_system_prompts", where, whole=True))
+    num_per_group = int(_number(per_group, "num_users_per_system_prompt", where, whole=True))
+    check_workload_size(num_groups * num_per_group,
+                        f"{where}: num_unique_system_prompts x num_users_per_system_prompt ({num_groups:,} x "
+                        f"{num_per_group:,}) are distinct prompts, as many as",
+                        "lower num_unique_system_prompts or num_users_per_system_prompt (requests beyond their "
+                        "product repeat its prompts)")
+    system = _tokens(_need(g, "system_prompt_len", where), "system_prompt_len", where, zero=True)
+    return InferencePerfSpec(
+        name, arrivals, stages, "shared_prefix", num_groups, num_per_group, int(system),
+        _lengths(_need(g, "question_len", where), "question_len", where),
+        _lengths(_need(g, "output_len", where), "output_len", where),
+        bool(g.get("enable_multi_turn_chat", False)) or chat_api,
+    )
 
 
 def _need(mapping: dict[str, Any], key: str, where: str) -> Any:
@@ -187,29 +218,63 @@ def _number(value: Any, key: str, where: str, *, whole: bool = False, zero: bool
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and bool(np.isfinite(value))
     if not ok or (not signed and (value < 0 or (value == 0 and not zero))) or (whole and value != int(value)):
         sign = "finite" if signed else "non-negative" if zero else "positive"
-        raise ReplayError(f"{where}: {key} must be a {sign} {'whole number' if whole else 'number'}, not {value!r}")
+        kind = "whole number" if whole else "number"
+        raise ReplayError(f"{where}: {key} must be a {sign} {kind}, not {value!r}",
+                          f"give {key} as a {sign} {kind} (docs/replay.md, inference-perf workloads)")
     return float(value)
 
 
-def _lengths(value: Any, where: str) -> Lengths:
+def _tokens(value: Any, key: str, where: str, *, whole: bool = True, zero: bool = False) -> float:
+    """``value``, a token length of ``key``: ``_number``, at most ``MAX_SEQUENCE_TOKENS``."""
+    tokens = _number(value, key, where, whole=whole, zero=zero)
+    if tokens > MAX_SEQUENCE_TOKENS:
+        raise ReplayError(f"{where}: {key} {tokens:,.15g} is more than the {MAX_SEQUENCE_TOKENS:,} tokens of the longest "
+                          "context window any model serves", f"give {key} in tokens, at most {MAX_SEQUENCE_TOKENS:,}")
+    return tokens
+
+
+def _lengths(value: Any, key: str, where: str) -> Lengths:
+    """The token length ``key``: a whole number, or a distribution (its mean, min and max at most
+    ``MAX_SEQUENCE_TOKENS``); an error names ``key``."""
     if not isinstance(value, dict):
-        return Lengths(_number(value, "a length", where))
+        return Lengths(_tokens(value, key, where))
     if "mean" not in value:
-        raise ReplayError(f"{where}: a length distribution needs a numeric mean", "e.g. {mean: 200, std_dev: 50, min: 1, max: 1024}")
+        raise ReplayError(f"{where}: {key} needs a numeric mean", "e.g. {mean: 200, std_dev: 50, min: 1, max: 1024}")
     distribution = str(value.get("distribution", "normal"))
     if distribution not in DISTRIBUTIONS:
-        raise ReplayError(f"{where}: length distribution {distribution!r} is not supported", f"valid: {', '.join(DISTRIBUTIONS)}")
+        raise ReplayError(f"{where}: {key}'s distribution {distribution!r} is not supported", f"valid: {', '.join(DISTRIBUTIONS)}")
     lengths = Lengths(
-        mean=_number(value["mean"], "a length's mean", where),
-        std=_number(value.get("std_dev", value.get("std", 0.0)) or 0.0, "a length's std_dev", where, zero=True),
-        min=int(_number(value.get("min", 1), "a length's min", where, whole=True, zero=True)),
-        max=int(_number(value.get("max", 1 << 30), "a length's max", where, whole=True)),
+        mean=_tokens(value["mean"], f"{key}'s mean", where, whole=False),
+        std=_number(value.get("std_dev", value.get("std", 0.0)) or 0.0, f"{key}'s std_dev", where, zero=True),
+        min=int(_tokens(value.get("min", 1), f"{key}'s min", where, zero=True)),
+        max=int(_tokens(value.get("max", MAX_SEQUENCE_TOKENS), f"{key}'s max", where)),
         distribution=distribution,
-        skew=_number(value.get("skew", 0.0), "a length's skew", where, signed=True),
+        skew=_number(value.get("skew", 0.0), f"{key}'s skew", where, signed=True),
     )
     if lengths.min > lengths.max:
-        raise ReplayError(f"{where}: a length distribution needs min <= max, not {value!r}")
+        raise ReplayError(f"{where}: {key} needs min <= max, not {value!r}")
     return lengths
+
+
+def _check_table_size(spec: InferencePerfSpec, where: str) -> None:
+    """A spec whose sequence is longer than ``MAX_SEQUENCE_TOKENS``, or whose table would hold more than
+    ``MAX_PREFIX_BLOCK_IDS`` prefix block ids (at the lengths' means), is an error naming its lengths."""
+    prompt, output = ("system_prompt_len + question_len", "output_len") if spec.generator == "shared_prefix" else (
+        "input_distribution", "output_distribution")
+    tokens = spec.system_prompt_tokens + spec.question_tokens.mean
+    if tokens + spec.output_tokens.mean > MAX_SEQUENCE_TOKENS:
+        raise ReplayError(f"{where}: {prompt} + {output} is {tokens + spec.output_tokens.mean:,.0f} tokens a sequence, "
+                          f"more than the {MAX_SEQUENCE_TOKENS:,} of the longest context window any model serves",
+                          f"shorten {prompt} or {output}")
+    template = DEFAULT_CHAT_TEMPLATE_TOKENS if spec.chat else 0
+    shared = spec.system_prompt_tokens + template // 2 if spec.generator == "shared_prefix" else 0
+    block = prefix_block_tokens(shared)
+    ids = spec.num_requests * int((tokens + template) // block)
+    if ids > MAX_PREFIX_BLOCK_IDS:
+        raise ReplayError(f"{where}: {spec.num_requests:,} requests of {tokens + template:,.0f} prompt tokens are "
+                          f"{ids:,} prefix block ids of {block} tokens, more than the {MAX_PREFIX_BLOCK_IDS:,} a "
+                          "workload built in memory may hold",
+                          f"shorten {prompt}, or lower a stage's rate or duration")
 
 
 def arrival_times_ns(spec: InferencePerfSpec, rng: np.random.Generator) -> np.ndarray:
@@ -302,7 +367,7 @@ def prefix_block_tokens(shared_tokens: int) -> int:
 
 
 def _prefix_block_ids(name: str, group: np.ndarray, prompt_index: np.ndarray, block: int, prompt: np.ndarray,
-                      shared: int) -> list:
+                      shared: int) -> list[list[int]]:
     """Each request's block ids (computed once per distinct prompt: shared-prefix prompts repeat)."""
     cache: dict[tuple[int, int, int], list[int]] = {}
     out = []
@@ -330,6 +395,8 @@ __all__ = [
     "ENGINE_BLOCK_TOKENS",
     "InferencePerfSpec",
     "Lengths",
+    "MAX_PREFIX_BLOCK_IDS",
+    "MAX_SEQUENCE_TOKENS",
     "LoadStage",
     "arrival_times_ns",
     "inference_perf_workload",

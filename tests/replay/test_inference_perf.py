@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import yaml
@@ -20,6 +22,9 @@ NESTED = {  # inference-perf's own layout (its examples/vllm/config-shared-prefi
         "num_unique_system_prompts": 2, "num_users_per_system_prompt": 3, "system_prompt_len": 100,
         "question_len": 250, "output_len": 40, "enable_multi_turn_chat": False}},
 }
+
+
+SHARED = NESTED["data"]["shared_prefix"]
 
 
 def test_the_fidelity_specs_read_as_transcribed(shared):
@@ -90,18 +95,43 @@ def test_length_distributions_and_the_random_generator():
             "num_unique_system_prompts": 2.5, "num_users_per_system_prompt": 3, "system_prompt_len": 100,
             "question_len": 250, "output_len": 40}}}, "num_unique_system_prompts must be a positive whole number"),
         ({"data": {"type": "random", "input_distribution": {"mean": 50, "distribution": "zipf"},
-                   "output_distribution": 10}}, "length distribution 'zipf' is not supported"),
+                   "output_distribution": 10}}, "input_distribution's distribution 'zipf' is not supported"),
         ({"data": {"type": "random", "input_distribution": {"mean": 50, "std": 5, "min": 90, "max": 10},
                    "output_distribution": 10}}, "min <= max"),
         ({"data": {"type": "random", "input_distribution": {"mean": float("nan")}, "output_distribution": 10}},
-         "a length's mean must be a positive number, not nan"),
+         "input_distribution's mean must be a positive number, not nan"),
         ({"data": {"type": "random", "input_distribution": 50, "output_distribution": -3}},
-         "a length must be a positive number, not -3"),
+         "output_distribution must be a positive whole number, not -3"),
+        # lengths are token counts: whole numbers, within the longest context window (10M tokens)
+        ({"data": {"type": "shared_prefix", "shared_prefix": {**SHARED, "question_len": 466.5}}},
+         "question_len must be a positive whole number, not 466.5"),
+        ({"data": {"type": "shared_prefix", "shared_prefix": {**SHARED, "question_len": "466.5"}}},
+         "question_len must be a positive whole number, not 466.5"),
+        ({"data": {"type": "shared_prefix", "shared_prefix": {**SHARED, "question_len": 10_000_001}}},
+         "question_len 10,000,001 is more than the 10,000,000 tokens of the longest context window"),
+        ({"data": {"type": "shared_prefix", "shared_prefix": {**SHARED, "question_len": 10_000_000}}},  # an ArrowMemoryError
+         "system_prompt_len + question_len + output_len is 10,000,140 tokens a sequence, more than the 10,000,000"),
+        ({"data": {"type": "shared_prefix", "shared_prefix": {**SHARED, "system_prompt_len": 2e7}}},
+         "system_prompt_len 20,000,000 is more than the 10,000,000 tokens"),
+        ({"data": {"type": "random", "input_distribution": {"mean": 100, "std": 10, "max": 2**30},
+                   "output_distribution": 10}}, "input_distribution's max 1,073,741,824 is more than the 10,000,000"),
+        ({"data": {"type": "random", "input_distribution": 10, "output_distribution": {"mean": 2e7, "std": 1}}},
+         "output_distribution's mean 20,000,000 is more than the 10,000,000"),
+        # as many distinct prompts as the request cap: each is drawn (a MemoryError at 100M)
+        ({"data": {"type": "shared_prefix", "shared_prefix": {**SHARED, "num_unique_system_prompts": 100_000_000}}},
+         "num_unique_system_prompts x num_users_per_system_prompt (100,000,000 x 3) are distinct prompts, as many "
+         "as 300,000,000 requests, more than the 50,000,000"),
+        # lengths within bounds, but too many prefix block ids for the requests asked
+        ({"load": {"stages": [{"rate": 100, "duration": 600}]},
+          "data": {"type": "shared_prefix", "shared_prefix": {**SHARED, "question_len": 1_000_000}}},
+         "60,000 requests of 1,000,100 prompt tokens are 625,020,000 prefix block ids of 96 tokens, more than the "
+         "50,000,000 a workload built in memory may hold"),
     ],
 )
 def test_bad_configs_name_what_is_wrong(change, message):
-    with pytest.raises(ReplayError, match=message):
+    with pytest.raises(ReplayError, match=re.escape(message)) as err:
         parse_inference_perf({**NESTED, **change})
+    assert "Traceback" not in str(err.value)
 
 
 def test_a_file_that_is_not_a_config(tmp_path):
@@ -109,3 +139,22 @@ def test_a_file_that_is_not_a_config(tmp_path):
     path.write_text(yaml.safe_dump({"hello": 1}))
     with pytest.raises(ReplayError, match="not an inference-perf config"):
         read_inference_perf(path)
+
+
+def test_a_length_as_a_numeric_string_is_taken_as_inference_perf_takes_it():
+    """inference-perf's config parser takes a numeric string for a number (YAML reads 1e3 as one): a whole one is a
+    length, a fraction is refused above."""
+    spec = parse_inference_perf({**NESTED, "data": {"type": "shared_prefix", "shared_prefix": {
+        **SHARED, "question_len": "466", "output_len": "1e3"}}})
+    assert (spec.question_tokens.mean, spec.output_tokens.mean) == (466.0, 1000.0)
+    assert set(inference_perf_workload(spec)["num_prompt_tokens"].to_numpy()) == {100 + 466}
+
+
+def test_a_spec_just_within_the_bounds_builds():
+    """The refused specs above cost no memory: the bound is checked on the spec, and a spec just within it builds."""
+    from replay.inference_perf import MAX_SEQUENCE_TOKENS
+
+    doc = {"load": {"type": "constant", "stages": [{"rate": 2, "duration": 1}]},
+           "data": {"type": "random", "input_distribution": MAX_SEQUENCE_TOKENS - 10, "output_distribution": 10}}
+    table = inference_perf_workload(parse_inference_perf(doc))
+    assert table.num_rows == 2 and set(table["num_prompt_tokens"].to_numpy()) == {MAX_SEQUENCE_TOKENS - 10}
