@@ -268,6 +268,9 @@ def parse_engine_spec(spec: str) -> tuple[str, str, int]:
         )
     head, x, tail = rest.rpartition("x")
     if x and head and tail.isdigit():
+        if int(tail) < 1:
+            raise ConfigError(f"engine {spec!r} asks for {int(tail)} accelerators: the count after 'x' must be at least 1",
+                              "e.g. llama-2-70b@a100-80gx2; leave out the x suffix for one accelerator")
         return model_name, head, int(tail)
     return model_name, rest, 1
 

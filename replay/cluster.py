@@ -118,10 +118,15 @@ class ScalingDelays:
     cache_warm_s: float = doc("Warm-up after loading (CUDA graphs, compilation, cache priming), seconds.", 10.0)
 
     def __post_init__(self) -> None:
-        if self.startup_s < 0 or self.cache_warm_s < 0 or (self.weight_load_s is not None and self.weight_load_s < 0):
-            raise ReplayError("scaling delays must be non-negative")
-        if not self.weight_load_bandwidth_bytes_per_s > 0:
-            raise ReplayError("weight_load_bandwidth_bytes_per_s must be positive")
+        for name in ("startup_s", "weight_load_s", "cache_warm_s"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_SCHEDULE_S:
+                raise ReplayError(f"the scaling delay {name} must be between 0 and {MAX_SCHEDULE_S:g} s, not {value:g}",
+                                  f"--{name.replace('_', '-')} takes seconds (0 for none)")
+        if not self.weight_load_bandwidth_bytes_per_s >= MIN_LINK_GBPS * 1e9:
+            raise ReplayError(f"the weight-load bandwidth must be at least {MIN_LINK_GBPS:g} GB/s, not "
+                              f"{self.weight_load_bandwidth_bytes_per_s / 1e9:g} GB/s",
+                              "--weight-load-gbps takes the storage-to-device bandwidth in GB/s (default 2)")
 
     def phases_ns(self, instance: InstanceConfig, weight_bytes: int | None = None) -> tuple[int, int, int]:
         """(start-up, weight load, cache warm) of ``instance``, integer ns (``weight_bytes``: what it loads
@@ -139,6 +144,16 @@ class ScalingDelays:
 #: and scaled up: each is an engine with its KV pool in memory).
 MAX_SCHEDULE_S = 1e9
 MAX_INSTANCES = 10_000
+#: The slowest link weights load or KV moves over, GB/s (1 MB/s): slower than any storage or network a server
+#: has, and fast enough that a petabyte still moves within MAX_SCHEDULE_S (its nanoseconds fit the clock).
+MIN_LINK_GBPS = 1e-3
+#: The most random failures a replay draws (rate x window): each fails an instance that is up, and no cluster
+#: holds more than MAX_INSTANCES, so more would fail nothing more (and only make the replay draw them).
+MAX_RANDOM_FAILURES = MAX_INSTANCES
+#: The shortest autoscaler interval and window, seconds: real autoscalers decide every 15 s or more
+#: (Kubernetes' HPA) and an added instance takes tens of seconds to start, so ten decisions a second is
+#: already beyond any; shorter only multiplies the decisions an hour's replay makes.
+MIN_AUTOSCALE_S = 0.1
 
 
 def _check_time(what: object, at_s: float) -> None:
@@ -180,6 +195,11 @@ class MigrationStep:
             raise ReplayError(f"migration step {self}: instance and rank must be >= 0")
 
 
+#: What --fail takes.
+_FAIL_HINT = ("--fail AT_S:INDEX: instances count from 0 in creation order (the initial ones, the decode pool, then "
+              "those scaled up), e.g. 300:1")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class InstanceFailure:
     """An instance fails: it stops at once, and the requests it holds are recomputed elsewhere."""
@@ -190,7 +210,8 @@ class InstanceFailure:
     def __post_init__(self) -> None:
         _check_time("instance failure", self.at_s)
         if self.instance < 0:
-            raise ReplayError(f"instance failure {self}: the instance must be >= 0")
+            raise ReplayError(f"the instance failure at {self.at_s:g} s names instance {self.instance}: instances "
+                              "count from 0", _FAIL_HINT)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -251,8 +272,7 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if not self.instances:
             raise ReplayError("a cluster needs at least one instance")
-        most = max(len(self.instances) + len(self.decode_instances) + sum(max(0, s.delta) for s in self.scaling),
-                   getattr(self.autoscaler_config, "max_instances", 0))
+        most = self.most_instances
         if most > MAX_INSTANCES:
             raise ReplayError(f"the cluster could hold {most:,} instances (initial, decode, scaled up or the autoscaler's "
                               f"max_instances): at most {MAX_INSTANCES:,}",
@@ -261,8 +281,12 @@ class ClusterConfig:
             from replay.policies.autoscale import autoscaler_class
 
             autoscaler_class(self.autoscaler)  # raises the error listing the valid names
-            if not (self.autoscale_interval_s > 0 and self.autoscale_window_s > 0):
-                raise ReplayError("autoscale_interval_s and autoscale_window_s must be positive")
+            if not (MIN_AUTOSCALE_S <= self.autoscale_interval_s <= MAX_SCHEDULE_S
+                    and MIN_AUTOSCALE_S <= self.autoscale_window_s <= MAX_SCHEDULE_S):
+                raise ReplayError(f"the autoscaler's interval and window must be positive: between {MIN_AUTOSCALE_S:g} "
+                                  f"and {MAX_SCHEDULE_S:g} s, not {self.autoscale_interval_s:g} and "
+                                  f"{self.autoscale_window_s:g}",
+                                  "--autoscale-interval-s and --autoscale-window-s take seconds (defaults 15 and 60)")
         ROUTERS.lookup(self.router)  # an unknown name: the error lists the valid ones
         if self.decode_instances:
             ROUTERS.lookup(self.decode_router)
@@ -278,10 +302,7 @@ class ClusterConfig:
             raise ReplayError("multi-model residency with disaggregated pools, migrations, failures or re-routes is not "
                               "supported yet",
                               "replay residency on an aggregated cluster without faults")
-        if self.failure_rate_per_s < 0 or self.failure_window_s < 0:
-            raise ReplayError("failure_rate_per_s and failure_window_s must be non-negative")
-        if not self.kv_transfer_bandwidth_bytes_per_s > 0 or self.kv_transfer_latency_s < 0:
-            raise ReplayError("kv_transfer_bandwidth_bytes_per_s must be positive and kv_transfer_latency_s non-negative")
+        self._check_faults_and_links()
         live = len(self.instances)
         last = 0.0
         for step in self.scaling:
@@ -300,6 +321,35 @@ class ClusterConfig:
                 "the instances of a cluster differ in KV block size or prefix caching",
                 "the workload's prefix blocks are cut once for the whole cluster: use one block size and setting",
             )
+
+    def _check_faults_and_links(self) -> None:
+        """Random failures a replay can draw, and a KV link whose transfer times fit the clock."""
+        if not (0 <= self.failure_window_s <= MAX_SCHEDULE_S
+                and 0 <= self.failure_rate_per_s * self.failure_window_s <= MAX_RANDOM_FAILURES):
+            raise ReplayError(
+                f"random failures at {self.failure_rate_per_s * 3600:g} per hour within {self.failure_window_s:g} s: "
+                f"the rate must be non-negative, the window within 0 to {MAX_SCHEDULE_S:g} s, and at most "
+                f"{MAX_RANDOM_FAILURES:,} failures expected in it",
+                "--failure-rate-per-hour takes failures per hour over the cluster (0 or more)")
+        if not (self.kv_transfer_bandwidth_bytes_per_s >= MIN_LINK_GBPS * 1e9
+                and 0 <= self.kv_transfer_latency_s <= MAX_SCHEDULE_S):
+            raise ReplayError(
+                f"the KV transfer link must move at least {MIN_LINK_GBPS:g} GB/s with a latency of 0 to "
+                f"{MAX_SCHEDULE_S:g} s, not {self.kv_transfer_bandwidth_bytes_per_s / 1e9:g} GB/s and "
+                f"{self.kv_transfer_latency_s:g} s (kv_transfer_bandwidth_bytes_per_s, kv_transfer_latency_s)",
+                "--kv-transfer-gbps (default 50) and --kv-transfer-latency-s (default 0.00002)")
+
+    @property
+    def most_instances(self) -> int:
+        """The most instances the cluster may ever hold: initial, decode, scaled up, or the autoscaler's most."""
+        most = len(self.instances) + len(self.decode_instances) + sum(max(0, s.delta) for s in self.scaling)
+        if self.autoscaler is None:
+            return most
+        if self.autoscaler_config is None:
+            from replay.policies.autoscale import autoscaler_class
+
+            return max(most, getattr(autoscaler_class(self.autoscaler).config_type(), "max_instances", 0))
+        return max(most, getattr(self.autoscaler_config, "max_instances", 0))
 
 
 def cluster_config(num_instances: int, instance: InstanceConfig | None = None, router: str = "round-robin", *,
@@ -373,7 +423,9 @@ def cluster_from_options(
                  kv_transfer_latency_s=kv_transfer_latency_s,
                  failure_rate_per_s=None if failure_rate_per_hour is None else failure_rate_per_hour / 3600),
     )
-    return _with_autoscaler(config, autoscaler, autoscaler_config_file, autoscale_interval_s, autoscale_window_s)
+    config = _with_autoscaler(config, autoscaler, autoscaler_config_file, autoscale_interval_s, autoscale_window_s)
+    _check_failed_instances(config)
+    return config
 
 
 def _with_autoscaler(config: ClusterConfig, autoscaler: str | None, config_file: str | Path | None,
@@ -420,9 +472,21 @@ def parse_failure(spec: str) -> InstanceFailure:
     try:
         if not sep:
             raise ValueError
-        return InstanceFailure(at_s=float(at), instance=int(index))
+        at_s, instance = float(at), int(index)
     except ValueError:
         raise ReplayError(f"instance failure {spec!r} is not AT_S:INDEX", "e.g. 300:1 (instance 1 fails at 300 s)") from None
+    if instance < 0:
+        raise ReplayError(f"--fail {spec}: the instance index must be 0 or more, not {instance}", _FAIL_HINT)
+    return InstanceFailure(at_s=at_s, instance=instance)
+
+
+def _check_failed_instances(config: ClusterConfig) -> None:
+    """Refuse a --fail of an instance the cluster never holds (it would silently fail nothing)."""
+    most = config.most_instances
+    for f in config.failures:
+        if f.instance >= most:
+            raise ReplayError(f"--fail {f.at_s:g}:{f.instance} names instance {f.instance}, but the cluster holds at most "
+                              f"{most} instance{'s' if most != 1 else ''} (indexes 0 to {most - 1})", _FAIL_HINT)
 
 
 # ---------------------------------------------------------------------------------------------- instances

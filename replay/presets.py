@@ -51,8 +51,18 @@ THREE_TENANT_SCENARIO = Scenario(
 )
 
 
+#: The largest rate multiplier: a millionfold rate turns a second between arrivals into a microsecond, a thousand
+#: times shorter than one engine step, so every request of the trace lands in the queue at once and the load
+#: means nothing more (and a trace's gaps, recorded to the microsecond or coarser, fall below a nanosecond).
+MAX_LOAD = 10**6
+#: The longest span of a load shape (a --shift across the superposed copies, a --block-bootstrap window),
+#: seconds: about 31 years, so that its arrival times in nanoseconds still fit a 64-bit integer with the
+#: workload's own span added.
+MAX_SPAN_S = 1e9
+
+
 def parse_load(text: str | float | Fraction) -> Fraction:
-    """A rate multiplier: ``2x``, ``1.5x``, ``2`` or ``3/2`` -> Fraction (positive)."""
+    """A rate multiplier: ``2x``, ``1.5x``, ``2`` or ``3/2`` -> Fraction (positive, at most ``MAX_LOAD``)."""
     raw = str(text).strip().lower().removesuffix("x")
     try:
         value = Fraction(raw).limit_denominator(10**6)
@@ -60,6 +70,9 @@ def parse_load(text: str | float | Fraction) -> Fraction:
         value = None
     if value is None or value <= 0:
         raise ReplayError(f"load {text!r} is not a positive rate multiplier", "write it like 2x, 1.5x or 0.5x")
+    if value > MAX_LOAD:
+        raise ReplayError(f"load {text!r} is more than {MAX_LOAD:,}x the recorded rate",
+                          f"a rate multiplier is at most {MAX_LOAD:,}x: beyond it every request arrives at once")
     return value
 
 
@@ -87,14 +100,19 @@ class LoadShape:
     bootstrap_seed: int = doc("Seed of the bootstrap's draws.", 0)
 
     def __post_init__(self) -> None:
-        if self.load <= 0:
-            raise ReplayError(f"load must be positive, not {self.load}")
-        if self.superpose < 1 or self.shift_s < 0:
-            raise ReplayError("--superpose takes at least 1 copy and --shift a duration of 0 or more")
-        if self.bootstrap_window_s is not None and not self.bootstrap_window_s > 0:
-            raise ReplayError("--block-bootstrap takes a positive window length")
+        if not 0 < self.load <= MAX_LOAD:
+            raise ReplayError(f"--load {self.load} is not a rate multiplier above 0 and at most {MAX_LOAD:,}x",
+                              "write it like 2x, 1.5x or 0.5x")
+        if self.superpose < 1 or self.shift_s < 0 or not self.shift_s * (self.superpose - 1) <= MAX_SPAN_S:
+            raise ReplayError(f"--superpose {self.superpose} --shift {self.shift_s:g}s: the copies must number at least "
+                              f"1 and the last start within {MAX_SPAN_S:g} s of the first",
+                              "use fewer copies or a shorter --shift (0 or more: 30s, 10m, 1h)")
+        if self.bootstrap_window_s is not None and not 0 < self.bootstrap_window_s <= MAX_SPAN_S:
+            raise ReplayError(f"--block-bootstrap {self.bootstrap_window_s:g}s is not a window length above 0 and at "
+                              f"most {MAX_SPAN_S:g} s", "write it like 60s or 5m")
         if self.bootstrap_windows is not None and (self.bootstrap_windows < 1 or self.bootstrap_window_s is None):
-            raise ReplayError("--windows needs --block-bootstrap and at least 1 window")
+            raise ReplayError("--windows needs --block-bootstrap and at least 1 window",
+                              "e.g. --block-bootstrap 5m --windows 12")
 
     @property
     def is_identity(self) -> bool:
@@ -201,5 +219,5 @@ def default_policy_config(policy_name: str, preset: Preset) -> object | None:
     return None
 
 
-__all__ = ["LoadShape", "PRESETS", "Preset", "TWO_CLASS", "default_policy_config", "parse_duration_s", "parse_load",
-           "prepared_workload", "recorded_tenancy", "reshape", "resolve_preset"]
+__all__ = ["LoadShape", "MAX_LOAD", "MAX_SPAN_S", "PRESETS", "Preset", "TWO_CLASS", "default_policy_config",
+           "parse_duration_s", "parse_load", "prepared_workload", "recorded_tenancy", "reshape", "resolve_preset"]

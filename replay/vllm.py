@@ -13,6 +13,7 @@ What is not modelled is not here: a setting vLLM has and the replay ignores woul
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,10 @@ from replay.config import GIB, AcceleratorConfig, EngineConfig, InstanceConfig, 
 from schemas.types import doc
 from servelens.errors import ConfigError
 from servelens.settings import read_document
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,25 +76,31 @@ class VllmSettings:
     def check(self, base: EngineConfig) -> None:
         """Refuse, by vLLM's option names, what ``vllm serve`` refuses at start-up; ``base`` is the engine
         configuration these settings change (the values they leave unset are its)."""
-        for name in _AT_LEAST_ONE:
-            value = getattr(self, name)
+        self.check_values()
+        self._check_budget(base)
+
+    def check_values(self, name: Callable[[str], str] = _flag) -> None:
+        """Refuse each setting vLLM would refuse on its own, named by ``name(field)`` (default: its option)."""
+        for field_name in _AT_LEAST_ONE:
+            value = getattr(self, field_name)
             if value is not None and value < 1:
-                raise ConfigError(f"{_flag(name)} must be at least 1, not {value}", _AT_LEAST_ONE[name])
+                raise ConfigError(f"{name(field_name)} must be at least 1, not {value}", _AT_LEAST_ONE[field_name])
         if self.block_size is not None and self.block_size not in VLLM_BLOCK_SIZES:
-            raise ConfigError(f"--block-size {self.block_size} is not one of vLLM's block sizes",
+            raise ConfigError(f"{name('block_size')} {self.block_size} is not one of vLLM's block sizes",
                               f"use one of {', '.join(map(str, VLLM_BLOCK_SIZES))} (16 is vLLM's default)")
         share = self.gpu_memory_utilization
         if share is not None and not 0 < share <= 1:
-            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], not {share}",
+            raise ConfigError(f"{name('gpu_memory_utilization')} must be in (0, 1], not {share}",
                               "it is the share of each device's memory vLLM may use (0.9 by default)")
-        if self.kv_offloading_size is not None and self.kv_offloading_size < 0:
-            raise ConfigError(f"--kv-offloading-size must be at least 0 GiB, not {self.kv_offloading_size}",
-                              "it is the CPU tier's size in GiB; leave it out for no CPU tier")
+        if self.kv_offloading_size is not None and not 0 <= self.kv_offloading_size <= MAX_KV_OFFLOAD_GIB:
+            raise ConfigError(f"{name('kv_offloading_size')} must be between 0 and {MAX_KV_OFFLOAD_GIB:,} GiB, not "
+                              f"{self.kv_offloading_size:g}",
+                              "it is the CPU tier's size in GiB, at most a server's host memory; leave it out for no "
+                              "CPU tier")
         if self.generation_config not in (None, "auto", "vllm") and not Path(self.generation_config).is_dir():
-            raise ConfigError(f"--generation-config {self.generation_config!r} is neither auto, vllm nor a folder",
+            raise ConfigError(f"{name('generation_config')} {self.generation_config!r} is neither auto, vllm nor a folder",
                               "auto: the model's generation_config.json (vLLM's default); vllm: vLLM's own defaults; "
                               "or the folder of a generation_config.json")
-        self._check_budget(base)
 
     def _check_budget(self, base: EngineConfig) -> None:
         if self.max_num_batched_tokens is None and self.max_num_seqs is None:
@@ -106,6 +117,11 @@ class VllmSettings:
         """These settings with every setting ``other`` gives (``other`` wins)."""
         given = {f.name: getattr(other, f.name) for f in dataclasses.fields(other) if getattr(other, f.name) is not None}
         return dataclasses.replace(self, **given)
+
+
+#: The largest CPU tier of the prefix cache, GiB (64 TiB): more host memory than any one server holds (a GPU
+#: server has 1 to 4 TiB; the largest 8-socket machines take 32 TiB).
+MAX_KV_OFFLOAD_GIB = 64 * 1024
 
 
 #: VllmSettings fields that are EngineConfig fields under another name (or the same).
@@ -134,10 +150,6 @@ _AT_LEAST_ONE = {
 }
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def read_vllm_settings(path: str | Path) -> tuple[VllmSettings, str | None]:
     """(settings, engine spec) of an engine YAML file: ``vllm serve`` keys with dashes or underscores, and
     optionally ``engine: MODEL@ACCELERATOR[xTP]`` (or ``model`` and ``accelerator``)."""
@@ -145,23 +157,52 @@ def read_vllm_settings(path: str | Path) -> tuple[VllmSettings, str | None]:
     data = read_document(path, "engine file") or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: an engine file is a mapping of vllm serve settings")
-    data = {str(k).replace("-", "_"): v for k, v in data.items()}
+    data = _one_spelling(path, data)
     spec = data.pop("engine", None)
     model, accel = data.pop("model", None), data.pop("accelerator", None)
     for key, value in (("engine", spec), ("model", model), ("accelerator", accel)):
-        if value is not None and not isinstance(value, str):
-            raise ConfigError(f"{path}: {key} must be text, not {value!r}",
+        if value is not None and not (isinstance(value, str) and value.strip()):
+            raise ConfigError(f"{path}: {key} must be {'non-empty ' if isinstance(value, str) else ''}text, not {value!r}",
                               "e.g. engine: meta-llama/Llama-3.1-8B-Instruct@h100 (or model: ... and accelerator: h100)")
     if spec is None and model is not None:
         if accel is None:
             raise ConfigError(f"{path}: 'model' needs 'accelerator' (e.g. accelerator: h100-sxm)")
         spec = f"{model}@{accel}"
+    if spec is not None:
+        check_engine_spec(spec, str(path))
     names = {f.name: f for f in dataclasses.fields(VllmSettings)}
     unknown = sorted(set(data) - set(names))
     if unknown:
         raise ConfigError(f"{path}: unknown setting(s) {', '.join(unknown)}",
                           f"the replay models: engine (or model and accelerator), {', '.join(names)}")
-    return VllmSettings(**{k: _typed(path, names[k], v) for k, v in data.items()}), spec
+    settings = VllmSettings(**{k: _typed(path, names[k], v) for k, v in data.items()})
+    settings.check_values(lambda key: f"{path}: {key}")
+    return settings, spec
+
+
+def _one_spelling(path: Path, data: dict) -> dict[str, Any]:
+    """The file's settings under their underscored names; a setting given under both spellings is refused (the
+    last would silently win)."""
+    settings: dict[str, Any] = {}
+    spelled: dict[str, str] = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name in settings:
+            raise ConfigError(f"{path}: {name} is given twice, as {spelled[name]} and as {key}",
+                              "keep one of the two spellings")
+        settings[name], spelled[name] = value, str(key)
+    return settings
+
+
+def check_engine_spec(spec: str, where: str = "--engine") -> None:
+    """Refuse an engine spec that can name no instance: an empty one, or one ``parse_engine_spec`` refuses (no
+    ``@``, fewer than one accelerator after ``x``); ``where`` (an option or a file) says where it was given."""
+    if not spec.strip():
+        raise ConfigError(f"{where}: the engine is empty", "give MODEL@ACCELERATOR[xTP], e.g. llama-3-8b@h100-sxm")
+    try:
+        parse_engine_spec(spec)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc.message}", exc.hint) from None
 
 
 def _typed(path: Path, f: dataclasses.Field, value: Any) -> Any:
@@ -210,14 +251,30 @@ def vllm_instance(spec: str, settings: VllmSettings | None = None, shared: Path 
         raise ConfigError(f"quantization {s.quantization!r} is not modelled", "the replay models fp8 (W8A8) or none")
     base = base or serve_engine(spec, s)
     s.check(base)
-    return resolve_instance(
+    instance = resolve_instance(
         spec, s.engine(base), shared,
         tensor_parallel_size=s.tensor_parallel_size,
         pipeline_parallel_size=s.pipeline_parallel_size or 1,
         weight_dtype=weight_dtype,
         kv_cache_dtype=s.kv_cache_dtype,
     )
+    _check_blocks_fit(instance)
+    return instance
 
 
-__all__ = ["SERVE_BATCH_DEFAULTS", "SERVE_BATCH_DEFAULTS_LARGE", "VLLM_BLOCK_SIZES", "VllmSettings", "read_vllm_settings",
-           "serve_batch_defaults", "serve_engine", "vllm_instance"]
+def _check_blocks_fit(instance: InstanceConfig) -> None:
+    """Refuse --num-gpu-blocks-override beyond the accelerators' memory: vLLM allocates that many blocks on them."""
+    blocks = instance.engine.num_kv_blocks_override
+    block_bytes = instance.kv_bytes_per_token * instance.engine.block_size_tokens
+    memory = instance.accelerator.memory_bytes * instance.accelerator.num_devices
+    if blocks is not None and blocks * block_bytes > memory:
+        raise ConfigError(
+            f"--num-gpu-blocks-override {blocks:,}: {blocks:,} KV blocks of {block_bytes / 2**20:g} MiB are "
+            f"{blocks * block_bytes / GIB:,.1f} GiB, more than the {memory / GIB:,.1f} GiB of memory of "
+            f"{instance.accelerator.num_devices} x {instance.accelerator.name}",
+            f"at most {memory // block_bytes:,} blocks fit there; leave it out to size the cache from memory")
+
+
+__all__ = ["MAX_KV_OFFLOAD_GIB", "SERVE_BATCH_DEFAULTS", "SERVE_BATCH_DEFAULTS_LARGE", "VLLM_BLOCK_SIZES",
+           "VllmSettings", "check_engine_spec", "read_vllm_settings", "serve_batch_defaults", "serve_engine",
+           "vllm_instance"]

@@ -20,11 +20,12 @@ from typing import Any
 
 import click
 
+from replay.cluster import MAX_RANDOM_FAILURES, MAX_SCHEDULE_S, MIN_AUTOSCALE_S, MIN_LINK_GBPS
 from schemas.validate import UnreadableFileError, read_parquet_table
 from servelens import __version__, layout
-from servelens.click_types import Finite, refuse_overwriting
+from servelens.click_types import SEED, Duration, Finite, refuse_overwriting
 from servelens.config import Config, load_config, shared_dir
-from servelens.engine_options import DEFAULT_ENGINE, ENGINE_HELP, engine_instance, vllm_options
+from servelens.engine_options import DEFAULT_ENGINE, ENGINE_HELP, check_engine, engine_instance, vllm_options
 from servelens.errors import ServelensError
 from servelens.fidelity_cli import COMMANDS as FIDELITY_COMMANDS
 from servelens.replay_options import echo_summary, prepare, scenario_options
@@ -66,18 +67,6 @@ def _fail(message: str, hint: str | None = None) -> None:
 
 def _config(ctx: click.Context) -> Config:
     return ctx.find_root().obj["config"]
-
-
-def _duration_s(value: str | None) -> float | None:
-    """A duration option's seconds (``1h``, ``30m``, ``90s``, ``90``); a usage error names the forms."""
-    if value is None:
-        return None
-    from replay.presets import parse_duration_s
-
-    try:
-        return parse_duration_s(value)
-    except ServelensError as exc:
-        raise click.BadParameter(exc.message + " (write it like 30s, 10m, 1h or 1d)") from None
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -876,6 +865,12 @@ def _stash(name: str):
     return callback
 
 
+#: The cluster options' ranges (replay.cluster says why): delays and latencies, link bandwidths, autoscaler periods.
+_DELAY = Finite(0, MAX_SCHEDULE_S)
+_LINK_GBPS = Finite(MIN_LINK_GBPS)
+_AUTOSCALE_S = Finite(MIN_AUTOSCALE_S, MAX_SCHEDULE_S)
+
+
 def _cluster_options(command):
     """`servelens replay`'s cluster options: --instances, --router, --scale and the scaling delays,
     disaggregated pools, failures and an autoscaler."""
@@ -889,26 +884,27 @@ def _cluster_options(command):
                      help="YAML file of the router's settings, e.g. shedding: {sheddable_classes: [batch]}."),
         click.option("--scale", multiple=True, expose_value=False, callback=_stash("scale"),
                      help="Scaling step AT_S:+N or AT_S:-N (seconds after the first arrival; repeatable), e.g. 120:+2."),
-        click.option("--startup-s", type=Finite(), expose_value=False, callback=_stash("startup_s"),
+        click.option("--startup-s", type=_DELAY, expose_value=False, callback=_stash("startup_s"),
                      help="An added instance's start-up delay, seconds (default 30)."),
-        click.option("--weight-load-s", type=Finite(), expose_value=False, callback=_stash("weight_load_s"),
+        click.option("--weight-load-s", type=_DELAY, expose_value=False, callback=_stash("weight_load_s"),
                      help="Its weight-loading delay, seconds (default: weight bytes / --weight-load-gbps)."),
-        click.option("--weight-load-gbps", type=Finite(), expose_value=False, callback=_stash("weight_load_gbps"),
+        click.option("--weight-load-gbps", type=_LINK_GBPS, expose_value=False, callback=_stash("weight_load_gbps"),
                      help="Bandwidth weights load at, GB/s (default 2)."),
-        click.option("--cache-warm-s", type=Finite(), expose_value=False, callback=_stash("cache_warm_s"),
+        click.option("--cache-warm-s", type=_DELAY, expose_value=False, callback=_stash("cache_warm_s"),
                      help="Its cache warm-up delay after loading, seconds (default 10)."),
         click.option("--decode-instances", type=int, expose_value=False, callback=_stash("decode_instances"),
                      help="Disaggregated serving: this many decode instances; --instances is then the prefill pool."),
         click.option("--decode-router", expose_value=False, callback=_stash("decode_router"),
                      help="Router of the decode pool (default least-outstanding-tokens)."),
-        click.option("--kv-transfer-gbps", type=Finite(), expose_value=False, callback=_stash("kv_transfer_gbps"),
+        click.option("--kv-transfer-gbps", type=_LINK_GBPS, expose_value=False, callback=_stash("kv_transfer_gbps"),
                      help="Bandwidth of an instance's link for KV leaving it, GB/s (default 50)."),
-        click.option("--kv-transfer-latency-s", type=Finite(), expose_value=False, callback=_stash("kv_transfer_latency_s"),
+        click.option("--kv-transfer-latency-s", type=_DELAY, expose_value=False, callback=_stash("kv_transfer_latency_s"),
                      help="Latency added to every KV transfer, seconds (default 0.00002)."),
         click.option("--fail", multiple=True, expose_value=False, callback=_stash("fail"),
                      help="Instance failure AT_S:INDEX (seconds after the first arrival, instance by creation index; "
                           "repeatable), e.g. 300:1."),
-        click.option("--failure-rate-per-hour", type=Finite(), expose_value=False, callback=_stash("failure_rate_per_hour"),
+        click.option("--failure-rate-per-hour", type=Finite(0, MAX_RANDOM_FAILURES), expose_value=False,
+                     callback=_stash("failure_rate_per_hour"),
                      help="Random instance failures per hour over the cluster (seeded by --seed), within the first hour."),
         click.option("--autoscaler", expose_value=False, callback=_stash("autoscaler"),
                      help="Autoscaler that sizes an aggregated cluster as it runs: request-rate, workload-aware "
@@ -916,9 +912,9 @@ def _cluster_options(command):
         click.option("--autoscaler-config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
                      expose_value=False, callback=_stash("autoscaler_config_file"),
                      help="YAML file of the autoscaler's settings, e.g. {target_requests_per_s: 4, max_instances: 16}."),
-        click.option("--autoscale-interval-s", type=Finite(), expose_value=False, callback=_stash("autoscale_interval_s"),
-                     help="Seconds between the autoscaler's decisions (default 15)."),
-        click.option("--autoscale-window-s", type=Finite(), expose_value=False, callback=_stash("autoscale_window_s"),
+        click.option("--autoscale-interval-s", type=_AUTOSCALE_S, expose_value=False,
+                     callback=_stash("autoscale_interval_s"), help="Seconds between the autoscaler's decisions (default 15)."),
+        click.option("--autoscale-window-s", type=_AUTOSCALE_S, expose_value=False, callback=_stash("autoscale_window_s"),
                      help="Seconds of arrivals each decision measures (default 60)."),
     ]
     for option in reversed(options):
@@ -1003,7 +999,8 @@ def _echo_outputs(summary) -> None:
                    "deadline-vtc (docs/policies.md).")
 @click.option("--policy-config", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="YAML file of the policy's settings (its config's fields; classes and tenants under `tenancy`).")
-@click.option("--engine", "engine_spec", default=None, help=ENGINE_HELP + f" [default: {DEFAULT_ENGINE}]")
+@click.option("--engine", "engine_spec", default=None, callback=check_engine,
+              help=ENGINE_HELP + f" [default: {DEFAULT_ENGINE}]")
 @click.option("--cost-model", type=click.Choice(["roofline", "profile", "constant"]), default="roofline",
               show_default=True, help="Step cost model (profile: measured Vidur operator timings from the shared data folder).")
 @click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -1015,7 +1012,7 @@ def _echo_outputs(summary) -> None:
 @click.option("--mode", type=click.Choice(["fast", "reference"]), default="fast", show_default=True,
               help="fast coalesces runs of identical decode steps (same timestamps); reference simulates every step.")
 @click.option("--requests", "num_requests", type=click.IntRange(min=1), default=None, help="Tile the workload to this many requests.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of every random choice (scenario draws).")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of every random choice (scenario draws).")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True, help="Output folder.")
 @scenario_options
 @vllm_options
@@ -1130,7 +1127,7 @@ def _fitted_profile(ctx: click.Context, profile_path: Path, *, full_layers: bool
 @click.option("--max-seconds", type=Finite(min=0, min_open=True), default=None,
               help="Time box: stop sweeping after this long (the profile says so).")
 @click.option("--threads", "num_threads", type=click.IntRange(min=1), default=None, help="torch CPU threads [default: torch's].")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of weights, tokens, shape order and the held-out split.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of weights, tokens, shape order and the held-out split.")
 def profile_command(model_name: str, device: str, num_layers: int | None, out: Path, repeats: int | None,
                     warmup: int | None, max_seconds: float | None, num_threads: int | None, seed: int) -> None:
     """Time real forward passes over a sweep of step shapes; write a profile and fit the cost model.
@@ -1212,7 +1209,7 @@ def profile_info_command(profile_path: Path) -> None:
 @click.option("--requests", "num_requests", type=click.IntRange(min=1), default=50, show_default=True,
               help="Replay the workload's first this many requests (every step is a real forward pass).")
 @click.option("--threads", "num_threads", type=click.IntRange(min=1), default=None, help="torch CPU threads [default: torch's].")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of every random choice.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of every random choice.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="Output folder: modelled/ and measured/ replays (events + manifest) and comparison.json.")
 @click.pass_context
@@ -1268,7 +1265,7 @@ def compare_measured_command(ctx: click.Context, workload_name: str, profile_pat
 @click.option("--live", is_flag=True, help="Judge two live pools from the lake (by the events' pool label) instead of two runs.")
 @click.option("--baseline-pool", default="baseline", show_default=True, help="With --live: the baseline pool label.")
 @click.option("--candidate-pool", default="canary", show_default=True, help="With --live: the canary (or shadow) pool label.")
-@click.option("--since", "since_s", default=None, metavar="DURATION", callback=lambda ctx, param, value: _duration_s(value),
+@click.option("--since", "since_s", type=Duration(), default=None, metavar="DURATION",
               help="With --live: only requests from the last DURATION (90s, 30m, 1h, 2d; a plain number is seconds).")
 @click.option("--previous-config", default=None, help="With --live: the configuration to restore on rollback (named in the decision).")
 @click.option("--model-error", "model_error", multiple=True, metavar="NAME=FRACTION",

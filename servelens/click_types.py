@@ -29,6 +29,34 @@ class Finite(click.FloatRange):
         return number
 
 
+class Duration(Finite):
+    """A duration option in seconds from ``90``, ``90s``, ``10m``, ``1h``, ``1d`` or ``250ms``
+    (``replay.presets.parse_duration_s``), optionally within a range of seconds (as ``Finite``)."""
+
+    name = "duration"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, (int, float)):  # a default, or seconds already
+            return super().convert(value, param, ctx)
+        from replay.presets import parse_duration_s
+
+        try:
+            seconds = parse_duration_s(value)
+        except ServelensError as exc:
+            self.fail(exc.message + " (write it like 30s, 10m, 1h or 1d)", param, ctx)
+        try:
+            return super().convert(seconds, param, ctx)
+        except click.BadParameter as exc:
+            self.fail(f"{value} is {seconds:g} s: {exc.message}", param, ctx)
+
+
+#: The largest seed: what a manifest's readers take back as written (JSON numbers read into DuckDB or pandas
+#: are signed 64-bit integers).
+MAX_SEED = 2**63 - 1
+#: Every ``--seed``: a non-negative integer (numpy's generators refuse a negative one).
+SEED = click.IntRange(0, MAX_SEED)
+
+
 def refuse_overwriting(outputs: Path | list[Path], *inputs: str | Path | None) -> None:
     """Refuse an output that is one of the command's inputs (the same file, through any path or link): the
     writer would truncate what is still to be read, and the input would be gone either way."""

@@ -19,7 +19,7 @@ import click
 
 from replay.calibration import Calibration, calibration_named
 from replay.config import InstanceConfig
-from replay.vllm import VllmSettings, read_vllm_settings, vllm_instance
+from replay.vllm import VllmSettings, check_engine_spec, read_vllm_settings, vllm_instance
 from servelens.click_types import Finite
 from servelens.config import Config, shared_dir
 from servelens.errors import DataNotFoundError, ServelensError
@@ -97,8 +97,8 @@ def engine_instance(ctx: click.Context, config: Config, engine_spec: str | None,
     if file is not None:
         from_file, file_spec = read_vllm_settings(file)
         settings = from_file.merged(settings)
-        spec = spec or file_spec
-    instance = vllm_instance(spec or DEFAULT_ENGINE, settings, _shared(config))
+        spec = file_spec if spec is None else spec
+    instance = vllm_instance(DEFAULT_ENGINE if spec is None else spec, settings, _shared(config))
     return instance, choose_calibration(ctx.meta.get(_META + "calibration", "auto"), cost_model)
 
 
@@ -119,5 +119,33 @@ def engine_spec_given(ctx: click.Context, param: str = "engine_spec") -> bool:
     return ctx.get_parameter_source(param) not in (click.core.ParameterSource.DEFAULT, None)
 
 
-__all__ = ["DEFAULT_ENGINE", "ENGINE_HELP", "choose_calibration", "engine_instance", "engine_spec_given",
-           "vllm_options"]
+def check_engine(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """The callback of every ``--engine``: refuse a name that can name no instance (``check_engine_spec``)."""
+    if value is not None:
+        check_engine_spec(value, "--engine")
+    return value
+
+
+def given_options(ctx: click.Context, names: tuple[str, ...]) -> list[str]:
+    """The options of ``names`` (parameter names) given explicitly, as typed (``--no-...`` for a switch turned off)."""
+    given = []
+    for param in ctx.command.params:
+        if param.name in names and engine_spec_given(ctx, param.name):
+            off = ctx.meta.get(_META + param.name) is False and isinstance(param, click.Option) and param.secondary_opts
+            given.append(param.secondary_opts[0] if off else param.opts[0])
+    return given
+
+
+#: The parameters of the engine the options describe: --engine, vLLM's settings and --engine-config.
+ENGINE_PARAMETERS = ("engine_spec", *(f.name for f in dataclasses.fields(VllmSettings)), "engine_config")
+
+
+def refuse_given_options(ctx: click.Context, why: str, hint: str, names: tuple[str, ...] = ENGINE_PARAMETERS) -> None:
+    """Refuse the engine options (or other ``names``) given explicitly where the command would ignore them."""
+    given = given_options(ctx, names)
+    if given:
+        raise ServelensError(f"{', '.join(given)}: {why}", hint)
+
+
+__all__ = ["DEFAULT_ENGINE", "ENGINE_HELP", "ENGINE_PARAMETERS", "check_engine", "choose_calibration", "engine_instance",
+           "engine_spec_given", "given_options", "refuse_given_options", "vllm_options"]

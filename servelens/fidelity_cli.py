@@ -9,11 +9,19 @@ from pathlib import Path
 
 import click
 
-from replay.calibration import Calibration, default_calibration, write_calibration
+from replay.calibration import Calibration, write_calibration
 from replay.load import sequences
-from servelens.click_types import refuse_overwriting
+from servelens.click_types import SEED, refuse_overwriting
 from servelens.config import Config, shared_dir
-from servelens.engine_options import ENGINE_HELP, choose_calibration, engine_instance, vllm_options
+from servelens.engine_options import (
+    ENGINE_HELP,
+    ENGINE_PARAMETERS,
+    check_engine,
+    choose_calibration,
+    engine_instance,
+    refuse_given_options,
+    vllm_options,
+)
 from servelens.errors import ServelensError
 
 SOURCES = ("experiments", "requests", "steps")
@@ -41,8 +49,12 @@ def _experiment_targets(ctx: click.Context, data: Path | None, ids: str | None) 
     from replay.fit import Target
 
     experiments = read_experiments(_fidelity_folder(ctx, data))
-    if ids:
+    if ids is not None:
         wanted = [i.strip() for i in ids.split(",") if i.strip()]
+        if not wanted:
+            raise ServelensError(f"--experiments {ids!r} names no experiment",
+                                 f"give comma-separated ids ({', '.join(e.id for e in experiments)}), or leave "
+                                 "--experiments out for every one")
         unknown = sorted(set(wanted) - {e.id for e in experiments})
         if unknown:
             raise ServelensError(f"unknown experiment(s) {', '.join(unknown)}",
@@ -80,8 +92,8 @@ def _progress(message: str) -> None:
 @click.option("--events", default=None, metavar="FILE|lake",
               help="Instead: a recorded run's events (JSONL or Parquet, or `lake`), replayed on --engine with its "
                    "settings; compared client side where the events record client times, else engine side.")
-@click.option("--engine", "engine_spec", default=None, help=ENGINE_HELP + " (with --events)")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the replayed workloads.")
+@click.option("--engine", "engine_spec", default=None, callback=check_engine, help=ENGINE_HELP + " (with --events)")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the replayed workloads.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="Folder for fidelity.json, fidelity.md and fidelity.html.")
 @vllm_options
@@ -104,14 +116,17 @@ def fidelity_command(ctx: click.Context, data: Path | None, ids: str | None, eve
     from replay.fit import Target, replay_measured
 
     if events is not None:
+        refuse_given_options(ctx, "given with --events, which replays one recorded run (--data and --experiments "
+                              "pick fidelity experiments instead)", "drop them, or drop --events to replay the "
+                              "fidelity experiments", ("data", "ids"))
         instance, calibration = engine_instance(ctx, _config(ctx), engine_spec)
         from replay.derive import derive_requests
 
         targets = [Target.of_requests(Path(events).stem, derive_requests(_events(ctx, events)), instance)]
     else:
-        if engine_spec is not None:
-            raise ServelensError("--engine replays --events; fidelity experiments carry their own engine",
-                                 "drop --engine, or give the recorded run with --events")
+        refuse_given_options(ctx, "given with fidelity experiments, which replay their own recorded engine and "
+                              "settings (--engine and the engine options go with --events)",
+                              "drop them, or give the recorded run with --events")
         targets = _experiment_targets(ctx, data, ids)
         calibration = choose_calibration(ctx.meta.get("vllm.calibration", "auto"), "roofline")
     cal = calibration or _uncalibrated()
@@ -154,7 +169,8 @@ def _uncalibrated() -> Calibration:
               help="With --from experiments: a fidelity folder [default: the shared data's fidelity/].")
 @click.option("--experiments", "ids", default=None, help="With --from experiments: comma-separated ids [default: all].")
 @click.option("--events", default=None, metavar="FILE|lake", help="With --from requests or steps: the recorded events.")
-@click.option("--engine", "engine_spec", default=None, help=ENGINE_HELP + " (with --from requests or steps)")
+@click.option("--engine", "engine_spec", default=None, callback=check_engine,
+              help=ENGINE_HELP + " (with --from requests or steps)")
 @click.option("--held-out/--no-held-out", default=True, show_default=True,
               help="Measure the held-out error: leave each experiment out in turn, each fold fitted from the full "
                    "fit's start without it (experiments; about 30 minutes for the 13 shared runs on two cores), or "
@@ -172,7 +188,10 @@ def calibrate_command(ctx: click.Context, source: str, data: Path | None, ids: s
 
     The fitted terms are physically bounded (shares of the hardware's peak, non-negative times), few,
     and reported with the error on runs the fit never saw. Use the file with
-    `servelens replay --calibration FILE` (docs/calibration.md).
+    `servelens replay --calibration FILE` (docs/calibration.md). --calibration here is the fit's base:
+    with --from requests or steps the terms one run cannot separate come from it (default: the shipped
+    one; none: the uncalibrated roofline); with --from experiments, when given, a second search starts
+    from its terms and the lower loss is kept.
 
     \b
     Example:
@@ -183,17 +202,19 @@ def calibrate_command(ctx: click.Context, source: str, data: Path | None, ids: s
     refuse_overwriting(out, events)
     name = name or out.stem
     if source == "experiments":
-        if events is not None or engine_spec is not None:
-            raise ServelensError("--events and --engine go with --from requests or steps",
-                                 "fidelity experiments carry their own workload and engine")
+        refuse_given_options(ctx, "given with --from experiments, whose runs carry their own workload, engine and "
+                              "settings (--events, --engine and the engine options go with --from requests or steps)",
+                              "drop them, or calibrate a recorded run with --from requests or steps and --events",
+                              ("events", *ENGINE_PARAMETERS))
         calibration = _calibrate_experiments(ctx, data, ids, held_out, name, engine_version, workers)
     else:
         if events is None:
             raise ServelensError(f"--from {source} needs --events FILE (or lake)", "give the recorded run's events")
-        instance, _ = engine_instance(ctx, _config(ctx), engine_spec)
-        base = default_calibration()
+        refuse_given_options(ctx, f"given with --from {source}, which fits the run --events recorded (--data and "
+                              "--experiments go with --from experiments)", "drop them", ("data", "ids"))
+        instance, base = engine_instance(ctx, _config(ctx), engine_spec)
         if base is None:
-            raise ServelensError("no base calibration to start from", "calibrate --from experiments first")
+            base = _base_calibration(ctx)
         from replay.calibrate import calibrate_requests, calibrate_steps
 
         recorded = _events(ctx, events)
@@ -219,17 +240,30 @@ def calibrate_command(ctx: click.Context, source: str, data: Path | None, ids: s
     click.echo(f"written: {path}  (use: servelens replay --calibration {path} ...)")
 
 
+def _base_calibration(ctx: click.Context) -> Calibration:
+    """The base of a fit where --calibration names none: ``none`` is the uncalibrated roofline; ``auto`` with no
+    shipped calibration is an error."""
+    if ctx.meta.get("vllm.calibration") != "none":
+        raise ServelensError("no base calibration to start from", "calibrate --from experiments first, or give "
+                             "--calibration FILE (or none: the uncalibrated roofline)")
+    return _uncalibrated()
+
+
 def _calibrate_experiments(ctx: click.Context, data: Path | None, ids: str | None, held_out: bool, name: str,
                            engine_version: str, workers: int | None) -> Calibration:
+    """The fit to the experiments from the default start and, where --calibration names one, from its terms too
+    (the lower loss kept)."""
     from replay.calibrate import calibrate_experiments
-    from replay.fit import ENGINE_PARAMETERS
+    from replay.fit import ENGINE_PARAMETERS as FITTED
 
     targets = _experiment_targets(ctx, data, ids)
     if len(targets) < 2:
         raise ServelensError("a calibration from run summaries needs at least two experiments",
-                             f"give more experiments (the fit has {len(ENGINE_PARAMETERS)} terms)")
+                             f"give more experiments (the fit has {len(FITTED)} terms)")
+    given = ctx.meta.get("vllm.calibration")
+    start = choose_calibration(given, "roofline") if given is not None else None
     return calibrate_experiments(targets, name=name, engine=engine_version, held_out=held_out, workers=workers,
-                                 progress=_progress)[0]
+                                 progress=_progress, also_from=() if start is None else (start,))[0]
 
 
 COMMANDS = (fidelity_command, calibrate_command)

@@ -17,7 +17,8 @@ from typing import Any
 
 import click
 
-from replay.presets import PRESETS, LoadShape, Preset, parse_duration_s, parse_load
+from replay.presets import MAX_SPAN_S, PRESETS, LoadShape, Preset, parse_load
+from servelens.click_types import Duration
 from servelens.errors import ServelensError
 
 _META = "shape."
@@ -32,13 +33,6 @@ def _stash(name: str, convert: Callable[[Any], Any] | None = None):
                 raise click.BadParameter(str(exc)) from None
 
     return callback
-
-
-def _duration(value: str) -> float:
-    try:
-        return parse_duration_s(value)
-    except Exception as exc:  # noqa: BLE001 - a ReplayError with its own words
-        raise ValueError(str(exc).split("\n")[0]) from None
 
 
 def _load(value: str):
@@ -59,9 +53,10 @@ def scenario_options(command: Callable) -> Callable:
                      help="Rate multiplier: every gap between arrivals divided by it, bursts kept (2x, 1.5x, 0.5x)."),
         click.option("--superpose", expose_value=False, callback=_stash("superpose"), type=click.IntRange(min=1),
                      metavar="N", help="Merge N copies of the workload, copy i shifted by i x --shift."),
-        click.option("--shift", expose_value=False, callback=_stash("shift", _duration), metavar="S",
+        click.option("--shift", expose_value=False, callback=_stash("shift"), type=Duration(0, MAX_SPAN_S), metavar="S",
                      help="Shift between superposed copies: 30s, 10m, 1h [default: 0]."),
-        click.option("--block-bootstrap", expose_value=False, callback=_stash("bootstrap", _duration), metavar="S",
+        click.option("--block-bootstrap", expose_value=False, callback=_stash("bootstrap"),
+                     type=Duration(0, MAX_SPAN_S, min_open=True), metavar="S",
                      help="Resample windows of this length with replacement (seeded by --seed): 60s, 5m."),
         click.option("--windows", expose_value=False, callback=_stash("windows"), type=click.IntRange(min=1),
                      metavar="N", help="Windows the block bootstrap draws [default: as many as the workload holds]."),
@@ -108,6 +103,7 @@ def echo_summary(summary, preset: Preset, calibration, instance) -> None:
     """The run's figures from its own request table, and the calibration behind them."""
     import pyarrow.parquet as pq
 
+    from replay.calibration import other_engine
     from replay.figures import busy_steps, format_figures, run_figures
 
     if summary.requests_path is None:
@@ -127,6 +123,8 @@ def echo_summary(summary, preset: Preset, calibration, instance) -> None:
         held = ", ".join(f"{k} {v:.1f}%" for k, v in calibration.held_out_error_pct if k in ("ttft_mean", "e2e_mean", "itl_mean"))
         click.echo(f"calibration {calibration.name} ({calibration.engine}{where}; median held-out error "
                    f"{held or 'not measured'})")
+        if note := other_engine(calibration):
+            click.echo(f"warning: calibration {calibration.name}: {note}", err=True)
     echo_load(summary.manifest_path)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pyarrow.parquet as pq
 import pytest
 
@@ -293,3 +295,48 @@ def test_cluster_from_options_defaults_are_the_configs_and_units_convert():
     ):
         with pytest.raises(ReplayError, match=message):
             cluster_from_options(instance, **kwargs)
+
+
+def test_a_failure_of_an_instance_the_cluster_never_holds_is_refused_by_its_flag():
+    """--fail 10:99 on one instance failed nothing, silently; --fail 10:-1 named InstanceFailure(...)."""
+    from replay.cluster import cluster_from_options
+
+    instance = instance_config()
+    with pytest.raises(ReplayError, match=r"--fail 10:99 names instance 99, but the cluster holds at most 1 instance "
+                                          r"\(indexes 0 to 0\)") as caught:
+        cluster_from_options(instance, 1, fail=["10:99"])
+    assert "--fail AT_S:INDEX" in caught.value.hint
+    # scaled-up and autoscaled instances count (the autoscaler's default max_instances: 64)
+    assert cluster_from_options(instance, 2, scale=["5:+1"], fail=["10:2"]).failures[0].instance == 2
+    with pytest.raises(ReplayError, match="holds at most 3 instances"):
+        cluster_from_options(instance, 2, scale=["5:+1"], fail=["10:3"])
+    assert cluster_from_options(instance, 1, autoscaler="request-rate", fail=["10:63"]).failures[0].instance == 63
+    with pytest.raises(ReplayError, match="holds at most 64 instances"):
+        cluster_from_options(instance, 1, autoscaler="request-rate", fail=["10:64"])
+    with pytest.raises(ReplayError, match="--fail 10:-1: the instance index must be 0 or more, not -1") as caught:
+        cluster_from_options(instance, 1, fail=["10:-1"])
+    assert caught.value.hint
+
+
+@pytest.mark.parametrize(
+    ("build", "message", "flag"),
+    [
+        # were "scaling delays must be non-negative" and "..._bytes_per_s must be positive", without a hint, or an
+        # internal OverflowError once the replay scheduled them
+        (lambda: ScalingDelays(startup_s=-1.0), "the scaling delay startup_s must be between 0 and 1e+09 s", "--startup-s"),
+        (lambda: ScalingDelays(cache_warm_s=1e308), "cache_warm_s must be between 0 and 1e+09 s", "--cache-warm-s"),
+        (lambda: ScalingDelays(weight_load_bandwidth_bytes_per_s=1e-300), "at least 0.001 GB/s", "--weight-load-gbps"),
+        (lambda: ClusterConfig(instances=(instance_config(),), kv_transfer_bandwidth_bytes_per_s=0.0),
+         "the KV transfer link must move at least 0.001 GB/s", "--kv-transfer-gbps"),
+        (lambda: ClusterConfig(instances=(instance_config(),), kv_transfer_latency_s=1e300),
+         "with a latency of 0 to 1e+09 s", "--kv-transfer-latency-s"),
+        (lambda: ClusterConfig(instances=(instance_config(),), failure_rate_per_s=1e12),  # drew 3.6e15 failures
+         "at most 10,000 failures expected in it", "--failure-rate-per-hour"),
+        (lambda: ClusterConfig(instances=(instance_config(),), autoscaler="request-rate", autoscale_interval_s=1e-300),
+         "the autoscaler's interval and window must be positive: between 0.1 and 1e+09 s", "--autoscale-interval-s"),
+    ],
+)
+def test_out_of_range_cluster_settings_say_which_option_sets_them(build, message, flag):
+    with pytest.raises(ReplayError, match=re.escape(message)) as caught:
+        build()
+    assert flag in caught.value.hint

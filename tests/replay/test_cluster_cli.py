@@ -92,8 +92,35 @@ def test_autoscaler_options_fail_cleanly(tmp_path):
         (["--autoscaler", "nope"], "unknown autoscaler 'nope'"),
         (["--autoscale-interval-s", "5"], "need --autoscaler"),
         (["--autoscaler", "request-rate", "--autoscaler-config", str(bad_config)], "unknown config key target_rps"),
-        (["--autoscaler", "request-rate", "--autoscale-window-s", "0"], "must be positive"),
+        (["--autoscaler", "request-rate", "--autoscale-window-s", "0"], "'--autoscale-window-s': 0.0 is not in the range 0.1<=x"),
         (["--instances", "1", "--decode-instances", "1", "--autoscaler", "workload-aware"], "not supported yet"),
     ):
         proc = servelens("replay", "--workload", "azure-conv", "--requests", "50", *args, "--out", str(tmp_path / "x"))
         assert proc.returncode == 3 and message in proc.stderr and "Traceback" not in proc.stderr, (args, proc.stderr)
+
+
+def test_cluster_options_out_of_range_are_refused_by_their_flag(tmp_path):
+    """Each was refused naming a library field (scaling delays must be non-negative, InstanceFailure(...)), taken
+    silently (a failure of an instance never there), or an internal OverflowError."""
+    from click.testing import CliRunner
+
+    from servelens.cli import cli
+
+    for args, code, message in (
+        (["--fail", "10:99"], 3, "--fail 10:99 names instance 99, but the cluster holds at most 1 instance"),
+        (["--fail", "10:-1"], 3, "--fail 10:-1: the instance index must be 0 or more"),
+        (["--startup-s", "-1"], 2, "'--startup-s': -1.0 is not in the range 0<=x<=1000000000.0"),
+        (["--startup-s", "1e308", "--scale", "1:+1"], 2, "'--startup-s': 1e+308 is not in the range"),
+        (["--weight-load-gbps", "0"], 2, "'--weight-load-gbps': 0.0 is not in the range x>=0.001"),
+        (["--weight-load-gbps", "1e-300", "--scale", "1:+1"], 2, "'--weight-load-gbps': 1e-300 is not in the range"),
+        (["--kv-transfer-gbps", "0"], 2, "'--kv-transfer-gbps': 0.0 is not in the range x>=0.001"),
+        (["--kv-transfer-latency-s", "-1"], 2, "'--kv-transfer-latency-s': -1.0 is not in the range"),
+        (["--failure-rate-per-hour", "-1"], 2, "'--failure-rate-per-hour': -1.0 is not in the range 0<=x<=10000"),
+        (["--autoscale-interval-s", "0"], 2, "'--autoscale-interval-s': 0.0 is not in the range 0.1<=x"),
+        (["--autoscale-window-s", "-1"], 2, "'--autoscale-window-s': -1.0 is not in the range 0.1<=x"),
+    ):
+        done = CliRunner().invoke(cli, ["replay", "--workload", "azure-conv", "--requests", "20", *args,
+                                        "--out", str(tmp_path / "x")])
+        assert done.exit_code == code and message in done.output, (args, done.output)
+        assert "internal error" not in done.output and "Traceback" not in done.output
+        assert code == 2 or "hint: --fail AT_S:INDEX" in done.output

@@ -58,7 +58,8 @@ def test_parallel_sizes_below_one_are_refused_before_an_instance_is_built():
         (VllmSettings(block_size=0), "--block-size 0 is not one of vLLM's block sizes"),
         (VllmSettings(block_size=24), "--block-size 24 is not one of vLLM's block sizes"),
         (VllmSettings(gpu_memory_utilization=0.0), "--gpu-memory-utilization must be in (0, 1], not 0.0"),
-        (VllmSettings(kv_offloading_size=-1.0), "--kv-offloading-size must be at least 0 GiB, not -1.0"),
+        (VllmSettings(kv_offloading_size=-1.0), "--kv-offloading-size must be between 0 and 65,536 GiB, not -1"),
+        (VllmSettings(kv_offloading_size=1e30), "--kv-offloading-size must be between 0 and 65,536 GiB, not 1e+30"),
         # vLLM's SchedulerConfig refuses a step budget below the batch; the default budget (8192 on an H100) counts
         (VllmSettings(max_num_batched_tokens=2048, max_num_seqs=4096),
          "--max-num-batched-tokens 2048 is below --max-num-seqs 4096"),
@@ -112,3 +113,51 @@ def test_generation_config_auto_vllm_or_a_folder_decides_the_penalty_pass(tmp_pa
     path = tmp_path / "engine.yaml"
     path.write_text("generation-config: vllm\n")
     assert read_vllm_settings(path)[0].engine().sampling_penalties is False
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        # each was taken, or refused naming an option the user never typed
+        ("gpu_memory_utilization: .nan\n", "engine.yaml: gpu_memory_utilization must be in (0, 1], not nan"),
+        ("kv-offloading-size: .inf\n", "engine.yaml: kv_offloading_size must be between 0 and 65,536 GiB, not inf"),
+        ("max-num-seqs: 0\n", "engine.yaml: max_num_seqs must be at least 1, not 0"),
+        ("tensor-parallel-size: 1\ntensor_parallel_size: 2\n",
+         "engine.yaml: tensor_parallel_size is given twice, as tensor-parallel-size and as tensor_parallel_size"),
+        ('engine: ""\n', "engine.yaml: engine must be non-empty text, not ''"),
+        ("engine: llama-3-8b@h100x0\n", "engine.yaml: engine 'llama-3-8b@h100x0' asks for 0 accelerators"),
+    ],
+)
+def test_a_bad_value_in_an_engine_file_names_the_file_and_key(tmp_path, text, message):
+    path = tmp_path / "engine.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(message)) as caught:
+        read_vllm_settings(path)
+    assert caught.value.hint and "--" not in caught.value.message.replace(str(path), "")  # no option the user never typed
+
+
+def test_an_engine_spec_that_names_no_instance_is_refused_where_it_was_given():
+    from replay.vllm import check_engine_spec
+
+    with pytest.raises(ConfigError, match="--engine: the engine is empty") as caught:
+        check_engine_spec(" ", "--engine")
+    assert "MODEL@ACCELERATOR" in caught.value.hint
+    # was AcceleratorConfig.tensor_parallel_size must be positive, not 0 (no hint)
+    with pytest.raises(ConfigError, match=re.escape("engine 'llama-3-8b@h100-sxmx0' asks for 0 accelerators: the count "
+                                                    "after 'x' must be at least 1")) as caught:
+        vllm_instance("llama-3-8b@h100-sxmx0")
+    assert "a100-80gx2" in caught.value.hint
+    # was an OSError echoing the whole name (File name too long)
+    with pytest.raises(ConfigError, match=r"unknown model 'a{100}\.\.\. \(100,000 characters\)'") as caught:
+        vllm_instance("a" * 100_000 + "@h100")
+    assert len(caught.value.message) < 150
+
+
+def test_more_gpu_blocks_than_the_accelerators_hold_are_refused():
+    assert vllm_instance("llama-3-8b@h100", VllmSettings(num_gpu_blocks_override=40_960)).num_kv_blocks == 40_960
+    with pytest.raises(ConfigError, match=re.escape("--num-gpu-blocks-override 40,961: 40,961 KV blocks of 2 MiB are "
+                                                    "80.0 GiB, more than the 80.0 GiB of memory of 1 x h100-sxm")) as caught:
+        vllm_instance("llama-3-8b@h100", VllmSettings(num_gpu_blocks_override=40_961))
+    assert caught.value.hint.startswith("at most 40,960 blocks fit there")
+    doubled = vllm_instance("llama-3-8b@h100x2", VllmSettings(num_gpu_blocks_override=81_920))  # two devices' memory
+    assert doubled.num_kv_blocks == 81_920

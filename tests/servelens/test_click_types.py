@@ -48,3 +48,30 @@ def test_help_shows_a_range_only_where_there_is_one():
 
     out = CliRunner().invoke(cli, ["replay", "--help"]).output
     assert "None]" not in out and "[x>=1]" in out
+
+
+def test_a_duration_takes_units_and_keeps_its_range():
+    from servelens.click_types import Duration
+
+    @click.command()
+    @click.option("--window", type=Duration(0, 1e9, min_open=True), required=True)
+    def command(window: float) -> None:
+        click.echo(f"window {window}")
+
+    runner = CliRunner()
+    assert runner.invoke(command, ["--window", "5m"]).output == "window 300.0\n"
+    for value, message in (("0s", "0s is 0 s: 0.0 is not in the range 0<x<=1000000000.0"),
+                           ("99999999999999h", "99999999999999h is 3.6e+17 s"),  # was an internal OverflowError
+                           ("soon", "'soon' is not a duration (write it like 30s, 10m, 1h or 1d)")):
+        result = runner.invoke(command, ["--window", value])
+        assert result.exit_code == 2 and message in result.output and "'--window'" in result.output, (value, result.output)
+
+
+def test_every_seed_option_refuses_a_negative_seed():
+    """--seed -1 was an internal ValueError (numpy's generators refuse a negative seed) once the replay ran."""
+    from servelens.cli import cli
+
+    for command in (["replay"], ["fidelity"], ["profile"], ["compare-measured"]):
+        result = CliRunner().invoke(cli, [*command, "--seed", "-1"])
+        assert result.exit_code == 2, (command, result.output)
+        assert "Invalid value for '--seed': -1 is not in the range 0<=x<=" in result.output, (command, result.output)

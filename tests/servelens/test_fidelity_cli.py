@@ -132,3 +132,77 @@ def test_calibrate_from_a_recorded_run_s_steps_and_replay_with_it(tmp_path, shar
     assert again.returncode == 0, again.stderr and "calibration mine" in again.stdout
     missing = servelens("calibrate", "--from", "steps", "--engine", "llama-3-8b@h100", "--out", str(cal))
     assert missing.returncode == 3 and "--from steps needs --events" in missing.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        # each was taken and ignored: the experiments replay their recorded settings, --events one recorded run
+        (["fidelity", "--experiments", "63", "--max-num-seqs", "-5"], "--max-num-seqs: given with fidelity experiments"),
+        (["fidelity", "--experiments", "63", "--gpu-memory-utilization", "0.01", "--tensor-parallel-size", "3"],
+         "--tensor-parallel-size, --gpu-memory-utilization: given with fidelity experiments, which replay their own"),
+        (["fidelity", "--max-num-seqs", "1", "--no-enable-prefix-caching"],
+         "--max-num-seqs, --no-enable-prefix-caching: given with fidelity experiments"),
+        (["fidelity", "--engine", "llama-3-8b@h100"], "--engine: given with fidelity experiments"),
+        (["fidelity", "--events", "{events}", "--experiments", "63"], "--experiments: given with --events, which replays"),
+        (["fidelity", "--events", "{events}", "--data", "{data}", "--experiments", "63"], "--data, --experiments: given"),
+        (["calibrate", "--max-num-seqs", "8"], "--max-num-seqs: given with --from experiments, whose runs carry"),
+        (["calibrate", "--engine-config", "{engine}"], "--engine-config: given with --from experiments"),
+        (["calibrate", "--events", "{events}"], "--events: given with --from experiments"),
+        (["calibrate", "--from", "steps", "--events", "{events}", "--experiments", "63"],
+         "--experiments: given with --from steps, which fits the run --events recorded"),
+        # was the full 13-run fit (",,," was already refused)
+        (["calibrate", "--experiments", ""], "--experiments '' names no experiment"),
+        (["calibrate", "--experiments", ",,,"], "--experiments ',,,' names no experiment"),
+        (["fidelity", "--experiments", " "], "--experiments ' ' names no experiment"),
+        (["calibrate", "--from", "steps", "--events", "{events}", "--engine", ""], "--engine: the engine is empty"),
+    ],
+)
+def test_options_the_command_would_ignore_are_refused_by_name(tmp_path, shared, args, message):
+    from click.testing import CliRunner
+
+    from servelens.cli import cli
+
+    (tmp_path / "events.jsonl").write_text("")
+    (tmp_path / "engine.yaml").write_text("max-num-seqs: 8\n")
+    fill = {"{events}": str(tmp_path / "events.jsonl"), "{data}": str(shared / "fidelity"),
+            "{engine}": str(tmp_path / "engine.yaml")}
+    args = [fill.get(a, a) for a in args]
+    done = CliRunner().invoke(cli, [*args, "--out", str(tmp_path / "out.json")], env={"SERVELENS_SHARED_DIR": str(shared)})
+    assert done.exit_code == 3 and message in done.output and "hint: " in done.output, done.output
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_calibrate_fits_over_the_calibration_given(tmp_path, shared):
+    """--calibration was ignored by calibrate (every fit started from the shipped one): --from steps takes the
+    terms it does not fit from it, --from experiments searches from its terms too."""
+    from unittest import mock
+
+    from click.testing import CliRunner
+
+    from servelens.cli import cli
+
+    rec = tmp_path / "recorded"
+    done = servelens("replay", "--workload", "azure-conv", "--requests", "60", "--engine", "llama-3-8b@h100",
+                     "--calibration", "none", "--out", str(rec), env={"SERVELENS_SHARED_DIR": str(shared)})
+    assert done.returncode == 0, done.stderr
+    methods = {}
+    for base in ("none", "vllm-0.15.1-h100"):
+        out = tmp_path / f"{base}.json"
+        done = servelens("calibrate", "--from", "steps", "--events", str(rec / "events.parquet"), "--engine",
+                         "llama-3-8b@h100", "--no-held-out", "--calibration", base, "--out", str(out),
+                         env={"SERVELENS_SHARED_DIR": str(shared)})
+        assert done.returncode == 0, done.stderr
+        methods[base] = json.loads(out.read_text())["method"]
+    assert methods["none"].endswith("over uncalibrated roofline")
+    assert methods["vllm-0.15.1-h100"].endswith("over vllm-0.15.1-h100")
+    shipped = calibration_named("vllm-0.15.1-h100")
+    with mock.patch("replay.calibrate.calibrate_experiments", return_value=(shipped, [])) as fit:
+        done = CliRunner().invoke(cli, ["calibrate", "--experiments", "60,61", "--calibration", "vllm-0.15.1-h100",
+                                        "--out", str(tmp_path / "experiments.json")],
+                                  env={"SERVELENS_SHARED_DIR": str(shared)})
+        assert done.exit_code == 0, done.output
+        assert [c.name for c in fit.call_args.kwargs["also_from"]] == ["vllm-0.15.1-h100"]
+        done = CliRunner().invoke(cli, ["calibrate", "--experiments", "60,61", "--out", str(tmp_path / "default.json")],
+                                  env={"SERVELENS_SHARED_DIR": str(shared)})
+        assert done.exit_code == 0 and fit.call_args.kwargs["also_from"] == (), done.output

@@ -90,9 +90,10 @@ def test_requests_derive_warns_of_latencies_left_null_because_a_clock_ran_backwa
 
 
 def test_durations_and_the_lake_option(tmp_path):
-    from servelens.cli import _duration_s
+    from servelens.click_types import Duration
 
-    assert [_duration_s(v) for v in ("1h", "30m", "90s", "90", "1.5d")] == [3600.0, 1800.0, 90.0, 90.0, 129_600.0]
+    since = Duration()  # gate --since's type
+    assert [since.convert(v, None, None) for v in ("1h", "30m", "90s", "90", "1.5d")] == [3600.0, 1800.0, 90.0, 90.0, 129_600.0]
     done = _run("--lake", str(tmp_path / "nowhere"), "lake", "compact")
     assert str(tmp_path / "nowhere") in done.output or done.exit_code == 0
 

@@ -3,6 +3,7 @@ scenario with every policy's defaults, and replays exactly what the README's pol
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -102,6 +103,20 @@ def test_the_summary_prints_the_prefix_hit_rate_the_table_records(shared, tmp_pa
     assert "TTFT (engine side) p50 / p90 / p99" in done.stdout and "E2E (client side" in done.stdout
 
 
+def test_a_calibration_fitted_on_another_engine_is_used_with_a_warning(azure_slice, tmp_path):
+    from replay.calibration import default_calibration, write_calibration
+
+    cal = default_calibration()
+    path = write_calibration(dataclasses.replace(cal, engine="SGLang 0.4"), tmp_path / "sglang.json")
+    done = servelens("replay", "--workload", str(azure_slice), "--requests", "20", "--calibration", str(path),
+                     "--out", str(tmp_path / "x"))
+    assert done.returncode == 0, done.stderr
+    assert (f"warning: calibration {cal.name}: fitted on SGLang 0.4, not vLLM: the replay schedules as vLLM v1 does, "
+            "so its terms may not carry over") in done.stderr
+    manifest = json.loads((tmp_path / "x" / "manifest.json").read_text())
+    assert manifest["calibration"]["other_engine"].startswith("fitted on SGLang 0.4, not vLLM")
+
+
 def test_scenario_options_fail_cleanly(azure_slice, tmp_path):
     from click.testing import CliRunner
 
@@ -113,6 +128,35 @@ def test_scenario_options_fail_cleanly(azure_slice, tmp_path):
                                  (["--scenario", "three-class"], 2, "three-class")):
         done = CliRunner().invoke(cli, ["replay", "--workload", str(azure_slice), *flags, "--out", str(tmp_path / "x")])
         assert done.exit_code == code and message in done.output and "Traceback" not in done.output, done.output
+
+
+@pytest.mark.parametrize(
+    ("flags", "code", "message"),
+    [
+        # each was taken (a 300-digit rate; a CPU tier or a KV pool no machine has; the default engine for an empty
+        # name), an internal OverflowError, a message naming a library field, or a 100,000-character file name
+        (["--load", "1e308x"], 2, "load '1e308x' is more than 1,000,000x the recorded rate"),
+        (["--shift", "99999999999999h", "--superpose", "2"], 2, "'--shift': 99999999999999h is 3.6e+17 s"),
+        (["--shift", "100000h", "--superpose", "1000"], 3,
+         "--superpose 1000 --shift 3.6e+08s: the copies must number at least 1 and the last start within 1e+09 s"),
+        (["--block-bootstrap", "0s"], 2, "'--block-bootstrap': 0s is 0 s: 0.0 is not in the range 0<x"),
+        (["--kv-offload", "1e30"], 3, "--kv-offloading-size must be between 0 and 65,536 GiB, not 1e+30"),
+        (["--num-gpu-blocks-override", "99999999999"], 3, "--num-gpu-blocks-override 99,999,999,999: 99,999,999,999 KV "
+                                                          "blocks of 2 MiB are 195,312,500.0 GiB, more than the 80.0 GiB"),
+        (["--engine", ""], 3, "--engine: the engine is empty"),
+        (["--engine", "llama-3-8b@h100-sxmx0"], 3, "--engine: engine 'llama-3-8b@h100-sxmx0' asks for 0 accelerators"),
+        (["--engine", "a" * 100_000 + "@h100"], 3, "unknown model '" + "a" * 100 + "... (100,000 characters)'"),
+    ],
+)
+def test_out_of_range_replay_options_are_refused_by_their_flag(azure_slice, tmp_path, flags, code, message):
+    from click.testing import CliRunner
+
+    from servelens.cli import cli
+
+    done = CliRunner().invoke(cli, ["replay", "--workload", str(azure_slice), *flags, "--out", str(tmp_path / "x")])
+    assert done.exit_code == code and message in done.output, done.output
+    assert "internal error" not in done.output and "Traceback" not in done.output and len(done.output) < 1000
+    assert code == 2 or "hint: " in done.output
 
 
 def test_the_readme_2x_deadline_row_is_what_the_command_prints(shared, tmp_path):
