@@ -21,6 +21,7 @@ import pyarrow as pa
 
 from schemas.arrow import EVENTS_SCHEMA, arrow_schema
 from schemas.records import RequestRow
+from servelens.errors import ConfigError
 from servelens.sql import parquet_relation, sql_literal
 
 EventSource = pa.Table | str | Path | Sequence[str | Path]
@@ -177,7 +178,12 @@ def connect(memory_limit: str | None = None) -> duckdb.DuckDBPyConnection:
     con = duckdb.connect(config={"autoinstall_known_extensions": False})  # never downloads an extension
     con.execute("SET enable_progress_bar = false")
     if memory_limit:
-        con.execute(f"SET memory_limit = {sql_literal(memory_limit)}")
+        try:
+            con.execute(f"SET memory_limit = {sql_literal(memory_limit)}")
+        except duckdb.Error as exc:
+            raise ConfigError(f"lake.duckdb_memory_limit {memory_limit!r} is not a memory size DuckDB takes ({exc})",
+                              "e.g. 2GB or 600MB ([lake] duckdb_memory_limit, SERVELENS_LAKE__DUCKDB_MEMORY_LIMIT), or "
+                              "leave it unset for DuckDB's default") from None
     return con
 
 

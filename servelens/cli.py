@@ -805,20 +805,38 @@ def lake_compact(ctx: click.Context, vacuum_hours: int | None) -> None:
     Example:
       servelens lake compact
     """
-    from pipelines.lake import Lake
 
-    config = _config(ctx)
-    store = Lake(config.lake.root, config.lake)
+    store = _existing_lake(_config(ctx))
     merged = store.compact()
     deleted = store.vacuum(retention_hours=vacuum_hours)
     click.echo(f"compacted {sum(merged.values()):,} files ({merged}); vacuumed {deleted:,} files")
 
 
+def _existing_lake(config: Config) -> Any:
+    """The configured lake, refused where its root is a local path that is no folder (a typo would otherwise
+    read as an empty lake: 0 rows, 0 files compacted)."""
+    from pipelines.lake import Lake
+
+    store = Lake(config.lake.root, config.lake)
+    if not store.is_remote and not Path(store.root).is_dir():
+        what = "a file, not a lake folder" if Path(store.root).exists() else "not there"
+        raise ServelensError(f"no lake at {store.root}: {what}",
+                             "give the lake's folder with --lake (or [lake] root, SERVELENS_LAKE__ROOT); "
+                             "`servelens ingest` creates one")
+    return store
+
+
+#: How long `lake sql` lets a query run before it is stopped, seconds (a recursive query can run forever).
+LAKE_SQL_TIMEOUT_S = 300.0
+
+
 @lake.command("sql")
 @click.argument("query")
 @click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True, help="Rows to print.")
+@click.option("--timeout-s", type=Finite(0, min_open=True), default=LAKE_SQL_TIMEOUT_S, show_default=True,
+              help="Stop the query after this many seconds.")
 @click.pass_context
-def lake_sql(ctx: click.Context, query: str, limit: int) -> None:
+def lake_sql(ctx: click.Context, query: str, limit: int, timeout_s: float) -> None:
     """Run a read-only SQL QUERY over the views events, dead_letters and requests.
 
     Only queries (SELECT, several separated by ;) run, on a connection that reads files under the
@@ -829,26 +847,33 @@ def lake_sql(ctx: click.Context, query: str, limit: int) -> None:
     Example:
       servelens lake sql "SELECT outcome, count(*) FROM requests GROUP BY 1"
     """
+    import threading
+
     import duckdb
 
-    from pipelines.lake import Lake
     from pipelines.tables import ReadOnlyViolation, check_query
 
-    config = _config(ctx)
-    con = Lake(config.lake.root, config.lake).connect(read_only=True)
+    con = _existing_lake(_config(ctx)).connect(read_only=True)
     hint = "lake sql runs queries only, over the views events, dead_letters and requests (docs/operations.md)"
+    watchdog = threading.Timer(timeout_s, con.interrupt)
+    watchdog.start()
     try:
         check_query(con, query)
         result = con.sql(query)
+        table = None if result is None else result.limit(limit).to_arrow_table()
     except ReadOnlyViolation as exc:
         raise ServelensError(f"refused: {exc}", hint) from None
     except duckdb.PermissionException as exc:
         raise ServelensError(f"refused: {exc}", hint) from None
+    except duckdb.InterruptException:
+        raise ServelensError(f"the query ran past --timeout-s ({timeout_s:g} s) and was stopped",
+                             "narrow it (a WHERE on dt, a LIMIT), or give a longer --timeout-s") from None
     except duckdb.Error as exc:
         raise ServelensError(f"the query failed: {exc}", "the views are events, dead_letters and requests") from None
-    if result is None:
-        return
-    click.echo(result.limit(limit).to_arrow_table().to_pandas().to_string(index=False))
+    finally:
+        watchdog.cancel()
+    if table is not None:
+        click.echo(table.to_pandas().to_string(index=False))
 
 
 # ---------------------------------------------------------------------------------------------- replay

@@ -201,3 +201,26 @@ def test_lake_sql_is_read_only_and_refuses_each_attack_with_a_clear_error(tmp_pa
         assert "root:" not in result.output and "c2VjcmV0" not in result.output
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
     assert Lake(tmp_path / "lake").connect().execute("SELECT count(*) FROM events").fetchone() == (10,)
+
+
+def test_lake_sql_stops_a_query_that_runs_past_its_timeout_and_refuses_a_lake_that_is_not_there(tmp_path, monkeypatch):
+    """A recursive query ran until killed; a --lake typo read as an empty lake (0 rows, 0 files compacted); a
+    memory limit DuckDB cannot parse was an internal ParserException naming no setting."""
+    from click.testing import CliRunner
+
+    from servelens.cli import cli
+
+    Lake(tmp_path / "lake").commit(EVENTS, _events(0, 10), [OffsetRange("t", 0, 0, 0, 10)], {("t", 0, 0): None})
+    monkeypatch.setenv("SERVELENS_LAKE__ROOT", str(tmp_path / "lake"))
+    forever = "WITH RECURSIVE r(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM r) SELECT count(*) FROM r"
+    stopped = CliRunner().invoke(cli, ["lake", "sql", "--timeout-s", "1", forever])
+    assert stopped.exit_code == 3 and "the query ran past --timeout-s (1 s) and was stopped" in stopped.output
+    assert CliRunner().invoke(cli, ["lake", "sql", "SELECT count(*) AS n FROM events"]).output.split() == ["n", "10"]
+    (tmp_path / "afile").write_text("")
+    for root, what in ((tmp_path / "typo", "not there"), (tmp_path / "afile", "a file, not a lake folder")):
+        for command in (["lake", "sql", "SELECT 1"], ["lake", "compact"]):
+            done = CliRunner().invoke(cli, ["--lake", str(root), *command])
+            assert done.exit_code == 3 and f"no lake at {root}: {what}" in done.output, done.output
+    monkeypatch.setenv("SERVELENS_LAKE__DUCKDB_MEMORY_LIMIT", "banana")
+    bad = CliRunner().invoke(cli, ["lake", "sql", "SELECT 1"])
+    assert bad.exit_code == 3 and "lake.duckdb_memory_limit 'banana' is not a memory size DuckDB takes" in bad.output

@@ -95,7 +95,7 @@ def test_durations_and_the_lake_option(tmp_path):
     since = Duration()  # gate --since's type
     assert [since.convert(v, None, None) for v in ("1h", "30m", "90s", "90", "1.5d")] == [3600.0, 1800.0, 90.0, 90.0, 129_600.0]
     done = _run("--lake", str(tmp_path / "nowhere"), "lake", "compact")
-    assert str(tmp_path / "nowhere") in done.output or done.exit_code == 0
+    assert done.exit_code == 3 and f"no lake at {tmp_path / 'nowhere'}: not there" in done.output
 
 
 def test_metrics_export_labels_a_replay_with_its_models_name(tmp_path):
