@@ -23,7 +23,7 @@ import click
 from replay.cluster import MAX_RANDOM_FAILURES, MAX_SCHEDULE_S, MIN_AUTOSCALE_S, MIN_LINK_GBPS
 from schemas.validate import UnreadableFileError, read_parquet_table
 from servelens import __version__, layout
-from servelens.click_types import SEED, Duration, Finite, refuse_overwriting
+from servelens.click_types import OUT_FILE, OUT_FOLDER, SEED, Duration, Finite, refuse_overwriting
 from servelens.config import Config, load_config, shared_dir
 from servelens.engine_options import DEFAULT_ENGINE, ENGINE_HELP, check_engine, engine_instance, vllm_options
 from servelens.errors import ServelensError
@@ -207,7 +207,7 @@ def trace_list(ctx: click.Context) -> None:
 
 @trace.command("convert")
 @click.argument("trace_name", metavar="TRACE")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Output file.")
+@click.option("--out", type=OUT_FILE, required=True, help="Output file.")
 @click.option(
     "--to",
     "kind",
@@ -276,7 +276,7 @@ def trace_stats(ctx: click.Context, trace_name: str) -> None:
 
 @trace.command("to-blis")
 @click.argument("source", metavar="INPUT")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True,
+@click.option("--out", type=OUT_FILE, required=True,
               help="The trace's CSV; its YAML header is written beside it (.yaml).")
 @click.option("--mode", type=click.Choice(["real", "replayed", "generated"]), default="real", show_default=True,
               help="The header's mode: real for recorded production traffic, replayed for a servelens replay.")
@@ -325,7 +325,7 @@ def trace_to_blis(ctx: click.Context, source: str, out: Path, mode: str, model: 
 
 @trace.command("from-blis")
 @click.argument("data_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True,
+@click.option("--out", type=OUT_FILE, required=True,
               help="Events (Parquet) of the trace's observed timings, to derive and judge its request table.")
 def trace_from_blis(data_file: Path, out: Path) -> None:
     """Import a BLIS trace v2 (DATA_FILE, header beside it) as observed lifecycle events.
@@ -372,7 +372,7 @@ def requests() -> None:
 
 @requests.command("derive")
 @click.argument("events_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Output Parquet file.")
+@click.option("--out", type=OUT_FILE, required=True, help="Output Parquet file.")
 @click.pass_context
 def requests_derive(ctx: click.Context, events_file: Path, out: Path) -> None:
     """Derive one row per request from EVENTS_FILE (JSONL or Parquet), for engine telemetry.
@@ -492,7 +492,7 @@ def metrics() -> None:
               "in JSON, or an OpenMetrics time series for `promtool tsdb create-blocks-from openmetrics`.")
 @click.option("--interval-s", type=Finite(min=0, min_open=True), default=15.0, show_default=True,
               help="openmetrics: one cumulative point per interval (requests observed when they finish).")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Output file; default: standard output.")
+@click.option("--out", type=OUT_FILE, help="Output file; default: standard output.")
 @click.option("--labels", default="model", show_default=True,
               help="Comma-separated label dimensions among model, service_class, pool ('' for none); never ids.")
 @click.option("--max-label-values", type=click.IntRange(min=1), default=10, show_default=True,
@@ -569,7 +569,7 @@ def privacy() -> None:
 
 
 @privacy.command("keygen")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Key file to create.")
+@click.option("--out", type=OUT_FILE, required=True, help="Key file to create.")
 @click.option("--id", "key_id", default=None, help="Key id [default: k<UTC timestamp>].")
 def privacy_keygen(out: Path, key_id: str | None) -> None:
     """Create a key file with one fresh 32-byte pseudonym key (mode 0600).
@@ -639,7 +639,7 @@ def privacy_lookup(ctx: click.Context, value: str, field: str, all_keys: bool) -
 
 @privacy.command("sanitize")
 @click.argument("events_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Sanitized Parquet file.")
+@click.option("--out", type=OUT_FILE, required=True, help="Sanitized Parquet file.")
 @click.pass_context
 def privacy_sanitize(ctx: click.Context, events_file: Path, out: Path) -> None:
     """Validate and sanitize EVENTS_FILE (JSONL or Parquet) into Parquet, with a privacy report.
@@ -1038,7 +1038,7 @@ def _echo_outputs(summary) -> None:
               help="fast coalesces runs of identical decode steps (same timestamps); reference simulates every step.")
 @click.option("--requests", "num_requests", type=click.IntRange(min=1), default=None, help="Tile the workload to this many requests.")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of every random choice (scenario draws).")
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True, help="Output folder.")
+@click.option("--out", type=OUT_FOLDER, required=True, help="Output folder.")
 @scenario_options
 @vllm_options
 @_cluster_options
@@ -1144,7 +1144,7 @@ def _fitted_profile(ctx: click.Context, profile_path: Path, *, full_layers: bool
 @click.option("--layers", "num_layers", type=click.IntRange(min=1), default=None,
               help="Build only this many layers (scaled by layer count: the fitted model multiplies per-layer "
                    "terms back to the real model) [default: all].")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True,
+@click.option("--out", type=OUT_FILE, required=True,
               help="Profile to write (Parquet); the fit report goes beside it as <out>.fit.json.")
 @click.option("--repeats", type=click.IntRange(min=1), default=None,
               help="Timed runs per shape [default: 7 on cuda, 5 (tiny) or 3 on cpu].")
@@ -1235,7 +1235,7 @@ def profile_info_command(profile_path: Path) -> None:
               help="Replay the workload's first this many requests (every step is a real forward pass).")
 @click.option("--threads", "num_threads", type=click.IntRange(min=1), default=None, help="torch CPU threads [default: torch's].")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of every random choice.")
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
+@click.option("--out", type=OUT_FOLDER, required=True,
               help="Output folder: modelled/ and measured/ replays (events + manifest) and comparison.json.")
 @click.pass_context
 def compare_measured_command(ctx: click.Context, workload_name: str, profile_path: Path, policy_name: str,
@@ -1286,7 +1286,7 @@ def compare_measured_command(ctx: click.Context, workload_name: str, profile_pat
     default=None,
     help="Gate configuration (YAML) [default: the built-in one].",
 )
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None, help="Report folder [default: <out_dir>/gate].")
+@click.option("--out", type=OUT_FOLDER, default=None, help="Report folder [default: <out_dir>/gate].")
 @click.option("--live", is_flag=True, help="Judge two live pools from the lake (by the events' pool label) instead of two runs.")
 @click.option("--baseline-pool", default="baseline", show_default=True, help="With --live: the baseline pool label.")
 @click.option("--candidate-pool", default="canary", show_default=True, help="With --live: the canary (or shadow) pool label.")
@@ -1371,7 +1371,7 @@ def _gate_runs(ctx: click.Context, baseline: Path | None, candidate: Path | None
 @cli.command()
 @click.option("--trace", "trace_name", default="azure-conv", show_default=True, help="Bundled trace name or trace file.")
 @click.option(
-    "--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+    "--out", type=OUT_FOLDER, default=None,
     help="Demo folder, emptied first (the demo key is kept); a folder with files that is not a demo's is refused "
          "[default: <out_dir>/demo].",
 )

@@ -57,6 +57,30 @@ MAX_SEED = 2**63 - 1
 SEED = click.IntRange(0, MAX_SEED)
 
 
+class OutputPath(click.Path):
+    """An ``--out`` path, checked before any work: a folder output refuses a path that exists and is no folder (a
+    file, or a device such as /dev/null, found only after a replay); a file output refuses a name ending in
+    ``/`` (a folder meant) and a path that exists and is no regular file (a device: a writer's side files,
+    such as a BLIS trace's header, would land beside it, in /dev)."""
+
+    def __init__(self, *, folder: bool) -> None:
+        super().__init__(file_okay=not folder, dir_okay=folder, path_type=Path)
+        self.folder = folder
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if not self.folder and isinstance(value, str) and value.endswith(("/", os.sep)):
+            self.fail(f"{value} names a folder (it ends in /); give the file's name", param, ctx)
+        path = super().convert(value, param, ctx)
+        if path.exists() and not (path.is_dir() if self.folder else path.is_file()):
+            self.fail(f"{path} exists and is not a {'folder' if self.folder else 'regular file'}", param, ctx)
+        return path
+
+
+#: ``--out`` of a command that writes one file, and of one that writes a folder.
+OUT_FILE = OutputPath(folder=False)
+OUT_FOLDER = OutputPath(folder=True)
+
+
 def refuse_overwriting(outputs: Path | list[Path], *inputs: str | Path | None) -> None:
     """Refuse an output that is one of the command's inputs (the same file, through any path or link): the
     writer would truncate what is still to be read, and the input would be gone either way."""

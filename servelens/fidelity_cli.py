@@ -11,7 +11,7 @@ import click
 
 from replay.calibration import Calibration, write_calibration
 from replay.load import sequences
-from servelens.click_types import SEED, refuse_overwriting
+from servelens.click_types import OUT_FILE, OUT_FOLDER, SEED, refuse_overwriting
 from servelens.config import Config, shared_dir
 from servelens.engine_options import (
     ENGINE_HELP,
@@ -94,7 +94,7 @@ def _progress(message: str) -> None:
                    "settings; compared client side where the events record client times, else engine side.")
 @click.option("--engine", "engine_spec", default=None, callback=check_engine, help=ENGINE_HELP + " (with --events)")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the replayed workloads.")
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
+@click.option("--out", type=OUT_FOLDER, required=True,
               help="Folder for fidelity.json, fidelity.md and fidelity.html.")
 @vllm_options
 @click.pass_context
@@ -178,7 +178,7 @@ def _uncalibrated() -> Calibration:
 @click.option("--name", default=None, help="The calibration's name [default: from the output file].")
 @click.option("--engine-version", default="vLLM 0.15.1", show_default=True, help="The engine the data came from.")
 @click.option("--workers", type=click.IntRange(min=1), default=None, help="Replays in parallel [default: the CPUs, at most 4].")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Calibration file (JSON).")
+@click.option("--out", type=OUT_FILE, required=True, help="Calibration file (JSON).")
 @vllm_options
 @click.pass_context
 def calibrate_command(ctx: click.Context, source: str, data: Path | None, ids: str | None, events: str | None,

@@ -75,3 +75,25 @@ def test_every_seed_option_refuses_a_negative_seed():
         result = CliRunner().invoke(cli, [*command, "--seed", "-1"])
         assert result.exit_code == 2, (command, result.output)
         assert "Invalid value for '--seed': -1 is not in the range 0<=x<=" in result.output, (command, result.output)
+
+
+def test_an_output_path_is_refused_before_any_work_when_it_cannot_be_written_as_asked(tmp_path):
+    """Before, replay --out /dev/null replayed first and then failed on 'File exists', trace to-blis --out /dev/null
+    wrote its header to /dev/null.yaml, and --out dir/ wrote a file named like the folder."""
+    import click
+    import pytest
+
+    from servelens.click_types import OUT_FILE, OUT_FOLDER
+
+    (tmp_path / "f.csv").write_text("")
+    assert OUT_FOLDER.convert(str(tmp_path / "new"), None, None) == tmp_path / "new"
+    assert OUT_FILE.convert(str(tmp_path / "f.csv"), None, None) == tmp_path / "f.csv"  # overwritten, as before
+    for convert, value, message in (
+        (OUT_FOLDER, "/dev/null", "/dev/null exists and is not a folder"),
+        (OUT_FOLDER, str(tmp_path / "f.csv"), "is a file"),
+        (OUT_FILE, "/dev/null", "/dev/null exists and is not a regular file"),
+        (OUT_FILE, f"{tmp_path}/", r"names a folder \(it ends in /\)"),
+        (OUT_FILE, str(tmp_path), "is a directory"),
+    ):
+        with pytest.raises(click.BadParameter, match=message):
+            convert.convert(value, None, None)
