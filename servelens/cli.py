@@ -266,12 +266,19 @@ def trace_stats(ctx: click.Context, trace_name: str) -> None:
     table = TableWorkload(read_trace(trace_name, _shared_or_none(ctx, trace_name))).table  # arrival order checked
     s = workload_stats(table)
     click.echo(
-        f"{s.num_requests:,} requests ({s.num_failed:,} failed) over {s.span_s:,.1f} s, {s.mean_rate_per_s:.3f} req/s\n"
+        f"{s.num_requests:,} requests ({s.num_failed:,} failed) over {s.span_s:,.1f} s, "
+        f"{_figure(s.mean_rate_per_s, '.3f', ' req/s', 'no rate (every arrival at one instant)')}\n"
         f"prompt tokens p50 {s.prompt_tokens_p50:,.0f} p99 {s.prompt_tokens_p99:,.0f}; "
         f"output tokens p50 {s.output_tokens_p50:,.0f} p99 {s.output_tokens_p99:,.0f}\n"
-        f"inter-arrival CV {s.burst.interarrival_cv:.3f}; peak/mean {s.burst.peak_to_mean_1s:.2f} per 1 s, "
+        f"inter-arrival CV {_figure(s.burst.interarrival_cv, '.3f', '', 'n/a (fewer than two gaps)')}; "
+        f"peak/mean {s.burst.peak_to_mean_1s:.2f} per 1 s, "
         f"{s.burst.peak_to_mean_10s:.2f} per 10 s"
     )
+
+
+def _figure(value: float | None, spec: str, unit: str, missing: str) -> str:
+    """``value`` formatted with its unit, or ``missing`` where it is undefined (None or NaN)."""
+    return f"{value:{spec}}{unit}" if value is not None and value == value else missing
 
 
 @trace.command("to-blis")

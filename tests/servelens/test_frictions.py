@@ -60,6 +60,15 @@ def test_trace_stats_and_convert_refuse_an_unsorted_trace_as_replay_does(tmp_pat
         assert done.exit_code == 3 and "not in arrival order" in done.output, done.output
 
 
+def test_trace_stats_of_a_single_instant_prints_no_rate_rather_than_nan(tmp_path):
+    csv = tmp_path / "one.csv"
+    csv.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:05,100,20\n")
+    done = CliRunner().invoke(cli, ["trace", "stats", str(csv)])
+    assert done.exit_code == 0 and "nan" not in done.output, done.output
+    assert "over 0.0 s, no rate (every arrival at one instant)" in done.output
+    assert "inter-arrival CV n/a (fewer than two gaps)" in done.output
+
+
 def test_requests_derive_needs_no_key_for_sanitized_events_and_copies_a_replays_own_table(tmp_path):
     from replay.run import run_replay
     from tests.replay.conftest import make_workload
