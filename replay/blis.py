@@ -144,6 +144,28 @@ def parse_header(text: str, where: str = "header") -> BlisHeader:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         raise BlisError(f"{where}: not YAML: {exc}") from None
+    return header_from_data(data, where)
+
+
+#: The modes a trace v2 header names: real (blis observe), generated (blis run), replayed (blis replay).
+MODES = ("real", "generated", "replayed")
+
+
+def read_header(header_path: Path) -> BlisHeader:
+    """The trace v2 header in the YAML file ``header_path``; a file that is not UTF-8 YAML is an error naming it."""
+    from servelens.errors import ConfigError
+    from servelens.settings import read_document
+
+    try:
+        data = read_document(header_path, "BLIS trace header", "write the header as BLIS does (--trace-header): a "
+                             "UTF-8 YAML mapping with trace_version, time_unit and mode")
+    except ConfigError as exc:
+        raise BlisError(exc.message, exc.hint) from None
+    return header_from_data(data or {}, str(header_path))
+
+
+def header_from_data(data: object, where: str) -> BlisHeader:
+    """A trace v2 header from its parsed YAML; unknown keys and bad values are errors naming ``where``."""
     if not isinstance(data, dict):
         raise BlisError(f"{where}: a trace header is a YAML mapping")
     data = dict(data)
@@ -162,6 +184,12 @@ def parse_header(text: str, where: str = "header") -> BlisHeader:
     if header.time_unit not in TIME_UNITS:
         raise BlisError(f"{where}: time_unit {header.time_unit!r} is not supported",
                         "trace v2 times are microseconds: 'microseconds' (blis run, replay) or 'us' (blis observe)")
+    if header.mode not in MODES:
+        raise BlisError(f"{where}: mode {header.mode!r} is not a trace v2 mode", f"valid modes: {', '.join(MODES)}")
+    warm = header.warm_up_requests
+    if not isinstance(warm, int) or isinstance(warm, bool) or warm < 0:
+        raise BlisError(f"{where}: warm_up_requests {warm!r} is not a count",
+                        "the number of the trace's first requests that warm the server up: an integer, 0 or more")
     return header
 
 
@@ -190,18 +218,23 @@ def header_yaml(header: BlisHeader) -> str:
 
 def read_blis(header_path: Path, data_path: Path) -> BlisTrace:
     """Read a trace v2 (header YAML, data CSV); bad values are errors that name the row and column."""
-    header = parse_header(Path(header_path).read_text(), str(header_path))
+    header = read_header(header_path)
     try:
         with Path(data_path).open("rb") as fh:
             columns = next(csv.reader(io.TextIOWrapper(fh, "utf-8", newline="")))
         table = pacsv.read_csv(data_path, parse_options=pacsv.ParseOptions(newlines_in_values=True),
                                convert_options=pacsv.ConvertOptions(column_types={c: pa.string() for c in columns},
                                                                     strings_can_be_null=False))
-    except (StopIteration, pa.ArrowInvalid) as exc:
-        raise BlisError(f"{data_path}: not a readable trace v2 CSV: {exc}") from None
+    except (StopIteration, pa.ArrowInvalid, UnicodeDecodeError) as exc:
+        raise BlisError(f"{data_path}: not a readable trace v2 CSV: {exc}", "a trace v2 CSV is UTF-8 text") from None
     missing = [c for c in BASE_COLUMNS if c not in columns]
     if missing:
         raise BlisError(f"{data_path}: missing trace v2 column(s) {', '.join(missing)}")
+    if table.num_rows == 0:
+        raise BlisError(f"{data_path}: the trace holds no requests (a header line only)", "give a trace with at least one row")
+    if header.warm_up_requests > table.num_rows:
+        raise BlisError(f"{header_path}: warm_up_requests {header.warm_up_requests:,} is more than the trace's "
+                        f"{table.num_rows:,} requests", "count only the trace's first requests that warm the server up")
     typed = {}
     for name in table.column_names:
         if name in _INT_COLUMNS:
@@ -213,9 +246,12 @@ def read_blis(header_path: Path, data_path: Path) -> BlisTrace:
         else:
             typed[name] = table[name]
     records = pa.table(typed)
-    for name in ("prefix_length", "input_tokens", "output_tokens", "deadline_us"):
-        if pc.any(pc.less(records[name], 0)).as_py():
-            raise BlisError(f"{data_path}: column {name} has a negative value")
+    for name in ("prefix_length", "input_tokens", "output_tokens", "deadline_us", "arrival_time_us"):
+        negative = pc.less(records[name], 0)
+        if pc.any(negative).as_py():
+            row = pc.index(negative, True).as_py()
+            raise BlisError(f"{data_path}: row {row + 1}, column {name}: {records[name][row].as_py()} is negative",
+                            "fix or drop the row: a replay cannot run a negative count or time")
     kept = ["request_id", "prefix_group"] + [c for c in UNMODELLED_COLUMNS if c in columns]
     carry = table.select(kept).append_column("prefix_length", table["prefix_length"])
     return BlisTrace(header, records, tuple(columns), carry)

@@ -35,7 +35,7 @@ from replay.metrics import MetricsConfig
 from replay.policies import policy_class
 from replay.policies.tenancy import Tenancy, TenantConfig
 from replay.scenario import Scenario, ServiceClassSpec, TenantSpec
-from replay.workload import TableWorkload, TiledWorkload, Workload, block_bootstrap, scale_rate, superpose
+from replay.workload import MAX_SPAN_S, TableWorkload, TiledWorkload, Workload, block_bootstrap, scale_rate, superpose
 from schemas.types import doc
 
 NS = 1_000_000_000
@@ -55,10 +55,6 @@ THREE_TENANT_SCENARIO = Scenario(
 #: times shorter than one engine step, so every request of the trace lands in the queue at once and the load
 #: means nothing more (and a trace's gaps, recorded to the microsecond or coarser, fall below a nanosecond).
 MAX_LOAD = 10**6
-#: The longest span of a load shape (a --shift across the superposed copies, a --block-bootstrap window),
-#: seconds: about 31 years, so that its arrival times in nanoseconds still fit a 64-bit integer with the
-#: workload's own span added.
-MAX_SPAN_S = 1e9
 
 
 def parse_load(text: str | float | Fraction) -> Fraction:

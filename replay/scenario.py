@@ -150,6 +150,20 @@ def _pick(names: list[str], shares: list[float], u: np.ndarray) -> np.ndarray:
     return np.asarray(names, dtype=object)[idx]
 
 
+def check_classes(classes: pa.Array | pa.ChunkedArray, valid: list[str], where: str, row_offset: int = 0) -> None:
+    """A ``ReplayError`` naming the first recorded service class that is not one of ``valid`` (its row, counted
+    from ``row_offset``, and the valid classes): replaying it under another class's objectives, or none, would
+    judge it against objectives it never had."""
+    if not valid:
+        return
+    unknown = pc.and_(pc.is_valid(classes), pc.invert(pc.is_in(classes, pa.array(valid, pa.string()))))
+    if pc.any(unknown).as_py():
+        row = pc.index(unknown, True).as_py()
+        raise ReplayError(f"{where}: the workload's service_class {classes[row].as_py()!r} (row {row_offset + row}) is "
+                          f"not one of its classes", f"valid classes: {', '.join(valid)}; relabel the rows or clear "
+                          "the column to let the scenario assign classes")
+
+
 def apply_scenario(batch: pa.RecordBatch, scenario: Scenario, seed: int, row_offset: int,
                    origin_ns: int | None = None) -> pa.RecordBatch:
     """The batch with the scenario's assignments (rows numbered from ``row_offset`` in the workload;
@@ -168,6 +182,8 @@ def apply_scenario(batch: pa.RecordBatch, scenario: Scenario, seed: int, row_off
         fill("tenant", _pick([t.name for t in scenario.tenants], [t.share for t in scenario.tenants], uniform(seed, _TENANT, index)))
     if scenario.service_classes:
         specs = scenario.service_classes
+        if not scenario.overwrite:  # recorded classes are kept: each must be one the scenario defines
+            check_classes(columns["service_class"], [c.name for c in specs], f"scenario {scenario.name!r}", row_offset)
         fill("service_class", _pick([c.name for c in specs], [c.share for c in specs], uniform(seed, _CLASS, index)))
     if scenario.model_phases:
         fill("model", _phase_models(batch, scenario.model_phases, uniform(seed, _MODEL, index), origin_ns))

@@ -27,6 +27,11 @@ from schemas.arrow import EVENTS_SCHEMA
 from schemas.events import SCHEMA_VERSION
 from schemas.validate import read_parquet_table
 
+#: The longest span of a workload or a load shape (a --shift across the superposed copies, a --block-bootstrap
+#: window), seconds: about 31 years, so that its arrival times in nanoseconds still fit a 64-bit integer with
+#: the workload's own span added.
+MAX_SPAN_S = 1e9
+
 
 @dataclass(frozen=True, slots=True)
 class Burstiness:
@@ -169,7 +174,7 @@ class TableWorkload(Workload):
     """A workload held as one table (a trace, a transformed trace, ingested telemetry)."""
 
     def __init__(self, table: pa.Table, name: str = "workload", batch_rows: int = 65_536) -> None:
-        self.table = _checked(table)
+        self.table = _checked(table, name)
         self.name = name
         self.num_requests = table.num_rows
         self._batch_rows = batch_rows
@@ -193,7 +198,7 @@ class TiledWorkload(Workload):
     """
 
     def __init__(self, base: pa.Table, num_copies: int, *, num_requests: int | None = None, name: str | None = None) -> None:
-        self.base = _checked(base)
+        self.base = _checked(base, name or "the workload")
         self.num_copies = num_copies
         self.num_requests = num_requests if num_requests is not None else base.num_rows * num_copies
         if self.num_requests > base.num_rows * num_copies:
@@ -224,31 +229,90 @@ def as_workload(workload: pa.Table | Workload, name: str = "workload") -> Worklo
     return workload if isinstance(workload, Workload) else TableWorkload(workload, name)
 
 
-def _checked(table: pa.Table) -> pa.Table:
+#: The longest label a workload may carry (request id, session, tenant, service class, model, adapter),
+#: characters. Real ids and names are tens of characters; the replay copies a request's labels into each of its
+#: events, per-tenant and per-class state and the request table, so megabyte labels multiply into gigabytes (200
+#: requests with a 1,000,000-character tenant ended in a failed 5.9 GB allocation).
+MAX_LABEL_CHARS = 256
+_LABELS = ("request_id", "session_id", "tenant", "service_class", "model", "adapter")
+#: Least value of each counted column (token counts 0: BurstGPT records empty prompts and outputs, replayed as one
+#: token; see docs/replay.md).
+_LEAST = (("arrival_ns", 0), ("num_prompt_tokens", 0), ("num_output_tokens", 0), ("num_branches", 1),
+          ("prefix_block_size_tokens", 1), ("cancel_after_ns", 0))
+
+
+def _checked(table: pa.Table, source: str = "the workload") -> pa.Table:
+    """The table as a workload (``WORKLOAD_SCHEMA``), or a ``ReplayError`` naming ``source``, the column and the
+    first bad row: missing columns, no rows, empty or fractional cells, overlong labels, rows out of arrival
+    order, values below their least, a span beyond ``MAX_SPAN_S``, duplicate ids."""
     missing = [f.name for f in WORKLOAD_SCHEMA if f.name not in table.column_names]
     if missing:
-        raise ReplayError(f"not a workload table: missing column(s) {', '.join(missing)}")
-    table = table.select(WORKLOAD_SCHEMA.names).cast(WORKLOAD_SCHEMA)
+        raise ReplayError(f"{source}: not a workload table: missing column(s) {', '.join(missing)}")
+    if table.num_rows == 0:
+        raise ReplayError(f"{source} holds no requests", "give a workload with at least one row")
+    table = pa.Table.from_arrays([_column(table[f.name], f, source) for f in WORKLOAD_SCHEMA], schema=WORKLOAD_SCHEMA)
+    _check_labels(table, source)
     arrivals = table["arrival_ns"].to_numpy()
     if len(arrivals) > 1 and (np.diff(arrivals) < 0).any():
         row = int(np.argmax(np.diff(arrivals) < 0)) + 1
         raise ReplayError(
-            f"the workload is not in arrival order (row {row} arrives before row {row - 1})",
+            f"{source} is not in arrival order (row {row} arrives before row {row - 1})",
             "sort it by arrival_ns once; the replay never reorders arrivals itself",
         )
-    for column, least in (("arrival_ns", 0), ("num_prompt_tokens", 0), ("num_output_tokens", 0), ("num_branches", 1),
-                          ("prefix_block_size_tokens", 1), ("cancel_after_ns", 0)):
+    for column, least in _LEAST:
         found = first_below(table, column, least)
         if found is not None:
             row, low = found
-            raise ReplayError(f"the workload's {column} must be at least {least}: row {row} has {low}",
+            raise ReplayError(f"{source}: the workload's {column} must be at least {least}: row {row} has {low}",
                               "fix the rows (a trace's converter wrote them wrong), or drop them")
-    if table.num_rows and pc.count_distinct(table["request_id"]).as_py() < table.num_rows:
+    _check_span(arrivals, source)
+    if pc.count_distinct(table["request_id"]).as_py() < table.num_rows:
         seen = pc.value_counts(table["request_id"])
         twice = seen.filter(pc.greater(seen.field("counts"), 1))[0]["values"].as_py()
-        raise ReplayError(f"the workload's request ids are not unique: {twice!r} is there more than once",
+        raise ReplayError(f"{source}: the workload's request ids are not unique: {twice!r} is there more than once",
                           "give every request its own id (the replay's events and request table are keyed by it)")
     return table
+
+
+def _column(values: pa.ChunkedArray, field: pa.Field, source: str) -> pa.ChunkedArray:
+    """One column cast to its workload type; an empty cell where a request needs a value, a fraction or NaN where
+    a count or time is, or a type that does not convert is an error naming the column and the first such row."""
+    if not field.nullable and values.null_count:
+        row = pc.index(pc.is_null(values), True).as_py()
+        raise ReplayError(f"{source}: column {field.name} is empty on row {row} ({values.null_count:,} rows in all)",
+                          f"every request needs a {field.name}: fill in the rows or drop them")
+    if pa.types.is_integer(field.type) and pa.types.is_floating(values.type):
+        whole = pc.and_(pc.is_finite(values), pc.equal(pc.floor(values), values))
+        bad = pc.and_(pc.is_valid(values), pc.invert(whole))
+        if pc.any(bad).as_py():
+            row = pc.index(bad, True).as_py()
+            raise ReplayError(f"{source}: column {field.name} holds {values[row].as_py()} on row {row}, not a whole number",
+                              f"write {field.name} as integers (counts and nanoseconds), with no NaN or fraction")
+    try:
+        return pc.cast(values, field.type)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
+        raise ReplayError(f"{source}: column {field.name} is {values.type}, which does not convert to {field.type}: {exc}",
+                          f"write {field.name} as {field.type}") from None
+
+
+def _check_labels(table: pa.Table, source: str) -> None:
+    for name in _LABELS:
+        lengths = pc.utf8_length(table[name])
+        over = pc.greater(lengths, MAX_LABEL_CHARS)
+        if pc.any(over).as_py():
+            row = pc.index(over, True).as_py()
+            raise ReplayError(f"{source}: column {name} on row {row} is {lengths[row].as_py():,} characters long, more "
+                              f"than the {MAX_LABEL_CHARS} a label may have",
+                              f"shorten the {name} values (an id or a name, not a payload), or drop the rows")
+
+
+def _check_span(arrivals: np.ndarray, source: str) -> None:
+    """Refuse arrivals spanning more than ``MAX_SPAN_S`` (about 31 years: a clock gone wrong, not a trace)."""
+    span_ns = int(arrivals.max()) - int(arrivals.min())
+    if span_ns > MAX_SPAN_S * 1e9:
+        raise ReplayError(f"{source}: arrivals span {span_ns / 1e9:,.0f} s (rows {int(arrivals.argmin())} to "
+                          f"{int(arrivals.argmax())}), more than the {MAX_SPAN_S:g} s a workload may span",
+                          "check the workload's first and last arrival (a clock gone wrong spans years), or drop them")
 
 
 # ---------------------------------------------------------------------------------------------- load transforms

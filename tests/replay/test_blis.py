@@ -481,3 +481,36 @@ def test_recorded_events_exported_as_real_traffic_have_their_times_rounded_down_
     assert times["real"] == ([0, 200_000], [0, 300_000])
     assert times["exact"] == times["replayed"] == ([0, 170_000], [3_000, 311_000])
     assert times["coarser"] == ([0, 0], [0, 500_000])  # 1,000 ms is the origin; b's first token at 1,500
+
+
+def test_a_header_that_is_not_utf8_is_an_error_naming_the_file(trace_files):
+    header, data = trace_files
+    header.write_bytes(bytes(range(128, 256)) * 4)
+    with pytest.raises(ServelensError, match=r"BLIS trace header .*trace\.yaml is not valid YAML: not UTF-8 text"):
+        read_blis(header, data)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (("mode: real", "mode: fake"), r"trace\.yaml: mode 'fake' is not a trace v2 mode"),
+        (("warm_up_requests: 0", "warm_up_requests: -5"), r"trace\.yaml: warm_up_requests -5 is not a count"),
+        (("warm_up_requests: 0", "warm_up_requests: 99999999"),
+         r"trace\.yaml: warm_up_requests 99,999,999 is more than the trace's 5 requests"),
+    ],
+)
+def test_a_header_with_a_bad_mode_or_warm_up_count_is_refused(trace_files, change, message):
+    header, data = trace_files
+    header.write_text(HEADER.replace(*change))
+    with pytest.raises(ServelensError, match=message):
+        read_blis(header, data)
+
+
+def test_a_negative_arrival_or_a_header_only_csv_is_refused_for_events_and_workloads_alike(trace_files):
+    header, data = trace_files
+    data.write_text(CSV.replace(",164,1000000,1000210,", ",164,-1000000,1000210,"))
+    with pytest.raises(ServelensError, match=r"trace\.csv: row 1, column arrival_time_us: -1000000 is negative"):
+        blis_events(read_blis(header, data))
+    data.write_text(CSV.splitlines()[0] + "\n")
+    with pytest.raises(ServelensError, match=r"trace\.csv: the trace holds no requests"):
+        read_blis(header, data)

@@ -93,3 +93,12 @@ def test_invalid_scenarios_say_what_is_wrong():
         Scenario(cancel_share=1.5)
     with pytest.raises(ReplayError, match="tenant shares"):
         Scenario(tenants=(TenantSpec(name="a", share=0),))
+
+
+def test_a_recorded_class_the_scenario_does_not_define_is_an_error_listing_its_classes():
+    batch = make_workload([0, 1], [5, 5], [1, 1], service_class=["batch", "platinum"]).to_batches()[0]
+    with pytest.raises(ReplayError, match=r"scenario 'two-tenants': the workload's service_class 'platinum' \(row 11\) "
+                                          r"is not one of its classes\n  hint: valid classes: interactive, batch"):
+        apply_scenario(batch, SCENARIO, seed=1, row_offset=10)
+    relabelled = apply_scenario(batch, Scenario(service_classes=SCENARIO.service_classes, overwrite=True), 1, 0)
+    assert set(relabelled.column("service_class").to_pylist()) <= {"interactive", "batch"}

@@ -203,3 +203,53 @@ def test_telemetry_keeps_cancellations_and_failures(run):
 def test_unsorted_tables_are_refused():
     with pytest.raises(ReplayError, match="not in arrival order"):
         TableWorkload(make_workload([3, 1], [1, 1], [1, 1]))
+
+
+def _with_column(table: pa.Table, name: str, values: pa.Array) -> pa.Table:
+    """The table with one column replaced by ``values`` of any type (as a hand-made Parquet file holds it)."""
+    return table.set_column(table.schema.get_field_index(name), name, values)
+
+
+@pytest.mark.parametrize(
+    ("name", "values", "message"),
+    [
+        ("num_prompt_tokens", pa.array([5.0, float("nan"), 7.0]), r"column num_prompt_tokens holds nan on row 1"),
+        ("num_prompt_tokens", pa.array([5.0, 6.0, 40160.5]), r"column num_prompt_tokens holds 40160.5 on row 2"),
+        ("num_prompt_tokens", pa.array([5, None, 7], pa.int64()), r"column num_prompt_tokens is empty on row 1"),
+        ("request_id", pa.nulls(3, pa.string()), r"column request_id is empty on row 0 \(3 rows in all\)"),
+        ("arrival_ns", pa.array(["0", "x", "2"]), r"column arrival_ns is string, which does not convert to int64"),
+    ],
+)
+def test_a_fractional_nan_or_empty_cell_is_refused_naming_the_file_column_and_row(name, values, message):
+    table = _with_column(make_workload([0, 1, 2], [5, 6, 7], [1, 1, 1]), name, values)
+    with pytest.raises(ReplayError, match=r"^w\.parquet: " + message):
+        TableWorkload(table, name="w.parquet")
+
+
+def test_a_whole_float_column_is_taken_as_integers():
+    table = _with_column(make_workload([0, 1, 2], [5, 6, 7], [1, 1, 1]), "num_prompt_tokens", pa.array([5.0, 6.0, 7.0]))
+    assert TableWorkload(table).table["num_prompt_tokens"].to_pylist() == [5, 6, 7]
+
+
+def test_an_overlong_label_is_refused_before_the_replay_copies_it():
+    from replay.workload import MAX_LABEL_CHARS
+
+    ok = "t" * MAX_LABEL_CHARS
+    TableWorkload(make_workload([0, 1], [5, 5], [1, 1], tenant=[ok, ok]))
+    with pytest.raises(ReplayError, match=r"w: column tenant on row 1 is 1,000,000 characters long, more than the 256"):
+        TableWorkload(make_workload([0, 1], [5, 5], [1, 1], tenant=["a", "x" * 1_000_000]), name="w")
+    with pytest.raises(ReplayError, match=r"column service_class on row 0 is 257 characters"):
+        TableWorkload(make_workload([0], [5], [1], service_class=["c" * 257]))
+
+
+def test_an_empty_workload_is_refused():
+    with pytest.raises(ReplayError, match=r"^w\.parquet holds no requests"):
+        TableWorkload(make_workload([], [], []), name="w.parquet")
+
+
+def test_a_workload_spanning_more_than_the_longest_span_is_refused():
+    from replay.presets import MAX_SPAN_S
+
+    TableWorkload(make_workload([0, int(MAX_SPAN_S * 1e9)], [5, 5], [1, 1]))
+    with pytest.raises(ReplayError, match=r"arrivals span 4,611,686,018 s \(rows 0 to 1\), more than the 1e\+09 s"):
+        TableWorkload(make_workload([0, 2**62], [5, 5], [1, 1]))
