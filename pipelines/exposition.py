@@ -29,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from replay.request_table import REQUIRED_COLUMNS
 from servelens.errors import ServelensError
 
 OTHER = "other"
@@ -332,9 +333,7 @@ def _check_request_table(requests: pa.Table, labels: Sequence[str], max_label_va
         raise ServelensError("a label is named twice")
     if max_label_values < 1 or min_group_size < 1:
         raise ServelensError("max_label_values and min_group_size must be at least 1")
-    missing = [c for c in ("request_id", "outcome", "ttft_s", "e2e_s", "queue_s", "tpot_s", "arrival_ns",
-                           "scheduled_ns", "first_token_ns", "last_token_ns", "finish_ns", "num_prompt_tokens",
-                           "num_output_tokens") if c not in requests.column_names]
+    missing = [c for c in REQUIRED_COLUMNS if c not in requests.column_names]
     missing += [LABEL_DIMENSIONS[d][0] for d in labels if LABEL_DIMENSIONS[d][0] not in requests.column_names]
     if missing:
         raise ServelensError(f"not a request table: columns {', '.join(missing)} are missing",

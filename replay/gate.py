@@ -73,9 +73,9 @@ from replay.judge import (  # noqa: F401
 )
 from replay.load import describe_load
 from replay.metrics import Requests, load_requests, load_steps
-from replay.request_table import REQUESTS_FILE
+from replay.request_table import GATE_COLUMNS, REQUESTS_FILE, check_request_table, read_request_table
 from schemas.validate import read_parquet_schema, read_parquet_table
-from servelens.errors import DataNotFoundError, ServelensError
+from servelens.errors import ConfigError, DataNotFoundError, ServelensError
 
 # ------------------------------------------------------------------------------------------ runs
 
@@ -95,6 +95,7 @@ class Run:
     manifest_path: str | None
     manifest_sha256: str | None
     measured: bool = False  # measured on real engines (live pools): the replay model's error does not apply
+    files: tuple[str, ...] = ()  # the files read, resolved (a run is never compared with itself)
 
 
 def load_run(path: str | Path, label: str, *, memory_limit: str | None = None) -> Run:
@@ -115,8 +116,8 @@ def load_run(path: str | Path, label: str, *, memory_limit: str | None = None) -
         own, events = path / REQUESTS_FILE, path / "events.parquet"
         if own.is_file() and events.is_file():
             sha = hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest else None
-            return Run(label, read_parquet_table(own), read_step_timing(events), str(events),
-                       str(manifest) if manifest else None, sha)
+            return Run(label, _with_requests(read_request_table(own), own), read_step_timing(events), str(events),
+                       str(manifest) if manifest else None, sha, files=_resolved(own, events))
         for candidate in (own, events):
             if candidate.is_file():
                 path = candidate
@@ -128,7 +129,28 @@ def load_run(path: str | Path, label: str, *, memory_limit: str | None = None) -
         raise DataNotFoundError(f"{label} {path} does not exist", "give a replay output folder, an events file or a request table")
     requests, steps = _requests_and_steps(path, memory_limit)
     sha = hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest else None
-    return Run(label, requests, steps, str(path), str(manifest) if manifest else None, sha)
+    return Run(label, _with_requests(check_request_table(requests, path, GATE_COLUMNS), path), steps, str(path),
+               str(manifest) if manifest else None, sha, files=_resolved(path))
+
+
+def _with_requests(requests: pa.Table, path: Path) -> pa.Table:
+    """A run's request table, refused when it holds no request (nothing to judge)."""
+    if not requests.num_rows:
+        raise ServelensError(f"{path}: the run holds no requests (its request table has 0 rows)",
+                             "give a run that served traffic: replay a workload with requests, or check the file")
+    return requests
+
+
+def _resolved(*paths: Path) -> tuple[str, ...]:
+    return tuple(str(p.resolve()) for p in paths)
+
+
+def _refuse_same_run(baseline: Run, candidate: Run) -> None:
+    """Comparing a run with itself (the same files, through any path) can only say +0.0% everywhere."""
+    same = sorted(set(baseline.files) & set(candidate.files))
+    if same:
+        raise ServelensError(f"the baseline and the candidate are the same run ({', '.join(same)})",
+                             "give the candidate's run as --candidate: a run compared with itself shows no difference")
 
 
 def _requests_and_steps(path: Path, memory_limit: str | None) -> tuple[pa.Table, pa.Table | None]:
@@ -185,6 +207,7 @@ def _grid(baseline: Run, candidate: Run, config: GateConfig) -> _Grid:
     boot = resampling(num_windows, config.resamples, config.block_windows, rng)
     classes = [str(name) for name in np.union1d(rb.class_names, rc.class_names)]
     named = [c.service_class for c in config.conditions if c.service_class not in ("", EACH_CLASS)]  # held or not
+    _refuse_unknown_classes(named, classes, rb.size + rc.size)
     groups = {"": (np.ones(rb.size, bool), np.ones(rc.size, bool))}
     groups |= {name: (_of_class(rb, name), _of_class(rc, name)) for name in [*classes, *named]}
     stats = {g: (window_stats(rb, mb, sb if not g else None, num_windows, mconfig, tenants),
@@ -205,6 +228,17 @@ def _check_resampled_size(num_windows: int, config: GateConfig) -> None:
             f"the runs span {num_windows:,} windows of {config.window_s:g} s, {draws:,} window draws with "
             f"{config.resamples:,} resamples: the gate holds at most {MAX_WINDOWS:,} windows and {MAX_RESAMPLED_WINDOWS:,} draws",
             "judge a shorter span (--since with --live), longer windows (window_s) or fewer resamples")
+
+
+def _refuse_unknown_classes(named: list[str], classes: list[str], num_requests: int) -> None:
+    """A condition on a class that neither run holds (a misspelt name?) judges nothing: refused, naming it.
+    Runs without requests (a live pool before traffic) hold no class yet and stay undecided."""
+    unknown = sorted(set(named) - set(classes))
+    if unknown and num_requests:
+        raise ConfigError(f"the gate configuration's conditions name service_class {', '.join(map(repr, unknown))}, "
+                          "which neither run holds",
+                          f"the runs hold {', '.join(map(repr, classes))}: fix the condition's service_class "
+                          f"('*' judges each class, '' the whole run)")
 
 
 def _of_class(r: Requests, name: str) -> np.ndarray:
@@ -270,6 +304,8 @@ def _condition_verdicts(diffs: _Differences, config: GateConfig, errors: dict[st
 #: The largest model error a calibration record adds (a fraction): a held-out error of 100% or more says
 #: the model cannot vouch for the figure, and this much error keeps every metric resting on it from passing.
 MAX_CALIBRATION_ERROR = 0.99
+#: The largest held-out error a manifest may record, percent (beyond it the record is taken as corrupt).
+MAX_HELD_OUT_PCT = 1000.0
 
 
 def calibration_errors(*runs: Run) -> tuple[dict[str, float], list[str]]:
@@ -287,6 +323,8 @@ def calibration_errors(*runs: Run) -> tuple[dict[str, float], list[str]]:
             if not record:
                 continue
             held = _held_out(record)
+            if not isinstance(record["name"], str):
+                raise TypeError(f"calibration name is {record['name']!r}, not text")
             line = (f"replay model: calibration {record['name']} ({record.get('engine', '')}"
                     + (", extrapolated to this accelerator" if record.get("extrapolated") else "")
                     + (f"; {record['other_engine']}" if record.get("other_engine") else "") + "), held-out error "
@@ -322,8 +360,8 @@ def _held_out(record: dict) -> dict[str, float]:
     if not isinstance(held, dict):
         raise TypeError(f"held_out_error_pct is {held!r}, not a mapping of figure to percent")
     for figure, pct in held.items():
-        if isinstance(pct, bool) or not isinstance(pct, (int, float)) or not 0 <= pct < float("inf"):
-            raise ValueError(f"held_out_error_pct {figure} is {pct!r}, not a percentage of at least 0")
+        if isinstance(pct, bool) or not isinstance(pct, (int, float)) or not 0 <= pct <= MAX_HELD_OUT_PCT:
+            raise ValueError(f"held_out_error_pct {figure} is {pct!r}, not a percentage from 0 to {MAX_HELD_OUT_PCT:g}")
     return {str(k): float(v) for k, v in held.items()}
 
 
@@ -335,6 +373,7 @@ def _bad_manifest(path: str | Path, why: str) -> ServelensError:
 
 def compare_runs(baseline: Run, candidate: Run, config: GateConfig) -> Verdict:
     """Compare two runs on every configured metric and condition and reach the verdict."""
+    _refuse_same_run(baseline, candidate)
     grid = _grid(baseline, candidate, config)
     diffs = _Differences(grid, config)
     modelled = not (baseline.measured or candidate.measured)

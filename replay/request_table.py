@@ -34,18 +34,87 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from replay import request_events
+from replay.errors import ReplayError
 from replay.event_tables import RunRows
 from replay.gathered import LABELS, Done, Gathered
 from replay.request_events import isin as _in
 from replay.request_events import object_array
 from schemas.arrow import arrow_schema
 from schemas.records import RequestRow
+from schemas.validate import read_parquet_table
 
 REQUESTS_SCHEMA = arrow_schema(RequestRow)
 REQUESTS_FILE = "requests.parquet"
 _MISSING = np.iinfo(np.int64).min  # no value (a delivery before any settled one; a request without deliveries)
 _FIRST_TOKEN, _TOKENS = 0, 1  # event types in the order 'first_token' < 'tokens_delivered'
 _ROW_GROUP_ROWS = 65_536
+
+
+#: The columns every reader of a request table needs (``pipelines.exposition``'s export; the gate and
+#: ``replay.metrics`` read these and ``GATE_COLUMNS``).
+REQUIRED_COLUMNS = ("request_id", "outcome", "ttft_s", "e2e_s", "queue_s", "tpot_s", "arrival_ns", "scheduled_ns",
+                    "first_token_ns", "last_token_ns", "finish_ns", "num_prompt_tokens", "num_output_tokens")
+GATE_COLUMNS = (*REQUIRED_COLUMNS, "service_class", "tenant", "itl_p99_s", "num_preemptions", "num_lost_tokens",
+                "num_admission_decisions")
+#: Durations in seconds: null where not reached, else finite and not negative.
+DURATION_COLUMNS = ("queue_s", "ttft_s", "tpot_s", "e2e_s", "ttft_client_s", "e2e_client_s", "itl_mean_s", "itl_p50_s",
+                    "itl_p99_s", "itl_max_s")
+_FIX = "derive one with `servelens requests derive EVENTS --out requests.parquet`, or replay the run again"
+
+
+def read_request_table(path: str | Path, columns: Sequence[str] = GATE_COLUMNS) -> pa.Table:
+    """A request table file, checked (``check_request_table``): errors name the file."""
+    return check_request_table(read_parquet_table(path), path, columns)
+
+
+def check_request_table(table: pa.Table, source: str | Path, columns: Sequence[str] = REQUIRED_COLUMNS) -> pa.Table:
+    """``table`` if it is a request table (``REQUESTS_SCHEMA``) that can be judged, else a ``ReplayError`` naming
+    ``source`` and what to fix: ``columns`` missing, a column of the wrong type, durations negative, NaN or
+    infinite, no arrival times at all, request ids that repeat."""
+    missing = [c for c in columns if c not in table.column_names]
+    if missing:
+        raise ReplayError(f"{source}: not a request table: columns {', '.join(missing)} are missing", _FIX)
+    wrong = [f"{f.name} is {table.schema.field(f.name).type}, not {f.type}" for f in REQUESTS_SCHEMA
+             if f.name in table.column_names and not _same_kind(table.schema.field(f.name).type, f.type)]
+    if wrong:
+        raise ReplayError(f"{source}: request table columns of the wrong type: {'; '.join(wrong)}",
+                          f"write them with the request table's types (schemas.records.RequestRow); {_FIX}")
+    bad = [why for name in DURATION_COLUMNS if name in table.column_names for why in _bad_durations(table[name], name)]
+    if bad:
+        raise ReplayError(f"{source}: durations must be seconds, finite and not negative (null where not reached): "
+                          + "; ".join(bad), f"drop or fix those rows (null where a request never got there); {_FIX}")
+    if table.num_rows and "arrival_ns" in table.column_names and table["arrival_ns"].null_count == table.num_rows:
+        raise ReplayError(f"{source}: no request has an arrival_ns (all {table.num_rows:,} are null)",
+                          f"every request needs its arrival time; {_FIX}")
+    if "request_id" in table.column_names:
+        repeated = table.num_rows - pc.count_distinct(table["request_id"], mode="all").as_py()
+        if repeated:
+            raise ReplayError(f"{source}: {repeated:,} rows repeat a request id of an earlier row (a request table "
+                              "holds one row per request)", f"drop the repeated rows (a table joined to itself?); {_FIX}")
+    return table
+
+
+def _same_kind(found: pa.DataType, wanted: pa.DataType) -> bool:
+    """Whether a column of type ``found`` reads as ``wanted``: any width of integer, float (a duration may be
+    integer seconds), text (dictionary-encoded or large)."""
+    if pa.types.is_dictionary(found):
+        found = found.value_type
+    if pa.types.is_integer(wanted):
+        return pa.types.is_integer(found)
+    if pa.types.is_floating(wanted):
+        return pa.types.is_floating(found) or pa.types.is_integer(found)
+    if pa.types.is_string(wanted):
+        return pa.types.is_string(found) or pa.types.is_large_string(found)
+    return bool(found == wanted)
+
+
+def _bad_durations(column: pa.ChunkedArray, name: str) -> list[str]:
+    """What is wrong with a duration column: rows negative, rows NaN or infinite (nulls are fine)."""
+    values = pc.cast(column, pa.float64())
+    negative = pc.sum(pc.cast(pc.less(values, 0.0), pa.int64())).as_py() or 0
+    not_finite = pc.sum(pc.cast(pc.invert(pc.is_finite(values)), pa.int64())).as_py() or 0
+    return ([f"{name} is negative in {negative:,} rows"] if negative else []) + (
+        [f"{name} is NaN or infinite in {not_finite:,} rows"] if not_finite else [])
 
 
 class Deliveries:

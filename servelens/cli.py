@@ -235,7 +235,7 @@ def trace_convert(ctx: click.Context, trace_name: str, out: Path, kind: str) -> 
     from schemas.wire import iter_table_json, write_jsonl
 
     # checked as a replay checks it (arrival order, unique ids): a workload written is one a replay takes
-    workload = TableWorkload(read_trace(trace_name, _shared_or_none(ctx, trace_name))).table
+    workload = TableWorkload(read_trace(trace_name, _shared_or_none(ctx, trace_name)), name=trace_name).table
     out.parent.mkdir(parents=True, exist_ok=True)
     if kind == "workload":
         pq.write_table(workload, out, compression="zstd")
@@ -263,7 +263,7 @@ def trace_stats(ctx: click.Context, trace_name: str) -> None:
     from replay.traces import read_trace
     from replay.workload import TableWorkload, workload_stats
 
-    table = TableWorkload(read_trace(trace_name, _shared_or_none(ctx, trace_name))).table  # arrival order checked
+    table = TableWorkload(read_trace(trace_name, _shared_or_none(ctx, trace_name)), name=trace_name).table  # order checked
     s = workload_stats(table)
     click.echo(
         f"{s.num_requests:,} requests ({s.num_failed:,} failed) over {s.span_s:,.1f} s, "
@@ -549,6 +549,9 @@ def metrics_export(ctx: click.Context, requests_file: Path, events_file: Path | 
     options = {"labels": _names(labels), "max_label_values": max_label_values,
                "min_group_size": min_group_size or _config(ctx).privacy.min_group_size, "max_model_len": max_model_len,
                "provider_name": provider}
+    from replay.request_table import check_request_table
+
+    check_request_table(table, requests_file)  # durations NaN, infinite or negative: refused, not exported as +Inf
     result = request_metrics(table, events, **options)
     if fmt == "openmetrics":
         text = to_openmetrics(request_metrics_over_time(table, events, interval_s=interval_s, **options))

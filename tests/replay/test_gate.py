@@ -233,7 +233,7 @@ def test_the_gate_command_exits_0_1_2_and_3_and_writes_its_reports(tmp_path):
     config.write_text(config_yaml(GATE))
     paths = {}
     for name, kw in {"base": {"seed": 1}, "same": {"seed": 1}, "worse": {"seed": 1, "ttft_factor": {"interactive": 1.3}},
-                     "tiny": {"num_requests": 10}}.items():
+                     "tiny": {"num_requests": 10}, "tiny_copy": {"num_requests": 10}}.items():
         paths[name] = tmp_path / f"{name}.parquet"
         pq.write_table(synthetic_requests(**kw), paths[name])
     common = ("--config", str(config))
@@ -245,8 +245,11 @@ def test_the_gate_command_exits_0_1_2_and_3_and_writes_its_reports(tmp_path):
     assert report["status"] == "fail" and report["headline"] == "FAIL: do not ship the candidate"
     assert any(m["metric"] == "ttft_p99_s" and m["status"] == "fail" for m in report["metrics"])
     assert "| ttft\\_p99\\_s | interactive |" in (tmp_path / "fail" / "gate.md").read_text()
-    unsure = _gate("--baseline", str(paths["tiny"]), "--candidate", str(paths["tiny"]), "--out", str(tmp_path / "unsure"), *common)
+    unsure = _gate("--baseline", str(paths["tiny"]), "--candidate", str(paths["tiny_copy"]), "--out", str(tmp_path / "unsure"),
+                   *common)
     assert unsure.returncode == 2 and unsure.stdout.startswith("gate: INCONCLUSIVE: replay ")
+    itself = _gate("--baseline", str(paths["tiny"]), "--candidate", str(tmp_path / "." / "tiny.parquet"), *common)
+    assert itself.returncode == 3 and "are the same run" in itself.stderr and "Traceback" not in itself.stderr
     bad = tmp_path / "bad.yaml"
     bad.write_text("metrics: [{name: nope, bad: increase, allowed: 0, critical: 1}]\n")
     error = _gate("--baseline", str(paths["base"]), "--candidate", str(paths["same"]), "--config", str(bad))
@@ -360,6 +363,8 @@ def test_the_calibration_named_in_the_manifests_brings_its_held_out_error(tmp_pa
     ('{"calibration": {"name": "c", "held_out_error_pct": 5}}', "held_out_error_pct is 5, not a mapping"),
     ('{"calibration": {"held_out_error_pct": {}}}', "KeyError: 'name'"),
     ('{"calibration": {"name": "c"}, "load": "2x"}', "AttributeError"),
+    ('{"calibration": {"name": "c", "held_out_error_pct": {"e2e_mean": 1e308}}}', "held_out_error_pct e2e_mean is 1e+308"),
+    ('{"calibration": {"name": ["a"], "held_out_error_pct": {}}}', "calibration name is ['a'], not text"),
 ])
 def test_a_malformed_manifest_is_named_with_what_is_wrong_and_the_way_round_it(tmp_path, text, why):
     """A manifest edited by hand or cut short: an error naming the file and the fault, with the two ways

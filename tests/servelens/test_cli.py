@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -263,7 +264,10 @@ def test_replay_then_gate_from_the_command_line(tmp_path):
     proc = servelens("replay", "--workload", "mooncake", "--requests", "300", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     assert "replayed 300 requests" in proc.stdout and (out / "events.parquet").is_file() and (out / "manifest.json").is_file()
-    gate = servelens("gate", "--baseline", str(out), "--candidate", str(out), "--out", str(tmp_path / "gate"))
+    same = servelens("gate", "--baseline", str(out), "--candidate", str(out), "--out", str(tmp_path / "gate"))
+    assert same.returncode == 3 and "Traceback" not in same.stderr  # a run against itself is refused
+    shutil.copytree(out, tmp_path / "copy")
+    gate = servelens("gate", "--baseline", str(out), "--candidate", str(tmp_path / "copy"), "--out", str(tmp_path / "gate"))
     # 300 requests are about a minute of traffic: the gate says it cannot know yet, and how long to wait
     assert gate.returncode == 2 and gate.stdout.startswith("gate: INCONCLUSIVE: replay ") and "more minutes" in gate.stdout
     assert "not enough data" in gate.stdout

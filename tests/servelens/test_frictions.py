@@ -119,6 +119,24 @@ def test_metrics_export_labels_a_replay_with_its_models_name(tmp_path):
     assert 'model_name="llama-3-8b"' in text and 'model_name="unknown"' not in text
 
 
+def test_metrics_export_refuses_latencies_that_are_not_durations(tmp_path):
+    """Before, a negative or NaN ttft_s was exported (sums of +Inf, NaN rows dropped from the buckets unsaid)."""
+    import pyarrow.compute as pc
+
+    from replay.run import run_replay
+    from tests.replay.conftest import make_workload
+
+    n = 12
+    summary = run_replay(make_workload([i * 10**6 for i in range(n)], [100] * n, [3] * n), out_dir=tmp_path)
+    table = pq.read_table(summary.requests_path)
+    column = table.schema.get_field_index("ttft_s")
+    for name, values in (("neg", pc.multiply(table["ttft_s"], -1.0)), ("nan", pc.divide(table["ttft_s"], 0.0))):
+        pq.write_table(table.set_column(column, "ttft_s", values), tmp_path / f"{name}.parquet")
+        done = _run("metrics", "export", str(tmp_path / f"{name}.parquet"))
+        assert done.exit_code == 3 and "durations must be seconds, finite and not negative" in done.output, done.output
+        assert f"ttft_s is {'negative' if name == 'neg' else 'NaN or infinite'} in {n} rows" in done.output, done.output
+
+
 def test_the_demo_does_not_print_dagsters_telemetry_banner():
     source = (Path(__file__).resolve().parents[2] / "servelens" / "demo.py").read_text()
     assert '"telemetry": {"enabled": False}' in source  # the instance's override (the banner comes with telemetry)
