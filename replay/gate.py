@@ -75,7 +75,7 @@ from replay.load import describe_load
 from replay.metrics import Requests, load_requests, load_steps
 from replay.request_table import GATE_COLUMNS, REQUESTS_FILE, check_request_table, read_request_table
 from schemas.validate import read_parquet_schema, read_parquet_table
-from servelens.errors import ConfigError, DataNotFoundError, ServelensError
+from servelens.errors import DataNotFoundError, ServelensError
 
 # ------------------------------------------------------------------------------------------ runs
 
@@ -207,7 +207,6 @@ def _grid(baseline: Run, candidate: Run, config: GateConfig) -> _Grid:
     boot = resampling(num_windows, config.resamples, config.block_windows, rng)
     classes = [str(name) for name in np.union1d(rb.class_names, rc.class_names)]
     named = [c.service_class for c in config.conditions if c.service_class not in ("", EACH_CLASS)]  # held or not
-    _refuse_unknown_classes(named, classes, rb.size + rc.size)
     groups = {"": (np.ones(rb.size, bool), np.ones(rc.size, bool))}
     groups |= {name: (_of_class(rb, name), _of_class(rc, name)) for name in [*classes, *named]}
     stats = {g: (window_stats(rb, mb, sb if not g else None, num_windows, mconfig, tenants),
@@ -228,17 +227,6 @@ def _check_resampled_size(num_windows: int, config: GateConfig) -> None:
             f"the runs span {num_windows:,} windows of {config.window_s:g} s, {draws:,} window draws with "
             f"{config.resamples:,} resamples: the gate holds at most {MAX_WINDOWS:,} windows and {MAX_RESAMPLED_WINDOWS:,} draws",
             "judge a shorter span (--since with --live), longer windows (window_s) or fewer resamples")
-
-
-def _refuse_unknown_classes(named: list[str], classes: list[str], num_requests: int) -> None:
-    """A condition on a class that neither run holds (a misspelt name?) judges nothing: refused, naming it.
-    Runs without requests (a live pool before traffic) hold no class yet and stay undecided."""
-    unknown = sorted(set(named) - set(classes))
-    if unknown and num_requests:
-        raise ConfigError(f"the gate configuration's conditions name service_class {', '.join(map(repr, unknown))}, "
-                          "which neither run holds",
-                          f"the runs hold {', '.join(map(repr, classes))}: fix the condition's service_class "
-                          f"('*' judges each class, '' the whole run)")
 
 
 def _of_class(r: Requests, name: str) -> np.ndarray:
@@ -396,6 +384,10 @@ def compare_runs(baseline: Run, candidate: Run, config: GateConfig) -> Verdict:
 def _notes(grid: _Grid, conditions: list[ConditionVerdict], config: GateConfig, modelled: bool) -> list[str]:
     """What the reader must know before the details: the baseline's own standing, unlike pools, model error."""
     out = []
+    unknown = sorted({c.service_class for c in config.conditions} - {"", EACH_CLASS, *grid.classes})
+    if unknown and grid.rb.size + grid.rc.size:  # a misspelt class, or one without traffic in a live window
+        out.append(f"conditions on service_class {', '.join(map(repr, unknown))} judge nothing: neither run holds it "
+                   f"(they hold {', '.join(map(repr, grid.classes))}; a misspelt name?)")
     out_of_slo = [c for c in conditions if c.baseline_status == FAIL]
     if out_of_slo:
         out.append("baseline itself out of SLO: " + "; ".join(c.baseline_reason for c in out_of_slo)
