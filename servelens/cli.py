@@ -813,7 +813,7 @@ def lake_compact(ctx: click.Context, vacuum_hours: int | None) -> None:
 
     \b
     Example:
-      servelens lake compact
+      servelens --lake out/demo/lake lake compact    # the lake `make demo` leaves
     """
 
     store = _existing_lake(_config(ctx))
@@ -855,7 +855,7 @@ def lake_sql(ctx: click.Context, query: str, limit: int, timeout_s: float) -> No
 
     \b
     Example:
-      servelens lake sql "SELECT outcome, count(*) FROM requests GROUP BY 1"
+      servelens --lake out/demo/lake lake sql "SELECT outcome, count(*) FROM requests GROUP BY 1"
     """
     import threading
 
