@@ -71,6 +71,8 @@ class RunFigures:
     prefix_cached_tokens: int
     prefix_prompt_tokens: int  # prompt tokens of the requests whose cache was looked up
     client_latency_s: tuple[tuple[str, float | None, float | None, float | None], ...] = ()  # where the client is modelled
+    #: client-side TTFT mean, E2E mean and ITL mean (a ratio of means), as inference-perf's summaries report them
+    client_means_s: tuple[float, float, float] | None = None
 
     @property
     def rejected_share(self) -> float:
@@ -126,6 +128,7 @@ def run_figures(requests: pa.Table, steps: pa.Table | None, config: MetricsConfi
         prefix_cached_tokens=int(pc.sum(looked_up["num_cached_prefix_tokens"]).as_py() or 0) if looked_up.num_rows else 0,
         prefix_prompt_tokens=int(pc.sum(looked_up["num_prompt_tokens"]).as_py() or 0) if looked_up.num_rows else 0,
         client_latency_s=_client_latency(requests),
+        client_means_s=_client_means(requests),
     )
 
 
@@ -138,6 +141,22 @@ def _client_latency(requests: pa.Table) -> tuple:
         values = pc.fill_null(requests[f"{name}_client_s"], float("nan")).to_numpy()
         out.append((name, *(percentile(values, q) for q in (50, 90, 99))))
     return tuple(out)
+
+
+def _client_means(requests: pa.Table) -> tuple[float, float, float] | None:
+    """Client-side TTFT and E2E means over the completed requests the client timed, and ITL as inference-perf's
+    summaries and the fidelity data define it: (E2E mean - TTFT mean) / (mean output tokens - 1), the
+    denominator at least 1. The tokens are those generated; inference-perf counts those of the text it
+    received, which can be fewer (``replay.fidelity.output_count_ratio``)."""
+    if not requests.num_rows or requests["ttft_client_s"].null_count == requests.num_rows:
+        return None
+    done = requests.filter(pc.and_(pc.equal(requests["outcome"], "completed"),
+                                   pc.and_(pc.is_valid(requests["ttft_client_s"]), pc.is_valid(requests["e2e_client_s"]))))
+    if not done.num_rows:
+        return None
+    ttft, e2e = pc.mean(done["ttft_client_s"]).as_py(), pc.mean(done["e2e_client_s"]).as_py()
+    tokens = pc.mean(done["num_output_tokens"]).as_py()
+    return ttft, e2e, (e2e - ttft) / max(tokens - 1.0, 1.0)
 
 
 def _ms(value: float | None) -> str:
@@ -167,6 +186,10 @@ def format_figures(f: RunFigures, side: str = "engine side") -> list[str]:
     for name, *values in f.client_latency_s:
         label = {"ttft": "TTFT", "e2e": "E2E"}[name]
         lines.append(f"{label} (client side: send -> receipt) p50 / p90 / p99: " + " / ".join(map(_ms, values)) + " ms")
+    if f.client_means_s is not None:
+        ttft, e2e, itl = map(_ms, f.client_means_s)
+        lines.append(f"client-side means, as inference-perf reports them: TTFT {ttft} ms, E2E {e2e} ms, ITL {itl} ms "
+                     "(ITL: (E2E - TTFT) / (generated tokens - 1), a ratio of means)")
     hit = f.prefix_hit_share
     lines.append("prefix cache: " + ("no prefix blocks in the workload (or caching off)" if hit is None else
                  f"{_pct(hit)} of prompt tokens found cached when first scheduled "
