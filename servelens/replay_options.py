@@ -96,7 +96,25 @@ def prepare(ctx: click.Context, workload_name: str, shared: Path | None, num_req
     transforms = workload.meta.get("transforms", [])
     click.echo(f"{describe}; workload {workload.name}: {workload.num_requests:,} requests"
                + (f" after {', '.join(transforms)}" if transforms else ""), err=True)
+    if preset.name == "as-recorded":
+        _warn_relabelled(base.table, preset)
     return workload, preset, config
+
+
+def _warn_relabelled(table, preset: Preset) -> None:
+    """Say how many requests recorded a class the scenario does not define (each served as its tenant's)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    defined = [c.name for c in preset.tenancy.classes]
+    recorded = table["service_class"]
+    other = pc.and_(pc.is_valid(recorded), pc.invert(pc.is_in(recorded, value_set=pa.array(defined, pa.string()))))
+    count = pc.sum(other).as_py() or 0
+    if count:
+        names = sorted(pc.unique(recorded.filter(other)).to_pylist())
+        shown = ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        click.echo(f"warning: {count:,} requests record a class the as-recorded scenario does not define ({shown}): "
+                   f"each is served and judged under its tenant's class ({', '.join(defined)}; docs/replay.md)", err=True)
 
 
 def echo_summary(summary, preset: Preset, calibration, instance) -> None:

@@ -117,6 +117,28 @@ def test_a_calibration_fitted_on_another_engine_is_used_with_a_warning(azure_sli
     assert manifest["calibration"]["other_engine"].startswith("fitted on SGLang 0.4, not vLLM")
 
 
+def test_as_recorded_warns_of_recorded_classes_it_does_not_define(azure_slice, tmp_path):
+    # 20 requests of two tenants: rows 0-4 record "platinum", rows 5-7 "gold", 8-19 "batch"; the scenario
+    # defines interactive and batch, so the eight others are served as their tenant's class
+    import pyarrow as pa
+
+    def replay(classes: list[str], out: str):
+        table = pq.read_table(azure_slice).slice(0, 20)
+        for name, values in (("tenant", ["t-a", "t-b"] * 10), ("service_class", classes)):
+            i = table.schema.get_field_index(name)
+            table = table.set_column(i, table.schema.field(i), pa.array(values, pa.string()))
+        pq.write_table(table, tmp_path / f"{out}.parquet")
+        done = servelens("replay", "--workload", str(tmp_path / f"{out}.parquet"), "--scenario", "as-recorded",
+                         "--out", str(tmp_path / out))
+        assert done.returncode == 0, done.stderr
+        return done.stderr
+
+    assert ("warning: 8 requests record a class the as-recorded scenario does not define ('gold', 'platinum'): "
+            "each is served and judged under its tenant's class (interactive, batch; docs/replay.md)"
+            ) in replay(["platinum"] * 5 + ["gold"] * 3 + ["batch"] * 12, "other")
+    assert "does not define" not in replay(["interactive"] * 8 + ["batch"] * 12, "defined")
+
+
 def test_scenario_options_fail_cleanly(azure_slice, tmp_path):
     from click.testing import CliRunner
 
