@@ -270,7 +270,12 @@ def _iter_jsonl(path: Path, limit: int = MAX_RECORD_BYTES) -> Iterator[RecordRes
 
 
 class UnreadableFileError(ValueError):
-    """A file that claims to be Parquet (magic bytes or suffix) and cannot be read as Parquet."""
+    """A file that claims to be Parquet (magic bytes or suffix) and cannot be read as Parquet, or names a column
+    twice; ``hint``: what to do, where it is not the default (check the file is complete)."""
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.hint = hint
 
 
 def read_parquet_table(path: str | Path, **kwargs: Any) -> pa.Table:
@@ -312,9 +317,20 @@ def _parquet_batches(path: Path, batch_rows: int, columns: list[str] | None = No
 
     try:
         file = pq.ParquetFile(path)
+        _refuse_repeated_columns(path, file.schema_arrow)
         yield from file.iter_batches(batch_size=batch_rows, columns=columns)
     except (pa.ArrowException, OSError) as exc:
         raise _unreadable(path, exc) from None
+
+
+def _refuse_repeated_columns(path: Path, schema: pa.Schema) -> None:
+    """A column named twice is ambiguous (readers disagree on which holds the field): refused by name."""
+    names = Counter(schema.names)
+    twice = sorted(name for name, count in names.items() if count > 1)
+    if twice:
+        shown = ", ".join(f"{name!r} ({names[name]} times)" for name in twice)
+        raise UnreadableFileError(f"{path} names a column more than once: {shown}; which one holds the field is "
+                                  "ambiguous, so the file is refused", "write each column once")
 
 
 def _iter_parquet(path: Path, batch_rows: int) -> Iterator[RecordResult]:

@@ -63,16 +63,29 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object whose keys are each given once: parsers disagree on which of two values wins."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"the key {key!r} is given more than once in one object (which value holds?)")
+            seen.add(key)
+    return obj
+
+
 def decode_json(data: bytes) -> tuple[Any, str | None, str | None]:
     """Decode one JSON document: (value, None, None) or (None, reason, message).
 
-    Bad UTF-8 and the non-standard constants NaN/Infinity are errors, never values.
+    Bad UTF-8, the non-standard constants NaN/Infinity and a key given twice in one object are errors,
+    never values.
     """
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         return None, NOT_UTF8, f"byte {exc.start} is not valid UTF-8"
     try:
-        return json.loads(text, parse_constant=_reject_constant), None, None
+        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_unique_keys), None, None
     except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
         return None, INVALID_JSON, f"not JSON: {exc}"

@@ -43,7 +43,7 @@ class _Group(click.Group):
         except ServelensError as exc:
             _fail(str(exc))
         except UnreadableFileError as exc:
-            _fail(str(exc), "check that the file is complete (a copy cut short, or not Parquet at all)")
+            _fail(str(exc), exc.hint or "check that the file is complete (a copy cut short, or not Parquet at all)")
         except OSError as exc:
             where = f": {exc.filename}" if exc.filename else ""
             _fail(f"{exc.strerror or type(exc).__name__}{where or f': {exc}'}", "check the path and its permissions")

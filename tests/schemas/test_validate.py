@@ -278,3 +278,28 @@ def test_a_device_given_as_parquet_is_named_as_not_a_file(tmp_path):
         read_parquet_table("/dev/null")
     with pytest.raises(FileNotFoundError):  # a missing file stays the OS's error, for the CLI's own message
         read_parquet_table(tmp_path / "missing.parquet")
+
+
+def test_a_key_given_twice_is_invalid_json_whichever_value_comes_last(tmp_path):
+    # parsers disagree on which of two values wins (Python's and pyarrow's differ), so neither is taken
+    path = tmp_path / "twice.jsonl"
+    twice = _line().replace('"event_type": "request_arrived"', '"event_type": "bogus", "event_type": "request_arrived"')
+    path.write_text(twice + "\n" + _line(event_id="e2") + "\n")
+    results = list(iter_file(path))
+    assert [r.event is None for r in results] == [True, False]
+    assert results[0].errors[0].reason == INVALID_JSON
+    assert results[0].errors[0].message == ("not JSON: the key 'event_type' is given more than once in one object "
+                                            "(which value holds?)")
+
+
+def test_a_parquet_file_naming_a_column_twice_is_refused_by_name(tmp_path):
+    from schemas.validate import UnreadableFileError
+
+    table = events_to_table([RequestArrived(event_id="a", ts_ns=1, engine_id="e", request_id="r", num_prompt_tokens=1)])
+    path = tmp_path / "twice.parquet"
+    pq.write_table(table.append_column("tenant", pa.array(["x"])), path)
+    with pytest.raises(UnreadableFileError, match=r"names a column more than once: 'tenant' \(2 times\)") as caught:
+        list(iter_file(path))
+    assert caught.value.hint == "write each column once"
+    proc = subprocess.run([sys.executable, "-m", "servelens", "events", "validate", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 3 and "hint: write each column once" in proc.stderr and "Traceback" not in proc.stderr
