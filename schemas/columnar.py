@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 
 from schemas.arrow import EVENTS_SCHEMA
 from schemas.events import EVENT_TYPES, SCHEMA_MAJOR
-from schemas.types import field_specs
+from schemas.types import BAD_IDENTIFIER, FieldSpec, field_specs
 
 #: The lake schema with every field nullable: what the JSON parser may produce.
 WIRE_SCHEMA = pa.schema(
@@ -64,6 +64,21 @@ def _items_not_null(values: pa.Array) -> pa.Array:
     if nulls.any():
         bad[pc.list_parent_indices(values).to_numpy()[nulls]] = True
     return pa.array(~bad)
+
+
+def _values_allowed(spec: FieldSpec, column: pa.Array) -> np.ndarray:
+    """Per row: the value is one the field allows (its enum, non-negative numbers, usable ids, list items
+    present); nulls pass (the required/nullable checks judge them)."""
+    ok = np.ones(len(column), dtype=bool)
+    if spec.enum:
+        ok &= pc.fill_null(pc.is_in(column, pa.array(list(spec.enum))), True).to_numpy(zero_copy_only=False)
+    if spec.kind in ("int", "float"):
+        ok &= _nonneg(column, spec.kind).to_numpy(zero_copy_only=False)
+    if spec.identifier:
+        ok &= pc.fill_null(pc.invert(pc.match_substring_regex(column, BAD_IDENTIFIER)), True).to_numpy(zero_copy_only=False)
+    if spec.is_list:
+        ok &= _items_not_null(column).to_numpy(zero_copy_only=False)
+    return ok
 
 
 def _absent(values: Sequence[bytes], rows: np.ndarray, name: str) -> np.ndarray:
@@ -114,13 +129,7 @@ def check_table(table: pa.Table, values: Sequence[bytes] | None = None) -> tuple
                         present = present | fill
                 # a required field absent, or an explicit null: the reference validator explains it
                 valid &= ~rows | present
-            if spec.enum:
-                allowed = pc.fill_null(pc.is_in(column, pa.array(list(spec.enum))), True)
-                valid &= ~rows | allowed.to_numpy(zero_copy_only=False)
-            if spec.kind in ("int", "float"):
-                valid &= ~rows | _nonneg(column, spec.kind).to_numpy(zero_copy_only=False)
-            if spec.is_list:
-                valid &= ~rows | _items_not_null(column).to_numpy(zero_copy_only=False)
+            valid &= ~rows | _values_allowed(spec, column)
     valid &= _consistency(table, masks)
     # the allowlist per event type: a field of another type is not part of this record
     out = []

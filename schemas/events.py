@@ -50,7 +50,7 @@ class Event:
     #: Event types whose ``request_id`` may be null (engine-level events).
     REQUEST_SCOPED: ClassVar[bool] = True
 
-    event_id: str = doc("Unique id of this event; consumers de-duplicate on it (producer retries).")
+    event_id: str = doc("Unique id of this event; consumers de-duplicate on it (producer retries).", identifier=True)
     schema_version: str = doc(
         "MAJOR.MINOR of the contract the producer wrote; see docs/schema.md.",
         SCHEMA_VERSION,
@@ -60,9 +60,9 @@ class Event:
         "Discriminator naming the event type.", "", wire_required=True, init=False
     )
     ts_ns: int = doc("When the event happened at the engine, UTC epoch nanoseconds.")
-    engine_id: str = doc("The engine (process or replay run) that emitted the event.")
-    instance_id: str | None = doc("Serving instance the event concerns, when known.", None)
-    request_id: str | None = doc("Request the event concerns; null only for engine-level events.", None)
+    engine_id: str = doc("The engine (process or replay run) that emitted the event.", identifier=True)
+    instance_id: str | None = doc("Serving instance the event concerns, when known.", None, identifier=True)
+    request_id: str | None = doc("Request the event concerns; null only for engine-level events.", None, identifier=True)
     tenant: str | None = doc("Tenant identifier (pseudonymized by privacy/ before storage).", None)
     service_class: str | None = doc(
         "Service class assigned from authenticated tenant configuration, never a client field.", None
@@ -84,7 +84,7 @@ class RequestArrived(Event):
 
     EVENT_TYPE: ClassVar[str] = "request_arrived"
 
-    request_id: str = doc("Request the event concerns.")
+    request_id: str = doc("Request the event concerns.", identifier=True)
     num_prompt_tokens: int = doc("Prompt length in tokens.")
     num_cached_prefix_tokens: int | None = doc(
         "Prompt tokens already in the prefix cache at arrival, when the engine knows (an estimate: the cache "
@@ -114,7 +114,7 @@ class AdmissionDecided(Event):
 
     EVENT_TYPE: ClassVar[str] = "admission_decided"
 
-    request_id: str = doc("Request the event concerns.")
+    request_id: str = doc("Request the event concerns.", identifier=True)
     decision: Decision = doc("accept, queue, route, downgrade, degrade or reject.")
     reason: str | None = doc("Why, in a few words (free text, scrubbed by privacy/).", None)
     retry_after_s: float | None = doc("Retry-after signal sent with a rejection, seconds.", None)
@@ -160,7 +160,7 @@ class RequestPreempted(Event):
 
     EVENT_TYPE: ClassVar[str] = "request_preempted"
 
-    request_id: str = doc("Request the event concerns.")
+    request_id: str = doc("Request the event concerns.", identifier=True)
     mode: PreemptionMode = doc("recompute (KV dropped), swap (KV to host) or migrate (KV moved).")
     lease_generation: int = doc("The request's lease generation after preemption.")
     num_lost_tokens: int = doc("Computed tokens that must be recomputed (0 for swap/migrate).", 0)
@@ -172,7 +172,7 @@ class FirstToken(Event):
 
     EVENT_TYPE: ClassVar[str] = "first_token"
 
-    request_id: str = doc("Request the event concerns.")
+    request_id: str = doc("Request the event concerns.", identifier=True)
     first_byte_ns: int | None = doc("When its first byte reached the client, if known.", None)
 
 
@@ -182,7 +182,7 @@ class TokensDelivered(Event):
 
     EVENT_TYPE: ClassVar[str] = "tokens_delivered"
 
-    request_id: str = doc("Request the event concerns.")
+    request_id: str = doc("Request the event concerns.", identifier=True)
     num_tokens: int = doc("Output tokens in this delivery (>= 1).")
     coalesced: bool = doc(
         "True when the tokens came as one stream chunk, so per-token gaps are not observable "
@@ -197,7 +197,7 @@ class RequestCancelled(Event):
 
     EVENT_TYPE: ClassVar[str] = "request_cancelled"
 
-    request_id: str = doc("Request the event concerns.")
+    request_id: str = doc("Request the event concerns.", identifier=True)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -206,7 +206,7 @@ class RequestFinished(Event):
 
     EVENT_TYPE: ClassVar[str] = "request_finished"
 
-    request_id: str = doc("Request the event concerns.")
+    request_id: str = doc("Request the event concerns.", identifier=True)
     outcome: Outcome = doc("completed, cancelled, rejected, timed_out or error.")
     num_output_tokens: int = doc("Output tokens delivered to the client in total.")
     error_message: str | None = doc("Error text for outcome 'error' (scrubbed by privacy/).", None)
@@ -226,7 +226,7 @@ class InstanceState(Event):
     EVENT_TYPE: ClassVar[str] = "instance_state"
     REQUEST_SCOPED: ClassVar[bool] = False
 
-    instance_id: str = doc("Serving instance the event concerns.")
+    instance_id: str = doc("Serving instance the event concerns.", identifier=True)
     state: InstanceLifecycle = doc("starting, ready, draining or stopped.")
     num_kv_blocks_total: int = doc("KV cache capacity in blocks.")
     kv_block_size_tokens: int = doc("Tokens per KV block.")

@@ -23,6 +23,8 @@ def json_field_schema(spec: FieldSpec) -> dict[str, Any]:
         item = {"type": _JSON_KIND[spec.kind]}
         if spec.kind in ("int", "float"):
             item["minimum"] = 0
+        if spec.identifier:  # a visible character, no control characters (schemas.types.BAD_IDENTIFIER)
+            item["pattern"] = r"^[^\x00-\x1f\x7f]*[^\x00-\x20\x7f][^\x00-\x1f\x7f]*$"
     value = {"type": "array", "items": item} if spec.is_list else item
     if spec.nullable:
         value = {"anyOf": [value, {"type": "null"}]}

@@ -21,13 +21,21 @@ Kind = Literal["string", "int", "float", "bool"]
 _KIND_OF: dict[Any, Kind] = {str: "string", int: "int", float: "float", bool: "bool"}
 
 
-def doc(text: str, default: Any = dataclasses.MISSING, *, wire_required: bool = False, **kwargs: Any) -> Any:
+#: What makes an identifier unusable: empty or only spaces, or a control character anywhere (U+0000-U+001F,
+#: U+007F). The same pattern in Python's ``re`` and RE2 (pyarrow's), so both validators agree.
+BAD_IDENTIFIER = r"^ *$|[\x00-\x1f\x7f]"
+
+
+def doc(text: str, default: Any = dataclasses.MISSING, *, wire_required: bool = False, identifier: bool = False,
+        **kwargs: Any) -> Any:
     """A dataclass field carrying its help text (it becomes the Arrow and JSON Schema description).
 
     A field without a default is required on the wire; ``wire_required`` makes a defaulted field
-    required there too (the envelope's version and type must always be written).
+    required there too (the envelope's version and type must always be written). An ``identifier``
+    (an id events are joined or de-duplicated on) must hold a visible character and no control character.
     """
-    return dataclasses.field(default=default, metadata={"doc": text, "wire_required": wire_required}, **kwargs)
+    metadata = {"doc": text, "wire_required": wire_required, "identifier": identifier}
+    return dataclasses.field(default=default, metadata=metadata, **kwargs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,9 +50,12 @@ class FieldSpec:
     enum: tuple[str, ...] | None
     doc: str
     default: Any
+    identifier: bool = False  # an id: not blank, no control characters (``BAD_IDENTIFIER``)
 
     def describe(self) -> str:
         """Human wording of the expected value, for error messages."""
+        if self.identifier:
+            return "a string with a visible character and no control characters" + (" or null" if self.nullable else "")
         if self.enum:
             base = "one of " + ", ".join(repr(v) for v in self.enum)
         else:
@@ -97,6 +108,7 @@ def _spec(f: dataclasses.Field[Any], annotation: Any) -> FieldSpec:
         enum=enum,
         doc=f.metadata.get("doc", ""),
         default=f.default if has_default else None,
+        identifier=bool(f.metadata.get("identifier")),
     )
 
 

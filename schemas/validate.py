@@ -12,6 +12,7 @@ Beyond the JSON Schema, the validator checks what a schema cannot: a known major
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -19,13 +20,14 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from schemas.events import EVENT_TYPES, SCHEMA_MAJOR, SCHEMA_VERSION, Event
-from schemas.types import FieldSpec, field_specs
+from schemas.types import BAD_IDENTIFIER, FieldSpec, field_specs
 from schemas.wire import MAX_RECORD_BYTES, NOT_UTF8, OVERSIZED, decode_json
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
 INT64_MAX = 2**63 - 1
+_BAD_IDENTIFIER = re.compile(BAD_IDENTIFIER)
 
 # Reasons (stable identifiers, used for counting and in dead-letter tables); see also schemas.wire.
 NOT_AN_OBJECT = "not_an_object"
@@ -114,6 +116,9 @@ def _scalar_error(spec: FieldSpec, value: Any, path: str) -> FieldError | None:
         return FieldError(WRONG_TYPE, path, "wrong type", type_name(value), spec.describe())
     if kind == "string" and not _is_unicode(value):
         return FieldError(NOT_UTF8, path, "the string holds a lone surrogate, not valid Unicode", "string", spec.describe())
+    if spec.identifier and _BAD_IDENTIFIER.search(value):
+        return FieldError(NOT_ALLOWED, path, "an id that is blank or holds a control character (the value is not "
+                          "printed)", "string", spec.describe())
     if kind == "int" and not 0 <= value <= INT64_MAX:
         return FieldError(OUT_OF_RANGE, path, f"{value} is outside 0..2^63-1", "integer", spec.describe())
     if kind == "float" and (not math.isfinite(value) or value < 0):

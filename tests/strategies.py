@@ -12,9 +12,16 @@ from schemas.types import FieldSpec, field_specs
 INT64_MAX = 2**63 - 1
 
 
+#: Ids: a visible character, no control characters (``schemas.types.BAD_IDENTIFIER``)
+IDENTIFIERS = st.text(st.characters(blacklist_categories=("Cc", "Cs")), min_size=1, max_size=12).filter(
+    lambda s: s.strip(" "))
+
+
 def _scalar(spec: FieldSpec) -> st.SearchStrategy:
     if spec.enum:
         return st.sampled_from(spec.enum)
+    if spec.identifier:
+        return IDENTIFIERS
     return {
         "string": st.text(max_size=12),
         "int": st.integers(0, INT64_MAX),

@@ -303,3 +303,28 @@ def test_a_parquet_file_naming_a_column_twice_is_refused_by_name(tmp_path):
     assert caught.value.hint == "write each column once"
     proc = subprocess.run([sys.executable, "-m", "servelens", "events", "validate", str(path)], capture_output=True, text=True)
     assert proc.returncode == 3 and "hint: write each column once" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("field", ["event_id", "engine_id", "request_id", "instance_id"])
+@pytest.mark.parametrize("value", ["", "   ", "e\x00x", "tab\there", "del\x7f"])
+def test_an_id_that_is_blank_or_holds_a_control_character_is_refused_by_both_validators(field, value):
+    # consumers de-duplicate on event_id and join on request_id: two events with the id "" would be one
+    from pipelines.decode import Decoder
+
+    record = {**ARRIVED, field: value}
+    assert _reasons(record) == [(NOT_ALLOWED, f"$.{field}")]
+    batch = Decoder().decode([json.dumps(record).encode(), _line(event_id="ok").encode()])
+    assert [r.index for r in batch.rejected] == [0] and batch.events["event_id"].to_pylist() == ["ok"]
+
+
+@pytest.mark.parametrize("value", ["e", " e ", "é", "a b"])
+def test_an_id_with_a_visible_character_and_no_control_character_is_accepted(value):
+    import jsonschema
+
+    from schemas.json_schema import events_json_schema
+
+    record = {**ARRIVED, "event_id": value, "schema_version": "1.2"}
+    assert _reasons(record) == []
+    jsonschema.validate(record, events_json_schema())
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({**record, "event_id": " "}, events_json_schema())
