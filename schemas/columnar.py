@@ -161,6 +161,8 @@ def _consistency(table: pa.Table, masks: dict[str, pa.Array]) -> np.ndarray:
     rule("step_executed", pc.greater_equal(table["num_steps"], 1))
     rule("tokens_delivered", pc.greater_equal(table["num_tokens"], 1))
     rule("request_arrived", pc.greater_equal(table["num_branches"], 1))
+    rule("request_arrived", pc.less_equal(table["num_cached_prefix_tokens"], table["num_prompt_tokens"]))
+    rule("instance_state", pc.greater_equal(table["kv_block_size_tokens"], 1))
     rule(
         "admission_decided",
         pc.less_equal(table["predicted_output_tokens_low"], table["predicted_output_tokens_high"]),

@@ -179,8 +179,14 @@ def _consistency_errors(values: dict[str, Any]) -> list[FieldError]:
             errors.append(FieldError(OUT_OF_RANGE, "$.num_steps", "a step event covers at least one step"))
     elif etype == "tokens_delivered" and values["num_tokens"] < 1:
         errors.append(FieldError(OUT_OF_RANGE, "$.num_tokens", "a delivery carries at least one token"))
-    elif etype == "request_arrived" and values.get("num_branches", 1) < 1:
-        errors.append(FieldError(OUT_OF_RANGE, "$.num_branches", "a request has at least one branch"))
+    elif etype == "request_arrived":
+        if values.get("num_branches", 1) < 1:
+            errors.append(FieldError(OUT_OF_RANGE, "$.num_branches", "a request has at least one branch"))
+        cached = values.get("num_cached_prefix_tokens")
+        if cached is not None and cached > values["num_prompt_tokens"]:
+            errors.append(FieldError(INCONSISTENT, "$.num_cached_prefix_tokens", "more cached tokens than the prompt holds"))
+    elif etype == "instance_state" and values["kv_block_size_tokens"] < 1:
+        errors.append(FieldError(OUT_OF_RANGE, "$.kv_block_size_tokens", "a KV block holds at least one token"))
     elif etype == "admission_decided":
         low, high = values.get("predicted_output_tokens_low"), values.get("predicted_output_tokens_high")
         if low is not None and high is not None and low > high:

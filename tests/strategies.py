@@ -53,7 +53,11 @@ def _make_consistent(event: Event) -> Event:
     elif etype == "tokens_delivered":
         fix = {"num_tokens": max(1, event.num_tokens)}
     elif etype == "request_arrived":
-        fix = {"num_branches": max(1, event.num_branches)}
+        cached = event.num_cached_prefix_tokens
+        fix = {"num_branches": max(1, event.num_branches),
+               "num_cached_prefix_tokens": None if cached is None else min(cached, event.num_prompt_tokens)}
+    elif etype == "instance_state":
+        fix = {"kv_block_size_tokens": max(1, event.kv_block_size_tokens)}
     elif etype == "admission_decided":
         low, high = event.predicted_output_tokens_low, event.predicted_output_tokens_high
         if low is not None and high is not None:

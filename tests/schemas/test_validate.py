@@ -328,3 +328,17 @@ def test_an_id_with_a_visible_character_and_no_control_character_is_accepted(val
     jsonschema.validate(record, events_json_schema())
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({**record, "event_id": " "}, events_json_schema())
+
+
+def test_more_cached_tokens_than_the_prompt_and_a_block_of_no_tokens_are_refused_by_both_validators():
+    from pipelines.decode import Decoder
+
+    state = {"event_id": "s1", "schema_version": "1.2", "event_type": "instance_state", "ts_ns": 1, "engine_id": "e",
+             "instance_id": "i0", "state": "ready", "num_kv_blocks_total": 10, "kv_block_size_tokens": 0,
+             "resident_models": [], "resident_adapters": []}
+    cached = {**ARRIVED, "num_prompt_tokens": 10, "num_cached_prefix_tokens": 50}
+    assert _reasons(state) == [(OUT_OF_RANGE, "$.kv_block_size_tokens")]
+    assert _reasons(cached) == [(INCONSISTENT, "$.num_cached_prefix_tokens")]
+    assert _reasons({**cached, "num_cached_prefix_tokens": 10}) == []
+    batch = Decoder().decode([json.dumps(r).encode() for r in (state, cached, {**cached, "num_cached_prefix_tokens": 10})])
+    assert [r.index for r in batch.rejected] == [0, 1] and batch.events.num_rows == 1
