@@ -43,6 +43,7 @@ import json
 import logging
 import os
 import queue
+import re
 import signal
 import socket
 import sys
@@ -71,6 +72,24 @@ from schemas.records import DeadLetter
 from servelens.errors import ServelensError
 
 log = logging.getLogger("servelens.ingest")
+
+#: A consumer name: it names the status file ``<lake>/_ingest/<name>.json``, so a plain file name
+CONSUMER_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")
+CONSUMER_NAME_RULE = "1 to 100 letters, digits, '.', '_' or '-', not starting with '.'"
+
+
+def check_consumer_name(name: str) -> str:
+    """``name`` if it can name a consumer (and its status file), else a clear error."""
+    if not CONSUMER_NAME.fullmatch(name):
+        shown = name if len(name) <= 40 else name[:40] + "..."
+        raise ServelensError(f"consumer name {shown!r} is not a plain file name: it names the status file "
+                             f"<lake>/_ingest/<name>.json", f"use {CONSUMER_NAME_RULE}")
+    return name
+
+
+def _default_name() -> str:
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).lstrip(".")[:80] or "ingest"
+    return f"{host}-{os.getpid()}"
 
 DEAD_LETTER_SCHEMA = arrow_schema(DeadLetter)
 
@@ -171,7 +190,8 @@ class IngestConsumer:
         self.kafka_config = kafka
         self.config = ingest
         self.topic = kafka.topic
-        self.name = consumer_name or ingest.consumer_name or f"{socket.gethostname()}-{os.getpid()}"
+        named = consumer_name if consumer_name is not None else ingest.consumer_name
+        self.name = _default_name() if named is None else check_consumer_name(named)
         self.lake = Lake(lake.root, lake)
         self.keyring = keyring
         Decoder(message_format=ingest.message_format)  # a clear error for an unknown format, now
@@ -271,8 +291,12 @@ class IngestConsumer:
         on_status: Callable[[IngestStats], None] | None = None,
     ) -> IngestStats:
         """Consume until stopped (``stop()``, SIGTERM or SIGINT), ``max_records`` records have been
-        read, or nothing arrived for ``idle_exit_s`` seconds while partitions were assigned; then
-        commit and return the stats."""
+        read, or nothing arrived for ``idle_exit_s`` seconds; then commit and return the stats.
+
+        Idle time counts from the start, from the last record read and from each assignment of
+        partitions; while none are assigned (the group still forming, or every partition held by other
+        members) the limit is ``idle_exit_s`` plus the group's session timeout, the time the broker
+        gives a dead member before its partitions move."""
         if self._consumer is None:
             self.start()
         previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)} if _main_thread() else {}
@@ -284,12 +308,13 @@ class IngestConsumer:
         last_data = time.monotonic()
         try:
             while not self._stop:
+                assigned = bool(self.partitions)
                 polled = self._consumer.poll(timeout_ms=200, max_records=self.config.poll_max_records)
                 got = self._buffer(polled)
                 self._reap()
                 self._rebalanced()
                 now = time.monotonic()
-                if got or not self.partitions:  # idle means: assigned, and nothing to read
+                if got or (self.partitions and not assigned):  # data, or partitions just assigned
                     last_data = now
                 if got:
                     self._broker_back()
@@ -301,13 +326,19 @@ class IngestConsumer:
                     self._report(on_status)
                 if max_records is not None and self._counts["read"] >= max_records:
                     break
-                if idle_exit_s is not None and now - last_data >= idle_exit_s and not self._buffered() and not self._inflight:
+                if idle_exit_s is not None and now - last_data >= self._idle_limit_s(idle_exit_s) and not self._buffered() \
+                        and not self._inflight:
                     break
             return self.close()
         finally:
             sys.setswitchinterval(switch_interval_s)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _idle_limit_s(self, idle_exit_s: float) -> float:
+        """Idle time before ``run`` stops: with no partition assigned, the group's session timeout more
+        (a member that died holds its partitions that long: the group is still forming, not idle)."""
+        return idle_exit_s if self.partitions else idle_exit_s + self.config.session_timeout_ms / 1000
 
     # -- buffering and committing ---------------------------------------------------------------
 
@@ -754,6 +785,7 @@ def write_status(root: str, stats: IngestStats) -> None:
     """The consumer's health as JSON beside the lake (read by ``servelens ingest status``)."""
     if "://" in root:
         return  # object stores: the log line is the health signal
+    check_consumer_name(stats.consumer)  # never a path: the file stays in <lake>/_ingest
     folder = status_dir(root)
     folder.mkdir(parents=True, exist_ok=True)
     data = asdict(stats) | {"total_lag": stats.total_lag, "written_ns": time.time_ns()}
@@ -763,10 +795,60 @@ def write_status(root: str, stats: IngestStats) -> None:
 
 
 def read_statuses(root: str) -> list[dict]:
+    """The readable status files under ``<lake>/_ingest``, by file name (``read_status_files`` also names the others)."""
+    return read_status_files(root)[0]
+
+
+#: What ``servelens ingest status`` reads of a status file: the field and the JSON types it may have
+STATUS_FIELDS: dict[str, tuple[type, ...]] = {
+    "consumer": (str,), "written_ns": (int,), "last_commit_ns": (int, type(None)), "records_read": (int,),
+    "events_written": (int,), "events_per_s": (int, float), "dead_letters": (int,), "dead_letter_rate": (int, float),
+    "total_lag": (int,), "broker_reachable": (bool,),
+}
+MAX_STATUS_BYTES = 1 << 20
+_JSON_TYPE = {str: "a string", int: "an integer", float: "a number", bool: "true or false", type(None): "null",
+              list: "a list", dict: "an object"}
+
+
+def read_status_files(root: str) -> tuple[list[dict], list[tuple[Path, str]]]:
+    """(each readable status file's health, by file name; each unreadable one with why): one corrupt file
+    (a crash while it was copied, an edit) hides nothing else."""
     folder = status_dir(root)
+    statuses: list[dict] = []
+    unreadable: list[tuple[Path, str]] = []
     if not folder.is_dir():
-        return []
-    return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+        return statuses, unreadable
+    for path in sorted(folder.glob("*.json")):
+        try:
+            statuses.append(_status(path))
+        except OSError as exc:
+            unreadable.append((path, exc.strerror or type(exc).__name__))
+        except ValueError as exc:
+            unreadable.append((path, str(exc)))
+    return statuses, unreadable
+
+
+def _status(path: Path) -> dict:
+    """One status file's health (``ValueError`` saying why it is not one)."""
+    if path.stat().st_size > MAX_STATUS_BYTES:
+        raise ValueError(f"larger than {MAX_STATUS_BYTES:,} bytes")
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {exc.msg} at character {exc.pos}") from None
+    except RecursionError:
+        raise ValueError("not a status: nested too deeply") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"a JSON {type(data).__name__}, not an object of fields")
+    for name, types in STATUS_FIELDS.items():
+        if name not in data:
+            raise ValueError(f"lacks the field {name!r}")
+        value = data[name]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise ValueError(f"field {name!r} is {_JSON_TYPE[type(value)]}, not {' or '.join(_JSON_TYPE[t] for t in types)}")
+    return data
 
 
 def topic_backlog(kafka: KafkaConfig, lake: Lake, timeout_s: float = 5.0) -> tuple[PartitionLag, ...]:

@@ -81,7 +81,7 @@ class KafkaConfig:
         check_bounds("kafka", self, at_least={
             "num_partitions": 1, "linger_ms": 0, "batch_bytes": 1, "max_buffered_events": 1, "delivery_timeout_ms": 1,
             "max_block_ms": 0, "reconnect_backoff_ms": 0, "reconnect_backoff_max_ms": 0},
-            above={"connect_timeout_s": 0})
+            above={"connect_timeout_s": 0}, non_empty=("bootstrap_servers",))
 
 
 class BrokerUnreachableError(ServelensError):

@@ -19,14 +19,15 @@ Files stay healthy through ``compact`` (Delta's optimize: small files of a parti
 current table version (``connect``), so they never see a file that is not committed.
 
 ``events_to_parquet`` and ``staged_parquet`` stage single files (a JSONL export, a foreign Parquet
-file) through the same validation and sanitization.
+file) through the same validation and sanitization; a file that claims to be sanitized already is
+validated too, and its key ids must be the configured key ring's.
 """
 
 from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,7 @@ import pyarrow.parquet as pq
 
 from pipelines import objectstore
 from pipelines.config import LakeConfig
+from privacy.keys import KeyRing
 from privacy.sanitize import Sanitizer
 from schemas.arrow import EVENTS_SCHEMA, arrow_schema
 from schemas.records import DeadLetter
@@ -352,14 +354,25 @@ def events_to_parquet(path: str | Path, out: str | Path, sanitizer: Sanitizer, *
     (nothing is silently dropped). Nothing reaches the file un-sanitized. Returns the event count;
     ``progress`` is called with the count so far after each batch.
     """
+    ignored: Counter[str] = Counter()
+
+    def sanitize(table: pa.Table) -> pa.Table:
+        sanitized = sanitizer.sanitize(table, ignored)
+        ignored.clear()
+        return sanitized
+
+    return _write_events(iter_event_tables(path, batch_rows=batch_rows, ignored_fields=ignored), out, sanitize, progress)
+
+
+def _write_events(tables: Iterator[pa.Table], out: str | Path, transform: Callable[[pa.Table], pa.Table],
+                  progress: Callable[[int], None] | None) -> int:
+    """Write ``transform`` of each table to one zstd Parquet file (``EVENTS_SCHEMA``); return the row count."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     count = 0
     with pq.ParquetWriter(out, EVENTS_SCHEMA, compression="zstd") as writer:
-        ignored: Counter[str] = Counter()
-        for table in iter_event_tables(path, batch_rows=batch_rows, ignored_fields=ignored):
-            writer.write_table(sanitizer.sanitize(table, ignored))
-            ignored.clear()
+        for table in tables:
+            writer.write_table(transform(table))
             count += table.num_rows
             if progress is not None:
                 progress(count)
@@ -367,20 +380,41 @@ def events_to_parquet(path: str | Path, out: str | Path, sanitizer: Sanitizer, *
 
 
 def is_sanitized(path: str | Path) -> bool:
-    """Whether every event of a Parquet file carries the id of the key that pseudonymized it."""
-    if "pseudonym_key_id" not in read_parquet_schema(path).names:
+    """Whether a Parquet file *claims* to be sanitized: every event carries the (text) id of the key that
+    pseudonymized it. A claim only: ``staged_parquet`` checks it."""
+    schema = read_parquet_schema(path)
+    if "pseudonym_key_id" not in schema.names or not pa.types.is_string(schema.field("pseudonym_key_id").type):
         return False
     column = read_parquet_table(path, columns=["pseudonym_key_id"]).column(0)
     return column.null_count == 0
 
 
+def check_key_ids(path: str | Path, keyring: KeyRing) -> None:
+    """Refuse a file that claims to be sanitized under keys the configured ring does not hold: a foreign
+    ring's pseudonyms, or raw values under a made-up key id."""
+    found = set(pc.unique(read_parquet_table(path, columns=["pseudonym_key_id"]).column(0)).to_pylist())
+    foreign = sorted(found - set(keyring.secrets))
+    if foreign:
+        shown = ", ".join(repr(k) for k in foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ServelensError(
+            f"{path} claims to be sanitized (every event carries a pseudonym key id) but names key ids the configured "
+            f"key ring does not hold: {shown} (the ring holds {', '.join(sorted(keyring.secrets))})",
+            "configure the key ring that sanitized it (privacy.key_file, SERVELENS_PRIVACY__KEY_FILE), or sanitize "
+            "the raw events with `servelens privacy sanitize`; nothing was written",
+        )
+
+
 def staged_parquet(path: str | Path, work_dir: str | Path, sanitizer: Sanitizer,
                    progress: Callable[[int], None] | None = None) -> Path:
-    """A sanitized Parquet events file for ``path``: itself if already sanitized, else a
-    validated, sanitized conversion in ``work_dir``."""
+    """A validated, sanitized Parquet events file (``EVENTS_SCHEMA``) for ``path``, written in ``work_dir``
+    (the caller's temporary folder, which it removes). Every record is validated as ``events validate`` does
+    (``InvalidEventsError`` at the first invalid one). A Parquet file that claims to be sanitized
+    (``is_sanitized``) is not pseudonymized again, but its key ids must be the ring's (``check_key_ids``)."""
     path = Path(path)
+    out = Path(work_dir) / "events.sanitized.parquet"
     if detect_format(path) == "parquet" and is_sanitized(path):
-        return path
-    out = Path(work_dir) / f"{path.stem}.sanitized.parquet"
-    events_to_parquet(path, out, sanitizer, progress=progress)
+        check_key_ids(path, sanitizer.keyring)
+        _write_events(iter_event_tables(path), out, lambda table: table, progress)
+    else:
+        events_to_parquet(path, out, sanitizer, progress=progress)
     return out

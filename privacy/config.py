@@ -8,6 +8,13 @@ from schemas.types import doc
 from servelens.errors import ConfigError
 from servelens.settings import check_bounds
 
+#: The largest value of each bound: far above any real fleet's (the defaults are 100 tenants, 32 models, 256
+#: instances, a sketch of 8 x budget, 128-character labels), well below one that turns the folding off.
+MAX_BOUNDS = {
+    "tenant_budget": 100_000, "model_budget": 10_000, "adapter_budget": 100_000, "instance_budget": 100_000,
+    "label_budget": 10_000, "sketch_factor": 100, "label_max_chars": 4_096, "text_max_chars": 65_536,
+}
+
 
 @dataclass(frozen=True, slots=True)
 class PrivacyConfig:
@@ -53,11 +60,12 @@ class PrivacyConfig:
 
     def __post_init__(self) -> None:
         """Each bound is a privacy guarantee: a setting that would lift one silently is refused by name
-        (a negative length cut would keep all but a character; a budget of 0 or k of 0, nothing)."""
+        (a negative length cut would keep all but a character; a budget of 0 or k of 0, nothing; a budget,
+        sketch or cut beyond ``MAX_BOUNDS``, no folding or cutting at all)."""
         check_bounds("privacy", self, at_least={
             "tenant_budget": 1, "model_budget": 1, "adapter_budget": 1, "instance_budget": 1, "label_budget": 1,
             "sketch_factor": 1, "min_group_size": 1, "label_max_chars": 1, "text_max_chars": 0,
-            "scrub_budget_per_batch": 0, "export_time_quantum_ms": 0, "hysteresis_margin": 0})
+            "scrub_budget_per_batch": 0, "export_time_quantum_ms": 0, "hysteresis_margin": 0}, at_most=MAX_BOUNDS)
         if not 0 <= self.score_threshold <= 1:
             raise ConfigError(f"privacy.score_threshold is a Presidio score, between 0 and 1, not {self.score_threshold}",
                               "0.35 (the default) redacts phone numbers and keeps weak guesses out")

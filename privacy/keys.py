@@ -12,7 +12,9 @@ The key ring is a TOML file (``servelens privacy keygen``)::
     k2026-11 = "<base64, 32 bytes or more>"
     k2026-05 = "<base64>"   # retired: kept so a tenant can still find its older records
 
-or one key in ``$SERVELENS_PSEUDONYM_KEY`` as ``<key id>:<base64>``. Every sanitized record carries
+or one key in ``$SERVELENS_PSEUDONYM_KEY`` as ``<key id>:<base64>``. A key file that group or others
+may write is refused, one they may read is used with a warning (both say ``chmod 600 FILE``); a key of
+one repeated byte, and one secret under two ids, are refused. Every sanitized record carries
 the id of the key that produced it. Rotation starts a new pseudonym for every identifier: records
 before and after cannot be linked by pseudonym alone, which is the point of rotating.
 """
@@ -24,31 +26,44 @@ import hmac
 import os
 import re
 import secrets
+import shlex
+import stat
+import sys
 import tempfile
-import tomllib
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from servelens.errors import ConfigError
+from servelens.errors import ConfigError, ServelensError
+from servelens.settings import read_toml
 
 ENV_KEY = "SERVELENS_PSEUDONYM_KEY"
 MIN_KEY_BYTES = 32
 _KEY_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
-def _decode_secret(key_id: str, text: str, where: str) -> bytes:
+def _decode_secret(key_id: str, text: object, where: str, hint: str) -> bytes:
+    if not isinstance(text, str):
+        raise ConfigError(f"pseudonym key {key_id!r} in {where} is a {_toml_type(text)}, not a base64 string", hint)
     try:
         secret = base64.b64decode(text, validate=True)
     except (ValueError, TypeError):
-        raise ConfigError(f"pseudonym key {key_id!r} in {where} is not base64") from None
+        raise ConfigError(f"pseudonym key {key_id!r} in {where} is not base64", hint) from None
     if len(secret) < MIN_KEY_BYTES:
         raise ConfigError(
             f"pseudonym key {key_id!r} in {where} has {len(secret)} bytes; at least {MIN_KEY_BYTES} are required",
             "create a key with `servelens privacy keygen --out FILE`",
         )
+    if len(set(secret)) == 1:
+        raise ConfigError(f"pseudonym key {key_id!r} in {where} is one byte repeated ({secret[:1].hex()}), not a "
+                          "random secret: anyone can compute its pseudonyms",
+                          "create a key with `servelens privacy keygen --out FILE`")
     return secret
+
+
+def _toml_type(value: object) -> str:
+    return {bool: "boolean", int: "number", float: "number", dict: "table", list: "list"}.get(type(value), type(value).__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,10 +81,13 @@ class KeyRing:
             mac = hmac.new(secret, digestmod="sha256")
             self._macs[key_id] = getattr(mac, "_hmac", None) or mac
         if self.active_id not in self.secrets:
-            raise ConfigError(f"the active pseudonym key {self.active_id!r} is not among the keys {sorted(self.secrets)}")
+            raise ConfigError(f"the active pseudonym key {self.active_id!r} is not among the keys {sorted(self.secrets)}",
+                              "`active` names the key that signs new records: one of the ids in [keys]")
         for key_id in self.secrets:
             if not _KEY_ID.match(key_id):
-                raise ConfigError(f"pseudonym key id {key_id!r} must be 1-64 letters, digits, '.', '_' or '-'")
+                raise ConfigError(f"pseudonym key id {key_id!r} must be 1-64 letters, digits, '.', '_' or '-'",
+                                  "e.g. k2026-11; `servelens privacy keygen` and `rotate` make one from the time "
+                                  "when --id is left out")
 
     def __repr__(self) -> str:  # secrets never appear in logs or reports
         return f"KeyRing(active_id={self.active_id!r}, key_ids={sorted(self.secrets)!r})"
@@ -108,34 +126,77 @@ class KeyRing:
         return int.from_bytes(mac.digest()[:8], "big") >> 1
 
 
-def load_keyring(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> KeyRing:
-    """The key ring from a TOML key file or ``$SERVELENS_PSEUDONYM_KEY``; a clear error if neither."""
+def load_keyring(path: str | Path | None = None, env: Mapping[str, str] | None = None, *,
+                 warn: Callable[[str, str], None] | None = None) -> KeyRing:
+    """The key ring from a TOML key file or ``$SERVELENS_PSEUDONYM_KEY``; a clear error if neither. A key
+    file writable by group or others is refused; one readable by them is used after a ``warn(message,
+    hint)`` (by default a ``warning:`` line on stderr, once per file and mode)."""
     env = os.environ if env is None else env
     if path:
-        path = Path(path)
-        try:
-            data = tomllib.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(
-                f"pseudonym key file {path} does not exist", f"create it with `servelens privacy keygen --out {path}`"
-            ) from None
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"pseudonym key file {path} is not valid TOML: {exc}", _KEY_FILE_HINT) from None
-        keys = data.get("keys")
-        if not isinstance(keys, dict) or not keys or not isinstance(data.get("active"), str):
-            raise ConfigError(f"pseudonym key file {path} needs `active = \"<id>\"` and a [keys] table", _KEY_FILE_HINT)
-        return KeyRing(data["active"], {k: _decode_secret(k, str(v), str(path)) for k, v in keys.items()})
+        return _load_keyfile(Path(path), warn or _warn_on_stderr)
     if env.get(ENV_KEY):
         key_id, sep, text = env[ENV_KEY].partition(":")
         if not sep:
-            raise ConfigError(f"${ENV_KEY} must look like <key id>:<base64 secret>")
-        return KeyRing(key_id, {key_id: _decode_secret(key_id, text, f"${ENV_KEY}")})
+            raise ConfigError(f"${ENV_KEY} must look like <key id>:<base64 secret>", _ENV_HINT)
+        return KeyRing(key_id, {key_id: _decode_secret(key_id, text, f"${ENV_KEY}", _ENV_HINT)})
     raise ConfigError(
         "no pseudonym key is configured: servelens will not store tenant data without one",
         f"set privacy.key_file (SERVELENS_PRIVACY__KEY_FILE) to a key file made by `servelens privacy keygen --out FILE`, "
-        f"or set ${ENV_KEY}=<key id>:<base64 of {MIN_KEY_BYTES}+ random bytes>",
+        f"or {_ENV_HINT}",
     )
 
+
+def _load_keyfile(path: Path, warn: Callable[[str, str], None]) -> KeyRing:
+    data = read_toml(path, "pseudonym key file", _KEY_FILE_HINT,
+                     missing_hint=f"create it with `servelens privacy keygen --out {path}`",
+                     folder_hint="privacy.key_file (SERVELENS_PRIVACY__KEY_FILE) names the key file itself, "
+                                 "as `servelens privacy keygen --out FILE` writes it")
+    _check_mode(path, warn)
+    keys = data.get("keys")
+    if not isinstance(keys, dict) or not keys or not isinstance(data.get("active"), str):
+        raise ConfigError(f"pseudonym key file {path} needs `active = \"<id>\"` and a [keys] table", _KEY_FILE_HINT)
+    ring = KeyRing(data["active"], {k: _decode_secret(k, v, str(path), _KEY_FILE_HINT) for k, v in keys.items()})
+    by_secret: dict[bytes, str] = {}
+    for key_id, secret in ring.secrets.items():
+        if secret in by_secret:
+            raise ConfigError(f"pseudonym keys {by_secret[secret]!r} and {key_id!r} in {path} have the same secret: "
+                              "a rotation to a copy changes no pseudonym",
+                              f"restore the file from its backup, or add a fresh key with `servelens privacy rotate {path}`")
+        by_secret[secret] = key_id
+    return ring
+
+
+def _check_mode(path: Path, warn: Callable[[str, str], None]) -> None:
+    """Refuse a key file that group or others may write (whoever replaces the key decides the pseudonyms); warn
+    of one they may read (whoever reads the key can compute the pseudonym of any guessed id)."""
+    mode = stat.S_IMODE(path.stat().st_mode)
+    fix = f"chmod 600 {shlex.quote(str(path))}"
+    if mode & 0o022:
+        raise ConfigError(f"pseudonym key file {path} is writable by {_who(mode & 0o022)} (mode {mode:04o}): "
+                          "anyone who can replace the key decides the pseudonyms",
+                          f"{fix}, and check that the keys in it are still yours")
+    if mode & 0o044:
+        warn(f"pseudonym key file {path} is readable by {_who(mode & 0o044)} (mode {mode:04o}): whoever reads the "
+             "key can compute the pseudonym of any id they guess", fix)
+
+
+def _who(bits: int) -> str:
+    """``group``, ``others`` or ``group and others``, for the group and other bits of a mode (read or write)."""
+    return " and ".join(who for who, mask in (("group", 0o070), ("others", 0o007)) if bits & mask)
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def _warn_on_stderr(message: str, hint: str) -> None:
+    """A warning line and its hint on stderr, once per message (a dashboard loads its ring on every page)."""
+    if (message, hint) not in _warned:
+        _warned.add((message, hint))
+        print(f"warning: {message}\n  hint: {hint}", file=sys.stderr)
+
+
+#: How ``$SERVELENS_PSEUDONYM_KEY`` is written.
+_ENV_HINT = f"set ${ENV_KEY}=<key id>:<base64 of {MIN_KEY_BYTES}+ random bytes>"
 
 #: What a key file holds, for the errors that find it malformed.
 _KEY_FILE_HINT = ('a key file is `active = "<id>"` and a [keys] table of "<id>" = "<base64 secret>", as '
@@ -156,31 +217,42 @@ def new_key_id(taken: Collection[str] = ()) -> str:
 
 def write_keyfile(path: str | Path, ring: KeyRing) -> None:
     """Write a key ring as TOML, readable by its owner only. The ring goes to a temporary file beside
-    ``path`` that then replaces it, so a crash mid-write (a rotation) leaves the old ring whole."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    ``path`` that then replaces it, so a crash mid-write (a rotation) leaves the old ring whole. A
+    symbolic link (a mounted secret) keeps pointing at its target, which is what is rewritten."""
+    target = Path(path).resolve()
     lines = [f'active = "{ring.active_id}"', "", "[keys]"]
     lines += [f'"{k}" = "{base64.b64encode(v).decode()}"' for k, v in ring.secrets.items()]
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # created 0600
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _replace(target, "\n".join(lines) + "\n")
+    except OSError as exc:
+        raise ServelensError(f"cannot write the pseudonym key file {path}: {exc.strerror or exc}",
+                             "check that its folder can be created and written by you") from None
+
+
+def _replace(target: Path, text: str) -> None:
+    """Replace ``target`` whole by a file of ``text``, mode 0600."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")  # created 0600
     try:
         with os.fdopen(fd, "w") as fh:
-            fh.write("\n".join(lines) + "\n")
+            fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
 def generate_keyring(key_id: str | None = None) -> KeyRing:
-    key_id = key_id or new_key_id()
+    """One fresh key; ``key_id`` None for one from the current time (an empty id is refused, not replaced)."""
+    key_id = new_key_id() if key_id is None else key_id
     return KeyRing(key_id, {key_id: secrets.token_bytes(MIN_KEY_BYTES)})
 
 
 def rotate(ring: KeyRing, key_id: str | None = None) -> KeyRing:
     """A ring with a fresh active key; the old keys stay for lookups."""
-    key_id = key_id or new_key_id(ring.secrets)
+    key_id = new_key_id(ring.secrets) if key_id is None else key_id
     if key_id in ring.secrets:
         raise ConfigError(f"pseudonym key id {key_id!r} already exists", "choose another --id, or leave it out for a fresh one")
     return KeyRing(key_id, {**ring.secrets, key_id: secrets.token_bytes(MIN_KEY_BYTES)})

@@ -13,7 +13,9 @@ not in ``num_preemptions``. Metric definitions: ``docs/metrics.md``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import re
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import duckdb
@@ -173,18 +175,67 @@ LEFT JOIN itl USING (request_id)
 REQUESTS_SCHEMA = arrow_schema(RequestRow)
 
 
+#: The least ``lake.duckdb_memory_limit`` taken: below it DuckDB cannot even start a derivation (it needs a few MB
+#: per thread before it can spill), so a smaller value is a typo ("600KB" for "600MB"), not a budget.
+MIN_MEMORY_LIMIT = "16MB"
+_MIN_MEMORY_BYTES = 16 * 1000**2
+_MEMORY_UNITS = {"b": 1, "byte": 1, "bytes": 1}  # DuckDB's units (its parser's spellings), lower case
+for _power, (_short, _long) in enumerate((("k", "kilo"), ("m", "mega"), ("g", "giga"), ("t", "tera")), 1):
+    _MEMORY_UNITS.update(dict.fromkeys((_short, _short + "b", _long + "byte", _long + "bytes"), 1000**_power))
+    _MEMORY_UNITS[_short + "ib"] = 1024**_power
+_MEMORY_SIZE = re.compile(r"(-?[0-9.e+-]*)\s*([a-z]*)")
+_MEMORY_HINT = ("e.g. 2GB or 600MB ([lake] duckdb_memory_limit, SERVELENS_LAKE__DUCKDB_MEMORY_LIMIT), or "
+                "leave it unset for DuckDB's default")
+
+
+def _memory_bytes(text: str) -> float | None:
+    """The size ``text`` names in bytes, where it is a number and a unit DuckDB takes (None: left to DuckDB to judge)."""
+    match = _MEMORY_SIZE.fullmatch(text.strip().lower())
+    if match is None or match.group(2) not in _MEMORY_UNITS:
+        return None
+    try:
+        return float(match.group(1)) * _MEMORY_UNITS[match.group(2)]
+    except ValueError:
+        return None
+
+
 def connect(memory_limit: str | None = None) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB connection for derivations; ``memory_limit`` (e.g. "1GB") makes it spill."""
+    """An in-memory DuckDB connection for derivations; ``memory_limit`` (e.g. "1GB") makes it spill. A negative
+    limit (DuckDB would take it as none) or one below ``MIN_MEMORY_LIMIT`` is a ``ConfigError``."""
     con = duckdb.connect(config={"autoinstall_known_extensions": False})  # never downloads an extension
     con.execute("SET enable_progress_bar = false")
     if memory_limit:
+        size = _memory_bytes(memory_limit)
+        if memory_limit.strip().startswith("-") or (size is not None and size < 0):
+            raise ConfigError(f"lake.duckdb_memory_limit {memory_limit!r} is negative: DuckDB would take it as no "
+                              "limit at all", _MEMORY_HINT)
+        if size is not None and size < _MIN_MEMORY_BYTES:
+            raise ConfigError(f"lake.duckdb_memory_limit {memory_limit!r} is below {MIN_MEMORY_LIMIT}: DuckDB cannot run "
+                              "a derivation in that little memory (it needs a few MB per thread before it can spill)",
+                              _MEMORY_HINT)
         try:
             con.execute(f"SET memory_limit = {sql_literal(memory_limit)}")
         except duckdb.Error as exc:
             raise ConfigError(f"lake.duckdb_memory_limit {memory_limit!r} is not a memory size DuckDB takes ({exc})",
-                              "e.g. 2GB or 600MB ([lake] duckdb_memory_limit, SERVELENS_LAKE__DUCKDB_MEMORY_LIMIT), or "
-                              "leave it unset for DuckDB's default") from None
+                              _MEMORY_HINT) from None
     return con
+
+
+@contextlib.contextmanager
+def _memory_named(con: duckdb.DuckDBPyConnection) -> Iterator[None]:
+    """DuckDB running out of memory, as a ``ConfigError`` that names the setting that caps it."""
+    try:
+        yield
+    except duckdb.OutOfMemoryException as exc:
+        try:
+            (limit,) = con.execute("SELECT current_setting('memory_limit')").fetchone() or ("?",)
+        except duckdb.Error:
+            limit = "?"
+        raise ConfigError(f"DuckDB ran out of memory deriving the request table under lake.duckdb_memory_limit "
+                          f"(now {limit}): {str(exc).splitlines()[0]}",
+                          "raise it ([lake] duckdb_memory_limit, SERVELENS_LAKE__DUCKDB_MEMORY_LIMIT), e.g. to 2GB, or "
+                          "leave it unset for DuckDB's default: DuckDB spills to disk beyond the limit, but needs some "
+                          "memory per thread") from None
 
 
 def _source_sql(con: duckdb.DuckDBPyConnection, source: EventSource) -> str:
@@ -243,7 +294,8 @@ def read_events(path: Path) -> pa.Table:
 def derive_requests(source: EventSource, *, con: duckdb.DuckDBPyConnection | None = None) -> pa.Table:
     """One row per request (``schemas.records.RequestRow``) from events, as an Arrow table."""
     con = con or connect()
-    table = con.sql(requests_query(con, source)).to_arrow_table()
+    with _memory_named(con):
+        table = con.sql(requests_query(con, source)).to_arrow_table()
     return table.cast(REQUESTS_SCHEMA)
 
 
@@ -254,17 +306,20 @@ BACKWARDS_SQL = ("scheduled_ns < arrival_ns OR first_token_ns < arrival_ns OR la
 
 def count_backwards(con: duckdb.DuckDBPyConnection, requests: str | Path) -> int:
     """How many requests of a request-table file have a timestamp before the one it is measured from."""
-    (count,) = con.execute(f"SELECT count(*) FROM {parquet_relation([requests])} WHERE {BACKWARDS_SQL}").fetchone()
+    with _memory_named(con):
+        (count,) = con.execute(f"SELECT count(*) FROM {parquet_relation([requests])} WHERE {BACKWARDS_SQL}").fetchone()
     return int(count)
 
 
 def write_requests(
     source: EventSource, out: str | Path, *, con: duckdb.DuckDBPyConnection | None = None
 ) -> int:
-    """Derive the request table straight into a zstd Parquet file (streaming); return its row count."""
+    """Derive the request table straight into a zstd Parquet file (streaming); return its row count. DuckDB
+    running out of memory is a ``ConfigError`` naming ``lake.duckdb_memory_limit``."""
     con = con or connect()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    query = requests_query(con, source)
-    (count,) = con.execute(f"COPY ({query}) TO {sql_literal(str(out))} (FORMAT parquet, COMPRESSION zstd)").fetchone()
+    with _memory_named(con):
+        query = requests_query(con, source)
+        (count,) = con.execute(f"COPY ({query}) TO {sql_literal(str(out))} (FORMAT parquet, COMPRESSION zstd)").fetchone()
     return count

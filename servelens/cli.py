@@ -112,7 +112,8 @@ def events() -> None:
 
 @events.command("validate")
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--max-errors", default=50, show_default=True, help="Print at most this many errors (all are counted).")
+@click.option("--max-errors", type=click.IntRange(min=0), default=50, show_default=True,
+              help="Print at most this many errors (all are counted; 0: only the summary).")
 def events_validate(file: Path, max_errors: int) -> None:
     """Check every record of FILE against the event contract.
 
@@ -385,51 +386,89 @@ def requests_derive(ctx: click.Context, events_file: Path, out: Path) -> None:
     """Derive one row per request from EVENTS_FILE (JSONL or Parquet), for engine telemetry.
 
     A replay writes its own request table beside its events (OUT/requests.parquet, the same rows this
-    command derives): for a replay's events.parquet whose manifest names it, that table is copied.
-    Sanitized input (every event carries a pseudonym key id) is read as it is, with no key. Other
-    input is validated (and refused if any record is invalid: run `servelens events validate` to see
-    every error) and sanitized with the configured pseudonym key before anything is written. Events
-    may arrive in any order and duplicated. Progress goes to stderr. DuckDB's memory is capped by
-    `lake.duckdb_memory_limit` (it spills beyond; "600MB" keeps the process under 1 GB on a
-    1,000,000-request replay).
+    command derives): for a replay's events.parquet whose manifest names it (a file in the same folder),
+    that table is copied. Other input is validated (and refused if any record is invalid: run `servelens
+    events validate` to see every error) and sanitized with the configured pseudonym key before anything
+    is written; input that is sanitized already (every event carries a pseudonym key id) is validated too
+    and its key ids must be ones of the configured key ring. Events may arrive in any order and
+    duplicated. Progress goes to stderr. `--out` is replaced only when the run succeeds (work files go to
+    a temporary folder beside it, removed afterwards). DuckDB's memory is capped by
+    `lake.duckdb_memory_limit` (at least 16MB; it spills beyond; "600MB" keeps the process under 1 GB
+    on a 1,000,000-request replay).
 
     \b
     Example:
       servelens requests derive out/demo/engine/events.parquet --out out/requests.parquet
     """
     refuse_overwriting(out, events_file)
-    import shutil
-
-    from pipelines.lake import is_sanitized, staged_parquet
     from replay.derive import BACKWARDS_SQL, connect, count_backwards, write_requests
-    from schemas.validate import InvalidEventsError, detect_format
 
-    own = _replays_own_table(events_file)
-    if own is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(own, out)
-        click.echo(f"copied the replay's own request table {own} to {out} "
-                   f"({pq_rows(out):,} requests; the replay wrote it: nothing to derive)")
-        return
     started = time.monotonic()
-    staged = events_file
-    if not (detect_format(events_file) == "parquet" and is_sanitized(events_file)):
-        click.echo(f"validating and sanitizing {events_file} with the configured pseudonym key ...", err=True)
-        try:
-            staged = staged_parquet(events_file, out.parent, _sanitizer(ctx), progress=_event_progress("sanitized"))
-        except InvalidEventsError as exc:
-            raise ServelensError(str(exc), f"run `servelens events validate {events_file}` to see every error") from None
-        click.echo(f"  sanitized in {time.monotonic() - started:,.1f} s; deriving the request table ...", err=True)
-    else:
-        click.echo(f"{events_file} is sanitized (every event carries a pseudonym key id): deriving ...", err=True)
-    con = connect(_config(ctx).lake.duckdb_memory_limit)
-    count = write_requests(staged, out, con=con)
+    with _staging_folder(out) as work:
+        if _copy_own_table(events_file, out, work):
+            return
+        con = connect(_config(ctx).lake.duckdb_memory_limit)  # a bad limit is refused before the long part
+        staged = _staged_events(ctx, events_file, work, started)
+        count = write_requests(staged, work / out.name, con=con)
+        os.replace(work / out.name, out)
     click.echo(f"wrote {count:,} requests to {out} in {time.monotonic() - started:,.1f} s")
     backwards = count_backwards(con, out)
     if backwards:
         click.echo(f"warning: {backwards:,} requests have a timestamp before the one their latency is measured from "
                    "(e.g. a first token before the arrival: clocks that disagree, or a broken emitter); those "
                    f"latencies are left null, the timestamps kept (the rows: WHERE {BACKWARDS_SQL})", err=True)
+
+
+@contextlib.contextmanager
+def _staging_folder(out: Path) -> Iterator[Path]:
+    """A temporary folder beside ``out`` (the same file system: a finished file is renamed into place at once),
+    removed afterwards, on success or failure: a failed run leaves no partial file, and ``out`` as it was."""
+    import tempfile
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name[:64]}.", suffix=".tmp") as work:
+        yield Path(work)
+
+
+def _copy_own_table(events_file: Path, out: Path, work: Path) -> bool:
+    """Put the replay's own request table beside ``events_file`` at ``out`` (through ``work``), if there is one;
+    one that is not a readable request table is warned of, and the events are derived instead."""
+    import shutil
+
+    from replay.request_table import check_request_table
+
+    own = _replays_own_table(events_file)
+    if own is None:
+        return False
+    try:
+        check_request_table(read_parquet_table(own), own)
+    except (ServelensError, UnreadableFileError) as exc:
+        click.echo(f"warning: the replay's own request table is unusable: {getattr(exc, 'message', exc)}; "
+                   "deriving it from the events instead", err=True)
+        return False
+    shutil.copyfile(own, work / out.name)
+    os.replace(work / out.name, out)
+    click.echo(f"copied the replay's own request table {own} to {out} "
+               f"({pq_rows(out):,} requests; the replay wrote it: nothing to derive)")
+    return True
+
+
+def _staged_events(ctx: click.Context, events_file: Path, work: Path, started: float) -> Path:
+    """``events_file`` validated and sanitized into ``work`` (``pipelines.lake.staged_parquet``), with progress."""
+    from pipelines.lake import is_sanitized, staged_parquet
+    from schemas.validate import InvalidEventsError, detect_format
+
+    claimed = detect_format(events_file) == "parquet" and is_sanitized(events_file)
+    verb = "validated" if claimed else "sanitized"
+    click.echo(f"{events_file} claims to be sanitized (every event carries a pseudonym key id): validating it and "
+               "checking its key ids against the configured key ring ..." if claimed else
+               f"validating and sanitizing {events_file} with the configured pseudonym key ...", err=True)
+    try:
+        staged = staged_parquet(events_file, work, _sanitizer(ctx), progress=_event_progress(verb))
+    except InvalidEventsError as exc:
+        raise ServelensError(str(exc), f"run `servelens events validate {events_file}` to see every error") from None
+    click.echo(f"  {verb} in {time.monotonic() - started:,.1f} s; deriving the request table ...", err=True)
+    return staged
 
 
 def _event_progress(verb: str):
@@ -447,16 +486,26 @@ def _event_progress(verb: str):
 
 
 def _replays_own_table(events_file: Path) -> Path | None:
-    """The request table a replay wrote beside ``events_file`` when its manifest names both (``replay.run``)."""
+    """The request table a replay wrote beside ``events_file`` when its manifest names both (``replay.run``): a plain
+    file name in the same folder. A manifest that is not a JSON object, or names anything else (a path, ``..``, a
+    link out of the folder), names none."""
     manifest = events_file.parent / "manifest.json"
     if events_file.name != "events.parquet" or not manifest.is_file():
         return None
     try:
-        output = json.loads(manifest.read_text()).get("output", {})
+        data = json.loads(manifest.read_text())
     except (OSError, ValueError):
         return None
-    own = events_file.parent / str(output.get("requests_file") or "")
-    return own if output.get("requests_file") and own.is_file() else None
+    output = data.get("output") if isinstance(data, dict) else None
+    name = output.get("requests_file") if isinstance(output, dict) else None
+    if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0"):
+        return None
+    own = events_file.parent / name
+    try:
+        beside = own.is_file() and own.resolve().parent == events_file.parent.resolve()
+    except OSError:
+        return None
+    return own if beside else None
 
 
 def _manifest_model(path: Path) -> str | None:
@@ -604,6 +653,9 @@ def privacy_keygen(out: Path, key_id: str | None) -> None:
 def privacy_rotate(key_file: Path, key_id: str | None) -> None:
     """Add a fresh key to KEY_FILE and make it active; older keys stay for tenant lookups.
 
+    KEY_FILE is replaced whole (mode 0600); a symbolic link (a mounted secret) keeps its place and
+    its target is rewritten.
+
     \b
     Example:
       servelens privacy rotate out/keys/pseudonym-keys.toml
@@ -612,7 +664,8 @@ def privacy_rotate(key_file: Path, key_id: str | None) -> None:
 
     ring = rotate(load_keyring(key_file), key_id)
     write_keyfile(key_file, ring)
-    click.echo(f"active pseudonym key is now {ring.active_id} ({len(ring.secrets)} keys in {key_file})")
+    target = f", a link to {key_file.resolve()}" if key_file.is_symlink() else ""
+    click.echo(f"active pseudonym key is now {ring.active_id} ({len(ring.secrets)} keys in {key_file}{target})")
 
 
 @privacy.command("lookup")
@@ -655,7 +708,9 @@ def privacy_sanitize(ctx: click.Context, events_file: Path, out: Path) -> None:
     """Validate and sanitize EVENTS_FILE (JSONL or Parquet) into Parquet, with a privacy report.
 
     The report (counts of dropped fields, redactions by entity type, values folded into 'other')
-    is printed and written next to the output as <out>.privacy.json.
+    is printed and written next to the output as <out>.privacy.json. Both are written to a temporary
+    folder beside `--out` and renamed into place only when the run succeeds: a failed run leaves no
+    partial file, and an earlier output and its report as they were.
 
     \b
     Example:
@@ -667,12 +722,16 @@ def privacy_sanitize(ctx: click.Context, events_file: Path, out: Path) -> None:
 
     refuse_overwriting(out, events_file)
     sanitizer = _sanitizer(ctx)
-    try:
-        count = events_to_parquet(events_file, out, sanitizer, progress=_event_progress("sanitized"))
-    except InvalidEventsError as exc:
-        raise ServelensError(str(exc), f"run `servelens events validate {events_file}` to see every error") from None
-    report = sanitizer.report().as_dict()
-    out.with_name(out.name + ".privacy.json").write_text(json.dumps(report, indent=2) + "\n")
+    report_file = out.with_name(out.name + ".privacy.json")
+    with _staging_folder(out) as work:
+        try:
+            count = events_to_parquet(events_file, work / out.name, sanitizer, progress=_event_progress("sanitized"))
+        except InvalidEventsError as exc:
+            raise ServelensError(str(exc), f"run `servelens events validate {events_file}` to see every error") from None
+        report = sanitizer.report().as_dict()
+        (work / report_file.name).write_text(json.dumps(report, indent=2) + "\n")
+        os.replace(work / out.name, out)
+        os.replace(work / report_file.name, report_file)
     click.echo(f"wrote {count:,} sanitized events to {out}")
     click.echo(json.dumps(report, indent=2))
 
@@ -716,10 +775,24 @@ def broker(ctx: click.Context, port: int | None) -> None:
         local.stop()
 
 
+def _consumer_name(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """`ingest --name`: a plain file name (it names <lake>/_ingest/<name>.json), checked before anything runs."""
+    from pipelines.ingest import check_consumer_name
+
+    try:
+        return None if value is None else check_consumer_name(value)
+    except ServelensError as exc:
+        raise click.BadParameter(f"{exc.message}; {exc.hint}", ctx, param) from None
+
+
 @cli.group(invoke_without_command=True)
 @click.option("--max-records", type=click.IntRange(min=1), default=None, help="Stop after reading this many records.")
-@click.option("--idle-exit-s", type=Finite(min=0), default=None, help="Stop after this long with nothing to read.")
-@click.option("--name", "consumer_name", default=None, help="This process's name in logs and status files.")
+@click.option("--idle-exit-s", type=Finite(min=0), default=None,
+              help="Stop after this long with nothing to read: counted from the start, the last record and each "
+                   "assignment of partitions; while none is assigned, ingest.session_timeout_ms longer.")
+@click.option("--name", "consumer_name", default=None, callback=_consumer_name,
+              help="This process's name in logs and status files: 1 to 100 letters, digits, '.', '_' or '-', "
+                   "not starting with '.' [default: ingest.consumer_name, else host-pid].")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 @click.pass_context
 def ingest(ctx: click.Context, max_records: int | None, idle_exit_s: float | None, consumer_name: str | None, verbose: bool) -> None:
@@ -765,15 +838,21 @@ def ingest(ctx: click.Context, max_records: int | None, idle_exit_s: float | Non
 def ingest_status(ctx: click.Context) -> None:
     """Show each ingest process's last health line and the lake's committed offsets.
 
+    A status file that cannot be read (not JSON, or lacking a field) is named as unreadable; the
+    others are still shown.
+
     \b
     Example:
       servelens ingest status
     """
-    from pipelines.ingest import read_statuses
+    from pipelines.ingest import read_status_files
     from pipelines.lake import DEAD_LETTERS, EVENTS, Lake
 
     config = _config(ctx)
-    statuses = read_statuses(config.lake.root)
+    statuses, unreadable = read_status_files(config.lake.root)
+    for path, why in unreadable:
+        click.echo(f"{ascii(str(path))[1:-1]}: unreadable status file ({why}); remove it (a running ingest "
+                   "rewrites its own every ingest.status_interval_s)")
     if not statuses:
         click.echo(f"no ingest process has reported into {config.lake.root} yet (start one: servelens ingest)")
     for s in statuses:

@@ -18,7 +18,7 @@ from pipelines.kafka_config import KafkaConfig
 from privacy.config import PrivacyConfig
 from schemas.types import doc
 from servelens.errors import DataNotFoundError
-from servelens.settings import build, read_settings
+from servelens.settings import build, check_bounds, read_settings
 
 #: Where the bundled data sets are published, for users without ``../shared``.
 SHARED_DATA_SOURCES = {
@@ -39,6 +39,9 @@ class PathsConfig:
         None,
     )
     out_dir: str = doc("Folder for command outputs (events, tables, reports).", "out")
+
+    def __post_init__(self) -> None:
+        check_bounds("paths", self, non_empty=("out_dir",))
 
 
 @dataclass(frozen=True, slots=True)

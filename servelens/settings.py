@@ -14,9 +14,10 @@ import dataclasses
 import json
 import math
 import os
+import re
 import tomllib
 import typing
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -66,29 +67,62 @@ def _number(value: Any, kind: type, key: str) -> int | float | None:
         as_float = math.inf
     if not math.isfinite(as_float):
         raise ConfigError(f"config key {key} must be a finite number, not {value!r}", "leave the key out for its default")
+    if isinstance(value, str):
+        return _plain_number(value, kind, key)
     if kind is float:
         return as_float
-    if isinstance(value, str):
-        try:
-            return int(value)
-        except ValueError:
-            return None
     if as_float != int(as_float):
         raise ConfigError(f"config key {key} must be a whole number, not {value!r}")
     return int(value)
 
 
+#: Text the environment (or a TOML/YAML string) may give for an int, and for a float: plain decimal notation.
+#: Python's own parsers also take ``5_0`` (as 50), surrounding blanks and non-ASCII digits.
+_PLAIN_INT = re.compile(r"[+-]?[0-9]+", re.ASCII)
+_PLAIN_FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?", re.ASCII)
+
+
+def _plain_number(text: str, kind: type, key: str) -> int | float:
+    """``text`` (a finite number to Python) as ``kind``, refused by name unless written in plain decimal notation."""
+    if kind is int and _PLAIN_INT.fullmatch(text):
+        return int(text)
+    if kind is float and _PLAIN_FLOAT.fullmatch(text):
+        return float(text)
+    what, example = ("a whole number", "50 or -3") if kind is int else ("a number", "0.25, -3 or 1e-3")
+    raise ConfigError(f"config key {key} must be {what} in plain decimal digits, not {text!r}",
+                      f"write it like {example}: no '_' and no blanks")
+
+
 def check_bounds(section: str, config: object, *, at_least: Mapping[str, float] = {},
-                 above: Mapping[str, float] = {}) -> None:
-    """Refuse, naming it, the first setting of ``config`` below its ``at_least`` bound or not above its
-    ``above`` bound (a section's ``__post_init__`` calls it: a count of 0 or a negative time is refused
-    where it is set, not found as a hang or a lost guarantee later)."""
+                 above: Mapping[str, float] = {}, at_most: Mapping[str, float] = {},
+                 non_empty: Collection[str] = ()) -> None:
+    """Refuse, naming it, the first setting of ``config`` below its ``at_least`` bound, not above its
+    ``above`` bound, above its ``at_most`` bound or empty (of ``non_empty``) (a section's ``__post_init__``
+    calls it: a count of 0, a negative time or an absurdly large budget is refused where it is set, not
+    found as a hang or a lost guarantee later)."""
     for name, least in at_least.items():
         if getattr(config, name) < least:
             raise ConfigError(f"{section}.{name} must be at least {least:g}, not {getattr(config, name)}")
     for name, bound in above.items():
         if not getattr(config, name) > bound:
             raise ConfigError(f"{section}.{name} must be above {bound:g}, not {getattr(config, name)}")
+    for name, most in at_most.items():
+        if getattr(config, name) > most:
+            raise ConfigError(f"{section}.{name} must be at most {most:,g}, not {_shown(getattr(config, name))}",
+                              f"leave it out for the default, {_default(config, name)}")
+    for name in non_empty:
+        if not str(getattr(config, name)).strip():
+            raise ConfigError(f"{section}.{name} must not be empty", f"leave it out for the default, {_default(config, name)!r}")
+
+
+def _shown(value: float) -> str:
+    """A number for an error message: in full, unless it is too long to read (``1e300`` read as an int)."""
+    text = str(value)
+    return text if len(text) <= 20 else f"{value:.3g}"
+
+
+def _default(config: object, name: str) -> Any:
+    return next(f.default for f in dataclasses.fields(config) if f.name == name)  # type: ignore[arg-type]
 
 
 def build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
@@ -132,15 +166,28 @@ def _section_list(annotation: Any) -> type | None:
 
 
 def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
-    tree: dict[str, Any] = {}
-    for name, value in env.items():
+    """The settings tree the ``SERVELENS_<SECTION>__<KEY>`` variables give; a malformed name, and two
+    variables of which one sets a key and the other a key inside it, are refused naming the variables."""
+    named: dict[tuple[str, ...], str] = {}
+    for name in sorted(env):
         if not name.startswith(ENV_PREFIX) or "__" not in name:
             continue
-        parts = name[len(ENV_PREFIX) :].lower().split("__")
+        parts = tuple(name[len(ENV_PREFIX) :].lower().split("__"))
+        if not all(parts):
+            raise ConfigError(f"environment variable {name} is malformed: it has an empty name around '__'",
+                              "a setting's variable is SERVELENS_<SECTION>__<KEY>, e.g. SERVELENS_LAKE__ROOT")
+        seen = next((k for k in named if k[: len(parts)] == parts or parts[: len(k)] == k), None)
+        if seen is not None:
+            both = (f"both set {'.'.join(parts)}" if seen == parts else f"set {'.'.join(seen)} and {'.'.join(parts)}, "
+                    "and one setting cannot be both a value and a table holding another")
+            raise ConfigError(f"environment variables {named[seen]} and {name} conflict: they {both}", "unset one of them")
+        named[parts] = name
+    tree: dict[str, Any] = {}
+    for parts, name in named.items():
         node = tree
         for part in parts[:-1]:
             node = node.setdefault(part, {})
-        node[parts[-1]] = value
+        node[parts[-1]] = env[name]
     return tree
 
 
@@ -160,16 +207,28 @@ def read_settings(path: str | Path | None = None, env: Mapping[str, str] | None 
     path = path or env.get(f"{ENV_PREFIX}CONFIG")
     data: dict[str, Any] = {}
     if path:
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist", "pass an existing TOML file or unset SERVELENS_CONFIG") from None
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {_fault(exc)}") from None
+        data = read_toml(path, "config file", "fix the file (TOML, https://toml.io), or pass another with --config",
+                         missing_hint="pass an existing TOML file or unset SERVELENS_CONFIG")
     data = _merge(data, _env_overrides(env))
     if "SERVELENS_SHARED_DIR" in env:  # the short, documented spelling
         data = _merge(data, {"paths": {"shared_dir": env["SERVELENS_SHARED_DIR"]}})
     return data
+
+
+def read_toml(path: str | Path, what: str, hint: str | None = None, *, missing_hint: str | None = None,
+              folder_hint: str | None = None) -> dict[str, Any]:
+    """The content of the TOML file ``path``; a ``ConfigError`` naming ``what`` and the file when it is missing,
+    a folder, not UTF-8 text, not valid TOML or nested too deeply to read (``hint`` unless a more special
+    one is given)."""
+    path = Path(path)
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {path} does not exist", missing_hint or hint) from None
+    except IsADirectoryError:
+        raise ConfigError(f"{what} {path} is a folder, not a file", folder_hint or hint) from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ConfigError(f"{what} {path} is not valid TOML: {_fault(exc)}", hint) from None
 
 
 def read_document(path: str | Path, what: str, hint: str | None = None) -> Any:

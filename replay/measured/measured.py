@@ -23,8 +23,11 @@ their measured times).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -264,31 +267,31 @@ def compare_measured(
     """Replay the workload modelled (the profile's fitted table) and measured (the profile's model on
     its device; ``device``, when given, must be that one); compare latency percentiles and step times.
 
-    Both replays use the instance the profile describes with the layers it built (no layer scaling:
-    the measured executor builds those layers). Outputs, when ``out_dir`` is given: ``modelled/`` and
-    ``measured/`` replay folders (events + manifest) and ``comparison.json``.
-    """
+    Both replays use the instance the profile describes with the layers it built (no layer scaling: the
+    measured executor builds those layers). Outputs, with ``out_dir``: ``modelled/`` and ``measured/``
+    replay folders (events + manifest) and ``comparison.json``; none are left when a replay fails."""
     source = as_workload(workload)
     _check_size(source, max_requests)
     profile = read_profile(profile_path)
     meta = profile.meta
-    _check_device(meta.device, device)
+    _check_runnable(profile_path, meta.device, device)
     table, report = evaluate_profile(profile, seed)
     model = FittedProfileCostModel(table, source=Path(profile_path).name, report=report)
     instance = profile_instance(meta, engine or EngineConfig(block_size_tokens=meta.block_size), full_layers=False)
     out = Path(out_dir) if out_dir is not None else None
     modelled_events: list[pa.Table] = []
     measured_events: list[pa.Table] = []
-    modelled = run_replay(
-        source, policy_name=policy_name, policy_config=policy_config, instance=instance, cost_model=model,
-        seed=seed, out_dir=out / "modelled" if out else None, sink=modelled_events.append, mode="reference",
-    )
-    measured, timer = run_measured_replay(
-        source, meta.shape, device=device or meta.device, instance=instance, cost_model=model,
-        policy_name=policy_name, policy_config=policy_config, seed=seed,
-        out_dir=out / "measured" if out else None, sink=measured_events.append, max_requests=max_requests,
-        num_threads=num_threads,
-    )
+    with _removed_on_failure(out):
+        modelled = run_replay(
+            source, policy_name=policy_name, policy_config=policy_config, instance=instance, cost_model=model,
+            seed=seed, out_dir=out / "modelled" if out else None, sink=modelled_events.append, mode="reference",
+        )
+        measured, timer = run_measured_replay(
+            source, meta.shape, device=meta.device, instance=instance, cost_model=model,
+            policy_name=policy_name, policy_config=policy_config, seed=seed,
+            out_dir=out / "measured" if out else None, sink=measured_events.append, max_requests=max_requests,
+            num_threads=num_threads,
+        )
     rows = _latency_rows(pa.concat_tables(modelled_events), pa.concat_tables(measured_events))
     predicted = np.array([model.step_time_ns(s) for s, _ in timer.steps], dtype=float)
     measured_ns = np.array([ns for _, ns in timer.steps], dtype=float)
@@ -301,13 +304,40 @@ def compare_measured(
         fit=report,
         modelled=modelled,
         measured=measured,
-        device=device or meta.device,
+        device=meta.device,
         model=meta.shape.model_config(1).name,
     )
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "comparison.json").write_text(json.dumps(result.as_dict(), indent=2, default=str) + "\n")
     return result
+
+
+@contextlib.contextmanager
+def _removed_on_failure(out: Path | None) -> Iterator[None]:
+    """Remove the output folders made inside the block if it fails (``out`` itself when it was made
+    here; folders that were there before are left as they were)."""
+    made = [] if out is None else [d for d in (out, out / "modelled", out / "measured") if not d.exists()]
+    try:
+        yield
+    except BaseException:
+        for folder in made:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
+def _check_runnable(profile_path: str | Path, device: str, asked: str | None) -> None:
+    """Refuse, before any output folder is made, a measured replay on another device than the profile's
+    (``asked``), or one this machine cannot run (no torch, no CUDA)."""
+    from replay.measured.executor import require_torch
+
+    _check_device(device, asked)
+    if device == "cuda" and not require_torch().cuda.is_available():
+        raise ReplayError(
+            f"{profile_path} was measured on cuda, and no CUDA device is visible to PyTorch here: the measured "
+            "replay runs on the profile's device",
+            "run it where a GPU is (a CUDA build of torch), or use a CPU profile (servelens profile --device cpu)",
+        )
 
 
 def _check_device(profiled: str, device: str | None) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import platform
 import random
@@ -37,11 +38,12 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from replay.config import ACCELERATORS
 from replay.errors import ReplayError
-from replay.measured.shapes import LlamaShape, shape_from_dict
+from replay.measured.shapes import LlamaShape
 from schemas.types import doc
 from servelens.errors import DataNotFoundError
 from servelens.provenance import code_version
@@ -463,7 +465,9 @@ def profile_lines(profile: Profile) -> list[str]:
 
 
 def read_profile(path: str | Path) -> Profile:
-    """Read a profile written by ``write_profile`` (a clean error for anything else)."""
+    """Read a profile written by ``write_profile``: a clean error naming the file and the field for anything
+    else (metadata that is not a JSON object of the declared fields, unknown kinds, repeated shapes, step
+    times that are not positive and finite)."""
     path = Path(path)
     if not path.is_file():
         raise DataNotFoundError(f"no profile at {path}", "write one with `servelens profile --model tiny --device cpu --out FILE`")
@@ -477,26 +481,189 @@ def read_profile(path: str | Path) -> Profile:
             f"{path} has no servelens profile metadata",
             "profiles come from `servelens profile`; Vidur's CSV tables are read by --cost-model profile without --profile",
         )
-    values = json.loads(raw)
+    values = _meta_object(path, raw)
     version = values.get("profile_version")
     if version != PROFILE_VERSION:
         raise DataNotFoundError(f"{path} is profile version {version}, this servelens reads version {PROFILE_VERSION}")
     missing = [f.name for f in PROFILE_SCHEMA if f.name not in table.column_names]
     if missing:
         raise DataNotFoundError(f"{path} lacks profile columns {missing}")
-    names = {f.name for f in dataclasses.fields(ProfileMeta)}
+    meta = _profile_meta_from(path, values)
+    return Profile(_checked_rows(path, table), meta)
+
+
+#: The hint of every unreadable profile: it was not written by ``servelens profile``, or changed since
+_REPROFILE = "profile again with `servelens profile` (this file was changed since, or not written by it)"
+_META = "its servelens.profile metadata"
+#: Declared field types (``dataclasses.Field.type``) of the metadata: what a value must be, and the check
+_VALUE_KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "int": ("an integer", lambda v: type(v) is int),
+    "float": ("a finite number", lambda v: type(v) in (int, float) and math.isfinite(v)),
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "tuple[int, ...]": ("a list of integers", lambda v: isinstance(v, list) and all(type(x) is int for x in v)),
+}
+DTYPES = ("float32", "bfloat16", "float16")
+TIMERS = ("cuda-events", "perf_counter")
+
+
+def _meta_error(path: Path, field: str, problem: str) -> DataNotFoundError:
+    return DataNotFoundError(f"{path}: {_META}, field {field!r}, {problem}", _REPROFILE)
+
+
+def _meta_object(path: Path, raw: bytes) -> dict:
+    """The metadata's JSON object (a clean error for bytes that are not one)."""
     try:
-        values["model"] = shape_from_dict(values["model"])
-        values["sweep"] = _sweep_from_dict(values["sweep"])
-        meta = ProfileMeta(**{k: v for k, v in values.items() if k in names})
-    except (KeyError, TypeError, ValueError, ReplayError) as exc:
-        raise DataNotFoundError(f"{path} has unreadable profile metadata: {exc}") from exc
-    return Profile(table.select([f.name for f in PROFILE_SCHEMA]).replace_schema_metadata(None), meta)
+        values = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise DataNotFoundError(f"{path}: {_META} is not UTF-8 text (byte {exc.start})", _REPROFILE) from None
+    except json.JSONDecodeError as exc:
+        raise DataNotFoundError(f"{path}: {_META} is not JSON ({exc.msg} at character {exc.pos})", _REPROFILE) from None
+    except RecursionError:
+        raise DataNotFoundError(f"{path}: {_META} is nested too deeply to be a profile's", _REPROFILE) from None
+    if not isinstance(values, dict):
+        raise DataNotFoundError(f"{path}: {_META} is a JSON {type(values).__name__}, not an object of fields", _REPROFILE)
+    return values
 
 
-def _sweep_from_dict(values: dict) -> SweepConfig:
-    names = {f.name for f in dataclasses.fields(SweepConfig)}
-    return SweepConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if k in names})
+def _fields_of(path: Path, cls: type, values: Any, prefix: str = "") -> dict[str, Any]:
+    """The fields of dataclass ``cls`` in ``values``, each checked against its declared type; nested
+    dataclasses (the model shape, the sweep) are built here. Unknown keys are ignored, but not in the model shape."""
+    where = prefix.rstrip(".") or "(the whole)"
+    if not isinstance(values, dict):
+        raise _meta_error(path, where, f"is {_shown(values)}, not an object of fields")
+    declared = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(declared))
+    if cls is LlamaShape and unknown:
+        raise _meta_error(path, where, f"has unknown fields {unknown[:5]} (valid: {', '.join(declared)})")
+    out: dict[str, Any] = {}
+    for name, f in declared.items():
+        if name not in values:
+            if f.default is dataclasses.MISSING:
+                raise _meta_error(path, prefix + name, "is missing")
+            continue
+        out[name] = _field_value(path, prefix + name, str(f.type), values[name])
+    return out
+
+
+def _field_value(path: Path, field: str, declared: str, value: Any) -> Any:
+    if value is None and declared.endswith(" | None"):
+        return None
+    declared = declared.removesuffix(" | None")
+    nested = {"LlamaShape": LlamaShape, "SweepConfig": SweepConfig}.get(declared)
+    if nested is not None:
+        try:
+            return nested(**_fields_of(path, nested, value, field + "."))
+        except ReplayError as exc:
+            raise _meta_error(path, field, exc.message) from None
+    what, ok = _VALUE_KINDS[declared]
+    if not ok(value):
+        raise _meta_error(path, field, f"is {_shown(value)}, not {what}")
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value)
+    return f"{text[:40]}{'...' if len(text) > 40 else ''} (a JSON {type(value).__name__})"
+
+
+def _profile_meta_from(path: Path, values: dict) -> ProfileMeta:
+    """The metadata, every field of its declared type and within what a profile can hold."""
+    meta = ProfileMeta(**_fields_of(path, ProfileMeta, values))
+    checks = (
+        ("device", meta.device in ("cpu", "cuda"), "cpu or cuda"),
+        ("dtype", meta.dtype in DTYPES, " or ".join(DTYPES)),
+        ("timer", meta.timer in TIMERS, " or ".join(TIMERS)),
+        ("block_size", meta.block_size >= 1, "a positive number of tokens"),
+        ("num_threads", meta.num_threads >= 1, "at least 1"),
+        ("peak_flops", meta.peak_flops > 0, "a positive FLOP/s"),
+        ("peak_bytes_per_s", meta.peak_bytes_per_s > 0, "a positive bytes/s"),
+        ("memory_bytes", meta.memory_bytes > 0, "a positive number of bytes"),
+        ("num_shapes_planned", meta.num_shapes_planned >= 0, "not negative"),
+        ("wall_s", meta.wall_s >= 0, "not negative"),
+        ("date_utc", _iso_date(meta.date_utc), "an ISO 8601 date"),
+    )
+    for name, ok, expected in checks:
+        if not ok:
+            raise _meta_error(path, name, f"is {_shown(getattr(meta, name))}, not {expected}")
+    return meta
+
+
+def _iso_date(text: str) -> bool:
+    try:
+        datetime.fromisoformat(text)
+    except ValueError:
+        return False
+    return True
+
+
+KINDS = ("prefill", "decode", "mixed")
+_TIMES = ("median_ns", "mean_ns", "min_ns", "max_ns", "p10_ns", "p90_ns", "std_ns")
+_LISTS = ("prefill_chunk_tokens", "prefill_chunk_context", "decode_context", "times_ns")
+
+
+def _checked_rows(path: Path, table: pa.Table) -> pa.Table:
+    """The profile's columns as ``PROFILE_SCHEMA``, refusing nulls, step times that are not positive and
+    finite, unknown or wrong kinds, and malformed or repeated shapes."""
+    try:
+        table = table.select([f.name for f in PROFILE_SCHEMA]).cast(PROFILE_SCHEMA).replace_schema_metadata(None)
+    except (ValueError, TypeError, pa.ArrowNotImplementedError) as exc:
+        raise DataNotFoundError(f"{path}: the profile's columns do not have their types: {exc}", _REPROFILE) from None
+    for name in _LISTS:
+        if pc.list_flatten(table[name]).null_count:
+            raise DataNotFoundError(f"{path}: profile column {name!r} holds null items", _REPROFILE)
+    ids = table["shape_id"].to_pylist()
+    _check_times(path, table, ids)
+    _check_shapes(path, table, ids)
+    return table
+
+
+def _check_times(path: Path, table: pa.Table, ids: list[int]) -> None:
+    """Every step time positive and finite, ns (the fit divides by them; a spread may be 0)."""
+    for name in _TIMES:
+        for sid, value in zip(ids, table[name].to_pylist()):
+            if not (math.isfinite(value) and (value >= 0 if name == "std_ns" else value > 0)):
+                raise DataNotFoundError(f"{path}: profile column {name!r} holds {value} at shape_id {sid}: "
+                                        "step times are positive, finite nanoseconds", _REPROFILE)
+    for sid, times in zip(ids, table["times_ns"].to_pylist()):
+        if not times or min(times) <= 0:
+            raise DataNotFoundError(f"{path}: profile column 'times_ns' holds {times[:5]} at shape_id {sid}: "
+                                    "each shape has its timed runs, each positive nanoseconds", _REPROFILE)
+
+
+def _check_shapes(path: Path, table: pa.Table, ids: list[int]) -> None:
+    """Every row a well-formed step of a known kind (its counts those of its shape), no step shape timed twice."""
+    kinds = table["kind"].to_pylist()
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        raise DataNotFoundError(f"{path}: profile column 'kind' holds unknown kinds {[k[:20] for k in unknown[:5]]} "
+                                f"(valid: {', '.join(KINDS)})", _REPROFILE)
+    seen: dict[ProfileShape, int] = {}
+    for row, values in enumerate(table.drop_columns(["times_ns"]).to_pylist(), start=1):
+        shape = _row_shape(path, values)
+        if shape in seen:
+            raise DataNotFoundError(
+                f"{path}: rows {seen[shape]} and {row} hold the same step shape ({shape.kind}, {shape.num_tokens} tokens): "
+                "a profile times each shape once (a repeated one would be held out against its own copy, and the "
+                "fit's error would read too low)", _REPROFILE)
+        seen[shape] = row
+
+
+def _row_shape(path: Path, row: dict[str, Any]) -> ProfileShape:
+    """The step shape of one profile row, which must be well formed and agree with the row's kind and counts."""
+    tokens, contexts, decodes = row["prefill_chunk_tokens"], row["prefill_chunk_context"], row["decode_context"]
+    at = f"at shape_id {row['shape_id']}"
+    if len(tokens) != len(contexts) or not (tokens or decodes) or min(tokens, default=1) < 1 or min(contexts + decodes, default=0) < 0:
+        raise DataNotFoundError(f"{path}: the step shape {at} is malformed (chunk sizes {tokens[:4]}, chunk contexts "
+                                f"{contexts[:4]}, {len(decodes)} decode contexts)", _REPROFILE)
+    shape = ProfileShape(tuple(zip(tokens, contexts)), tuple(decodes))
+    expected = {"kind": shape.kind, "num_tokens": shape.num_tokens, "num_decode_seqs": len(decodes),
+                "decode_context_tokens": sum(x + 1 for x in decodes)}
+    for name, value in expected.items():
+        if row[name] != value:
+            raise DataNotFoundError(f"{path}: profile column {name!r} holds {row[name]!r:.40} {at}, but its step shape "
+                                    f"has {value!r}", _REPROFILE)
+    return shape
 
 
 # ------------------------------------------------------------------------------ the device

@@ -44,7 +44,7 @@ def test_missing_key_is_a_clear_start_up_error():
 
 
 def test_key_from_environment_and_short_keys_refused():
-    secret = base64.b64encode(bytes(32)).decode()
+    secret = base64.b64encode(bytes(range(32))).decode()
     ring = load_keyring(None, env={ENV_KEY: f"prod-7:{secret}"})
     assert ring.active_id == "prod-7"
     with pytest.raises(ConfigError, match="at least 32"):

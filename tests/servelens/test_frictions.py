@@ -69,7 +69,7 @@ def test_trace_stats_of_a_single_instant_prints_no_rate_rather_than_nan(tmp_path
     assert "inter-arrival CV n/a (fewer than two gaps)" in done.output
 
 
-def test_requests_derive_needs_no_key_for_sanitized_events_and_copies_a_replays_own_table(tmp_path):
+def test_requests_derive_checks_sanitized_events_against_the_key_ring_and_copies_a_replays_own_table(tmp_path):
     from replay.run import run_replay
     from tests.replay.conftest import make_workload
 
@@ -77,11 +77,15 @@ def test_requests_derive_needs_no_key_for_sanitized_events_and_copies_a_replays_
     done = _run("requests", "derive", str(summary.events_path), "--out", str(tmp_path / "copy.parquet"))
     assert done.exit_code == 0 and "the replay wrote it" in done.output
     assert pq.read_table(tmp_path / "copy.parquet").equals(pq.read_table(summary.requests_path))
-    # sanitized events (every one carries a key id): derived without any key configured
+    # sanitized events (every one carries a key id): validated and their key ids checked against the ring, not
+    # sanitized again
     sanitized = tmp_path / "sanitized.parquet"
     _run("privacy", "sanitize", str(summary.events_path), "--out", str(sanitized), env={"SERVELENS_PSEUDONYM_KEY": KEY})
-    done = _run("requests", "derive", str(sanitized), "--out", str(tmp_path / "derived.parquet"))
+    done = _run("requests", "derive", str(sanitized), "--out", str(tmp_path / "derived.parquet"),
+                env={"SERVELENS_PSEUDONYM_KEY": KEY})
     assert done.exit_code == 0 and pq.read_metadata(tmp_path / "derived.parquet").num_rows == 2
+    derived = pq.read_table(tmp_path / "derived.parquet")["request_id"].to_pylist()
+    assert sorted(derived) == sorted(set(pq.read_table(sanitized)["request_id"].drop_null().to_pylist()))
 
 
 def test_requests_derive_warns_of_latencies_left_null_because_a_clock_ran_backwards(tmp_path):
