@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from schemas.types import doc
 from servelens.errors import ServelensError
-from servelens.settings import check_bounds
+from servelens.settings import ConfigError, check_bounds
 
 #: Compression codecs the emitter accepts, each with the Python package kafka-python needs for it.
 COMPRESSION_PACKAGES: dict[str, str | None] = {
@@ -82,6 +82,17 @@ class KafkaConfig:
             "num_partitions": 1, "linger_ms": 0, "batch_bytes": 1, "max_buffered_events": 1, "delivery_timeout_ms": 1,
             "max_block_ms": 0, "reconnect_backoff_ms": 0, "reconnect_backoff_max_ms": 0},
             above={"connect_timeout_s": 0}, non_empty=("bootstrap_servers",))
+        for address in self.bootstrap_servers.split(","):
+            _check_address(address.strip())
+
+
+def _check_address(address: str) -> None:
+    """One bootstrap address: HOST:PORT (an IPv6 host in brackets), the port in 1-65535."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or host == "[]" or not port.isascii() or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"kafka.bootstrap_servers: {address!r} is not HOST:PORT with a port in 1-65535",
+                          "e.g. 127.0.0.1:9092 or broker-1:9092,broker-2:9092 (--bootstrap-server, "
+                          "SERVELENS_KAFKA__BOOTSTRAP_SERVERS)")
 
 
 class BrokerUnreachableError(ServelensError):

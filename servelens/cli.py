@@ -412,6 +412,8 @@ def requests_derive(ctx: click.Context, events_file: Path, out: Path) -> None:
         count = write_requests(staged, work / out.name, con=con)
         os.replace(work / out.name, out)
     click.echo(f"wrote {count:,} requests to {out} in {time.monotonic() - started:,.1f} s")
+    if not count:
+        click.echo(f"warning: {events_file} holds no request's events: {out} has no rows", err=True)
     backwards = count_backwards(con, out)
     if backwards:
         click.echo(f"warning: {backwards:,} requests have a timestamp before the one their latency is measured from "
@@ -733,6 +735,8 @@ def privacy_sanitize(ctx: click.Context, events_file: Path, out: Path) -> None:
         os.replace(work / out.name, out)
         os.replace(work / report_file.name, report_file)
     click.echo(f"wrote {count:,} sanitized events to {out}")
+    if not count:
+        click.echo(f"warning: {events_file} holds no events (an empty file, or only blank lines): {out} is empty", err=True)
     click.echo(json.dumps(report, indent=2))
 
 

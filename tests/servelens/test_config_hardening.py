@@ -186,3 +186,15 @@ def test_an_env_conflict_is_a_clear_error_in_any_command(tmp_path):
     result = _run("privacy", "lookup", "abc", env={"SERVELENS_PSEUDONYM_KEY": f"k:{key}", "SERVELENS_LAKE__ROOT": "a",
                                                    "SERVELENS_LAKE__ROOT__X": "1"})
     assert result.exit_code == 3 and result.stderr == f"error: {CONFLICT}\n  hint: unset one of them\n"
+
+
+@pytest.mark.parametrize("value", ["notaport:99999", "host", "broker:0", "a:1, :2", "a:９"])
+def test_a_bootstrap_address_that_is_not_host_and_port_is_refused_before_any_connection(value):
+    with pytest.raises(ConfigError) as err:
+        load_config(env={"SERVELENS_KAFKA__BOOTSTRAP_SERVERS": value})
+    assert err.value.message.startswith("kafka.bootstrap_servers: ") and "is not HOST:PORT with a port in 1-65535" in err.value.message
+
+
+@pytest.mark.parametrize("value", ["127.0.0.1:9092", "broker-1:9092,broker-2:9093", "[::1]:9092", "kafka:65535"])
+def test_host_and_port_lists_are_taken(value):
+    assert load_config(env={"SERVELENS_KAFKA__BOOTSTRAP_SERVERS": value}).kafka.bootstrap_servers == value

@@ -224,3 +224,14 @@ def test_derive_running_out_of_memory_names_the_setting(tmp_path):
     assert "error: DuckDB ran out of memory deriving the request table under lake.duckdb_memory_limit" in done.output
     assert "hint: raise it ([lake] duckdb_memory_limit, SERVELENS_LAKE__DUCKDB_MEMORY_LIMIT)" in done.output
     assert "internal error" not in done.output and _listing(tmp_path) == ["e.parquet", "run"]
+
+
+def test_an_input_without_events_is_written_empty_with_a_warning(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    sanitized = _run("privacy", "sanitize", str(empty), "--out", str(tmp_path / "s.parquet"), env=ENV)
+    assert sanitized.exit_code == 0 and pq.read_table(tmp_path / "s.parquet").num_rows == 0
+    assert f"warning: {empty} holds no events (an empty file, or only blank lines): {tmp_path / 's.parquet'} is empty" in sanitized.output
+    derived = _run("requests", "derive", str(empty), "--out", str(tmp_path / "r.parquet"), env=ENV)
+    assert derived.exit_code == 0 and pq.read_table(tmp_path / "r.parquet").num_rows == 0
+    assert f"warning: {empty} holds no request's events: {tmp_path / 'r.parquet'} has no rows" in derived.output
