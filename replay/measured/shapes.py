@@ -99,12 +99,3 @@ def llama_shape(name: str, num_layers: int | None = None) -> LlamaShape:
         raise unknown_name("model shape", name, list(SHAPES))
     shape = SHAPES[name]
     return shape if num_layers is None else shape.with_layers(num_layers)
-
-
-def shape_from_dict(values: dict) -> LlamaShape:
-    """A shape from its ``as_dict`` form (a profile's metadata)."""
-    names = {f.name for f in dataclasses.fields(LlamaShape)}
-    unknown = sorted(set(values) - names)
-    if unknown:
-        raise ReplayError(f"unknown model shape fields {unknown}", f"valid fields: {', '.join(sorted(names))}")
-    return LlamaShape(**values)
