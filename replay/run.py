@@ -225,6 +225,10 @@ class _Outputs:
         self.sink = sink
         self.events_path = self.out / "events.parquet" if self.out is not None else None
         self.requests_path = self.out / REQUESTS_FILE if self.out is not None and write_requests else None
+        # written under these names, renamed into place when the replay succeeds: a failed replay into the folder of
+        # an earlier run leaves that run's files as they were (its events, table and manifest still agree)
+        self._partial = {path: path.with_name(f".{path.name}.partial") for path in (self.events_path, self.requests_path)
+                         if path is not None}
         self.offload = offload and sink is None and self.out is not None
         self.outputs: ReplayOutputs | Offloaded | None = None
         self.load: StepLoadMeter | None = None  # the run's load, for its manifest
@@ -235,7 +239,8 @@ class _Outputs:
         hash_tables = self.events_path is None and getattr(self.sink, "digest", True)
         ids = (run_id, engine_id)
         # the manifest records the run's load (with an output folder)
-        where = {"events_path": self.events_path, "requests_path": self.requests_path, "measure_load": self.out is not None}
+        where = {"events_path": self._partial.get(self.events_path), "requests_path": self._partial.get(self.requests_path),
+                 "measure_load": self.out is not None}
         self.outputs = (Offloaded(ReplayOutputs, *ids, name="replay-outputs", **where) if self.offload
                         else ReplayOutputs(*ids, **where, sink=self.sink, hash_tables=hash_tables))
         writer = writer_class(self.outputs.feed, chunk_rows=chunk_rows)
@@ -266,14 +271,20 @@ class _Outputs:
         except BaseException:
             if self.outputs is not None:
                 self.outputs.abort()
+            self._drop_partial()
             raise
         finally:
             if collecting:
                 gc.enable()
         wall_s = time.perf_counter() - wall0
         if actor.num_active:
+            self._drop_partial()
             raise ReplayError(f"{actor.num_active} requests did not finish (an engine bug)")
         return output_sha256, wall_s, wall0
+
+    def _drop_partial(self) -> None:
+        for partial in self._partial.values():
+            partial.unlink(missing_ok=True)
 
     def write_manifest(self, manifest: dict, output_sha256: str, num_events: int, *, busy_s: dict[str, float],
                        max_num_seqs: int | dict[str, int], calibration: Calibration | None, **dumps) -> Path | None:
@@ -292,6 +303,8 @@ class _Outputs:
         manifest["output"]["busy_s"] = busy_s
         if self.out is None:
             return None
+        for final, partial in self._partial.items():
+            partial.replace(final)
         if self.load is not None:
             manifest["load"] = load_record(self.load.windows(max_num_seqs),
                                            calibration.fitted_load if calibration is not None else None)

@@ -106,3 +106,19 @@ def test_finished_requests_are_released_by_reference_counting(azure_slice):
     finally:
         gc.enable()
     assert alive == []
+
+
+def test_a_replay_that_fails_into_an_earlier_runs_folder_leaves_that_run_as_it_was(azure_slice, tmp_path):
+    # the events and the request table are written under hidden partial names and renamed into place with the
+    # manifest: a replay that fails half way (here its progress callback) leaves the earlier run's three files
+    # byte for byte, and no partial file
+    run_replay(azure_slice, out_dir=tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert sorted(before) == ["events.parquet", "manifest.json", "requests.parquet"]
+
+    def fail(progress: ReplayProgress) -> None:
+        raise RuntimeError("stopped half way")
+
+    with pytest.raises(RuntimeError, match="stopped half way"):
+        run_replay(azure_slice, out_dir=tmp_path, seed=1, progress=fail, progress_every=10)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
