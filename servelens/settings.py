@@ -239,13 +239,49 @@ def read_document(path: str | Path, what: str, hint: str | None = None) -> Any:
     kind = "JSON" if path.suffix.lower() == ".json" else "YAML"
     try:
         text = path.read_text()
-        return json.loads(text) if kind == "JSON" else yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506
+        if kind == "JSON":
+            return json.loads(text, object_pairs_hook=_unique_pairs)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506
+        _check_string_keys(data, path, what)
+        return data
+    except _DuplicateKey as exc:
+        raise ConfigError(f"{what} {path} is not valid JSON: the key {exc.args[0]!r} is given twice", hint) from None
     except FileNotFoundError:
         raise ConfigError(f"{what} {path} does not exist", hint) from None
     except IsADirectoryError:
         raise ConfigError(f"{what} {path} is a folder, not a file", hint) from None
     except (json.JSONDecodeError, yaml.YAMLError, UnicodeDecodeError, RecursionError) as exc:
         raise ConfigError(f"{what} {path} is not valid {kind}: {_fault(exc)}", hint) from None
+
+
+class _DuplicateKey(Exception):
+    """A JSON object gives a key twice (``args[0]``)."""
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's mapping, refusing a key given twice (``json`` would silently keep the last)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def _check_string_keys(data: Any, path: Path, what: str) -> None:
+    """Refuse, naming the file, a YAML mapping with a key that is not a string (``1: 2``, ``null: x``):
+    settings are named, and keys of mixed types cannot even be sorted for a message."""
+    stack = [data]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            bad = [k for k in node if not isinstance(k, str)]
+            if bad:
+                raise ConfigError(f"{what} {path} has the key {bad[0]!r}, which is not a name",
+                                  "every key of a configuration is a name: quote it (e.g. '1': ...) or remove it")
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
 
 
 def _fault(exc: Exception) -> str:

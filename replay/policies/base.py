@@ -39,7 +39,7 @@ by name and an unknown name raises an error listing the valid ones.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -188,11 +188,17 @@ def make_policy(name: str, config: object | None = None) -> Policy:
     return POLICIES.checked(name, config)(config)
 
 
-def load_policy_config(name: str, path: str | Path) -> object:
+def load_policy_config(name: str, path: str | Path, tenancy: object | None = None) -> object:
     """The named policy's config from a YAML (or JSON) mapping of its fields, types checked and unknown
-    keys refused (nested sections, e.g. ``tenancy: {classes: [...], tenants: [...]}``, as lists of tables)."""
+    keys refused (nested sections, e.g. ``tenancy: {classes: [...], tenants: [...]}``, as lists of tables).
+    ``tenancy`` (the scenario's) is the one a class-aware policy keeps when the file gives no ``tenancy:``
+    of its own, so a file setting other keys does not silently drop the scenario's classes and tenants."""
     cls = policy_class(name)
-    return build(cls.config_type, read_settings("policy", path, cls.config_type))
+    data = read_settings("policy", path, cls.config_type)
+    config = build(cls.config_type, data)
+    if tenancy is not None and "tenancy" not in data and "tenancy" in {f.name for f in fields(cls.config_type)}:
+        config = replace(config, tenancy=tenancy)
+    return config
 
 
 def read_settings(kind: str, path: str | Path, config_type: type) -> dict:

@@ -71,6 +71,7 @@ from fractions import Fraction
 from replay.costmodel import StepShape
 from replay.errors import ReplayError
 from replay.policies.base import AdmissionDecision, Policy, register
+from replay.policies.limits import check_magnitudes
 from replay.policies.predict import OutputLengthPredictor
 from replay.policies.sarathi import StallFreeChunks, check_chunk_settings
 from replay.policies.tenancy import ClassConfig, Tenancy, TenantBook
@@ -144,6 +145,7 @@ class DeadlineConfig:
     })
 
     def __post_init__(self) -> None:
+        check_magnitudes("deadline", self)
         if not 0 <= self.output_quantile_low <= self.output_quantile_high <= 1:
             raise ReplayError("deadline: need 0 <= output_quantile_low <= output_quantile_high <= 1")
         if not 0 <= self.recovery_reserve_share + self.overload_margin < 1 or min(

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from replay.errors import ReplayError
 from replay.policies.base import Policy, register
+from replay.policies.limits import check_magnitudes
 from replay.views import EngineView, RequestView
 from schemas.types import doc
 
@@ -27,6 +28,7 @@ class FcfsConfig:
     )
 
     def __post_init__(self) -> None:
+        check_magnitudes("fcfs", self)
         if self.long_prefill_token_threshold < 0:
             raise ReplayError(f"long_prefill_token_threshold must be >= 0 (0: no cap), not {self.long_prefill_token_threshold}")
 

@@ -25,6 +25,7 @@ from replay.errors import ReplayError
 from replay.policies.base import Policy, register
 from replay.policies.batch import BatchSnapshot
 from replay.policies.fcfs import FcfsConfig
+from replay.policies.limits import check_magnitudes
 from replay.views import EngineView, RequestView
 from schemas.types import doc
 
@@ -60,6 +61,7 @@ class DecodeFirstConfig:
     )
 
     def __post_init__(self) -> None:
+        check_magnitudes("decode-first", self)
         if self.max_prefilling < 1:
             raise ReplayError("decode-first: max_prefilling must be at least 1", "1 admits one prefill at a time")
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from replay.errors import ReplayError
 from replay.policies.base import Policy, register
 from replay.policies.batch import BatchSnapshot, steps_until
+from replay.policies.limits import check_magnitudes
 from replay.policies.tenancy import Tenancy, TenantBook
 from replay.views import EngineView, RequestView
 from schemas.types import doc
@@ -47,6 +48,7 @@ class PriorityConfig:
     )
 
     def __post_init__(self) -> None:
+        check_magnitudes("priority", self)
         if self.aging_s is not None and not self.aging_s > 0:
             raise ReplayError(f"priority: aging_s must be positive, not {self.aging_s}")
         if self.promote_share is not None and not 0 <= self.promote_share <= 1:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from replay.errors import ReplayError
 from replay.policies.base import Policy, register
 from replay.policies.batch import BatchSnapshot, ChunkSizer
+from replay.policies.limits import check_magnitudes
 from replay.policies.tenancy import Tenancy, TenantBook
 from replay.views import EngineView, RequestView
 from schemas.types import doc
@@ -38,6 +39,7 @@ class SarathiConfig:
     min_chunk_tokens: int = doc("A step with no prefill yet takes at least this many prompt tokens.", 32)
 
     def __post_init__(self) -> None:
+        check_magnitudes("sarathi", self)
         check_chunk_settings("sarathi", self.step_time_share, self.min_chunk_tokens, self.default_itl_objective_s)
 
 

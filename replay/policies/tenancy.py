@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from replay.errors import ReplayError
+from replay.policies.limits import check_magnitudes
 from replay.views import RequestView
 from schemas.types import doc
 
@@ -35,6 +36,7 @@ class ClassConfig:
     )
 
     def __post_init__(self) -> None:
+        check_magnitudes(f"tenancy class {self.name!r}", self)
         for name in ("ttft_objective_s", "itl_objective_s", "e2e_objective_s", "max_queue_s"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -59,6 +61,7 @@ class TenantConfig:
     max_concurrent_requests: int | None = doc("Most requests of the tenant admitted at once; None: no cap.", None)
 
     def __post_init__(self) -> None:
+        check_magnitudes(f"tenancy tenant {self.name!r}", self)
         if not self.weight > 0:
             raise ReplayError(f"tenant {self.name!r}: weight must be positive, not {self.weight}")
         if self.max_service_per_s is not None and not self.max_service_per_s > 0:

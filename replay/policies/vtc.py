@@ -29,6 +29,7 @@ from fractions import Fraction
 
 from replay.errors import ReplayError
 from replay.policies.base import AdmissionDecision, Policy, register
+from replay.policies.limits import check_magnitudes
 from replay.policies.tenancy import Tenancy, TenantBook
 from replay.views import EngineView, RequestView
 from schemas.types import doc
@@ -49,6 +50,7 @@ class VtcConfig:
     quota_retry_after_min_s: float = doc("Shortest retry-after a quota rejection sends, seconds.", 1.0)
 
     def __post_init__(self) -> None:
+        check_magnitudes("vtc", self)
         check_token_weights("vtc", self.input_token_weight, self.output_token_weight)
         if self.quota_output_tokens < 0 or self.quota_retry_after_min_s < 0:
             raise ReplayError("vtc: quota_output_tokens and quota_retry_after_min_s must be non-negative")
