@@ -406,8 +406,10 @@ def cluster_from_options(
     """
     if instances < 1:
         raise ReplayError(f"--instances must be at least 1, not {instances}")
-    if decode_instances < 0:
-        raise ReplayError(f"--decode-instances must be at least 0 (0: aggregated serving), not {decode_instances}")
+    if instances > MAX_INSTANCES:
+        raise ReplayError(f"--instances {instances:,} is more than a cluster may hold: at most {MAX_INSTANCES:,}",
+                          "model a larger fleet as a sample of it at the same load per instance")
+    _check_decode_options(decode_instances, decode_router, kv_transfer_gbps, kv_transfer_latency_s)
     delays = ScalingDelays(**_given(startup_s=startup_s, weight_load_s=weight_load_s, cache_warm_s=cache_warm_s,
                                     weight_load_bandwidth_bytes_per_s=_times(weight_load_gbps, 1e9)))
     router = "round-robin" if router is None else router
@@ -426,6 +428,25 @@ def cluster_from_options(
     config = _with_autoscaler(config, autoscaler, autoscaler_config_file, autoscale_interval_s, autoscale_window_s)
     _check_failed_instances(config)
     return config
+
+
+def _check_decode_options(decode_instances: int, decode_router: str | None, kv_transfer_gbps: float | None,
+                          kv_transfer_latency_s: float | None) -> None:
+    """Refuse a decode pool of no instances, an unknown --decode-router, and the options of a decode pool
+    without one (they would be silently ignored)."""
+    if decode_instances < 0 or decode_instances > MAX_INSTANCES:
+        raise ReplayError(f"--decode-instances must be between 1 and {MAX_INSTANCES:,}, not {decode_instances:,}",
+                          "leave --decode-instances out for aggregated serving")
+    if decode_router is not None and decode_router not in ROUTERS:
+        raise ReplayError(f"--decode-router: unknown router {decode_router!r}", "valid names: " + ", ".join(sorted(ROUTERS)))
+    if decode_instances == 0:
+        given = [flag for flag, value in (("--decode-router", decode_router), ("--kv-transfer-gbps", kv_transfer_gbps),
+                                          ("--kv-transfer-latency-s", kv_transfer_latency_s)) if value is not None]
+        if given:
+            one = len(given) == 1
+            raise ReplayError(f"{', '.join(given)} need{'s' if one else ''} --decode-instances: "
+                              f"{'it configures' if one else 'they configure'} the decode pool of disaggregated serving",
+                              "add --decode-instances N, or drop " + " and ".join(given))
 
 
 def _with_autoscaler(config: ClusterConfig, autoscaler: str | None, config_file: str | Path | None,
@@ -483,7 +504,12 @@ def parse_failure(spec: str) -> InstanceFailure:
 def _check_failed_instances(config: ClusterConfig) -> None:
     """Refuse a --fail of an instance the cluster never holds (it would silently fail nothing)."""
     most = config.most_instances
+    seen: set[tuple[float, int]] = set()
     for f in config.failures:
+        if (f.at_s, f.instance) in seen:
+            raise ReplayError(f"--fail {f.at_s:g}:{f.instance} is given twice (an instance fails once at a time)",
+                              "give each failure once; " + _FAIL_HINT)
+        seen.add((f.at_s, f.instance))
         if f.instance >= most:
             raise ReplayError(f"--fail {f.at_s:g}:{f.instance} names instance {f.instance}, but the cluster holds at most "
                               f"{most} instance{'s' if most != 1 else ''} (indexes 0 to {most - 1})", _FAIL_HINT)

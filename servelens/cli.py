@@ -20,7 +20,7 @@ from typing import Any
 
 import click
 
-from replay.cluster import MAX_RANDOM_FAILURES, MAX_SCHEDULE_S, MIN_AUTOSCALE_S, MIN_LINK_GBPS
+from replay.cluster import MAX_INSTANCES, MAX_RANDOM_FAILURES, MAX_SCHEDULE_S, MIN_AUTOSCALE_S, MIN_LINK_GBPS
 from schemas.validate import UnreadableFileError, read_parquet_table
 from servelens import __version__, layout
 from servelens.click_types import OUT_FILE, OUT_FOLDER, SEED, Duration, Finite, refuse_overwriting
@@ -206,6 +206,19 @@ def trace_list(ctx: click.Context) -> None:
         click.echo(f"{t.name:<12} {t.description}\n{'':<12} {t.licence}\n{'':<12} {where}")
 
 
+#: The file names each `trace convert --to` writes: the format follows the suffix, and a reader goes by it too.
+_CONVERT_SUFFIXES = {"workload": (".parquet",), "events": (".jsonl", ".parquet")}
+
+
+def _check_convert_suffix(out: Path, kind: str) -> None:
+    """Refuse an --out whose suffix names another format than --to writes (a Parquet file named .jsonl)."""
+    accepted = _CONVERT_SUFFIXES[kind]
+    if out.suffix.lower() not in accepted:
+        formats = " or ".join(accepted)
+        raise click.BadParameter(f"{out} does not end in {formats}, the file --to {kind} writes",
+                                 param_hint="'--out'")
+
+
 @trace.command("convert")
 @click.argument("trace_name", metavar="TRACE")
 @click.option("--out", type=OUT_FILE, required=True, help="Output file.")
@@ -221,7 +234,8 @@ def trace_list(ctx: click.Context) -> None:
 def trace_convert(ctx: click.Context, trace_name: str, out: Path, kind: str) -> None:
     """Convert TRACE (a bundled name or a file) to a workload table or to arrival events.
 
-    A trace whose rows are not in arrival order is refused, as `servelens replay` refuses it.
+    A trace whose rows are not in arrival order is refused, as `servelens replay` refuses it. --out must
+    end in .parquet (--to workload) or in .jsonl or .parquet (--to events: the suffix picks the format).
 
     \b
     Example:
@@ -229,6 +243,7 @@ def trace_convert(ctx: click.Context, trace_name: str, out: Path, kind: str) -> 
       servelens trace convert mooncake --to events --out mooncake.events.jsonl
     """
     refuse_overwriting(out, trace_name)
+    _check_convert_suffix(out, kind)
     import pyarrow.parquet as pq
 
     from replay.traces import read_trace
@@ -751,7 +766,8 @@ def broker(ctx: click.Context, port: int | None) -> None:
     """Run a local Kafka-compatible broker (Tansu, memory storage) for development and tests.
 
     The event and dead-letter topics of the configuration are created at start. It binds to
-    127.0.0.1 only and keeps nothing on disk: a restart starts empty. Production and
+    127.0.0.1 only and keeps no events on disk: a restart starts empty (its log goes to
+    <temp dir>/servelens-tansu-<port>.log, appended to by each start on that port). Production and
     docker-compose.yml use Apache Kafka in KRaft mode. Stop it with Ctrl-C.
 
     \b
@@ -983,6 +999,10 @@ def _stash(name: str):
     return callback
 
 
+#: The most requests one replay tiles the workload to: a billion is days of wall time and terabytes of events
+#: already; more is a typo, not a replay.
+MAX_REPLAY_REQUESTS = 1_000_000_000
+
 #: The cluster options' ranges (replay.cluster says why): delays and latencies, link bandwidths, autoscaler periods.
 _DELAY = Finite(0, MAX_SCHEDULE_S)
 _LINK_GBPS = Finite(MIN_LINK_GBPS)
@@ -993,7 +1013,7 @@ def _cluster_options(command):
     """`servelens replay`'s cluster options: --instances, --router, --scale and the scaling delays,
     disaggregated pools, failures and an autoscaler."""
     options = [
-        click.option("--instances", type=int, expose_value=False, callback=_stash("instances"),
+        click.option("--instances", type=click.IntRange(1, MAX_INSTANCES), expose_value=False, callback=_stash("instances"),
                      help="Replay a cluster of this many alike instances behind a router (docs/replay.md, Cluster)."),
         click.option("--router", expose_value=False, callback=_stash("router"),
                      help="Cluster router: round-robin (default), least-outstanding-tokens, least-load, gie."),
@@ -1010,7 +1030,7 @@ def _cluster_options(command):
                      help="Bandwidth weights load at, GB/s (default 2)."),
         click.option("--cache-warm-s", type=_DELAY, expose_value=False, callback=_stash("cache_warm_s"),
                      help="Its cache warm-up delay after loading, seconds (default 10)."),
-        click.option("--decode-instances", type=int, expose_value=False, callback=_stash("decode_instances"),
+        click.option("--decode-instances", type=click.IntRange(1, MAX_INSTANCES), expose_value=False, callback=_stash("decode_instances"),
                      help="Disaggregated serving: this many decode instances; --instances is then the prefill pool."),
         click.option("--decode-router", expose_value=False, callback=_stash("decode_router"),
                      help="Router of the decode pool (default least-outstanding-tokens)."),
@@ -1129,7 +1149,8 @@ def _echo_outputs(summary) -> None:
                    "measured step times as the clock; small workloads, reference mode (docs/calibration.md).")
 @click.option("--mode", type=click.Choice(["fast", "reference"]), default="fast", show_default=True,
               help="fast coalesces runs of identical decode steps (same timestamps); reference simulates every step.")
-@click.option("--requests", "num_requests", type=click.IntRange(min=1), default=None, help="Tile the workload to this many requests.")
+@click.option("--requests", "num_requests", type=click.IntRange(1, MAX_REPLAY_REQUESTS), default=None,
+              help="Tile the workload to this many requests (at most 1,000,000,000).")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of every random choice (scenario draws).")
 @click.option("--out", type=OUT_FOLDER, required=True, help="Output folder.")
 @scenario_options
@@ -1547,10 +1568,30 @@ def _stop(process) -> None:
 # ---------------------------------------------------------------------------------------------- dashboard
 
 
+def _dashboard_host(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """--host as given, once it is a name or address this machine resolves (an empty one would listen on
+    every interface)."""
+    import socket
+
+    if value is None:
+        return None
+    if not value.strip():
+        raise click.BadParameter("must not be empty (an empty host listens on every interface)",
+                                 ctx, param)
+    try:
+        socket.getaddrinfo(value, None)
+    except (socket.gaierror, UnicodeError) as exc:
+        message = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
+        raise click.BadParameter(f"{value!r} does not resolve to an address ({message}); give a host name or "
+                                 "an IP address of this machine, e.g. 127.0.0.1 (loopback, the default)",
+                                 ctx, param) from None
+    return value
+
+
 @cli.command("dashboard")
 @click.option("--port", type=click.IntRange(0, 65535), default=None,
               help="Port to listen on; 0 picks a free one [default: dashboard.port, 8501].")
-@click.option("--host", default=None,
+@click.option("--host", default=None, callback=_dashboard_host,
               help="Address to bind [default: dashboard.host, 127.0.0.1]. There is no login: keep it on loopback.")
 @click.option("--runs-dir", type=click.Path(file_okay=False), default=None,
               help="Replay runs, searched three levels deep [default: dashboard.runs_dir, else <out_dir>/replay].")

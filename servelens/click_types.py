@@ -68,6 +68,8 @@ class OutputPath(click.Path):
         self.folder = folder
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and not value.strip():
+            self.fail(f"must not be empty; give the {'folder' if self.folder else 'file'}'s name", param, ctx)
         if not self.folder and isinstance(value, str) and value.endswith(("/", os.sep)):
             self.fail(f"{value} names a folder (it ends in /); give the file's name", param, ctx)
         path = super().convert(value, param, ctx)

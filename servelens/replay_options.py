@@ -88,7 +88,7 @@ def prepare(ctx: click.Context, workload_name: str, shared: Path | None, num_req
     base = load_workload(workload_name, shared, None, seed)
     workload, preset = prepared_workload(base.table, base.name, preset=ctx.meta.get(_META + "scenario", "auto"),
                                          shape=load_shape(ctx, seed), seed=seed, num_requests=num_requests)
-    config = (load_policy_config(policy_name, policy_config) if policy_config is not None
+    config = (load_policy_config(policy_name, policy_config, preset.tenancy) if policy_config is not None
               else default_policy_config(policy_name, preset))
     describe = f"scenario {preset.name}"
     if preset.tenancy.tenants:
@@ -135,6 +135,7 @@ def echo_summary(summary, preset: Preset, calibration, instance) -> None:
     click.echo(f"objectives ({preset.name}): {objectives}")
     for line in format_figures(figures):
         click.echo(line)
+    _warn_errored(requests)
     if calibration is not None:
         where = "" if instance.accelerator.name in calibration.accelerators else (
             f", extrapolated from {', '.join(calibration.accelerators)} to {instance.accelerator.name}")
@@ -144,6 +145,19 @@ def echo_summary(summary, preset: Preset, calibration, instance) -> None:
         if note := other_engine(calibration):
             click.echo(f"warning: calibration {calibration.name}: {note}", err=True)
     echo_load(summary.manifest_path)
+
+
+def _warn_errored(requests) -> None:
+    """A warning where requests ended in ``error`` (their instance failed and no other took them): the figures
+    above count them as missed, but not as rejected, cancelled or degraded."""
+    import pyarrow.compute as pc
+
+    if "outcome" not in requests.column_names:
+        return
+    errored = pc.sum(pc.equal(requests["outcome"], "error")).as_py() or 0
+    if errored:
+        click.echo(f"warning: {errored:,} of {requests.num_rows:,} requests ended in error (their instance failed and "
+                   "no instance took them over); see the outcome column of requests.parquet", err=True)
 
 
 def echo_load(manifest_path) -> None:

@@ -281,16 +281,22 @@ def test_cluster_from_options_defaults_are_the_configs_and_units_convert():
     assert plain == ClusterConfig(instances=(instance,) * 2)
     assert plain.delays == ScalingDelays()
     given = cluster_from_options(instance, 2, router="least-load", scale=["5:+1"], weight_load_gbps=4.0,
-                                 decode_instances=0, kv_transfer_gbps=25.0, fail=["30:1"], failure_rate_per_hour=36.0,
-                                 failure_seed=7)
+                                 decode_instances=0, fail=["30:1"], failure_rate_per_hour=36.0, failure_seed=7)
     assert (given.router, given.scaling[0].delta, given.delays.weight_load_bandwidth_bytes_per_s) == ("least-load", 1, 4e9)
-    assert (given.kv_transfer_bandwidth_bytes_per_s, given.failure_rate_per_s, given.failure_seed) == (25e9, 0.01, 7)
+    assert (given.failure_rate_per_s, given.failure_seed) == (0.01, 7)
     assert given.failures[0].instance == 1 and given.decode_instances == ()
+    disaggregated = cluster_from_options(instance, 1, decode_instances=2, kv_transfer_gbps=25.0)
+    assert disaggregated.kv_transfer_bandwidth_bytes_per_s == 25e9 and disaggregated.decode_instances == (instance,) * 2
     scaled = cluster_from_options(instance, autoscaler="request-rate", autoscale_window_s=30.0)
     assert (scaled.autoscaler, scaled.autoscale_window_s, scaled.autoscale_interval_s) == ("request-rate", 30.0, 15.0)
     for kwargs, message in (
         ({"instances": 0}, "--instances must be at least 1, not 0"),
-        ({"decode_instances": -1}, "--decode-instances must be at least 0"),
+        ({"decode_instances": -1}, "--decode-instances must be between 1 and 10,000, not -1"),
+        ({"instances": 10_001}, "--instances 10,001 is more than a cluster may hold: at most 10,000"),
+        ({"kv_transfer_gbps": 25.0}, "--kv-transfer-gbps needs --decode-instances"),
+        ({"decode_router": "gie"}, "--decode-router needs --decode-instances"),
+        ({"decode_instances": 1, "decode_router": "nope"}, "--decode-router: unknown router 'nope'"),
+        ({"instances": 2, "fail": ["5:0", "5:0"]}, "--fail 5:0 is given twice"),
         ({"autoscale_interval_s": 5.0}, "need --autoscaler"),
     ):
         with pytest.raises(ReplayError, match=message):

@@ -36,7 +36,7 @@ def test_cluster_options_fail_cleanly(tmp_path):
         (["--router", "least-load", "--router-config", str(bad_config)], "unknown config key shedding.queue_limit"),
         (["--instances", "2", "--router", "nope"], "unknown router 'nope'"),
         (["--scale", "5:2"], "is not AT_S:+N or AT_S:-N"),
-        (["--instances", "0"], "--instances must be at least 1"),
+        (["--instances", "0"], "Invalid value for '--instances': 0 is not in the range 1<=x<=10000."),
         (["--instances", "1", "--scale", "5:-1"], "leaves 0 instances"),
         # each of these was an internal OverflowError, a replay that never ended, or taken as given
         (["--instances", "2", "--fail", "1e20:1"], "instance failure: the time must be between 0 and 1e+09 s"),
