@@ -53,7 +53,7 @@ def test_replay_takes_vllm_settings_an_inference_perf_spec_and_the_shipped_calib
              "--max-num-batched-tokens 64 is below --max-num-seqs 128: vLLM refuses"),
         (["--block-size", "1000000000"], "--block-size 1000000000 is not one of vLLM's block sizes"),
         (["--pipeline-parallel-size", "33"], "llama-3-8b has 32 layers, too few for 33 pipeline stages"),
-        (["--requests", "0"], "Invalid value for '--requests': 0 is not in the range x>=1"),
+        (["--requests", "0"], "Invalid value for '--requests': 0 is not in the range 1<=x<=1000000000"),
         (["--workload", "{spec}"], "spec.yaml: the stages ask for 100,000,000,000 requests, more than the 50,000,000"),
     ],
 )
