@@ -63,14 +63,23 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """An object whose keys are each given once: parsers disagree on which of two values wins."""
+class DuplicateKeyError(ValueError):
+    """A JSON object gives ``key`` twice: parsers disagree on which of its values wins."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"the key {key!r} is given more than once in one object (which value holds?)")
+        self.key = key
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``'s ``object_pairs_hook`` for an object whose keys are each given once (``DuplicateKeyError``
+    otherwise; ``json`` alone would silently keep the last value)."""
     obj = dict(pairs)
     if len(obj) != len(pairs):
         seen: set[str] = set()
         for key, _ in pairs:
             if key in seen:
-                raise ValueError(f"the key {key!r} is given more than once in one object (which value holds?)")
+                raise DuplicateKeyError(key)
             seen.add(key)
     return obj
 
@@ -86,6 +95,6 @@ def decode_json(data: bytes) -> tuple[Any, str | None, str | None]:
     except UnicodeDecodeError as exc:
         return None, NOT_UTF8, f"byte {exc.start} is not valid UTF-8"
     try:
-        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_unique_keys), None, None
+        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=unique_keys), None, None
     except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
         return None, INVALID_JSON, f"not JSON: {exc}"

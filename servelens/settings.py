@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from schemas.wire import DuplicateKeyError, unique_keys
 from servelens.errors import ConfigError
 
 ENV_PREFIX = "SERVELENS_"
@@ -240,32 +241,18 @@ def read_document(path: str | Path, what: str, hint: str | None = None) -> Any:
     try:
         text = path.read_text()
         if kind == "JSON":
-            return json.loads(text, object_pairs_hook=_unique_pairs)
+            return json.loads(text, object_pairs_hook=unique_keys)
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506
         _check_string_keys(data, path, what)
         return data
-    except _DuplicateKey as exc:
-        raise ConfigError(f"{what} {path} is not valid JSON: the key {exc.args[0]!r} is given twice", hint) from None
+    except DuplicateKeyError as exc:
+        raise ConfigError(f"{what} {path} is not valid JSON: the key {exc.key!r} is given twice", hint) from None
     except FileNotFoundError:
         raise ConfigError(f"{what} {path} does not exist", hint) from None
     except IsADirectoryError:
         raise ConfigError(f"{what} {path} is a folder, not a file", hint) from None
     except (json.JSONDecodeError, yaml.YAMLError, UnicodeDecodeError, RecursionError) as exc:
         raise ConfigError(f"{what} {path} is not valid {kind}: {_fault(exc)}", hint) from None
-
-
-class _DuplicateKey(Exception):
-    """A JSON object gives a key twice (``args[0]``)."""
-
-
-def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object's mapping, refusing a key given twice (``json`` would silently keep the last)."""
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKey(key)
-        out[key] = value
-    return out
 
 
 def _check_string_keys(data: Any, path: Path, what: str) -> None:
