@@ -38,6 +38,7 @@ from replay.config import EngineConfig, InstanceConfig, accelerator
 from replay.errors import ReplayError
 from replay.inference_perf import InferencePerfSpec, LoadStage, inference_perf_workload, read_inference_perf
 from replay.load import Load
+from replay.metrics import itl_ratio_of_means
 from schemas.validate import read_parquet_schema, read_parquet_table
 from servelens.errors import DataNotFoundError, ServelensError
 
@@ -471,8 +472,7 @@ def summarize(ttft_s: np.ndarray, e2e_s: np.ndarray, num_output_tokens: np.ndarr
         out[f"{name}_mean"] = float(values.mean())
         for q in (50, 90, 99):
             out[f"{name}_p{q}"] = float(np.percentile(values, q))
-    tokens = float(num_output_tokens.mean())
-    out["itl_mean"] = (out["e2e_mean"] - out["ttft_mean"]) / max(tokens - 1.0, 1.0)
+    out["itl_mean"] = itl_ratio_of_means(out["ttft_mean"], out["e2e_mean"], float(num_output_tokens.mean()))
     return out
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from replay.metrics import MetricsConfig, percentile, run_metrics
+from replay.metrics import MetricsConfig, itl_ratio_of_means, percentile, run_metrics
 from schemas.validate import read_parquet_table
 
 #: The step columns run metrics read: busy time per instance (membership is not needed for them).
@@ -156,7 +156,7 @@ def _client_means(requests: pa.Table) -> tuple[float, float, float] | None:
         return None
     ttft, e2e = pc.mean(done["ttft_client_s"]).as_py(), pc.mean(done["e2e_client_s"]).as_py()
     tokens = pc.mean(done["num_output_tokens"]).as_py()
-    return ttft, e2e, (e2e - ttft) / max(tokens - 1.0, 1.0)
+    return ttft, e2e, itl_ratio_of_means(ttft, e2e, tokens)
 
 
 def _ms(value: float | None) -> str:

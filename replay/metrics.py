@@ -266,6 +266,12 @@ def load_steps(events: pa.Table, origin_ns: int) -> Steps:
     )
 
 
+def itl_ratio_of_means(ttft_mean_s: float, e2e_mean_s: float, output_tokens_mean: float) -> float:
+    """ITL as inference-perf's summaries (and the fidelity data) define it: (mean E2E - mean TTFT) / (mean
+    output tokens - 1), the denominator at least 1: a ratio of means, not a mean of per-token gaps."""
+    return (e2e_mean_s - ttft_mean_s) / max(output_tokens_mean - 1.0, 1.0)
+
+
 def percentile(values: np.ndarray, q: float) -> float | None:
     values = values[~np.isnan(values)]
     return float(np.percentile(values, q)) if len(values) else None
