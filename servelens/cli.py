@@ -452,13 +452,13 @@ def _copy_own_table(events_file: Path, out: Path, work: Path) -> bool:
     one that is not a readable request table is warned of, and the events are derived instead."""
     import shutil
 
-    from replay.request_table import check_request_table
+    from replay.request_table import REQUIRED_COLUMNS, read_request_table
 
     own = _replays_own_table(events_file)
     if own is None:
         return False
     try:
-        check_request_table(read_parquet_table(own), own)
+        read_request_table(own, REQUIRED_COLUMNS)
     except (ServelensError, UnreadableFileError) as exc:
         click.echo(f"warning: the replay's own request table is unusable: {getattr(exc, 'message', exc)}; "
                    "deriving it from the events instead", err=True)
