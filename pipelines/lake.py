@@ -382,17 +382,23 @@ def _write_events(tables: Iterator[pa.Table], out: str | Path, transform: Callab
 def is_sanitized(path: str | Path) -> bool:
     """Whether a Parquet file *claims* to be sanitized: every event carries the (text) id of the key that
     pseudonymized it. A claim only: ``staged_parquet`` checks it."""
+    return _claimed_key_ids(path) is not None
+
+
+def _claimed_key_ids(path: str | Path) -> set[str] | None:
+    """The key ids a Parquet file's events carry when every event carries one (``is_sanitized``), else None."""
     schema = read_parquet_schema(path)
     if "pseudonym_key_id" not in schema.names or not pa.types.is_string(schema.field("pseudonym_key_id").type):
-        return False
+        return None
     column = read_parquet_table(path, columns=["pseudonym_key_id"]).column(0)
-    return column.null_count == 0
+    return None if column.null_count else set(pc.unique(column).to_pylist())
 
 
-def check_key_ids(path: str | Path, keyring: KeyRing) -> None:
+def check_key_ids(path: str | Path, keyring: KeyRing, found: set[str] | None = None) -> None:
     """Refuse a file that claims to be sanitized under keys the configured ring does not hold: a foreign
-    ring's pseudonyms, or raw values under a made-up key id."""
-    found = set(pc.unique(read_parquet_table(path, columns=["pseudonym_key_id"]).column(0)).to_pylist())
+    ring's pseudonyms, or raw values under a made-up key id (``found``: its key ids, when already read)."""
+    if found is None:
+        found = set(pc.unique(read_parquet_table(path, columns=["pseudonym_key_id"]).column(0)).to_pylist())
     foreign = sorted(found - set(keyring.secrets))
     if foreign:
         shown = ", ".join(repr(k) for k in foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
@@ -412,8 +418,9 @@ def staged_parquet(path: str | Path, work_dir: str | Path, sanitizer: Sanitizer,
     (``is_sanitized``) is not pseudonymized again, but its key ids must be the ring's (``check_key_ids``)."""
     path = Path(path)
     out = Path(work_dir) / "events.sanitized.parquet"
-    if detect_format(path) == "parquet" and is_sanitized(path):
-        check_key_ids(path, sanitizer.keyring)
+    claimed = _claimed_key_ids(path) if detect_format(path) == "parquet" else None
+    if claimed is not None:
+        check_key_ids(path, sanitizer.keyring, claimed)
         _write_events(iter_event_tables(path), out, lambda table: table, progress)
     else:
         events_to_parquet(path, out, sanitizer, progress=progress)
