@@ -2,7 +2,7 @@
 
 `inference-perf <https://github.com/kubernetes-sigs/inference-perf>`_ (the Kubernetes serving
 benchmark) describes a load as *stages* (a rate in requests/s for a duration, arrivals ``poisson``
-or ``constant``) and the data as a generator. Two generators are read:
+or ``constant``, both random: ``arrival_times_ns``) and the data as a generator. Two generators are read:
 
 ``shared_prefix``  ``num_unique_system_prompts`` (``num_groups``) groups of
                    ``num_users_per_system_prompt`` (``num_prompts_per_group``) prompts: a system
@@ -278,14 +278,24 @@ def _check_table_size(spec: InferencePerfSpec, where: str) -> None:
 
 
 def arrival_times_ns(spec: InferencePerfSpec, rng: np.random.Generator) -> np.ndarray:
-    """Arrival times from 0, stage after stage: exponential gaps (poisson) or even spacing (constant)."""
+    """Arrival times from 0, stage after stage, as inference-perf's load timers draw them.
+
+    ``constant`` is inference-perf's ``ConstantLoadTimer`` (its default load type): not even spacing but
+    ``int(rate x duration)`` exponential gaps scaled to sum to the stage's duration, so the stage holds
+    exactly that many requests, the last at its end, and bursts like a Poisson process given its count.
+    ``poisson`` is a Poisson process: exponential gaps until the stage ends (the count is Poisson with
+    mean rate x duration). inference-perf's ``PoissonLoadTimer`` draws a Poisson count for each second and
+    spreads it over that second the same way, which differs only in pinning each second's last arrival
+    to its end, and stops after ``int(rate x duration)`` requests.
+    """
     parts = []
     start = 0.0
     for stage in spec.stages:
-        n = round(stage.rate_per_s * stage.duration_s)
         if spec.arrivals == "constant":
-            offsets = np.arange(n) / stage.rate_per_s
-        else:  # exponential gaps until the stage ends (the count is Poisson with mean rate x duration)
+            gaps = rng.exponential(1 / stage.rate_per_s, int(stage.rate_per_s * stage.duration_s))
+            offsets = np.cumsum(gaps) * (stage.duration_s / gaps.sum()) if gaps.size else gaps
+        else:
+            n = round(stage.rate_per_s * stage.duration_s)
             offsets = np.cumsum(rng.exponential(1 / stage.rate_per_s, n + 10 * int(np.sqrt(n)) + 10))
             offsets = offsets[offsets < stage.duration_s]
         parts.append(np.rint((start + offsets) * 1e9).astype(np.int64))
