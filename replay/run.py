@@ -395,7 +395,7 @@ class _Feeder:
         if self.first_arrival_ns is None:
             self.first_arrival_ns = arrival
         spec = self._objectives.get(cls) if cls is not None else None
-        prompt = max(1, prompt)
+        prompt, output = max(1, prompt), max(1, output)  # an engine serves neither an empty prompt nor max_tokens 0
         sent = None
         if self.frontend is not None:  # stamped when the frontend received it; the client sent it earlier
             sent, arrival = arrival, arrival + round(self.frontend.request_overhead_s * 1e9)

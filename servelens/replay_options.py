@@ -98,7 +98,28 @@ def prepare(ctx: click.Context, workload_name: str, shared: Path | None, num_req
                + (f" after {', '.join(transforms)}" if transforms else ""), err=True)
     if preset.name == "as-recorded":
         _warn_relabelled(base.table, preset)
+    _warn_empty_lengths(base.table)
     return workload, preset, config
+
+
+def _warn_empty_lengths(table) -> None:
+    """Say how many requests record a prompt or an output of 0 tokens (not marked failed): each is served with
+    one token there, as no engine serves an empty prompt or ``max_tokens`` 0 (vLLM refuses both)."""
+    import pyarrow.compute as pc
+
+    served = pc.invert(pc.fill_null(table["failed"], False)) if "failed" in table.column_names else None
+
+    def count(column: str) -> int:
+        empty = pc.equal(table[column], 0)
+        return pc.sum(empty if served is None else pc.and_(empty, served)).as_py() or 0
+
+    prompts, outputs = count("num_prompt_tokens"), count("num_output_tokens")
+    for count, what in ((prompts, "a prompt"), (outputs, "an output")):
+        if count:
+            click.echo(f"warning: {count:,} {'request records' if count == 1 else 'requests record'} {what} of 0 tokens: "
+                       "each is served with 1 token (no engine "
+                       "serves an empty prompt or max_tokens 0); mark a failed request in the workload's failed "
+                       "column instead (docs/replay.md)", err=True)
 
 
 def _warn_relabelled(table, preset: Preset) -> None:
@@ -156,8 +177,9 @@ def _warn_errored(requests) -> None:
         return
     errored = pc.sum(pc.equal(requests["outcome"], "error")).as_py() or 0
     if errored:
-        click.echo(f"warning: {errored:,} of {requests.num_rows:,} requests ended in error (their instance failed and "
-                   "no instance took them over); see the outcome column of requests.parquet", err=True)
+        click.echo(f"warning: {errored:,} of {requests.num_rows:,} requests ended in error (failed in the recorded trace, "
+                   "its failed column, or their instance failed and no instance took them over); see the outcome column "
+                   "of requests.parquet", err=True)
 
 
 def echo_load(manifest_path) -> None:

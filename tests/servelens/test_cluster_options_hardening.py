@@ -64,8 +64,8 @@ def test_requests_lost_to_failed_instances_are_warned_about(tmp_path):
     assert proc.returncode == 0, proc.stderr
     errored = pq.read_table(tmp_path / "o" / "requests.parquet")["outcome"].to_pylist().count("error")
     assert errored == 49
-    assert ("warning: 49 of 50 requests ended in error (their instance failed and no instance took them over); "
-            "see the outcome column of requests.parquet\n") in proc.stderr
+    assert ("warning: 49 of 50 requests ended in error (failed in the recorded trace, its failed column, or their "
+            "instance failed and no instance took them over); see the outcome column of requests.parquet\n") in proc.stderr
 
 
 def test_a_run_without_failures_has_no_error_warning(tmp_path):

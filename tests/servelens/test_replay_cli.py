@@ -139,6 +139,29 @@ def test_as_recorded_warns_of_recorded_classes_it_does_not_define(azure_slice, t
     assert "does not define" not in replay(["interactive"] * 8 + ["batch"] * 12, "defined")
 
 
+def test_zero_token_lengths_are_served_as_one_token_with_a_warning(azure_slice, tmp_path):
+    # rows 0-2 record an empty prompt, rows 3-4 an empty output: vLLM serves neither, so each gets one token
+    import pyarrow as pa
+
+    table = pq.read_table(azure_slice).slice(0, 10)
+    for name, values in (("num_prompt_tokens", [0, 0, 0] + [100] * 7), ("num_output_tokens", [5] * 3 + [0, 0] + [5] * 5)):
+        i = table.schema.get_field_index(name)
+        table = table.set_column(i, table.schema.field(i), pa.array(values, table.schema.field(i).type))
+    pq.write_table(table, tmp_path / "zeros.parquet")
+    done = servelens("replay", "--workload", str(tmp_path / "zeros.parquet"), "--out", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
+    assert "warning: 3 requests record a prompt of 0 tokens: each is served with 1 token" in done.stderr
+    assert "warning: 2 requests record an output of 0 tokens: each is served with 1 token" in done.stderr
+    served = pq.read_table(tmp_path / "out" / "requests.parquet")
+    assert served["num_prompt_tokens"].to_pylist()[:3] == [1, 1, 1]
+    assert served["num_output_tokens"].to_pylist()[3:5] == [1, 1]
+    assert all(t is not None for t in served["ttft_s"].to_pylist())  # each has a first token, so a TTFT to judge
+    # BurstGPT's failed rows record 0 response tokens and are marked failed: served as failures, no warning
+    bursty = servelens("replay", "--workload", "burstgpt-1", "--out", str(tmp_path / "b"))
+    assert bursty.returncode == 0, bursty.stderr
+    assert "of 0 tokens" not in bursty.stderr and "warning: 17 of 400 requests ended in error (failed in the recorded" in bursty.stderr
+
+
 def test_scenario_options_fail_cleanly(azure_slice, tmp_path):
     from click.testing import CliRunner
 
