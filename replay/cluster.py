@@ -82,7 +82,14 @@ from replay.kernel import ARRIVAL, CONTROL, Kernel
 from replay.outputs import TableSink
 from replay.policies import make_policy
 from replay.policies.base import AdmissionDecision
-from replay.policies.routing import ROUTERS, RouteDecision, Router, load_router_config, make_router
+from replay.policies.routing import (
+    ROUTERS,
+    RouteDecision,
+    Router,
+    check_sheddable_classes,
+    load_router_config,
+    make_router,
+)
 from replay.request import FINISHED, Request
 from replay.residency import Residency, ResidencyConfig, sized_instance
 from replay.run import PROGRESS_EVERY, ReplayProgress, _Feeder, _manifest, _Outputs, _plain, offload
@@ -1171,6 +1178,7 @@ def run_cluster_replay(
     cluster, cost_model_config = _prepared(cluster, calibration, cost_model, cost_model_config)
     source = as_workload(workload)
     scenario = scenario or Scenario()
+    check_sheddable_classes(cluster.router_config, [c.name for c in scenario.service_classes])
     configs = _instance_configs(cluster)
     models = _cost_models(cost_model, configs, cost_model_config, shared)
     first = cluster.instances[0]

@@ -41,12 +41,18 @@ instances of ``max(waiting / queue_threshold, kv_utilization / kv_threshold)`` (
 0.8); at saturation >= ``shed_at``, requests of a class listed in ``sheddable_classes`` are
 rejected with a retry-after instead of routed; other classes are always routed.
 
+Settings are refused where the config is built, naming the setting: any NaN or infinity, a threshold or
+``shed_at`` not positive, a ``kv_threshold`` above 1 (a share of the KV pool), a negative
+``retry_after_s``, a negative ``gie`` weight or all three 0 (no scorer); ``check_sheddable_classes``
+refuses a sheddable class the scenario does not define.
+
 In the fast replay mode every field equals the reference mode's at the arrival (``replay.cluster``:
 KV use without blocks allocated ahead inside a decode run, no eviction ahead).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +60,7 @@ from typing import ClassVar, Protocol
 
 from replay.errors import ReplayError
 from replay.policies.base import Registry, read_settings
+from replay.policies.limits import check_magnitudes
 from replay.views import RequestView
 from schemas.types import doc
 from servelens.settings import build
@@ -113,8 +120,46 @@ class SheddingConfig:
     retry_after_s: float = doc("Retry-after sent with a shed request, seconds.", 1.0)
 
     def __post_init__(self) -> None:
-        if not (self.queue_threshold > 0 and self.kv_threshold > 0 and self.shed_at > 0 and self.retry_after_s >= 0):
-            raise ReplayError("shedding: thresholds and shed_at must be positive, retry_after_s non-negative")
+        if isinstance(self.sheddable_classes, str):
+            raise ReplayError(f"shedding.sheddable_classes must be a list of class names, not the string "
+                              f"{self.sheddable_classes!r}", f"write [{self.sheddable_classes}]")
+        check_finite("shedding", self, ("queue_threshold", "kv_threshold", "shed_at", "retry_after_s"))
+        check_magnitudes("shedding", self)
+        if not self.queue_threshold > 0:
+            raise ReplayError(f"shedding.queue_threshold must be positive, not {self.queue_threshold:g}",
+                              "the waiting requests at which an instance counts as saturated, e.g. 5 (the default)")
+        if not 0 < self.kv_threshold <= 1:
+            raise ReplayError(f"shedding.kv_threshold must be in (0, 1], not {self.kv_threshold:g}",
+                              "it is a share of an instance's KV pool, e.g. 0.8 (the default)")
+        if not self.shed_at > 0:
+            raise ReplayError(f"shedding.shed_at must be positive, not {self.shed_at:g}",
+                              "the pool's saturation at which sheddable requests are shed, e.g. 1 (the default)")
+        if not self.retry_after_s >= 0:
+            raise ReplayError(f"shedding.retry_after_s must be non-negative, not {self.retry_after_s:g}",
+                              "seconds a shed client waits before it retries, e.g. 1 (the default)")
+
+
+def check_finite(section: str, config: object, names: Sequence[str]) -> None:
+    """Refuse, naming ``section.name``, the first of the numeric settings ``names`` of ``config`` that is NaN
+    or infinite (the ordering checks after it would pass a NaN, and an infinity breaks the arithmetic)."""
+    for name in names:
+        value = getattr(config, name)
+        if not math.isfinite(value):
+            raise ReplayError(f"{section}.{name} must be a finite number, not {value!r}", "leave it out for its default")
+
+
+def check_sheddable_classes(config: object | None, defined: Sequence[str]) -> None:
+    """Refuse a router config (None: the defaults) whose shedding names a class not in ``defined``, the
+    scenario's classes (a workload recording another is refused by the scenario): no request of it would ever be
+    shed. Nothing is checked when ``defined`` is empty (the requests then carry the workload's own classes)."""
+    shedding = getattr(config, "shedding", None)
+    if shedding is None or not defined:
+        return
+    unknown = [c for c in shedding.sheddable_classes if c not in defined]
+    if unknown:
+        raise ReplayError(f"shedding.sheddable_classes names {unknown[0]!r}, a class the scenario does not define "
+                          "(no request of it would ever be shed)",
+                          f"list only defined classes: {', '.join(defined)}")
 
 
 def saturation(loads: Sequence[InstanceLoad], config: SheddingConfig) -> float:
@@ -269,6 +314,9 @@ class LeastLoadRouter(Router):
         return min(tied, key=lambda i: (loads[i].kv_utilization, i))  # KV use read only to break ties
 
 
+_GIE_WEIGHTS = ("queue_weight", "kv_weight", "prefix_weight")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GieConfig:
     """Scorer weights of the Gateway API Inference Extension's default scheduling profile."""
@@ -279,10 +327,16 @@ class GieConfig:
     shedding: SheddingConfig | None = doc("When sheddable classes are shed (None: never).", None)
 
     def __post_init__(self) -> None:
-        weights = (self.queue_weight, self.kv_weight, self.prefix_weight)
-        if min(weights) < 0:
-            raise ReplayError(f"gie: scorer weights must be non-negative, not {weights}",
-                              "a scorer that should not count has weight 0")
+        check_finite("gie", self, _GIE_WEIGHTS)
+        check_magnitudes("gie", self)
+        for name in _GIE_WEIGHTS:
+            if getattr(self, name) < 0:
+                raise ReplayError(f"gie: scorer weights must be non-negative, not gie.{name} = {getattr(self, name):g}",
+                                  "a scorer that should not count has weight 0")
+        if not any(getattr(self, name) > 0 for name in _GIE_WEIGHTS):
+            raise ReplayError("gie: the scorer weights gie.queue_weight, gie.kv_weight and gie.prefix_weight are all 0: "
+                              "no scorer counts, so every request would go to the first instance",
+                              "give at least one scorer a positive weight (the defaults: queue 2, kv 2, prefix 3)")
 
 
 @register_router
