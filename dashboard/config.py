@@ -11,6 +11,7 @@ change these settings: in particular the viewer's tenant is configuration, never
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import os
 from collections.abc import Mapping
@@ -81,6 +82,37 @@ class DashboardConfig:
         check_bounds("dashboard", self, at_least={"port": 0, "max_points": 2}, above={"refresh_interval_s": 0})
         if self.port > 65_535:
             raise ConfigError(f"dashboard.port must be a TCP port, 0 to 65535 (0: a free one), not {self.port}")
+        check_host(self.host)
+
+
+#: How ``dashboard.host`` is written, for the errors that refuse one.
+HOST_HINT = ("give a host name or an IP address of this machine, e.g. 127.0.0.1 (loopback, the default); "
+             "the port is dashboard.port")
+
+
+def check_host(host: str) -> None:
+    """Refuse, naming ``dashboard.host``, a value that is no host name or address: empty or blank (it would listen
+    on every interface), with a blank or control character, with a scheme or path (``http://...``) or with a
+    port (``localhost:8501``; a bare IPv6 address such as ``::1`` is fine). Whether a name resolves is
+    ``dashboard.server.preflight``'s to check: loading the configuration does no I/O."""
+    if not host.strip():
+        raise ConfigError("dashboard.host must not be empty (an empty host listens on every interface)",
+                          "leave it out for the default, '127.0.0.1' (loopback)")
+    if any(c.isspace() or not c.isprintable() for c in host):
+        raise ConfigError(f"dashboard.host {host!r} has a blank or control character in it", HOST_HINT)
+    if "/" in host:
+        raise ConfigError(f"dashboard.host {host!r} is a URL or a path, not a host name or address", HOST_HINT)
+    if ":" in host and not _is_ipv6(host):
+        raise ConfigError(f"dashboard.host {host!r} has a port (or brackets) in it: the port is dashboard.port",
+                          HOST_HINT + "; an IPv6 address goes without brackets, e.g. ::1")
+
+
+def _is_ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +162,7 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> Settings:
     text = env.get(SETTINGS_ENV)
     if text:
         return _settings(json.loads(text))
-    data = read_settings(env=env)
+    data = read_settings(env=env, tree=Settings)
     return _settings(data, data.get("paths", {}).get("out_dir") or "out")
 
 

@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from dashboard.config import SETTINGS_ENV, DashboardConfig, Settings, settings_from_config, settings_json, with_defaults
+from dashboard.config import HOST_HINT, SETTINGS_ENV, DashboardConfig, Settings, settings_from_config, settings_json, with_defaults
 from servelens.errors import ConfigError, ServelensError
 
 APP = Path(__file__).resolve().parent / "asgi.py"  # app.py, behind dashboard.known_paths
@@ -107,6 +107,7 @@ def preflight(settings: Settings) -> list[str]:
         except ConfigError as exc:
             raise ConfigError(f"dashboard.viewer_tenant is set but its tenant cannot be resolved: {exc.message}",
                               exc.hint) from None
+    _check_resolves(d.host)
     if d.port != 0:
         family = socket.AF_INET6 if ":" in d.host else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as probe:
@@ -122,6 +123,15 @@ def preflight(settings: Settings) -> list[str]:
         warnings.append(f"the dashboard listens on {d.host}, beyond loopback, and has no login of its own: "
                         "put an authenticating proxy in front of it (in a container, publish the port on the host's loopback only)")
     return warnings
+
+
+def _check_resolves(host: str) -> None:
+    """Refuse, naming ``dashboard.host``, a host this machine cannot resolve to an address (as ``--host`` is)."""
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError) as exc:
+        reason = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
+        raise ConfigError(f"dashboard.host {host!r} does not resolve to an address ({reason})", HOST_HINT) from None
 
 
 def dashboard_url(process: subprocess.Popen) -> str:

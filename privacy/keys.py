@@ -13,8 +13,9 @@ The key ring is a TOML file (``servelens privacy keygen``)::
     k2026-05 = "<base64>"   # retired: kept so a tenant can still find its older records
 
 or one key in ``$SERVELENS_PSEUDONYM_KEY`` as ``<key id>:<base64>``. A key file that group or others
-may write is refused, one they may read is used with a warning (both say ``chmod 600 FILE``); a key of
-one repeated byte, and one secret under two ids, are refused. Every sanitized record carries
+may write is refused, one they may read is used with a warning (both say ``chmod 600 FILE``, or, in a
+Kubernetes Secret volume, its ``defaultMode``); a key file over ``MAX_KEY_FILE_BYTES``, a key of one
+repeated byte, and one secret under two ids, are refused. Every sanitized record carries
 the id of the key that produced it. Rotation starts a new pseudonym for every identifier: records
 before and after cannot be linked by pseudonym alone, which is the point of rotating.
 """
@@ -40,6 +41,9 @@ from servelens.settings import read_toml
 
 ENV_KEY = "SERVELENS_PSEUDONYM_KEY"
 MIN_KEY_BYTES = 32
+#: The largest key file read, bytes (1 MiB). `servelens privacy keygen` writes about 100 bytes and each rotation
+#: adds about 70: thousands of rotations fit; a larger file is not a key ring and is refused before it is read.
+MAX_KEY_FILE_BYTES = 1024 * 1024
 _KEY_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
@@ -150,7 +154,10 @@ def _load_keyfile(path: Path, warn: Callable[[str, str], None]) -> KeyRing:
     data = read_toml(path, "pseudonym key file", _KEY_FILE_HINT,
                      missing_hint=f"create it with `servelens privacy keygen --out {path}`",
                      folder_hint="privacy.key_file (SERVELENS_PRIVACY__KEY_FILE) names the key file itself, "
-                                 "as `servelens privacy keygen --out FILE` writes it")
+                                 "as `servelens privacy keygen --out FILE` writes it",
+                     max_bytes=MAX_KEY_FILE_BYTES,
+                     size_hint="a key ring from `servelens privacy keygen` is about 100 bytes, plus about 70 a "
+                               "rotation: check that privacy.key_file (SERVELENS_PRIVACY__KEY_FILE) names the key file")
     _check_mode(path, warn)
     keys = data.get("keys")
     if not isinstance(keys, dict) or not keys or not isinstance(data.get("active"), str):
@@ -170,7 +177,7 @@ def _check_mode(path: Path, warn: Callable[[str, str], None]) -> None:
     """Refuse a key file that group or others may write (whoever replaces the key decides the pseudonyms); warn
     of one they may read (whoever reads the key can compute the pseudonym of any guessed id)."""
     mode = stat.S_IMODE(path.stat().st_mode)
-    fix = f"chmod 600 {shlex.quote(str(path))}"
+    fix = _KUBERNETES_FIX if _in_kubernetes_volume(path) else f"chmod 600 {shlex.quote(str(path))}"
     if mode & 0o022:
         raise ConfigError(f"pseudonym key file {path} is writable by {_who(mode & 0o022)} (mode {mode:04o}): "
                           "anyone who can replace the key decides the pseudonyms",
@@ -178,6 +185,18 @@ def _check_mode(path: Path, warn: Callable[[str, str], None]) -> None:
     if mode & 0o044:
         warn(f"pseudonym key file {path} is readable by {_who(mode & 0o044)} (mode {mode:04o}): whoever reads the "
              "key can compute the pseudonym of any id they guess", fix)
+
+
+#: The fix for a key file's mode in a Kubernetes Secret volume, where chmod cannot change it (docs/operations.md).
+_KUBERNETES_FIX = ("in a Kubernetes Secret volume, set defaultMode: 0400 (a non-root container needs fsGroup, "
+                   "which leaves 0440: docs/operations.md)")
+
+
+def _in_kubernetes_volume(path: Path) -> bool:
+    """Whether ``path`` lies in a volume Kubernetes writes (a Secret, a ConfigMap, a projected volume): its files
+    are links through a ``..data`` link at the volume's top, and their mode is the volume's ``defaultMode``."""
+    folder = path.absolute().parent
+    return "..data" in path.parts or any((d / "..data").is_symlink() for d in (folder, *folder.parents))
 
 
 def _who(bits: int) -> str:

@@ -60,7 +60,7 @@ class Config:
 
 def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> Config:
     """The configuration from defaults, an optional TOML file and the environment."""
-    return build(Config, read_settings(path, env), "")
+    return build(Config, read_settings(path, env, tree=Config), "")
 
 
 def shared_dir(config: Config) -> Path:

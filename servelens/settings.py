@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import stat
 import tomllib
 import typing
 from collections.abc import Collection, Mapping
@@ -202,9 +203,32 @@ def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def read_settings(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The raw settings tree: an optional TOML file, overridden by the environment."""
+def _check_one_underscore(env: Mapping[str, str], tree: type) -> None:
+    """Refuse, naming it and the name it probably meant, a variable ``SERVELENS_<SECTION>_<KEY>`` (one '_' where
+    a setting's variable has two) whose <SECTION> is a section of ``tree`` and <KEY> one of that section's keys:
+    nothing reads it, so the setting it was meant to change would silently keep its value. Other ``SERVELENS_*``
+    variables (``SERVELENS_SHARED_DIR``, ``SERVELENS_DASHBOARD_SETTINGS``, ``SERVELENS_PSEUDONYM_KEY``) pass."""
+    sections = {name: {f.name for f in dataclasses.fields(kind)}
+                for name, kind in typing.get_type_hints(tree).items() if dataclasses.is_dataclass(kind)}
+    for name in sorted(env):
+        rest = name[len(ENV_PREFIX):].lower() if name.startswith(ENV_PREFIX) else "__"
+        section, sep, key = rest.partition("_")
+        if "__" in rest or not sep or key not in sections.get(section, ()):
+            continue
+        meant = f"{ENV_PREFIX}{section.upper()}__{key.upper()}"
+        raise ConfigError(f"environment variable {name} sets nothing: it has one '_' after {section.upper()}, where "
+                          f"a setting's variable has two; it probably means {meant} ({section}.{key})",
+                          f"rename it {meant} (a setting's variable is SERVELENS_<SECTION>__<KEY>), or unset it")
+
+
+def read_settings(path: str | Path | None = None, env: Mapping[str, str] | None = None, *,
+                  tree: type | None = None) -> dict[str, Any]:
+    """The raw settings tree: an optional TOML file, overridden by the environment. With ``tree`` (the
+    dataclass whose fields are the sections), a variable naming a setting with one '_' after its section
+    (``SERVELENS_LAKE_ROOT`` for ``SERVELENS_LAKE__ROOT``) is refused rather than silently ignored."""
     env = os.environ if env is None else env
+    if tree is not None:
+        _check_one_underscore(env, tree)
     path = path or env.get(f"{ENV_PREFIX}CONFIG")
     data: dict[str, Any] = {}
     if path:
@@ -217,19 +241,37 @@ def read_settings(path: str | Path | None = None, env: Mapping[str, str] | None 
 
 
 def read_toml(path: str | Path, what: str, hint: str | None = None, *, missing_hint: str | None = None,
-              folder_hint: str | None = None) -> dict[str, Any]:
+              folder_hint: str | None = None, max_bytes: int | None = None,
+              size_hint: str | None = None) -> dict[str, Any]:
     """The content of the TOML file ``path``; a ``ConfigError`` naming ``what`` and the file when it is missing,
-    a folder, not UTF-8 text, not valid TOML or nested too deeply to read (``hint`` unless a more special
-    one is given)."""
+    a folder, not UTF-8 text, not valid TOML, nested too deeply to read or (with ``max_bytes``) larger than
+    ``max_bytes`` (``hint`` unless a more special one is given)."""
     path = Path(path)
     try:
-        return tomllib.loads(path.read_text())
+        if max_bytes is None:
+            return tomllib.loads(path.read_text())
+        return tomllib.loads(_read_bounded(path, max_bytes, what, size_hint or hint).decode())
     except FileNotFoundError:
         raise ConfigError(f"{what} {path} does not exist", missing_hint or hint) from None
     except IsADirectoryError:
         raise ConfigError(f"{what} {path} is a folder, not a file", folder_hint or hint) from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise ConfigError(f"{what} {path} is not valid TOML: {_fault(exc)}", hint) from None
+
+
+def _read_bounded(path: Path, max_bytes: int, what: str, hint: str | None) -> bytes:
+    """The bytes of ``path``, refused (naming ``what``, its size and the bound) when there are more than
+    ``max_bytes``: a regular file by its size before any of it is read, a stream (a pipe, a device) once
+    ``max_bytes`` + 1 of it are read."""
+    bound = f"{max_bytes:,} bytes" + (f" ({max_bytes >> 20} MiB)" if max_bytes % (1 << 20) == 0 else "")
+    with path.open("rb") as fh:
+        info = os.fstat(fh.fileno())
+        if stat.S_ISREG(info.st_mode) and info.st_size > max_bytes:
+            raise ConfigError(f"{what} {path} is {info.st_size:,} bytes, above the bound of {bound}", hint)
+        data = fh.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ConfigError(f"{what} {path} is more than the bound of {bound}", hint)
+    return data
 
 
 def read_document(path: str | Path, what: str, hint: str | None = None) -> Any:
