@@ -1178,12 +1178,11 @@ def run_cluster_replay(
     cluster, cost_model_config = _prepared(cluster, calibration, cost_model, cost_model_config)
     source = as_workload(workload)
     scenario = scenario or Scenario()
-    check_sheddable_classes(cluster.router_config, [c.name for c in scenario.service_classes])
     configs = _instance_configs(cluster)
     models = _cost_models(cost_model, configs, cost_model_config, shared)
     first = cluster.instances[0]
     policy_cfg = make_policy(policy_name, policy_config).config
-    router = make_router(cluster.router, cluster.router_config)
+    router = _router(cluster, scenario)
     manifest = _manifest(source, scenario, policy_name, policy_cfg, first, models[first], seed, mode)
     if calibration is not None:
         manifest["calibration"] = calibration_record(calibration, first)
@@ -1206,6 +1205,12 @@ def run_cluster_replay(
     manifest_path = _write_cluster_manifest(outputs, manifest, (run_id, engine_id), cl, output_sha256, writer.num_events, calibration)
     return _cluster_summary(cluster, cl, kernel, feeder, outputs, manifest, manifest_path, mode=mode,
                             output_sha256=output_sha256, wall_s=wall_s, num_events=writer.num_events)
+
+
+def _router(cluster: ClusterConfig, scenario: Scenario) -> Router:
+    """The cluster's router, its shedding naming only classes the scenario defines."""
+    check_sheddable_classes(cluster.router_config, [c.name for c in scenario.service_classes])
+    return make_router(cluster.router, cluster.router_config)
 
 
 def _prepared(cluster: ClusterConfig, calibration: Calibration | None, cost_model: str | StepCostModel,
