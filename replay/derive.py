@@ -279,15 +279,11 @@ def requests_query(con: duckdb.DuckDBPyConnection, source: EventSource) -> str:
 
 
 def read_events(path: Path) -> pa.Table:
-    """Every event of a JSONL or Parquet file (``EVENTS_SCHEMA``); an invalid record is an error that says
-    how to see them all."""
-    from schemas.validate import InvalidEventsError, iter_event_tables
-    from servelens.errors import ServelensError
+    """Every event of a JSONL or Parquet file (``EVENTS_SCHEMA``); an invalid record is a
+    ``schemas.validate.InvalidEventsError`` naming the first (the CLI adds how to see them all)."""
+    from schemas.validate import iter_event_tables
 
-    try:
-        tables = list(iter_event_tables(path))
-    except InvalidEventsError as exc:
-        raise ServelensError(str(exc), f"run `servelens events validate {path}` to see every error") from None
+    tables = list(iter_event_tables(path))
     return pa.concat_tables(tables) if tables else EVENTS_SCHEMA.empty_table()
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import click
 
 from replay.cluster import MAX_INSTANCES, MAX_RANDOM_FAILURES, MAX_SCHEDULE_S, MIN_AUTOSCALE_S, MIN_LINK_GBPS
-from schemas.validate import UnreadableFileError, read_parquet_table
+from schemas.validate import InvalidEventsError, UnreadableFileError, read_parquet_table
 from servelens import __version__, layout
 from servelens.click_types import OUT_FILE, OUT_FOLDER, SEED, Duration, Finite, refuse_overwriting
 from servelens.config import Config, load_config, shared_dir
@@ -44,6 +44,8 @@ class _Group(click.Group):
             _fail(str(exc))
         except UnreadableFileError as exc:
             _fail(str(exc), exc.hint or "check that the file is complete (a copy cut short, or not Parquet at all)")
+        except InvalidEventsError as exc:  # where only valid events are accepted: the first bad one, and how to see all
+            _fail(str(exc), f"run `servelens events validate {exc.path}` to see every error")
         except OSError as exc:
             where = f": {exc.filename}" if exc.filename else ""
             _fail(f"{exc.strerror or type(exc).__name__}{where or f': {exc}'}", "check the path and its permissions")
@@ -473,17 +475,14 @@ def _copy_own_table(events_file: Path, out: Path, work: Path) -> bool:
 def _staged_events(ctx: click.Context, events_file: Path, work: Path, started: float) -> Path:
     """``events_file`` validated and sanitized into ``work`` (``pipelines.lake.staged_parquet``), with progress."""
     from pipelines.lake import is_sanitized, staged_parquet
-    from schemas.validate import InvalidEventsError, detect_format
+    from schemas.validate import detect_format
 
     claimed = detect_format(events_file) == "parquet" and is_sanitized(events_file)
     verb = "validated" if claimed else "sanitized"
     click.echo(f"{events_file} claims to be sanitized (every event carries a pseudonym key id): validating it and "
                "checking its key ids against the configured key ring ..." if claimed else
                f"validating and sanitizing {events_file} with the configured pseudonym key ...", err=True)
-    try:
-        staged = staged_parquet(events_file, work, _sanitizer(ctx), progress=_event_progress(verb))
-    except InvalidEventsError as exc:
-        raise ServelensError(str(exc), f"run `servelens events validate {events_file}` to see every error") from None
+    staged = staged_parquet(events_file, work, _sanitizer(ctx), progress=_event_progress(verb))
     click.echo(f"  {verb} in {time.monotonic() - started:,.1f} s; deriving the request table ...", err=True)
     return staged
 
@@ -735,16 +734,12 @@ def privacy_sanitize(ctx: click.Context, events_file: Path, out: Path) -> None:
       SERVELENS_PRIVACY__KEY_FILE=.servelens/demo-pseudonym-key.toml servelens privacy sanitize mooncake.events.jsonl --out mooncake.parquet
     """
     from pipelines.lake import events_to_parquet
-    from schemas.validate import InvalidEventsError
 
     refuse_overwriting(out, events_file)
     sanitizer = _sanitizer(ctx)
     report_file = out.with_name(out.name + ".privacy.json")
     with _staging_folder(out) as work:
-        try:
-            count = events_to_parquet(events_file, work / out.name, sanitizer, progress=_event_progress("sanitized"))
-        except InvalidEventsError as exc:
-            raise ServelensError(str(exc), f"run `servelens events validate {events_file}` to see every error") from None
+        count = events_to_parquet(events_file, work / out.name, sanitizer, progress=_event_progress("sanitized"))
         report = sanitizer.report().as_dict()
         (work / report_file.name).write_text(json.dumps(report, indent=2) + "\n")
         os.replace(work / out.name, out)
