@@ -22,6 +22,8 @@ Exactly once, step by step:
 - **producer retries** (the same ``event_id`` at a new offset): dropped against fixed-size windows
   of recent ids, the consumer's and one per partition (``pipelines.retries``: a partition read late
   keeps its own), warmed from the lake at start and by reading each partition again below its mark;
+  an event that reuses the id of an earlier event of its batch with other content is no retry: it goes to
+  dead letters as ``duplicate_event_id`` (``refuse_conflicting_ids``; across batches only ids are remembered);
 - **a failed commit** (fenced, or an error) latches the pipeline: the batches behind it commit
   nothing, since their marks would pass records that were never stored; their partitions are read
   again from the lake's marks (after an error the process stops, and a restart does the same);
@@ -68,7 +70,9 @@ from privacy.config import PrivacyConfig
 from privacy.keys import KeyRing
 from privacy.sanitize import FIELD_POLICIES, PrivacyReport
 from schemas.arrow import arrow_schema
+from schemas.duplicates import conflicting_rows
 from schemas.records import DeadLetter
+from schemas.validate import duplicate_event_id_error
 from servelens.errors import ServelensError
 
 log = logging.getLogger("servelens.ingest")
@@ -172,6 +176,24 @@ class _Outcome:
     num_duplicates: int
     fenced: CommitFenced | None
     dropped: bool = False  # behind a failed commit: nothing stored, the partitions are read again
+
+
+def refuse_conflicting_ids(clean: pa.Table, messages: np.ndarray, values: list[bytes]) -> tuple[pa.Table, np.ndarray, list[Rejected]]:
+    """A batch's events less those that reuse an earlier event's id of the batch with other content (``clean``:
+    sanitized events, ``messages``: the message index of each), and those as rejections (``duplicate_event_id``:
+    dead letters, one per message). An exact repeat stays, for the retry filter to drop."""
+    conflicts = conflicting_rows(clean)
+    if not conflicts:
+        return clean, messages, []
+    rows = sorted(conflicts)
+    rejected: dict[int, Rejected] = {}
+    picked = clean.select(["event_id", "event_type"]).take(rows)
+    for row, event_id, event_type in zip(rows, picked["event_id"].to_pylist(), picked["event_type"].to_pylist()):
+        error = duplicate_event_id_error(event_id, "an earlier message of its batch")
+        rejected.setdefault(int(messages[row]), Rejected(int(messages[row]), len(values[messages[row]]), (error,), event_type))
+    keep = np.ones(clean.num_rows, dtype=bool)
+    keep[rows] = False
+    return clean.filter(pa.array(keep)), messages[keep], list(rejected.values())
 
 
 class IngestConsumer:
@@ -458,10 +480,11 @@ class IngestConsumer:
         dead_marks = {p: part.dead_mark for p, part in parts.items()}
         event_marks = {p: part.events_mark for p, part in parts.items()}
         self._privacy = done.report
-        dead_rows = self._dead_letters(done.rejected, batch, dead_marks, now_ns)
+        clean, messages, conflicts = refuse_conflicting_ids(done.clean, done.clean_messages, batch.values)
+        dead_rows = self._dead_letters(sorted([*done.rejected, *conflicts], key=lambda r: r.index), batch, dead_marks, now_ns)
         if done.stored_ids:  # re-read below the mark (see _resolve): stored already, remembered now
             self.recent.add(done.stored_ids, batch.owner[done.stored_messages])
-        clean, owners = done.clean, batch.owner[done.clean_messages]
+        owners = batch.owner[messages]
         first = self.recent.first_sightings(clean["event_id"], owners)
         duplicates = int((~first).sum())
         if duplicates:

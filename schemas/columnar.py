@@ -3,10 +3,11 @@
 ``check_table`` takes events already in Arrow columns (a parsed batch of JSON messages, a Parquet
 file from another producer) and returns which rows the contract accepts: a known event type and
 major version, every required field present, enum values allowed, numbers non-negative and finite,
-list items present, the cross-field rules. It also nulls the fields that belong to another event
-type (the per-type allowlist) and counts them. Rows it rejects go to ``schemas.validate``, the
-reference, for their reasons; ``tests/pipelines/test_decode.py`` proves the two agree on every
-record.
+list items present (and distinct in a step's ``request_ids``), the cross-field rules. It also nulls the
+fields that belong to another event type (the per-type allowlist) and counts them. Rows it rejects go
+to ``schemas.validate``, the reference, for their reasons; ``tests/pipelines/test_decode.py`` proves
+the two agree on every record. Event ids repeated across rows are a check of a whole batch or file, not
+of a row: ``schemas.duplicates``.
 """
 
 from __future__ import annotations
@@ -66,9 +67,26 @@ def _items_not_null(values: pa.Array) -> pa.Array:
     return pa.array(~bad)
 
 
+def _items_unique(values: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """Per row: no item of the list appears twice in it (True for a null list)."""
+    if isinstance(values, pa.ChunkedArray):
+        values = values.combine_chunks()
+    flat = pc.list_flatten(values)
+    ok = np.ones(len(values), dtype=bool)
+    if len(flat) < 2:
+        return pa.array(ok)
+    parents = pc.list_parent_indices(values).to_numpy()
+    codes = pc.dictionary_encode(flat).indices.to_numpy(zero_copy_only=False)  # a null item: judged elsewhere
+    order = np.lexsort((codes, parents))
+    parents, codes = parents[order], codes[order]
+    repeated = (parents[1:] == parents[:-1]) & (codes[1:] == codes[:-1])
+    ok[parents[1:][repeated]] = False
+    return pa.array(ok)
+
+
 def _values_allowed(spec: FieldSpec, column: pa.Array) -> np.ndarray:
     """Per row: the value is one the field allows (its enum, non-negative numbers, usable ids, list items
-    present); nulls pass (the required/nullable checks judge them)."""
+    present, and distinct where the field says so); nulls pass (the required/nullable checks judge them)."""
     ok = np.ones(len(column), dtype=bool)
     if spec.enum:
         ok &= pc.fill_null(pc.is_in(column, pa.array(list(spec.enum))), True).to_numpy(zero_copy_only=False)
@@ -78,6 +96,8 @@ def _values_allowed(spec: FieldSpec, column: pa.Array) -> np.ndarray:
         ok &= pc.fill_null(pc.invert(pc.match_substring_regex(column, BAD_IDENTIFIER)), True).to_numpy(zero_copy_only=False)
     if spec.is_list:
         ok &= _items_not_null(column).to_numpy(zero_copy_only=False)
+    if spec.unique_items:
+        ok &= _items_unique(column).to_numpy(zero_copy_only=False)
     return ok
 
 

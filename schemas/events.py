@@ -141,7 +141,7 @@ class StepExecuted(Event):
     end_ns: int = doc("Step end, UTC epoch ns.")
     num_prefill_tokens: int = doc("Prompt tokens processed in the step (all prefill chunks).")
     num_decode_seqs: int = doc("Sequences that decoded one token in the step.")
-    request_ids: list[str] = doc("Requests that were members of the batch.")
+    request_ids: list[str] = doc("Requests that were members of the batch, each once.", unique_items=True)
     request_num_tokens: list[int] = doc(
         "Tokens each member processed in the step, parallel to request_ids."
     )

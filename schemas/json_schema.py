@@ -25,7 +25,9 @@ def json_field_schema(spec: FieldSpec) -> dict[str, Any]:
             item["minimum"] = 0
         if spec.identifier:  # a visible character, no control characters (schemas.types.BAD_IDENTIFIER)
             item["pattern"] = r"^[^\x00-\x1f\x7f]*[^\x00-\x20\x7f][^\x00-\x1f\x7f]*$"
-    value = {"type": "array", "items": item} if spec.is_list else item
+    value: dict[str, Any] = item
+    if spec.is_list:  # a list that holds each value once (a step's members): uniqueItems
+        value = {"type": "array", "items": item, **({"uniqueItems": True} if spec.unique_items else {})}
     if spec.nullable:
         value = {"anyOf": [value, {"type": "null"}]}
     return {"description": spec.doc, **value}

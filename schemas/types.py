@@ -27,14 +27,15 @@ BAD_IDENTIFIER = r"^ *$|[\x00-\x1f\x7f]"
 
 
 def doc(text: str, default: Any = dataclasses.MISSING, *, wire_required: bool = False, identifier: bool = False,
-        **kwargs: Any) -> Any:
+        unique_items: bool = False, **kwargs: Any) -> Any:
     """A dataclass field carrying its help text (it becomes the Arrow and JSON Schema description).
 
     A field without a default is required on the wire; ``wire_required`` makes a defaulted field
     required there too (the envelope's version and type must always be written). An ``identifier``
     (an id events are joined or de-duplicated on) must hold a visible character and no control character.
+    A list with ``unique_items`` holds each value at most once (JSON Schema's ``uniqueItems``).
     """
-    metadata = {"doc": text, "wire_required": wire_required, "identifier": identifier}
+    metadata = {"doc": text, "wire_required": wire_required, "identifier": identifier, "unique_items": unique_items}
     return dataclasses.field(default=default, metadata=metadata, **kwargs)
 
 
@@ -51,6 +52,7 @@ class FieldSpec:
     doc: str
     default: Any
     identifier: bool = False  # an id: not blank, no control characters (``BAD_IDENTIFIER``)
+    unique_items: bool = False  # a list that holds each value at most once
 
     def describe(self) -> str:
         """Human wording of the expected value, for error messages."""
@@ -63,7 +65,7 @@ class FieldSpec:
                 self.kind
             ]
         if self.is_list:
-            base = f"a list of {base.removeprefix('a ').removeprefix('an ')}s"
+            base = f"a list of {'distinct ' if self.unique_items else ''}{base.removeprefix('a ').removeprefix('an ')}s"
         return f"{base} or null" if self.nullable else base
 
 
@@ -109,6 +111,7 @@ def _spec(f: dataclasses.Field[Any], annotation: Any) -> FieldSpec:
         doc=f.metadata.get("doc", ""),
         default=f.default if has_default else None,
         identifier=bool(f.metadata.get("identifier")),
+        unique_items=bool(f.metadata.get("unique_items")),
     )
 
 

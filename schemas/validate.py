@@ -6,11 +6,13 @@ event or explains every problem: the field path, the value's type and what was e
 once) and ``ValidationSummary`` counts the results by reason.
 
 Beyond the JSON Schema, the validator checks what a schema cannot: a known major version, a step's
-``start_ns <= end_ns``, parallel lists of equal length, at least one token per delivery.
+``start_ns <= end_ns``, parallel lists of equal length, at least one token per delivery; and, across the
+records of a file, an event id reused with other content (``duplicate_event_id``, ``schemas.duplicates``).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections import Counter
@@ -19,6 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+import numpy as np
+
+from schemas.duplicates import EventIdLedger, event_hashes, table_hashes
 from schemas.events import EVENT_TYPES, SCHEMA_MAJOR, SCHEMA_VERSION, Event
 from schemas.types import BAD_IDENTIFIER, FieldSpec, field_specs
 from schemas.wire import MAX_RECORD_BYTES, NOT_UTF8, OVERSIZED, decode_json
@@ -39,6 +44,8 @@ UNKNOWN_EVENT_TYPE = "unknown_event_type"
 BAD_VERSION = "bad_schema_version"
 UNSUPPORTED_MAJOR = "unsupported_major_version"
 INCONSISTENT = "inconsistent_fields"
+DUPLICATE_ITEM = "duplicate_item"  # a value twice in a list that holds each once (a step's request_ids)
+DUPLICATE_EVENT_ID = "duplicate_event_id"  # another event under an event id already given (schemas.duplicates)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +151,7 @@ def _field_errors(spec: FieldSpec, value: Any) -> list[FieldError]:
             errors.append(err)
             if len(errors) >= 3:  # one bad list should not flood the report
                 break
-    return errors
+    return errors if errors or not spec.unique_items else _repeated_items(spec, value)
 
 
 def _version_error(version: Any) -> FieldError | None:
@@ -163,6 +170,34 @@ def _version_error(version: Any) -> FieldError | None:
             f'"{SCHEMA_MAJOR}.<minor>"',
         )
     return None
+
+
+def shown_id(value: str, limit: int = 64) -> str:
+    """An id quoted for a message, cut at ``limit`` characters (``repr``: control characters and anything else
+    unprintable escaped, so a message stays one inert line)."""
+    return repr(value) if len(value) <= limit else repr(value[:limit]) + f"... ({len(value):,} characters)"
+
+
+def _repeated_items(spec: FieldSpec, items: list[Any], limit: int = 3) -> list[FieldError]:
+    """A ``unique_items`` list (a step's members) holds each value once: each repeat (at most ``limit``) is an
+    error naming the value (an id that passed the identifier check, or a number) and where it first appears."""
+    first: dict[Any, int] = {}
+    errors: list[FieldError] = []
+    for i, item in enumerate(items):
+        j = first.setdefault(item, i)
+        if j != i and len(errors) < limit:
+            shown = shown_id(item) if isinstance(item, str) else repr(item)
+            errors.append(FieldError(DUPLICATE_ITEM, f"$.{spec.name}[{i}]", f"{shown} is listed again (first at "
+                                     f"{spec.name}[{j}]): {spec.name} holds each value once"))
+    return errors
+
+
+def duplicate_event_id_error(event_id: str, earlier: str) -> FieldError:
+    """The error of an event whose id ``earlier`` (an earlier record, named for the reader) holds with other
+    content: a retry repeats its event exactly, so this is another event under an id already given."""
+    return FieldError(DUPLICATE_EVENT_ID, "$.event_id", f"event id {shown_id(event_id)} already names the event "
+                      f"of {earlier}, and this one differs from it (a repeated event, a retry, is identical): give "
+                      "each event an id of its own")
 
 
 def _consistency_errors(values: dict[str, Any]) -> list[FieldError]:
@@ -368,9 +403,26 @@ def iter_file(
     ``max_record_bytes`` is an ``oversized`` record)."""
     path = Path(path)
     if detect_format(path) == "parquet":
-        yield from _iter_parquet(path, batch_rows)
+        yield from _refuse_conflicting_ids(_iter_parquet(path, batch_rows), "row")
     else:
-        yield from _iter_jsonl(path, max_record_bytes)
+        yield from _refuse_conflicting_ids(_iter_jsonl(path, max_record_bytes), "line")
+
+
+def _refuse_conflicting_ids(results: Iterator[RecordResult], unit: str, chunk: int = 4096) -> Iterator[RecordResult]:
+    """``results`` in order, where a valid event reuses the event id of an earlier valid one with other content
+    refused (``duplicate_event_id``, naming the earlier record's ``unit``: line or row); an exact repeat stays
+    valid (a retry: consumers keep one copy). Checked ``chunk`` records at a time against the file's ids so far
+    (``schemas.duplicates``)."""
+    ledger = EventIdLedger()
+    while batch := list(itertools.islice(results, chunk)):
+        valid = [r for r in batch if r.event is not None]
+        events = [r.event for r in valid if r.event is not None]
+        numbers = np.fromiter((r.number for r in valid), dtype=np.int64, count=len(valid))
+        refused = {}
+        for i, first in ledger.check(*event_hashes(events), numbers):
+            error = duplicate_event_id_error(events[i].event_id, f"{unit} {first}")
+            refused[valid[i].number] = RecordResult(valid[i].number, None, (error,), valid[i].ignored_fields)
+        yield from (refused.get(r.number, r) for r in batch)
 
 
 @dataclass
@@ -439,7 +491,7 @@ def _parquet_event_tables(path: Path, batch_rows: int, ignored_fields: Counter[s
     from schemas.arrow import EVENTS_SCHEMA, events_to_table
     from schemas.columnar import WIRE_SCHEMA, check_table
 
-    number = 0
+    number, ledger = 0, EventIdLedger()
     for batch in _parquet_batches(path, batch_rows):
         table = pa.Table.from_batches([batch])
         n = table.num_rows
@@ -462,6 +514,17 @@ def _parquet_event_tables(path: Path, batch_rows: int, ignored_fields: Counter[s
             for name in table.column_names:
                 if name not in WIRE_SCHEMA.names and (count := n - table[name].null_count):
                     ignored_fields[name] += count
-        number += n
         assert clean is not None  # check_table gives a table whenever every row is valid
-        yield clean.cast(EVENTS_SCHEMA)
+        clean = clean.cast(EVENTS_SCHEMA)
+        _refuse_conflicts(path, ledger, clean, number)
+        number += n
+        yield clean
+
+
+def _refuse_conflicts(path: Path, ledger: EventIdLedger, table: pa.Table, number: int) -> None:
+    """``InvalidEventsError`` at the first row of ``table`` (rows ``number`` + 1 on) whose event id an earlier
+    row of the file holds with other content (``schemas.duplicates``)."""
+    numbers = np.arange(number + 1, number + table.num_rows + 1, dtype=np.int64)
+    for i, first in ledger.check(*table_hashes(table), numbers)[:1]:
+        error = duplicate_event_id_error(table["event_id"][i].as_py(), f"row {first}")
+        raise InvalidEventsError(path, RecordResult(number + i + 1, None, (error,)))

@@ -43,10 +43,12 @@ def _make_consistent(event: Event) -> Event:
     etype = event.event_type
     if etype == "step_executed":
         start, end = sorted((event.start_ns, event.end_ns))
-        n = len(event.request_ids)
+        members = list(dict.fromkeys(event.request_ids))  # each request a member once
+        n = len(members)
         fix = {
             "start_ns": start,
             "end_ns": end,
+            "request_ids": members,
             "request_num_tokens": (event.request_num_tokens + [1] * n)[:n],
             "num_steps": max(1, event.num_steps),
         }
