@@ -11,7 +11,7 @@ unknown field (never stored) do not make two records differ. Two ways to find co
 
 - ``conflicting_rows``: within one events table (an ingest batch), exact;
 - ``EventIdLedger`` with ``event_hashes`` (typed events, the row validator) or ``table_hashes`` (Arrow
-  tables, the columnar path): across a whole file, batch by batch, in fixed memory per id.
+  tables, the columnar path): across a whole file, batch by batch, in 24 bytes per id.
 """
 
 from __future__ import annotations
