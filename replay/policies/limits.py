@@ -5,6 +5,7 @@ key and the range, instead of failing deep in a replay as an overflow or a divis
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from replay.errors import ReplayError
 
@@ -21,13 +22,16 @@ MIN_WEIGHT = 1e-6
 
 def check_magnitudes(section: str, config: object) -> None:
     """Refuse, naming ``section.key``, the first numeric setting of the dataclass ``config`` outside
-    its sanity bound: durations (``*_s``) above ``MAX_DURATION_S``, integers beyond ``MAX_COUNT``
-    either way, other numbers beyond ``MAX_MAGNITUDE`` either way, a ``weight`` below ``MIN_WEIGHT``."""
+    its sanity bound: NaN or an infinity, durations (``*_s``) above ``MAX_DURATION_S``, integers beyond
+    ``MAX_COUNT`` either way, other numbers beyond ``MAX_MAGNITUDE`` either way, a ``weight`` below
+    ``MIN_WEIGHT``. (The range checks after it would pass a NaN, and an infinity breaks the arithmetic.)"""
     for field in dataclasses.fields(config):  # type: ignore[arg-type]
         value = getattr(config, field.name)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
         key = f"{section}.{field.name}"
+        if not math.isfinite(value):
+            raise ReplayError(f"{key} must be a finite number, not {value!r}", "leave it out for its default")
         if field.name.endswith("_s"):
             if value > MAX_DURATION_S:
                 raise ReplayError(f"{key} must be at most {MAX_DURATION_S:g} s (about 30 years), not {value:.3g}",

@@ -52,7 +52,6 @@ KV use without blocks allocated ahead inside a decode run, no eviction ahead).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,7 +122,6 @@ class SheddingConfig:
         if isinstance(self.sheddable_classes, str):
             raise ReplayError(f"shedding.sheddable_classes must be a list of class names, not the string "
                               f"{self.sheddable_classes!r}", f"write [{self.sheddable_classes}]")
-        check_finite("shedding", self, ("queue_threshold", "kv_threshold", "shed_at", "retry_after_s"))
         check_magnitudes("shedding", self)
         if not self.queue_threshold > 0:
             raise ReplayError(f"shedding.queue_threshold must be positive, not {self.queue_threshold:g}",
@@ -137,15 +135,6 @@ class SheddingConfig:
         if not self.retry_after_s >= 0:
             raise ReplayError(f"shedding.retry_after_s must be non-negative, not {self.retry_after_s:g}",
                               "seconds a shed client waits before it retries, e.g. 1 (the default)")
-
-
-def check_finite(section: str, config: object, names: Sequence[str]) -> None:
-    """Refuse, naming ``section.name``, the first of the numeric settings ``names`` of ``config`` that is NaN
-    or infinite (the ordering checks after it would pass a NaN, and an infinity breaks the arithmetic)."""
-    for name in names:
-        value = getattr(config, name)
-        if not math.isfinite(value):
-            raise ReplayError(f"{section}.{name} must be a finite number, not {value!r}", "leave it out for its default")
 
 
 def check_sheddable_classes(config: object | None, defined: Sequence[str]) -> None:
@@ -327,7 +316,6 @@ class GieConfig:
     shedding: SheddingConfig | None = doc("When sheddable classes are shed (None: never).", None)
 
     def __post_init__(self) -> None:
-        check_finite("gie", self, _GIE_WEIGHTS)
         check_magnitudes("gie", self)
         for name in _GIE_WEIGHTS:
             if getattr(self, name) < 0:
