@@ -260,14 +260,18 @@ def read_toml(path: str | Path, what: str, hint: str | None = None, *, missing_h
 
 
 def _read_bounded(path: Path, max_bytes: int, what: str, hint: str | None) -> bytes:
-    """The bytes of ``path``, refused (naming ``what``, its size and the bound) when there are more than
-    ``max_bytes``: a regular file by its size before any of it is read, a stream (a pipe, a device) once
-    ``max_bytes`` + 1 of it are read."""
+    """The bytes of the regular file ``path``, refused (naming ``what``) when it is none (a pipe would block
+    the reader until something writes to it, a device may never end) or larger than ``max_bytes``: by its
+    size, before any of it is read (and by what it gave, should it grow meanwhile)."""
     bound = f"{max_bytes:,} bytes" + (f" ({max_bytes >> 20} MiB)" if max_bytes % (1 << 20) == 0 else "")
+    info = path.stat()  # before opening: opening a pipe blocks
+    if stat.S_ISDIR(info.st_mode):
+        raise IsADirectoryError(path)
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigError(f"{what} {path} is not a regular file (a pipe, a device or a socket)", hint)
+    if info.st_size > max_bytes:
+        raise ConfigError(f"{what} {path} is {info.st_size:,} bytes, above the bound of {bound}", hint)
     with path.open("rb") as fh:
-        info = os.fstat(fh.fileno())
-        if stat.S_ISREG(info.st_mode) and info.st_size > max_bytes:
-            raise ConfigError(f"{what} {path} is {info.st_size:,} bytes, above the bound of {bound}", hint)
         data = fh.read(max_bytes + 1)
     if len(data) > max_bytes:
         raise ConfigError(f"{what} {path} is more than the bound of {bound}", hint)

@@ -47,9 +47,19 @@ def test_a_huge_key_file_is_refused_without_reading_it(tmp_path):
 
 
 @pytest.mark.skipif(not Path("/dev/zero").exists(), reason="no /dev/zero")
-def test_an_endless_stream_is_refused_once_past_the_bound():
-    with pytest.raises(ConfigError, match=r"^pseudonym key file /dev/zero is more than the bound of 1,048,576 bytes"):
+def test_an_endless_stream_is_refused_as_no_regular_file():
+    with pytest.raises(ConfigError, match=r"^pseudonym key file /dev/zero is not a regular file \(a pipe, a device"):
         load_keyring("/dev/zero", env={}, warn=lambda message, hint: None)
+
+
+def test_a_named_pipe_is_refused_without_blocking(tmp_path):
+    # opening a pipe with no writer blocks: the key file is refused from its type before it is opened
+    import os
+
+    fifo = tmp_path / "keys.toml"
+    os.mkfifo(fifo, 0o600)
+    with pytest.raises(ConfigError, match=r"is not a regular file \(a pipe, a device or a socket\)"):
+        load_keyring(str(fifo), env={}, warn=lambda message, hint: None)
 
 
 def test_a_key_file_at_the_bound_loads(tmp_path):
