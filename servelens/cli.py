@@ -1517,6 +1517,7 @@ def demo(ctx: click.Context, trace_name: str, out: Path | None, candidates: str 
         raise ServelensError(f"--speedup must be positive, got {speedup:g}", "for example --speedup 100")
     config = _config(ctx)
     out = out or Path(config.paths.out_dir) / "demo"
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # unwinds: the local broker and the ingest stop with it
     result = run_demo(
         trace_name,
         _shared_or_none(ctx, trace_name),
@@ -1533,7 +1534,6 @@ def demo(ctx: click.Context, trace_name: str, out: Path | None, candidates: str 
         return
     click.echo("starting the dashboard", err=True)
     process, url = serve_demo(config, out, port)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         click.echo(render_summary(result, url))
         click.echo(f"the dashboard serves at {url} until Ctrl-C")
