@@ -301,20 +301,40 @@ def read_document(path: str | Path, what: str, hint: str | None = None) -> Any:
         raise ConfigError(f"{what} {path} is not valid {kind}: {_fault(exc)}", hint) from None
 
 
+#: The most nodes a YAML document may hold once its aliases are expanded: a settings file holds hundreds;
+#: nine levels of nine aliases (a 324-byte "billion laughs") would hold 9**9 and hang every reader of it.
+MAX_EXPANDED_NODES = 1_000_000
+
+
 def _check_string_keys(data: Any, path: Path, what: str) -> None:
     """Refuse, naming the file, a YAML mapping with a key that is not a string (``1: 2``, ``null: x``):
-    settings are named, and keys of mixed types cannot even be sorted for a message."""
-    stack = [data]
+    settings are named, and keys of mixed types cannot even be sorted for a message. Also refused: aliases
+    that expand to more than ``MAX_EXPANDED_NODES`` nodes, or that hold themselves (``&a [*a]``), which no
+    reader could walk to its end. Each node is visited once, however many aliases name it."""
+    sizes: dict[int, int] = {}  # id of a finished node -> its expanded size
+    open_: set[int] = set()  # ids of the nodes on the current path
+    stack: list[tuple[Any, bool]] = [(data, False)]
     while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            bad = [k for k in node if not isinstance(k, str)]
-            if bad:
-                raise ConfigError(f"{what} {path} has the key {bad[0]!r}, which is not a name",
-                                  "every key of a configuration is a name: quote it (e.g. '1': ...) or remove it")
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
+        node, children_done = stack.pop()
+        if not isinstance(node, (dict, list)) or (not children_done and id(node) in sizes):
+            continue
+        children = list(node.values()) if isinstance(node, dict) else node
+        if children_done:
+            open_.discard(id(node))
+            sizes[id(node)] = 1 + sum(sizes.get(id(c), 1) for c in children)
+            if sizes[id(node)] > MAX_EXPANDED_NODES:
+                raise ConfigError(f"{what} {path} expands its aliases to more than {MAX_EXPANDED_NODES:,} values",
+                                  "write the values out, or use fewer nested aliases (*name)")
+            continue
+        if id(node) in open_:
+            raise ConfigError(f"{what} {path} holds an alias inside the value it names (&a [*a]): it never ends",
+                              "remove the alias from inside its own anchor's value")
+        if isinstance(node, dict) and (bad := [k for k in node if not isinstance(k, str)]):
+            raise ConfigError(f"{what} {path} has the key {bad[0]!r}, which is not a name",
+                              "every key of a configuration is a name: quote it (e.g. '1': ...) or remove it")
+        open_.add(id(node))
+        stack.append((node, True))
+        stack.extend((c, False) for c in children)
 
 
 def _fault(exc: Exception) -> str:
