@@ -281,10 +281,15 @@ def _read_bounded(path: Path, max_bytes: int, what: str, hint: str | None) -> by
 def read_document(path: str | Path, what: str, hint: str | None = None) -> Any:
     """The content of the YAML (or, named ``*.json``, JSON) file ``path``; a ``ConfigError`` naming ``what`` and
     the file when it is missing, a folder, not UTF-8 text, not valid YAML or JSON, nested too deeply to read,
-    or (YAML) a mapping that gives a key twice. An empty YAML file is ``None``."""
+    or (YAML) a mapping that gives a key twice, or holding a number of more digits than Python reads (4,300).
+    A path that is no regular file (a named pipe would block the reader) is refused before it is opened.
+    An empty YAML file is ``None``."""
     path = Path(path)
     kind = "JSON" if path.suffix.lower() == ".json" else "YAML"
     try:
+        mode = path.stat().st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise ConfigError(f"{what} {path} is not a regular file (a pipe, a device or a socket)", hint)
         text = path.read_text()
         if kind == "JSON":
             return json.loads(text, object_pairs_hook=unique_keys)
@@ -299,6 +304,9 @@ def read_document(path: str | Path, what: str, hint: str | None = None) -> Any:
         raise ConfigError(f"{what} {path} is a folder, not a file", hint) from None
     except (json.JSONDecodeError, yaml.YAMLError, UnicodeDecodeError, RecursionError) as exc:
         raise ConfigError(f"{what} {path} is not valid {kind}: {_fault(exc)}", hint) from None
+    except ValueError:  # an integer of more than 4,300 digits (Python's conversion limit)
+        raise ConfigError(f"{what} {path} holds a number of more than 4,300 digits, which no setting needs",
+                          hint) from None
 
 
 #: The most nodes a YAML document may hold once its aliases are expanded: a settings file holds hundreds;

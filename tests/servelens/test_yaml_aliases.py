@@ -1,4 +1,4 @@
-"""YAML aliases: shared values read as before; a "billion laughs" or an alias inside its own anchor is refused
+"""YAML and JSON documents: shared values read as before; a "billion laughs" or an alias inside its own anchor is refused
 at once, naming the file, instead of hanging every reader of it (gate configs, workload specs, policies)."""
 
 from __future__ import annotations
@@ -45,3 +45,15 @@ def test_the_command_line_refuses_it_at_once(tmp_path):
     done = subprocess.run([sys.executable, "-m", "servelens", "replay", "--workload", str(path), "--out",
                            str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
     assert done.returncode == 3 and "expands its aliases to more than" in done.stderr, done.stderr
+
+
+def test_a_number_too_long_to_read_and_a_pipe_are_refused(tmp_path):
+    import os
+
+    for name, text in (("long.yaml", "a: " + "9" * 5001 + "\n"), ("long.json", '{"a": ' + "9" * 5001 + "}")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ConfigError, match=r"holds a number of more than 4,300 digits"):
+            read_document(tmp_path / name, "gate configuration")
+    os.mkfifo(tmp_path / "pipe.yaml")  # opening it would block until something writes to it
+    with pytest.raises(ConfigError, match=r"is not a regular file \(a pipe, a device or a socket\)"):
+        read_document(tmp_path / "pipe.yaml", "gate configuration")
