@@ -209,9 +209,10 @@ def calibrate_steps(events: pa.Table, instance: InstanceConfig, base: Calibratio
                     progress: Progress | None = None) -> Calibration:
     """A calibration fitted to one run's ``step_executed`` events (``base`` gives the frontend and the
     terms one model's steps cannot separate)."""
-    from replay.stepfit import fit_steps, predicted_ns, step_shapes
+    from replay.stepfit import STEP_PARAMETERS, check_timed, fit_steps, predicted_ns, step_shapes
 
     steps = step_shapes(events)
+    check_timed(steps, len(STEP_PARAMETERS))  # the whole run's steps, before the held-out split halves them
     held: dict[str, float] | None = None
     if held_out:
         _check_enough(len(steps), "steps")
@@ -222,6 +223,10 @@ def calibrate_steps(events: pa.Table, instance: InstanceConfig, base: Calibratio
 
         model = RooflineCostModel(instance, first.roofline)
         errors = [abs(predicted_ns(model, s) / s.duration_ns - 1) * 100 for s in steps[half:] if s.duration_ns > 0]
+        if not errors:
+            raise ReplayError(f"none of the last {len(steps) - half:,} recorded steps has a duration (end_ns after "
+                              "start_ns): there is nothing to judge the held-out error on",
+                              "check the engine's step timestamps, or fit with --no-held-out")
         held = {"step_time_median": float(np.median(errors)), "step_time_p90": float(np.percentile(errors, 90))}
     _say(progress, f"fitting {len(steps):,} steps")
     result = fit_steps(steps, instance, base.roofline)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from replay.config import FrontendConfig, InstanceConfig
+from replay.config import ACCELERATORS, FrontendConfig, InstanceConfig, accelerator
 from replay.costmodel import RooflineConfig
 from replay.load import Load
 from schemas.types import doc
@@ -85,28 +85,84 @@ def _fields(obj: Any) -> dict[str, Any]:
     return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
 
 
+#: The keys of a calibration file (``Calibration.as_json``).
+CALIBRATION_KEYS = ("calibration_version", "name", "engine", "accelerators", "method", "fitted_on", "roofline",
+                    "frontend", "engine_defaults", "held_out_error_pct", "in_sample_error_pct", "notes", "fitted_load")
+#: The figures a calibration's errors are given for: ``replay.fidelity.METRICS`` (fitted to runs) and the step times
+#: of a fit to step events (``replay.calibrate.calibrate_steps``).
+ERROR_METRICS = ("e2e_mean", "e2e_p50", "e2e_p90", "e2e_p99", "ttft_mean", "ttft_p50", "ttft_p90", "ttft_p99",
+                 "itl_mean", "step_time_median", "step_time_p90")
+#: The largest error a calibration may record, percent (the replay 10x off): as ``replay.gate.MAX_HELD_OUT_PCT``,
+#: beyond which the gate takes a run manifest's record as corrupt; no calibration worth using comes near it.
+MAX_ERROR_PCT = 1000.0
+#: The smallest share of the hardware's peak a calibrated step may achieve: 1%. The fitted shares are 0.05 to 1
+#: (``replay.fit`` bounds them so; the shipped ones 0.6 to 0.8); a share of 1e-9 makes a step a billion times the
+#: roofline's, days per token, and overflows the replay's clock.
+MIN_EFFICIENCY = 0.01
+_EFFICIENCIES = ("compute_efficiency", "memory_efficiency", "kv_memory_efficiency", "moe_memory_efficiency",
+                 "interconnect_efficiency")
+#: The most a calibrated frontend may spend on a prompt or output token, s: 1 ms. A fast tokenizer takes about a
+#: microsecond a token (the shipped fit: 8.4 us with the API server's work), so 1 ms a token would be a second for
+#: a 1,000-token prompt, which no API server takes.
+MAX_FRONTEND_S_PER_TOKEN = 1e-3
+#: The most a calibrated frontend's per-request and per-chunk times may be, s: a second. They are an HTTP round trip,
+#: parsing and a queue wait (fitted: at most 50 ms, ``replay.fit.FRONTEND_BOUNDS``); a second per request or
+#: streamed chunk is a broken server, not one to calibrate against.
+MAX_FRONTEND_OVERHEAD_S = 1.0
+_PER_TOKEN = ("tokenize_s_per_token", "detokenize_s_per_token")
+
+
 def calibration_from_json(doc_: dict[str, Any], where: str = "calibration") -> Calibration:
-    """A calibration from its JSON form (``Calibration.as_json``); unknown or missing keys are errors."""
+    """A calibration from its JSON form (``Calibration.as_json``); unknown or missing keys are errors, and so are
+    terms beyond physical bounds (``MIN_EFFICIENCY``, ``MAX_FRONTEND_S_PER_TOKEN``, ``MAX_FRONTEND_OVERHEAD_S``,
+    ``MAX_ERROR_PCT``) and accelerators no preset names."""
     if not isinstance(doc_, dict) or doc_.get("calibration_version") != CALIBRATION_VERSION:
         raise ConfigError(f"{where}: not a calibration of version {CALIBRATION_VERSION}",
                           "write one with `servelens calibrate`")
+    unknown = sorted(str(k) for k in doc_ if k not in CALIBRATION_KEYS)
+    if unknown:
+        raise ConfigError(f"{where}: unknown config key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}",
+                          f"valid keys: {', '.join(CALIBRATION_KEYS)} ({_REWRITE})")
     try:
-        return Calibration(
-            name=_text(doc_, "name"),
-            engine=_text(doc_, "engine"),
-            accelerators=_texts(doc_, "accelerators"),
-            roofline=build(RooflineConfig, _section(doc_, "roofline"), "roofline."),
-            frontend=build(FrontendConfig, _section(doc_, "frontend"), "frontend."),
-            async_scheduling=build(_EngineDefaults, _section(doc_, "engine_defaults", {}), "engine_defaults.").async_scheduling,
-            method=_text(doc_, "method", ""),
-            fitted_on=_texts(doc_, "fitted_on"),
-            held_out_error_pct=_percents(doc_, "held_out_error_pct"),
-            in_sample_error_pct=_percents(doc_, "in_sample_error_pct"),
-            notes=_texts(doc_, "notes"),
-            fitted_load=Load.of_json(doc_["fitted_load"]) if "fitted_load" in doc_ else None,
-        )
+        calibration = _calibration(doc_)
+        _check_physical(calibration)
+        return calibration
     except ServelensError as exc:  # a key of the wrong type, a value out of its bounds: named, with the file
         raise ConfigError(f"{where}: {exc.message}", exc.hint or _REWRITE) from None
+
+
+def _calibration(doc_: dict[str, Any]) -> Calibration:
+    """The calibration a JSON mapping of its known keys describes, each key checked as it is read."""
+    return Calibration(
+        name=_text(doc_, "name"),
+        engine=_text(doc_, "engine"),
+        accelerators=_accelerators(doc_),
+        roofline=build(RooflineConfig, _section(doc_, "roofline"), "roofline."),
+        frontend=build(FrontendConfig, _section(doc_, "frontend"), "frontend."),
+        async_scheduling=build(_EngineDefaults, _section(doc_, "engine_defaults", {}), "engine_defaults.").async_scheduling,
+        method=_text(doc_, "method", ""),
+        fitted_on=_texts(doc_, "fitted_on"),
+        held_out_error_pct=_percents(doc_, "held_out_error_pct"),
+        in_sample_error_pct=_percents(doc_, "in_sample_error_pct"),
+        notes=_texts(doc_, "notes"),
+        fitted_load=Load.of_json(doc_["fitted_load"]) if "fitted_load" in doc_ else None,
+    )
+
+
+def _check_physical(calibration: Calibration) -> None:
+    """Refuse step-cost and frontend terms beyond what any hardware and API server do (see the bounds' notes)."""
+    for name in _EFFICIENCIES:
+        value = getattr(calibration.roofline, name)
+        if value is not None and value < MIN_EFFICIENCY:
+            raise ConfigError(f"roofline.{name} {value:g} is below {MIN_EFFICIENCY:g}: a step achieving under 1% of the "
+                              "hardware's peak is no engine's", "a share of the peak: fitted ones are 0.05 to 1")
+    for f in dataclasses.fields(calibration.frontend):
+        value = getattr(calibration.frontend, f.name)
+        most = MAX_FRONTEND_S_PER_TOKEN if f.name in _PER_TOKEN else MAX_FRONTEND_OVERHEAD_S
+        if value > most:
+            what = "a token" if f.name in _PER_TOKEN else "a request or streamed chunk"
+            raise ConfigError(f"frontend.{f.name} {value:g} s is more than {most:g} s, beyond any API server's time "
+                              f"for {what}", "give it in seconds: fitted ones are microseconds to milliseconds")
 
 
 _REWRITE = "write one with `servelens calibrate` (the shipped ones: replay/calibrations/)"
@@ -131,6 +187,23 @@ def _text(doc_: dict[str, Any], key: str, default: str | None = None) -> str:
     return value
 
 
+def _accelerators(doc_: dict[str, Any]) -> tuple[str, ...]:
+    """The accelerators a calibration was fitted on: at least one, each an accelerator preset (by its own name, so
+    that a replay on it is not taken for an extrapolation)."""
+    names = _texts(doc_, "accelerators")
+    if not names:
+        raise ConfigError("accelerators is empty: a calibration was fitted on some accelerator",
+                          f"name the accelerators its data ran on, e.g. [\"h100-sxm\"] (presets: {', '.join(ACCELERATORS)})")
+    out = []
+    for name in names:
+        try:
+            out.append(accelerator(name).name)
+        except ServelensError:
+            raise ConfigError(f"accelerators: {name!r} is not an accelerator the replay knows",
+                              f"presets: {', '.join(ACCELERATORS)}") from None
+    return tuple(out)
+
+
 def _texts(doc_: dict[str, Any], key: str) -> tuple[str, ...]:
     value = doc_.get(key, [])
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -139,12 +212,20 @@ def _texts(doc_: dict[str, Any], key: str) -> tuple[str, ...]:
 
 
 def _percents(doc_: dict[str, Any], key: str) -> tuple[tuple[str, float], ...]:
-    """A metric -> median absolute error mapping: each a finite percentage >= 0."""
+    """A metric -> median absolute error mapping: each metric one of ``ERROR_METRICS``, each error a finite
+    percentage from 0 to ``MAX_ERROR_PCT``."""
     value = _section(doc_, key, {})
+    unknown = sorted(str(k) for k in value if k not in ERROR_METRICS)
+    if unknown:
+        raise ConfigError(f"unknown config key{'s' if len(unknown) > 1 else ''} "
+                          + ", ".join(f"{key}.{k}" for k in unknown),
+                          f"valid keys in {key}: the metrics {', '.join(ERROR_METRICS)}")
     out = tuple((str(k), coerce(v, float, f"{key}.{k}")) for k, v in value.items())
-    bad = next(((k, v) for k, v in out if v < 0), None)
+    bad = next(((k, v) for k, v in out if not 0 <= v <= MAX_ERROR_PCT), None)
     if bad:
-        raise ConfigError(f"{key}.{bad[0]} is an absolute error, so at least 0, not {bad[1]}")
+        raise ConfigError(f"{key}.{bad[0]} is an absolute error in percent, from 0 to {MAX_ERROR_PCT:g}, not {bad[1]:.6g}",
+                          f"beyond {MAX_ERROR_PCT:g}% the replay is more than 10x off and the calibration of no use; "
+                          + _REWRITE)
     return out
 
 
@@ -160,7 +241,13 @@ def load_calibration(name_or_path: str | Path) -> Calibration:
     if not path.is_file():
         raise ConfigError(f"no calibration {str(name_or_path)!r}",
                           f"shipped: {', '.join(shipped) or 'none'}; or the path of a file from `servelens calibrate`")
-    return calibration_from_json(read_document(path, "calibration", "write one with `servelens calibrate`"), str(path))
+    hint = "write one with `servelens calibrate`"
+    try:
+        document = read_document(path, "calibration", hint)
+    except ValueError:  # int's digit limit; read_document's own faults are ConfigErrors
+        raise ConfigError(f"calibration {path} cannot be read: it writes a number of more than 4,300 digits (Python's "
+                          "limit for reading one; no calibration term holds such a number)", hint) from None
+    return calibration_from_json(document, str(path))
 
 
 def write_calibration(calibration: Calibration, path: Path) -> Path:

@@ -69,6 +69,7 @@ def model_from_hf_config(config: dict[str, Any], name: str, *, where: str = "con
     model_type = str(cfg.get("model_type", ""))
     experts = next((count(k) for k in _EXPERT_KEYS if cfg.get(k)), 0)
     kv_heads = count("num_key_value_heads", heads)
+    _check_head_width(cfg, where, hidden, heads)
     if heads % kv_heads:
         raise ConfigError(f"{where}: field 'num_key_value_heads' ({kv_heads}) must divide 'num_attention_heads' "
                           f"({heads}): every KV head serves the same number of query heads, as vLLM requires",
@@ -89,6 +90,17 @@ def model_from_hf_config(config: dict[str, Any], name: str, *, where: str = "con
     if _is_fp8(config):
         fields.update(bytes_per_param=1, compute_dtype="fp8")
     return ModelConfig(**fields)
+
+
+def _check_head_width(cfg: dict[str, Any], where: str, hidden: int, heads: int) -> None:
+    """A config.json without ``head_dim`` must have attention heads that divide ``hidden_size``: each head is then
+    ``hidden_size / num_attention_heads`` wide (Hugging Face's default). Otherwise no head width follows from it
+    (``hidden // heads`` would be a guess, and 0 where the heads outnumber the hidden size)."""
+    if cfg.get("head_dim") is None and hidden % heads:
+        raise ConfigError(f"{where}: field 'num_attention_heads' ({heads}) does not divide 'hidden_size' ({hidden}), "
+                          "and no 'head_dim' gives each head's width",
+                          "fix num_attention_heads or hidden_size, or give head_dim (a Hugging Face model's own "
+                          "config.json has them right)")
 
 
 def _moe_fields(cfg: dict[str, Any], model_type: str, experts: int, layers: int, where: str) -> dict[str, Any]:
@@ -163,17 +175,33 @@ def read_hf_config(path: str | Path, name: str | None = None) -> ModelConfig:
     file = p / "config.json" if p.is_dir() else p
     if not file.is_file():
         raise ConfigError(f"{path}: no config.json there", "give a Hugging Face config.json or the folder holding it")
-    config = _read_json(file)
+    config = _read_json(file, _CONFIG_HINT)
     if not isinstance(config, dict):
-        raise ConfigError(f"{file}: not a config.json (the top level is not an object)")
+        raise ConfigError(f"{file}: not a config.json (the top level is a JSON {_json_type(config)}, not an object)",
+                          _CONFIG_HINT)
     default = p.name if p.is_dir() else (p.parent.name if p.name == "config.json" else p.stem)
     model = model_from_hf_config(config, name or config.get("_name_or_path") or default, where=str(file))
     return dataclasses.replace(model, sampling_penalties=generation_penalties(file.parent))
 
 
+_CONFIG_HINT = "give the model's config.json as Hugging Face publishes it: a JSON object of its fields"
+_GENERATION_HINT = "fix the file, or remove it to serve vLLM's defaults"
+
+
 def _read_json(file: Path, hint: str | None = None) -> Any:
-    """``file``'s JSON, or an error naming the file and the fault."""
-    return read_document(file, "model configuration", hint)
+    """``file``'s JSON, or an error naming the file and the fault (a number of more digits than Python reads,
+    4,300, included: no configuration field holds one)."""
+    try:
+        return read_document(file, "model configuration", hint)
+    except ValueError:  # int's digit limit; read_document's own faults are ConfigErrors
+        raise ConfigError(f"model configuration {file} cannot be read: it writes a number of more than 4,300 digits "
+                          "(Python's limit for reading one; no field holds such a number)", hint) from None
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type (array, string, number, ...)."""
+    names = {list: "array", str: "string", bool: "boolean", int: "number", float: "number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
 
 
 def generation_penalties(folder: str | Path) -> bool:
@@ -182,8 +210,11 @@ def generation_penalties(folder: str | Path) -> bool:
     file = Path(folder) / "generation_config.json"
     if not file.is_file():
         return False
-    config = _read_json(file, "fix the file, or remove it to serve vLLM's defaults")
-    penalty = config.get("repetition_penalty", 1.0) if isinstance(config, dict) else None
+    config = _read_json(file, _GENERATION_HINT)
+    if not isinstance(config, dict):
+        raise ConfigError(f"{file}: not a generation_config.json (the top level is a JSON {_json_type(config)}, not an "
+                          "object)", _GENERATION_HINT)
+    penalty = config.get("repetition_penalty", 1.0)
     if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not 0 < penalty < float("inf"):
         raise ConfigError(f"{file}: repetition_penalty must be a number above 0, not {penalty!r}",
                           "a Hugging Face model's own generation_config.json has it right (1.0: none)")
@@ -196,14 +227,37 @@ def fidelity_models(shared: Path | None, table: Path | None = None) -> dict[str,
     table = table or (shared / MODELS_CSV if shared is not None else None)
     if table is None or not table.is_file():
         return {}
-    models = {}
-    with table.open(newline="") as fh:
-        reader = csv.DictReader(fh)
-        if "model" not in (reader.fieldnames or ()):
-            raise ConfigError(f"{table}: no column 'model'", "a model table has the columns of the fidelity data's models.csv")
-        for row in reader:
-            models[row["model"]] = _model_from_row(row, table)
+    models: dict[str, ModelConfig] = {}
+    lines: dict[str, int] = {}  # a model id in lower case -> the line that gave it
+    for line, row in _model_rows(table):
+        key = (row["model"] or "").strip().lower()
+        if key in lines:
+            raise ConfigError(f"{table} line {line}: model {row['model']!r} is given twice (also line {lines[key]})",
+                              "keep one of the two rows: a model id names one model (the replay would take one of "
+                              "them silently)")
+        lines[key] = line
+        models[row["model"]] = _model_from_row(row, table)
     return models
+
+
+_TABLE_HINT = "a model table has the columns of the fidelity data's models.csv"
+
+
+def _model_rows(table: Path) -> list[tuple[int, dict[str, str]]]:
+    """The rows of a model table with their line numbers; an error naming the file when it is not UTF-8 CSV text
+    (a byte-order mark is taken) or has no 'model' column."""
+    try:
+        with table.open(newline="", encoding="utf-8-sig") as fh:
+            reader = csv.DictReader(fh)
+            rows = [(reader.line_num, row) for row in reader]
+            columns = reader.fieldnames or ()
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{table} is not a CSV file: not UTF-8 text (byte {exc.start})", _TABLE_HINT) from None
+    except (csv.Error, OSError) as exc:
+        raise ConfigError(f"{table} is not a readable CSV file: {exc}", _TABLE_HINT) from None
+    if "model" not in columns:
+        raise ConfigError(f"{table}: no column 'model'", _TABLE_HINT)
+    return rows
 
 
 def _model_from_row(row: dict[str, str], table: Path) -> ModelConfig:

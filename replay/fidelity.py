@@ -125,11 +125,11 @@ def read_experiments(folder: Path) -> list[FidelityExperiment]:
 
 
 def _csv_rows(path: Path, required: tuple[str, ...], hint: str) -> list[tuple[int, dict[str, str]]]:
-    """The rows of the CSV file ``path`` with their line numbers; an error naming the file when it is not UTF-8
-    CSV text, is empty, lacks a ``required`` column or every metric column, gives a column twice, has no rows,
-    or has a row of more or fewer cells than its header."""
+    """The rows of the CSV file ``path`` with their line numbers (a UTF-8 byte-order mark, as spreadsheets write,
+    is taken); an error naming the file when it is not UTF-8 CSV text, is empty, lacks a ``required`` column or
+    every metric column, gives a column twice, has no rows, or has a row of more or fewer cells than its header."""
     try:
-        with path.open(newline="", encoding="utf-8") as fh:
+        with path.open(newline="", encoding="utf-8-sig") as fh:
             reader = csv.DictReader(fh)
             rows = [(reader.line_num, row) for row in reader]
             columns = list(reader.fieldnames or ())
@@ -232,6 +232,10 @@ def _with_stages(exp: FidelityExperiment, stages: list[tuple[int, int, tuple[tup
     return dataclasses.replace(exp, recorded_stages=tuple(sorted((index, values) for _, index, values in stages)))
 
 
+#: How far a counted mean output length may exceed the generated one (a fraction): the client counts by tokenizing
+#: the streamed text again, which can split a piece the engine generated whole; the fidelity data's run 65 counts
+#: 248.2 tokens of 248 generated (+0.08%). A column of another quantity (characters, a total) is off by far more.
+COUNTED_OUTPUT_TOLERANCE = 0.02
 #: A measured latency above this many milliseconds (about 11.6 days) is not one.
 _MAX_MS = 1e9
 
@@ -249,7 +253,19 @@ def _recorded(row: dict[str, str], where: str) -> tuple[tuple[str, float], ...]:
                               f"a latency is a finite number of milliseconds above 0 (below {_MAX_MS:g}); "
                               "leave the cell empty where it was not measured")
         out.append((m, value / 1e3))
+    _check_e2e_after_ttft(dict(out), where)
     return tuple(out)
+
+
+def _check_e2e_after_ttft(recorded: dict[str, float], where: str) -> None:
+    """E2E is at least TTFT: per request the last byte comes no sooner than the first, and so does every mean
+    and percentile of them (a percentile of values each no smaller is no smaller)."""
+    for stat in ("mean", "p90", "p99"):
+        e2e, ttft = recorded.get(f"e2e_{stat}"), recorded.get(f"ttft_{stat}")
+        if e2e is not None and ttft is not None and e2e < ttft:
+            raise ReplayError(f"{where}: e2e_{stat}_ms {e2e * 1e3:g} is below ttft_{stat}_ms {ttft * 1e3:g}, but a "
+                              "response's last byte comes no sooner than its first",
+                              f"check the two columns (swapped, or in other units?): E2E {stat} is at least TTFT {stat}")
 
 
 def _experiment(row: dict[str, str], folder: Path, where: str) -> FidelityExperiment:
@@ -302,9 +318,10 @@ def _check_settings(exp: FidelityExperiment, where: str) -> None:
                           f"{exp.max_num_seqs}, which vLLM refuses to start with",
                           "copy the run's settings from its server log")
     counted = exp.counted_output_tokens
-    if counted is not None and not 0 < counted < float("inf"):
+    if counted is not None and not 1 <= counted < float("inf"):
         raise ReplayError(f"{where}: derived_mean_output_tokens {counted} is not a mean output length",
-                          "a finite number of tokens above 0, or an empty cell (the engine's own count)")
+                          "a response the client timed has at least one token: give a finite mean of at least 1 "
+                          "token, or leave the cell empty (the engine's own count)")
     if not exp.recorded:
         raise ReplayError(f"{where}: has_measurements is yes, but no _ms column has a latency",
                           "fill in the run's measured latencies, or set has_measurements to no")
@@ -401,7 +418,14 @@ def output_count_ratio(exp: FidelityExperiment) -> float:
     """
     if exp.counted_output_tokens is None:
         return 1.0
-    return exp.counted_output_tokens / _spec(exp).output_tokens.mean
+    generated = _spec(exp).output_tokens.mean
+    if exp.counted_output_tokens > generated * (1 + COUNTED_OUTPUT_TOLERANCE):
+        raise ReplayError(
+            f"{exp.where}: derived_mean_output_tokens {exp.counted_output_tokens:g} is more than the "
+            f"{generated:g} output tokens its workload {exp.workload_path} asks for (output_len): the client counts "
+            "what it received, which cannot exceed what the engine generated",
+            f"give the mean output tokens the client counted (at most {generated:g}), or check the run's profile")
+    return exp.counted_output_tokens / generated
 
 
 # ---------------------------------------------------------------------------------------------- measuring

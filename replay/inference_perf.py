@@ -20,7 +20,12 @@ or ``constant``, both random: ``arrival_times_ns``) and the data as a generator.
 Lengths may be a number or a distribution (``{distribution: normal|lognormal|skew_normal|uniform,
 mean, std_dev (or std), min, max, skew}``). Both the nested layout of inference-perf's own configs
 (``data: {type: shared_prefix, shared_prefix: {...}}``) and the flat transcription of
-``../shared/fidelity/workloads`` (the generator's keys directly under ``data``) are read.
+``../shared/fidelity/workloads`` (the generator's keys directly under ``data``) are read. As inference-perf itself,
+an unknown key is refused, named with the valid key it is closest to (a misspelt ``enable_multi_turn_chat`` would
+silently drop the chat template); inference-perf's keys that shape no replayed request (server, report, worker
+pool) are taken and ignored, and those that shape requests the replay does not model (multimodal prompts, a
+trace, a sweep, LoRA adapters) are refused when set. A stage lasts at most ``MAX_STAGE_DURATION_S`` (1e9 s, all
+stages together too) at a rate of at least ``MIN_STAGE_RATE_PER_S`` (one request in that time).
 
 Lengths are token counts: whole numbers (a distribution's mean may have a fraction), each and a sequence's
 sum at most ``MAX_SEQUENCE_TOKENS`` (10M, the longest context window served); a spec is also refused before
@@ -134,6 +139,83 @@ class InferencePerfSpec:
         return sum(s.duration_s for s in self.stages)
 
 
+#: The keys of an inference-perf config, by section: its pydantic models forbid any other (``StrictBaseModel``,
+#: ``inference_perf/config`` at 7de5ef2), so a misspelt key is a typo, never a setting. The top level also takes the
+#: fidelity data's transcriptions' documentation keys (``_TRANSCRIPTION_KEYS``), and ``data`` the generator's keys
+#: directly (the flat layout). Keys read: api.type, data.type, the generator's lengths and counts,
+#: enable_multi_turn_chat, load.type and the stages' rate and duration; the rest (the server, the report, the
+#: worker pool, seeds, timeouts, the pause between stages) shape no request the replay sends, except those of
+#: ``_UNMODELLED``, refused when set.
+_TOP_KEYS = ("api", "data", "load", "metrics", "report", "storage", "server", "tokenizer", "circuit_breakers")
+_TRANSCRIPTION_KEYS = ("profile", "used_by_training_experiments", "total_requests", "prompt_tokens_per_request_spec")
+_DATA_KEYS = ("type", "path", "corpus_file_path", "input_distribution", "output_distribution", "shared_prefix",
+              "multimodal", "trace", "otel_trace_replay", "weka_trace_replay", "conversation_replay", "visionarena",
+              "use_chat_template")
+_SHARED_PREFIX_KEYS = ("num_unique_system_prompts", "num_groups", "num_users_per_system_prompt",
+                       "num_prompts_per_group", "system_prompt_len", "question_len", "output_len", "seed",
+                       "question_distribution", "output_distribution", "enable_multi_turn_chat", "multimodal")
+_LOAD_KEYS = ("type", "interval", "stages", "sweep", "num_workers", "worker_max_concurrency",
+              "worker_max_tcp_connections", "trace", "circuit_breakers", "request_timeout", "lora_traffic_split",
+              "base_seed")
+_STAGE_KEYS = ("rate", "duration", "num_requests", "concurrency_level")
+#: inference-perf's distribution keys (its ``type`` is the shape), and servelens's own ``distribution`` and ``std``.
+_DISTRIBUTION_KEYS = ("type", "distribution", "mean", "std_dev", "std", "variance", "min", "max", "skew", "total_count")
+#: Keys inference-perf reads that change the requests it sends, which the replay does not model: refused when set.
+_UNMODELLED = {
+    "multimodal": "images, video or audio attached to the prompts",
+    "trace": "prompts or arrivals replayed from a trace file (give the trace to --workload instead)",
+    "sweep": "stages generated up to the server's saturation rate (give the stages)",
+    "lora_traffic_split": "requests sent to LoRA adapters",
+    "num_requests": "a concurrent load's request count",
+    "concurrency_level": "a concurrent load's concurrency",
+}
+#: The longest a load stage (and all of them together) may last, seconds: about 31 years, as a workload's span
+#: (``replay.workload.MAX_SPAN_S``), so arrival times in nanoseconds fit a 64-bit integer.
+MAX_STAGE_DURATION_S = 1e9
+#: The lowest rate a stage may have, requests/s: one request in the longest stage; below it a stage sends none.
+MIN_STAGE_RATE_PER_S = 1 / MAX_STAGE_DURATION_S
+
+
+def _check_keys(sections: list[tuple[dict[str, Any], tuple[str, ...], str]], where: str) -> None:
+    """Refuse the keys of ``sections`` (each: a mapping, its valid keys, its name, "" at the top) that are not valid,
+    all at once, each with the valid key it is closest to; and a set key of ``_UNMODELLED``."""
+    import difflib
+
+    named, valid_of = [], []
+    for section, valid, name in sections:
+        prefix = f"{name}." if name else ""
+        unknown = [str(k) for k in section if k not in valid]
+        for key in unknown:
+            close = difflib.get_close_matches(key, valid, n=1, cutoff=0.75)
+            named.append(f"{prefix}{key}" + (f" (did you mean {prefix}{close[0]}?)" if close else ""))
+        if unknown:
+            valid_of.append(f"{name or 'the top level'} takes {', '.join(valid)}")
+    if named:
+        raise ReplayError(f"{where}: unknown key{'s' if len(named) > 1 else ''} {', '.join(named)}",
+                          "; ".join(valid_of) + " (inference-perf's keys: it refuses others too; docs/replay.md, "
+                          "inference-perf workloads)")
+    for section, _, name in sections:
+        for key, what in _UNMODELLED.items():
+            if section.get(key) not in (None, False, [], {}):
+                prefix = f"{name}." if name else ""
+                raise ReplayError(f"{where}: {prefix}{key} is set, but the replay does not model {what}",
+                                  f"remove {prefix}{key} to replay the config without it")
+
+
+def _check_sections(doc: dict[str, Any], where: str) -> None:
+    """The keys of every section the replay reads (``_check_keys``)."""
+    load, data = doc["load"], doc["data"]
+    nested = isinstance(data.get("shared_prefix"), dict)
+    flat = str(data.get("type", "shared_prefix")) == "shared_prefix" and not nested
+    sections = [(doc, _TOP_KEYS + _TRANSCRIPTION_KEYS, ""), (load, _LOAD_KEYS, "load")]
+    sections += [(stage, _STAGE_KEYS, f"load.stages[{i}]") for i, stage in enumerate(load.get("stages") or ())
+                 if isinstance(stage, dict)]
+    sections.append((data, tuple(dict.fromkeys(_DATA_KEYS + (_SHARED_PREFIX_KEYS if flat else ()))), "data"))
+    if nested:
+        sections.append((data["shared_prefix"], _SHARED_PREFIX_KEYS, "data.shared_prefix"))
+    _check_keys(sections, where)
+
+
 def read_inference_perf(path: str | Path) -> InferencePerfSpec:
     """Read an inference-perf config (YAML); an unknown or missing key is an error that names it."""
     path = Path(path)
@@ -144,35 +226,59 @@ def read_inference_perf(path: str | Path) -> InferencePerfSpec:
 
 
 def parse_inference_perf(doc: dict[str, Any], *, name: str = "inference-perf", where: str = "config") -> InferencePerfSpec:
-    """The spec of an inference-perf config already read into a mapping."""
+    """The spec of an inference-perf config already read into a mapping; an unknown key is an error that names it
+    (``_check_keys``)."""
     load, data = doc["load"], doc["data"]
     arrivals = cast(Arrivals, str(load.get("type", "poisson")))
     if arrivals not in ("poisson", "constant"):
         raise ReplayError(f"{where}: load.type {arrivals!r} is not supported", "use poisson or constant")
-    raw_stages = load.get("stages") or ()
-    if not isinstance(raw_stages, list) or not raw_stages or not all(isinstance(s, dict) for s in raw_stages):
-        raise ReplayError(f"{where}: load.stages needs at least one stage with a positive rate and duration")
-    stages = tuple(
-        LoadStage(_number(_need(s, "rate", where), "rate", where), _number(_need(s, "duration", where), "duration", where))
-        for s in raw_stages
-    )
-    check_workload_size(int(sum(s.rate_per_s * s.duration_s for s in stages)), f"{where}: the stages ask for",
-                        "lower a stage's rate or duration (the summed rate x duration is the request count)")
     kind = str(data.get("type", "shared_prefix"))
+    if kind not in ("shared_prefix", "random"):
+        raise ReplayError(f"{where}: data.type {kind!r} is not supported", "supported: shared_prefix, random")
+    _check_sections(doc, where)
+    stages = _stages(load, where)
     api = doc.get("api")
     chat_api = (api.get("type") if isinstance(api, dict) else api) == "chat"
     if kind == "shared_prefix":
         spec = _shared_prefix(data, name, arrivals, stages, chat_api, where)
-    elif kind == "random":
+    else:
         spec = InferencePerfSpec(
             name, arrivals, stages, "random", 1, 1, 0,
             _lengths(_need(data, "input_distribution", where), "input_distribution", where),
             _lengths(_need(data, "output_distribution", where), "output_distribution", where), chat_api,
         )
-    else:
-        raise ReplayError(f"{where}: data.type {kind!r} is not supported", "supported: shared_prefix, random")
     _check_table_size(spec, where)
     return spec
+
+
+def _stages(load: dict[str, Any], where: str) -> tuple[LoadStage, ...]:
+    """The load's stages: each a rate of at least ``MIN_STAGE_RATE_PER_S`` for at most ``MAX_STAGE_DURATION_S`` (and
+    all together at most that long), asking for at most a workload's requests (``check_workload_size``)."""
+    raw_stages = load.get("stages") or ()
+    if not isinstance(raw_stages, list) or not raw_stages or not all(isinstance(s, dict) for s in raw_stages):
+        raise ReplayError(f"{where}: load.stages needs at least one stage with a positive rate and duration",
+                          "e.g. stages: [{rate: 2.5, duration: 600}] (requests/s, seconds)")
+    stages = []
+    for i, s in enumerate(raw_stages):
+        key = f"load.stages[{i}]"
+        rate = _number(_need(s, "rate", where), f"{key}.rate", where)
+        duration = _number(_need(s, "duration", where), f"{key}.duration", where)
+        if duration > MAX_STAGE_DURATION_S:
+            raise ReplayError(f"{where}: {key}.duration {duration:g} s is more than {MAX_STAGE_DURATION_S:g} s (about 31 "
+                              "years), the longest a replayed workload may span",
+                              "give the stage's duration in seconds (inference-perf's unit)")
+        if rate < MIN_STAGE_RATE_PER_S:
+            raise ReplayError(f"{where}: {key}.rate {rate:g} requests/s is below {MIN_STAGE_RATE_PER_S:g}, less than one "
+                              f"request in the longest stage ({MAX_STAGE_DURATION_S:g} s): it sends none",
+                              "give the stage's rate in requests per second (inference-perf's unit)")
+        stages.append(LoadStage(rate, duration))
+    total = sum(s.duration_s for s in stages)
+    if total > MAX_STAGE_DURATION_S:
+        raise ReplayError(f"{where}: the stages last {total:g} s together, more than {MAX_STAGE_DURATION_S:g} s (about 31 "
+                          "years), the longest a replayed workload may span", "shorten the stages")
+    check_workload_size(int(sum(s.rate_per_s * s.duration_s for s in stages)), f"{where}: the stages ask for",
+                        "lower a stage's rate or duration (the summed rate x duration is the request count)")
+    return tuple(stages)
 
 
 def _shared_prefix(data: dict[str, Any], name: str, arrivals: Arrivals, stages: tuple[LoadStage, ...], chat_api: bool,
@@ -194,10 +300,21 @@ def _shared_prefix(data: dict[str, Any], name: str, arrivals: Arrivals, stages: 
     system = _tokens(_need(g, "system_prompt_len", where), "system_prompt_len", where, zero=True)
     return InferencePerfSpec(
         name, arrivals, stages, "shared_prefix", num_groups, num_per_group, int(system),
-        _lengths(_need(g, "question_len", where), "question_len", where),
-        _lengths(_need(g, "output_len", where), "output_len", where),
+        _generator_lengths(g, "question_len", "question_distribution", where),
+        _generator_lengths(g, "output_len", "output_distribution", where),
         bool(g.get("enable_multi_turn_chat", False)) or chat_api,
     )
+
+
+def _generator_lengths(g: dict[str, Any], key: str, legacy: str, where: str) -> Lengths:
+    """The shared-prefix generator's length ``key``, or its legacy distribution ``legacy`` where given (inference-perf
+    takes the legacy one over a whole-number ``key``, and refuses it beside a distribution)."""
+    if g.get(legacy) is None:
+        return _lengths(_need(g, key, where), key, where)
+    if isinstance(g.get(key), dict):
+        raise ReplayError(f"{where}: {key} is a distribution and {legacy} gives another",
+                          f"give one of them (inference-perf refuses both); {legacy} is the older spelling")
+    return _lengths(g[legacy], legacy, where)
 
 
 def _need(mapping: dict[str, Any], key: str, where: str) -> Any:
@@ -238,14 +355,13 @@ def _lengths(value: Any, key: str, where: str) -> Lengths:
     ``MAX_SEQUENCE_TOKENS``); an error names ``key``."""
     if not isinstance(value, dict):
         return Lengths(_tokens(value, key, where))
+    _check_keys([(value, _DISTRIBUTION_KEYS, key)], where)
     if "mean" not in value:
         raise ReplayError(f"{where}: {key} needs a numeric mean", "e.g. {mean: 200, std_dev: 50, min: 1, max: 1024}")
-    distribution = str(value.get("distribution", "normal"))
-    if distribution not in DISTRIBUTIONS:
-        raise ReplayError(f"{where}: {key}'s distribution {distribution!r} is not supported", f"valid: {', '.join(DISTRIBUTIONS)}")
+    distribution = _shape(value, key, where)
     lengths = Lengths(
         mean=_tokens(value["mean"], f"{key}'s mean", where, whole=False),
-        std=_number(value.get("std_dev", value.get("std", 0.0)) or 0.0, f"{key}'s std_dev", where, zero=True),
+        std=_spread(value, key, where),
         min=int(_tokens(value.get("min", 1), f"{key}'s min", where, zero=True)),
         max=int(_tokens(value.get("max", MAX_SEQUENCE_TOKENS), f"{key}'s max", where)),
         distribution=distribution,
@@ -254,6 +370,29 @@ def _lengths(value: Any, key: str, where: str) -> Lengths:
     if lengths.min > lengths.max:
         raise ReplayError(f"{where}: {key} needs min <= max, not {value!r}")
     return lengths
+
+
+def _shape(value: dict[str, Any], key: str, where: str) -> str:
+    """A distribution's shape: inference-perf's ``type`` or servelens's ``distribution`` (normal when neither)."""
+    given = {k: str(value[k]) for k in ("type", "distribution") if value.get(k) is not None}
+    if len(set(given.values())) > 1:
+        raise ReplayError(f"{where}: {key} gives type {given['type']!r} and distribution {given['distribution']!r}",
+                          "give one: type (inference-perf's name) or distribution")
+    distribution = next(iter(given.values()), "normal")
+    if distribution not in DISTRIBUTIONS:
+        raise ReplayError(f"{where}: {key}'s distribution {distribution!r} is not supported", f"valid: {', '.join(DISTRIBUTIONS)}")
+    return distribution
+
+
+def _spread(value: dict[str, Any], key: str, where: str) -> float:
+    """A distribution's standard deviation: ``std_dev`` (or ``std``), or the square root of inference-perf's
+    ``variance``, never both (0 when none)."""
+    std = _number(value.get("std_dev", value.get("std", 0.0)) or 0.0, f"{key}'s std_dev", where, zero=True)
+    if value.get("variance") is None:
+        return std
+    if std > 0:
+        raise ReplayError(f"{where}: {key} gives both std_dev and variance", "give one of them (inference-perf refuses both)")
+    return float(np.sqrt(_number(value["variance"], f"{key}'s variance", where, zero=True)))
 
 
 def _check_table_size(spec: InferencePerfSpec, where: str) -> None:
@@ -407,6 +546,8 @@ __all__ = [
     "Lengths",
     "MAX_PREFIX_BLOCK_IDS",
     "MAX_SEQUENCE_TOKENS",
+    "MAX_STAGE_DURATION_S",
+    "MIN_STAGE_RATE_PER_S",
     "LoadStage",
     "arrival_times_ns",
     "inference_perf_workload",

@@ -94,6 +94,24 @@ def predicted_ns(model: RooflineCostModel, step: RecordedStep) -> int:
     return model.step_time_ns(shape) * step.num_steps
 
 
+#: The fewest timed steps a fit takes per fitted term.
+STEPS_PER_TERM = 5
+
+
+def check_timed(steps: Sequence[RecordedStep], terms: int) -> None:
+    """Refuse a fit of ``terms`` terms to fewer than ``STEPS_PER_TERM`` timed steps (a positive duration) a term,
+    saying whether the steps were too few or recorded without durations."""
+    recorded, timed = len(steps), sum(s.duration_ns > 0 for s in steps)
+    if timed >= terms * STEPS_PER_TERM:
+        return
+    if recorded > timed:
+        raise ReplayError(f"{recorded - timed:,} of the {recorded:,} recorded steps have no duration (end_ns at or "
+                          f"before start_ns), leaving {timed:,} timed steps, too few to fit {terms} terms",
+                          "the step_executed events must stamp each step's start_ns and end_ns with a clock that "
+                          "resolves a step (microseconds or finer): check the engine's step timestamps")
+    raise ReplayError(f"{timed:,} recorded steps are too few to fit {terms} terms", "record more traffic (thousands of steps)")
+
+
 @dataclass(frozen=True, slots=True)
 class StepFit:
     """The fitted terms and how well the steps agree (median and 90th percentile absolute error, %)."""
@@ -114,12 +132,10 @@ def fit_steps(
     """The roofline terms ``parameters`` (the rest from ``base``) that best match the recorded step times."""
     from scipy.optimize import least_squares
 
+    check_timed(steps, len(parameters))
     sample = [s for s in steps if s.duration_ns > 0]
     if len(sample) > max_steps:  # an even subsample keeps the mix of compositions
         sample = [sample[i] for i in np.linspace(0, len(sample) - 1, max_steps).astype(int)]
-    if len(sample) < len(parameters) * 5:
-        raise ReplayError(f"{len(sample)} recorded steps are too few to fit {len(parameters)} terms",
-                          "record more traffic (thousands of steps)")
     recorded = np.log(np.array([s.duration_ns for s in sample], dtype=np.float64))
 
     def residuals(x: np.ndarray) -> np.ndarray:
@@ -133,4 +149,5 @@ def fit_steps(
                    float(np.percentile(errors, 90)))
 
 
-__all__ = ["RecordedStep", "STEP_PARAMETERS", "StepFit", "fit_steps", "predicted_ns", "step_shapes"]
+__all__ = ["RecordedStep", "STEPS_PER_TERM", "STEP_PARAMETERS", "StepFit", "check_timed", "fit_steps", "predicted_ns",
+           "step_shapes"]

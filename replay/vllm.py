@@ -13,6 +13,7 @@ What is not modelled is not here: a setting vLLM has and the replay ignores woul
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -214,8 +215,28 @@ def _typed(path: Path, f: dataclasses.Field, value: Any) -> Any:
         or ("str" in kind and isinstance(value, str))
     )
     if not ok:
-        raise ConfigError(f"{path}: {f.name} must be {kind.replace(' | None', '')}, not {value!r}")
+        expected = kind.replace(" | None", "")
+        raise ConfigError(f"{path}: {f.name} must be {expected}, not {value!r}", _type_hint(f.name, expected, value))
     return float(value) if "float" in kind else value
+
+
+def _type_hint(name: str, expected: str, value: Any) -> str:
+    """How to write ``name``'s value as ``expected`` in YAML. A number YAML read as text (YAML 1.1 takes ``1e30`` and
+    ``1.0e30`` for strings: its floats need a dot and a signed exponent) is shown written as one; a whole number
+    for an int setting in full."""
+    try:
+        number = float(value) if isinstance(value, str) else None
+    except ValueError:
+        number = None
+    if number is not None and not math.isfinite(number):
+        number = None
+    if number is not None and expected == "float":
+        return (f"YAML reads {value} as text, not a number: write a dot and a signed exponent, e.g. {name}: "
+                f"{number:.1e}" if "e" in value.lower() else f"write it unquoted, e.g. {name}: {number:g}")
+    if number is not None and expected == "int" and number.is_integer() and abs(number) < 1e18:
+        return f"YAML reads {value} as text, not a number: write the whole number, e.g. {name}: {int(number)}"
+    examples = {"bool": "true or false", "int": "a whole number", "float": "a number", "str": "text"}
+    return f"give {name} as {examples.get(expected, expected)} (the `vllm serve` option of that name)"
 
 
 #: ``vllm serve``'s step budget and batch size (max_num_batched_tokens, max_num_seqs) where they are not given:

@@ -116,7 +116,8 @@ def test_a_tensor_parallel_size_that_does_not_divide_the_heads_is_refused_as_vll
 def test_fewer_kv_heads_than_devices_are_replicated_as_vllm_does(tmp_path):
     def instance(kv_heads: int, tp: int, heads: int = 32):
         path = tmp_path / f"kv{kv_heads}-h{heads}.json"
-        path.write_text(json.dumps({**LLAMA_31_8B, "num_key_value_heads": kv_heads, "num_attention_heads": heads}))
+        path.write_text(json.dumps({**LLAMA_31_8B, "num_key_value_heads": kv_heads, "num_attention_heads": heads,
+                                    "head_dim": 128}))  # 48 heads do not divide 4096: a head width is given
         return resolve_instance(f"{path}@h100x{tp}")
 
     two, four = instance(2, 4), instance(4, 4)  # 2 KV heads on 4 devices: each device holds one, each head twice
