@@ -242,12 +242,7 @@ def load_calibration(name_or_path: str | Path) -> Calibration:
         raise ConfigError(f"no calibration {str(name_or_path)!r}",
                           f"shipped: {', '.join(shipped) or 'none'}; or the path of a file from `servelens calibrate`")
     hint = "write one with `servelens calibrate`"
-    try:
-        document = read_document(path, "calibration", hint)
-    except ValueError:  # int's digit limit; read_document's own faults are ConfigErrors
-        raise ConfigError(f"calibration {path} cannot be read: it writes a number of more than 4,300 digits (Python's "
-                          "limit for reading one; no calibration term holds such a number)", hint) from None
-    return calibration_from_json(document, str(path))
+    return calibration_from_json(read_document(path, "calibration", hint), str(path))
 
 
 def write_calibration(calibration: Calibration, path: Path) -> Path:

@@ -189,13 +189,8 @@ _GENERATION_HINT = "fix the file, or remove it to serve vLLM's defaults"
 
 
 def _read_json(file: Path, hint: str | None = None) -> Any:
-    """``file``'s JSON, or an error naming the file and the fault (a number of more digits than Python reads,
-    4,300, included: no configuration field holds one)."""
-    try:
-        return read_document(file, "model configuration", hint)
-    except ValueError:  # int's digit limit; read_document's own faults are ConfigErrors
-        raise ConfigError(f"model configuration {file} cannot be read: it writes a number of more than 4,300 digits "
-                          "(Python's limit for reading one; no field holds such a number)", hint) from None
+    """``file``'s JSON, or an error naming the file and the fault (``servelens.settings.read_document``)."""
+    return read_document(file, "model configuration", hint)
 
 
 def _json_type(value: Any) -> str:

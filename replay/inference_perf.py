@@ -17,9 +17,11 @@ or ``constant``, both random: ``arrival_times_ns``) and the data as a generator.
 ``random``         prompt and output lengths drawn from ``input_distribution`` and
                    ``output_distribution`` (``min``, ``max``, ``mean``, ``std``); no shared prefix.
 
-Lengths may be a number or a distribution (``{distribution: normal|lognormal|skew_normal|uniform,
-mean, std_dev (or std), min, max, skew}``). Both the nested layout of inference-perf's own configs
-(``data: {type: shared_prefix, shared_prefix: {...}}``) and the flat transcription of
+Lengths may be a number or a distribution (``{type (or distribution): normal|lognormal|skew_normal|uniform|
+poisson|fixed, mean, std_dev (or std, or variance), min, max, skew}``); a field a distribution leaves out takes
+inference-perf's default (min 10, max 1024, mean 512, std_dev 200, normal), as inference-perf would. Both
+the nested layout of inference-perf's own configs (``data: {type: shared_prefix, shared_prefix: {...}}``) and
+the flat transcription of
 ``../shared/fidelity/workloads`` (the generator's keys directly under ``data``) are read. As inference-perf itself,
 an unknown key is refused, named with the valid key it is closest to (a misspelt ``enable_multi_turn_chat`` would
 silently drop the chat template); inference-perf's keys that shape no replayed request (server, report, worker
@@ -62,7 +64,9 @@ DEFAULT_CHAT_TEMPLATE_TOKENS = 27
 #: workload without shared system prompts.
 ENGINE_BLOCK_TOKENS = 16
 RANDOM_PREFIX_BLOCK_TOKENS = 256
-DISTRIBUTIONS = ("normal", "lognormal", "skew_normal", "uniform")
+DISTRIBUTIONS = ("normal", "lognormal", "skew_normal", "uniform", "poisson", "fixed")
+#: What inference-perf's ``Distribution`` takes for a field a config leaves out (its config/common.py).
+DISTRIBUTION_DEFAULTS = {"min": 10, "max": 1024, "mean": 512, "std_dev": 200}
 #: The longest sequence (prompt and output together) a spec may ask for, tokens: 10M, the longest context
 #: window of any released model (Llama 4 Scout's); no engine serves a longer one, and beyond it a spec's
 #: lengths are typos that would exhaust memory building the table (a 10M-token prompt is 100,000 prefix ids).
@@ -94,6 +98,10 @@ class Lengths:
     skew: float = 0.0
 
     def draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        if self.distribution == "fixed":  # inference-perf: the mean, truncated, never clamped
+            return np.full(n, int(self.mean), dtype=np.int64)
+        if self.distribution == "poisson":
+            return np.clip(rng.poisson(self.mean, n), self.min, self.max).astype(np.int64)
         if self.std <= 0:
             return np.full(n, max(self.min, min(self.max, round(self.mean))), dtype=np.int64)
         if self.distribution == "lognormal":
@@ -352,18 +360,17 @@ def _tokens(value: Any, key: str, where: str, *, whole: bool = True, zero: bool 
 
 def _lengths(value: Any, key: str, where: str) -> Lengths:
     """The token length ``key``: a whole number, or a distribution (its mean, min and max at most
-    ``MAX_SEQUENCE_TOKENS``); an error names ``key``."""
+    ``MAX_SEQUENCE_TOKENS``; a field left out takes inference-perf's default, ``DISTRIBUTION_DEFAULTS``);
+    an error names ``key``."""
     if not isinstance(value, dict):
         return Lengths(_tokens(value, key, where))
     _check_keys([(value, _DISTRIBUTION_KEYS, key)], where)
-    if "mean" not in value:
-        raise ReplayError(f"{where}: {key} needs a numeric mean", "e.g. {mean: 200, std_dev: 50, min: 1, max: 1024}")
     distribution = _shape(value, key, where)
     lengths = Lengths(
-        mean=_tokens(value["mean"], f"{key}'s mean", where, whole=False),
+        mean=_tokens(value.get("mean", DISTRIBUTION_DEFAULTS["mean"]), f"{key}'s mean", where, whole=False),
         std=_spread(value, key, where),
-        min=int(_tokens(value.get("min", 1), f"{key}'s min", where, zero=True)),
-        max=int(_tokens(value.get("max", MAX_SEQUENCE_TOKENS), f"{key}'s max", where)),
+        min=int(_tokens(value.get("min", DISTRIBUTION_DEFAULTS["min"]), f"{key}'s min", where, zero=True)),
+        max=int(_tokens(value.get("max", DISTRIBUTION_DEFAULTS["max"]), f"{key}'s max", where)),
         distribution=distribution,
         skew=_number(value.get("skew", 0.0), f"{key}'s skew", where, signed=True),
     )
@@ -386,10 +393,11 @@ def _shape(value: dict[str, Any], key: str, where: str) -> str:
 
 def _spread(value: dict[str, Any], key: str, where: str) -> float:
     """A distribution's standard deviation: ``std_dev`` (or ``std``), or the square root of inference-perf's
-    ``variance``, never both (0 when none)."""
-    std = _number(value.get("std_dev", value.get("std", 0.0)) or 0.0, f"{key}'s std_dev", where, zero=True)
+    ``variance``, never both (inference-perf's default, 200, when none)."""
     if value.get("variance") is None:
-        return std
+        given = value.get("std_dev", value.get("std", DISTRIBUTION_DEFAULTS["std_dev"]))
+        return _number(given, f"{key}'s std_dev", where, zero=True)
+    std = _number(value.get("std_dev", value.get("std", 0.0)) or 0.0, f"{key}'s std_dev", where, zero=True)
     if std > 0:
         raise ReplayError(f"{where}: {key} gives both std_dev and variance", "give one of them (inference-perf refuses both)")
     return float(np.sqrt(_number(value["variance"], f"{key}'s variance", where, zero=True)))

@@ -239,7 +239,7 @@ def test_a_config_json_with_an_explicit_head_dim_needs_no_dividing_heads(tmp_pat
 @pytest.mark.parametrize(("text", "message"), [
     ("[]", "not a config.json (the top level is a JSON array, not an object)"),
     ("", "is not valid JSON: Expecting value: line 1 column 1 (char 0)"),
-    ('{"num_hidden_layers": ' + "9" * 5001 + "}", "it writes a number of more than 4,300 digits"),
+    ('{"num_hidden_layers": ' + "9" * 5001 + "}", "holds a number of more than 4,300 digits"),
 ])
 def test_a_config_json_that_is_not_an_object_says_how_to_fix_it(tmp_path, text, message):
     config = tmp_path / "config.json"

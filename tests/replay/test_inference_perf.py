@@ -162,3 +162,18 @@ def test_a_spec_just_within_the_bounds_builds():
            "data": {"type": "random", "input_distribution": MAX_SEQUENCE_TOKENS - 10, "output_distribution": 10}}
     table = inference_perf_workload(parse_inference_perf(doc))
     assert table.num_rows == 2 and set(table["num_prompt_tokens"].to_numpy()) == {MAX_SEQUENCE_TOKENS - 10}
+
+
+def test_a_distribution_takes_inference_perfs_defaults_and_its_fixed_and_poisson_shapes():
+    # inference-perf's Distribution: min 10, max 1024, mean 512, std_dev 200, normal, for a field left out
+    def lengths(dist):
+        doc = {"load": {"stages": [{"rate": 100, "duration": 20}]},
+               "data": {"type": "random", "input_distribution": dist, "output_distribution": 5}}
+        return inference_perf_workload(parse_inference_perf(doc), seed=0)["num_prompt_tokens"].to_numpy()
+
+    defaults = lengths({})
+    assert defaults.min() >= 10 and defaults.max() <= 1024
+    assert abs(defaults.mean() - 512) < 15 and abs(defaults.std() - 200) < 15
+    assert set(lengths({"type": "fixed", "mean": 300.7})) == {300}  # the mean, truncated, as inference-perf draws it
+    poisson = lengths({"type": "poisson", "mean": 50})
+    assert abs(poisson.mean() - 50) < 1 and abs(poisson.var() - 50) < 6  # a Poisson count: variance = mean
