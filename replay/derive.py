@@ -8,7 +8,9 @@ inter-token gaps read de-duplicated deliveries. So the table is the same whateve
 duplication the events arrive in, and durations, computed from integer nanoseconds, are
 bit-identical across runs and thread counts. A ``request_preempted`` with mode ``migrate`` (a move
 to another instance with the KV: a disaggregated hand-off, a migration) counts in ``num_migrations``,
-not in ``num_preemptions``. Metric definitions: ``docs/metrics.md``.
+not in ``num_preemptions``. A request that arrived (or finished) more than once, as distinct events, takes
+every field of its arrival (or finish) from the first, by ``(ts_ns, event_id)``; ``count_repeated_arrivals``
+counts such requests. Metric definitions: ``docs/metrics.md``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import pyarrow as pa
 
 from schemas.arrow import EVENTS_SCHEMA, arrow_schema
 from schemas.records import RequestRow
-from servelens.errors import ConfigError
+from schemas.types import MAX_COUNT
+from servelens.errors import ConfigError, ServelensError
 from servelens.sql import parquet_relation, sql_literal
 
 EventSource = pa.Table | str | Path | Sequence[str | Path]
@@ -46,14 +49,15 @@ others AS (  -- the events that are not deliveries (deliveries are counted once 
     WHERE request_id IS NOT NULL AND event_type NOT IN ('first_token', 'tokens_delivered')
     GROUP BY request_id
 ),
-arr AS (
-    SELECT
-        request_id, min(ts_ns) AS arrival_ns, max(tenant) AS tenant, max(service_class) AS service_class,
-        max(model) AS model, max(adapter) AS adapter, max(pool) AS pool, max(session_id) AS session_id,
-        max(num_prompt_tokens) AS num_prompt_tokens, max(num_cached_prefix_tokens) AS num_cached_prefix_tokens,
-        max(max_output_tokens) AS max_output_tokens, max(num_branches) AS num_branches,
-        min(client_sent_ns) AS client_sent_ns
-    FROM {source} WHERE event_type = 'request_arrived' GROUP BY request_id
+arr AS (  -- a request arrives once: of conflicting arrivals the first (by ts_ns, then event_id) counts, every field
+          -- from that one event (its nulls too: never one arrival's time with another's prompt)
+    SELECT request_id, a.ts_ns AS arrival_ns, a.* EXCLUDE (ts_ns)
+    FROM (
+        SELECT request_id, arg_min(struct_pack(ts_ns, tenant, service_class, model, adapter, pool, session_id,
+                                               num_prompt_tokens, num_cached_prefix_tokens, max_output_tokens,
+                                               num_branches, client_sent_ns), (ts_ns, event_id)) AS a
+        FROM {source} WHERE event_type = 'request_arrived' GROUP BY request_id
+    )
 ),
 adm AS (
     SELECT
@@ -221,11 +225,22 @@ def connect(memory_limit: str | None = None) -> duckdb.DuckDBPyConnection:
     return con
 
 
+class DerivationError(ServelensError):
+    """The events hold a value the request table cannot: a number beyond int64 after a sum or a cast."""
+
+
 @contextlib.contextmanager
 def _memory_named(con: duckdb.DuckDBPyConnection) -> Iterator[None]:
-    """DuckDB running out of memory, as a ``ConfigError`` that names the setting that caps it."""
+    """DuckDB running out of memory, as a ``ConfigError`` that names the setting that caps it; a value out of range
+    of its column (a conversion or arithmetic overflow), as a ``DerivationError`` naming it."""
     try:
         yield
+    except (duckdb.ConversionException, duckdb.OutOfRangeException) as exc:
+        raise DerivationError(f"a value of the events is out of range for the request table: "
+                              f"{str(exc).splitlines()[0]}",
+                              f"run `servelens events validate` on the events: counts are at most {MAX_COUNT:,} "
+                              "(schemas.types.MAX_COUNT), other integers at most 2^63-1; fix or drop the events "
+                              "that exceed them") from None
     except duckdb.OutOfMemoryException as exc:
         try:
             (limit,) = con.execute("SELECT current_setting('memory_limit')").fetchone() or ("?",)
@@ -304,6 +319,21 @@ def count_backwards(con: duckdb.DuckDBPyConnection, requests: str | Path) -> int
     """How many requests of a request-table file have a timestamp before the one it is measured from."""
     with _memory_named(con):
         (count,) = con.execute(f"SELECT count(*) FROM {parquet_relation([requests])} WHERE {BACKWARDS_SQL}").fetchone()
+    return int(count)
+
+
+#: The requests with more than one ``request_arrived`` (distinct event ids): their row takes the first arrival whole.
+REPEATED_ARRIVALS_SQL = ("SELECT request_id FROM {source} WHERE event_type = 'request_arrived' GROUP BY request_id "
+                         "HAVING count(DISTINCT event_id) > 1")
+
+
+def count_repeated_arrivals(con: duckdb.DuckDBPyConnection, source: EventSource) -> int:
+    """How many requests of ``source`` (events, as ``derive_requests`` takes them) arrived more than once, as
+    distinct events: the request table takes every field of such a request's arrival from its first (by ``ts_ns``,
+    then ``event_id``), and the others are ignored (a retry, the same ``event_id``, is one arrival)."""
+    with _memory_named(con):
+        query = REPEATED_ARRIVALS_SQL.format(source=_source_sql(con, source))
+        (count,) = con.execute(f"SELECT count(*) FROM ({query})").fetchone() or (0,)
     return int(count)
 
 

@@ -218,9 +218,17 @@ def _grid(baseline: Run, candidate: Run, config: GateConfig) -> _Grid:
 #: The most windows a judgement holds (each side's per-window histograms take about 50 kB a window: 20,000 are
 #: two weeks of 60 s windows and about 1 GB) and the most window draws its bootstrap holds (resamples x windows).
 MAX_WINDOWS, MAX_RESAMPLED_WINDOWS = 20_000, 20_000_000
+#: The longest span a judgement covers, seconds (366 days: admission flaps are counted on a 1 s grid of the span).
+MAX_SPAN_S = 366 * 86_400
 
 
 def _check_resampled_size(num_windows: int, config: GateConfig) -> None:
+    span_s = num_windows * config.window_s
+    if not span_s <= MAX_SPAN_S:  # a configuration built in code, unchecked (a file's window_s is bounded)
+        raise ServelensError(
+            f"the runs' {num_windows:,} windows of {config.window_s:g} s span "
+            f"{f'{span_s:,.0f}' if span_s < 1e15 else f'{span_s:.3g}'} s: the gate judges at most "
+            f"{MAX_SPAN_S:,} s (366 days)", "judge a shorter span (--since with --live) or shorter windows (window_s)")
     draws = num_windows * config.resamples
     if num_windows > MAX_WINDOWS or draws > MAX_RESAMPLED_WINDOWS:
         raise ServelensError(
@@ -310,6 +318,9 @@ def calibration_errors(*runs: Run) -> tuple[dict[str, float], list[str]]:
             record = manifest.get("calibration")
             if not record:
                 continue
+            if not isinstance(record, dict) or (manifest.get("load") and not isinstance(manifest["load"], dict)):
+                which, value = ("calibration", record) if not isinstance(record, dict) else ("load", manifest["load"])
+                raise _bad_manifest(run.manifest_path, f"its {which} is a JSON {type(value).__name__}, not an object of fields")
             held = _held_out(record)
             if not isinstance(record["name"], str):
                 raise TypeError(f"calibration name is {record['name']!r}, not text")

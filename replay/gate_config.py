@@ -20,13 +20,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from replay.compare import metric_names
+from replay.compare import metric_info, metric_names
 from replay.metrics import ClassObjectives, CostConfig, MetricsConfig, TenantWeight
 from schemas.types import doc
 from servelens.errors import ConfigError
 from servelens.settings import build, read_document
 
 CONFIG_VERSION = 2
+#: The configuration versions read: a version 1 file is read by version 2's rule (its ``critical_flag`` is refused,
+#: ``_renamed_keys``); a later version, or one written as text, is refused.
+READ_VERSIONS = (1, CONFIG_VERSION)
 EACH_CLASS = "*"  # a condition's service_class that judges every class on its own
 #: Bounds of the bootstrap's resamples: below 100 a 90% interval's ends rest on 5 of them; above 10,000 the
 #: Monte Carlo error is long negligible and memory is not (10,000 take 0.6 GB on 8 windows). How many windows
@@ -34,6 +37,9 @@ EACH_CLASS = "*"  # a condition's service_class that judges every class on its o
 MIN_RESAMPLES, MAX_RESAMPLES = 100, 10_000
 #: The fewest bootstrap blocks a resample of ``min_windows`` windows may hold (``block_windows``).
 MIN_BLOCKS = 5
+#: The longest window, seconds (a day): a window is the bootstrap's unit of time, and a run needs ``min_windows``
+#: of them (30 by default) before a metric is decided.
+MAX_WINDOW_S = 86_400
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -213,13 +219,53 @@ def _validate_metric(spec: MetricSpec, known: set[str]) -> None:
             raise ConfigError(f"metric {spec.name}: {name} must be at least 1")
 
 
-def _validate_condition(cond: Condition, known: set[str]) -> None:
+def _validate_condition(i: int, cond: Condition, known: set[str]) -> None:
     if cond.metric not in known:
         raise ConfigError(f"unknown metric {cond.metric!r} in a condition", f"valid metrics: {', '.join(sorted(known))}")
     if cond.at_least is None and cond.at_most is None:
         raise ConfigError(f"condition on {cond.metric}: give at_least or at_most", "e.g. {metric: attainment, at_least: 0.9}")
     if cond.at_least is not None and cond.at_most is not None and cond.at_least > cond.at_most:
         raise ConfigError(f"condition on {cond.metric}: at_least ({cond.at_least}) is above at_most ({cond.at_most})")
+    low, high, what = _value_range(cond.metric)
+    for key, bound in (("at_least", cond.at_least), ("at_most", cond.at_most)):
+        if bound is None or low <= bound <= (high if high is not None else bound):
+            continue
+        never = (key == "at_least") == (bound > low)  # above the range for at_least, below it for at_most
+        raise ConfigError(f"conditions[{i}].{key} {bound:g} on {cond.metric} {'can never be met' if never else 'is always met'}:"
+                          f" {cond.metric} is {what}", f"give a bound it can take, e.g. {_example(cond.metric, high)}")
+
+
+def _value_range(metric: str) -> tuple[float, float | None, str]:
+    """The values a metric can take: (lowest, highest or None, in words). Shares and indices lie from 0 to 1;
+    every other metric (latencies, rates, counts per request, cost) is never negative."""
+    try:
+        unit = metric_info(metric).unit
+    except KeyError:
+        return 0.0, None, "never negative"
+    if unit in ("share", "index"):
+        return 0.0, 1.0, f"a {unit} from 0 to 1 (0.9 is 90%)"
+    return 0.0, None, f"in {unit}, never negative"
+
+
+def _example(metric: str, high: float | None) -> str:
+    return f"{{metric: {metric}, at_least: 0.9}}" if high is not None else f"{{metric: {metric}, at_most: 2.0}}"
+
+
+def _validate_unique(config: GateConfig) -> None:
+    """A class or a tenant named twice would silently keep one of its entries; a metric listed twice would be judged
+    twice, with thresholds that may disagree."""
+    for key, names, fix in (
+        ("classes", [c.name for c in config.classes], "merge them into one entry: a class has one set of objectives"),
+        ("metrics", [m.name for m in config.metrics],
+         "keep one entry per metric, with the thresholds you mean (per_class: true judges each class too)"),
+        ("tenant_weights", [t.tenant for t in config.tenant_weights], "keep one weight per tenant"),
+    ):
+        seen: dict[str, int] = {}
+        for i, name in enumerate(names):
+            if name in seen:
+                raise ConfigError(f"{key}[{i}] names {name!r} again ({key}[{seen[name]}] names it first): "
+                                  "only one of them could apply", fix)
+            seen[name] = i
 
 
 def _validate_model_error(item: ModelError, known: set[str]) -> None:
@@ -254,6 +300,10 @@ def _validate_bootstrap(config: GateConfig) -> None:
     if not MIN_RESAMPLES <= config.resamples <= MAX_RESAMPLES or not config.window_s > 0:
         raise ConfigError(f"resamples must be between {MIN_RESAMPLES} and {MAX_RESAMPLES:,} and window_s above 0 "
                           f"(got {config.resamples} and {config.window_s:g})", "the defaults are 1000 resamples of 60 s windows")
+    if config.window_s > MAX_WINDOW_S:
+        raise ConfigError(f"window_s must be at most {MAX_WINDOW_S:,} s (a day), not {config.window_s:g}",
+                          "a window is the bootstrap's unit of time and a metric needs min_windows of them (docs/gate.md, "
+                          "'How an interval is made'): 60 s (the default) to a few minutes")
     if config.min_windows < 1 or config.min_window_requests < 1 or config.min_points < 1:
         raise ConfigError("min_windows, min_window_requests and min_points must be at least 1")
     if config.seed < 0:
@@ -267,11 +317,15 @@ def _validate_bootstrap(config: GateConfig) -> None:
 
 def validate(config: GateConfig) -> GateConfig:
     """The configuration, or a ``ConfigError`` naming the first bad setting and how to fix it."""
+    if type(config.version) is not int or config.version not in READ_VERSIONS:
+        raise ConfigError(f"version {config.version!r} is not supported: this servelens reads version {CONFIG_VERSION}",
+                          f"set version: {CONFIG_VERSION} (docs/gate.md, 'Configuration reference')")
     known = set(metric_names(config.metrics_config()))
+    _validate_unique(config)
     for spec in config.metrics:
         _validate_metric(spec, known)
-    for cond in config.conditions:
-        _validate_condition(cond, known)
+    for i, cond in enumerate(config.conditions):
+        _validate_condition(i, cond, known)
     for item in config.model_error:
         _validate_model_error(item, known)
     _validate_objectives(config)
@@ -300,6 +354,20 @@ def _renamed_keys(data: dict, path: Path | str) -> dict:
     return data
 
 
+def _check_version(version: object, path: Path | str) -> None:
+    """The file's ``version`` as written: the number 2 (or 1, or none); a later or mistyped version is not what this
+    servelens reads."""
+    if type(version) is int and version in READ_VERSIONS:
+        return
+    where = f"gate configuration {path}: version {version!r}"
+    if isinstance(version, str) and version.strip() in map(str, READ_VERSIONS):
+        raise ConfigError(f"{where} is text, not a number", f"write version: {version.strip()}, unquoted")
+    raise ConfigError(f"{where} is not supported: this servelens reads version {CONFIG_VERSION} (docs/gate.md, "
+                      "'Configuration reference')",
+                      f"set version: {CONFIG_VERSION} with the keys docs/gate.md lists; `servelens gate "
+                      f"--write-default-config gate.yaml` writes a version {CONFIG_VERSION} file to start from")
+
+
 def load_config(path: str | Path | None) -> GateConfig:
     """The gate configuration from YAML (``None``: the defaults), validated with clear errors.
     A file without metrics gets the default metrics; without conditions, the default conditions
@@ -309,12 +377,17 @@ def load_config(path: str | Path | None) -> GateConfig:
     data = read_document(path, "gate configuration", "write one with `servelens gate --write-default-config gate.yaml`") or {}
     if not isinstance(data, dict):
         raise ConfigError(f"gate configuration {path} must be a mapping of settings")
-    config = build(GateConfig, _renamed_keys(data, path))
-    if not config.metrics:
-        config = replace(config, metrics=DEFAULT_METRICS)
-    if "conditions" not in data:
-        config = replace(config, conditions=DEFAULT_CONDITIONS)
-    return validate(config)
+    data = _renamed_keys(data, path)
+    _check_version(data.get("version", CONFIG_VERSION), path)
+    try:
+        config = build(GateConfig, data)
+        if not config.metrics:
+            config = replace(config, metrics=DEFAULT_METRICS)
+        if "conditions" not in data:
+            config = replace(config, conditions=DEFAULT_CONDITIONS)
+        return validate(config)
+    except ConfigError as exc:  # named with the file it is in
+        raise ConfigError(f"gate configuration {path}: {exc.message}", exc.hint) from None
 
 
 def config_yaml(config: GateConfig) -> str:
@@ -347,8 +420,6 @@ def _thresholds(spec: MetricSpec) -> str:
 def describe_metrics(config: GateConfig) -> list[str]:
     """``servelens gate --list-metrics``: each metric's unit, worse direction, thresholds in this
     configuration (or 'not judged') and meaning; then the absolute conditions."""
-    from replay.compare import metric_info
-
     specs = {s.name: s for s in config.metrics}
     currency = config.cost.currency
     rows = [("metric", "unit", "worse", "allowed / critical (bad effect)", "meaning")]

@@ -53,7 +53,7 @@ import numpy as np
 import pyarrow as pa
 
 from replay.errors import ReplayError
-from replay.traces import WORKLOAD_SCHEMA, check_workload_size
+from replay.traces import MAX_TRACE_TOKENS, WORKLOAD_SCHEMA, check_workload_size
 from servelens.settings import read_document
 
 Arrivals = Literal["poisson", "constant"]
@@ -67,10 +67,10 @@ RANDOM_PREFIX_BLOCK_TOKENS = 256
 DISTRIBUTIONS = ("normal", "lognormal", "skew_normal", "uniform", "poisson", "fixed")
 #: What inference-perf's ``Distribution`` takes for a field a config leaves out (its config/common.py).
 DISTRIBUTION_DEFAULTS = {"min": 10, "max": 1024, "mean": 512, "std_dev": 200}
-#: The longest sequence (prompt and output together) a spec may ask for, tokens: 10M, the longest context
-#: window of any released model (Llama 4 Scout's); no engine serves a longer one, and beyond it a spec's
-#: lengths are typos that would exhaust memory building the table (a 10M-token prompt is 100,000 prefix ids).
-MAX_SEQUENCE_TOKENS = 10_000_000
+#: The longest sequence (prompt and output together) a spec may ask for, tokens: the bound a trace's lengths
+#: have (``replay.traces.MAX_TRACE_TOKENS``, 10M, the longest context window of any released model); beyond it a
+#: spec's lengths are typos that would exhaust memory building the table (a 10M-token prompt is 100,000 prefix ids).
+MAX_SEQUENCE_TOKENS = MAX_TRACE_TOKENS
 #: The most prefix block ids a spec's table may hold (requests x prompt tokens / prefix block): built from
 #: Python lists at about 80 bytes and 1.3 us an id (measured), 50M ids are 4 GB and about a minute, as much as
 #: the request cap's 50M requests of one id each (a 2,000-token prompt behind a 100-token system prompt is 20

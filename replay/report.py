@@ -21,6 +21,7 @@ import numpy as np
 from replay.gate import FAIL, INCONCLUSIVE, Decision, MetricVerdict, Run, Verdict, headline
 from replay.judge import failed_names
 from replay.metrics import load_requests
+from servelens.errors import ServelensError
 
 STATUS_COLOR = {"pass": "#1a7f37", "fail": "#cf222e", "inconclusive": "#9a6700", "skipped": "#6e7781"}
 _CDF_POINTS = 400
@@ -317,13 +318,42 @@ td,th{{border:1px solid #d0d7de;padding:4px 8px;vertical-align:top;font-size:13p
 """
 
 
+#: The report files of a gate, by kind, in the report folder.
+REPORT_FILES = {"json": "gate.json", "markdown": "gate.md", "html": "gate.html"}
+
+
+def report_paths(out_dir: str | Path) -> dict[str, Path]:
+    """Where ``write_reports`` puts the reports, refused (before anything is judged) when one of them cannot be
+    written: ``out_dir`` is no folder, or something other than a file (a folder) holds a report's name."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ServelensError(f"the gate's report folder {out} exists and is not a folder",
+                             "give --out a folder (new, or one holding an earlier gate's reports)")
+    paths = {kind: out / name for kind, name in REPORT_FILES.items()}
+    blocked = [str(p) for p in paths.values() if p.exists() and not p.is_file()]
+    if blocked:
+        raise ServelensError(f"the gate cannot write its reports in {out}: {', '.join(blocked)} exists and is not a "
+                             "regular file", "move it away, or give --out another folder")
+    return paths
+
+
 def write_reports(verdict: Verdict, baseline: Run, candidate: Run, out_dir: str | Path,
                   decision: Decision | None = None) -> dict[str, Path]:
-    """gate.json, gate.md and gate.html in ``out_dir``."""
+    """gate.json, gate.md and gate.html in ``out_dir``, all or none: each is rendered and written under a temporary
+    name first, and renamed into place only when all three are written (a failure leaves earlier reports intact)."""
+    import os
+    import tempfile
+
+    paths = report_paths(out_dir)
+    texts = {"json": json.dumps(verdict_dict(verdict, decision), indent=2, default=str) + "\n",
+             "markdown": verdict_markdown(verdict, decision), "html": verdict_html(verdict, baseline, candidate, decision)}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "gate.json", "markdown": out / "gate.md", "html": out / "gate.html"}
-    paths["json"].write_text(json.dumps(verdict_dict(verdict, decision), indent=2, default=str) + "\n")
-    paths["markdown"].write_text(verdict_markdown(verdict, decision))
-    paths["html"].write_text(verdict_html(verdict, baseline, candidate, decision))
+    # a folder of its own beside the reports (the same file system: each is renamed into place at once), removed after
+    with tempfile.TemporaryDirectory(dir=out, prefix=".gate.", suffix=".tmp") as work:
+        staged = {kind: Path(work) / path.name for kind, path in paths.items()}
+        for kind, text in texts.items():
+            staged[kind].write_text(text, encoding="utf-8")
+        for kind, path in staged.items():
+            os.replace(path, paths[kind])
     return paths

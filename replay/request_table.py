@@ -59,7 +59,24 @@ GATE_COLUMNS = (*REQUIRED_COLUMNS, "service_class", "tenant", "itl_p99_s", "num_
 #: Durations in seconds: null where not reached, else finite and not negative.
 DURATION_COLUMNS = ("queue_s", "ttft_s", "tpot_s", "e2e_s", "ttft_client_s", "e2e_client_s", "itl_mean_s", "itl_p50_s",
                     "itl_p99_s", "itl_max_s")
+#: Counts: null where not known, else not negative (a negative count turns a metric's sense: -3 preemptions a request
+#: read as fewer than none, negative output tokens as negative goodput).
+COUNT_COLUMNS = ("num_admission_decisions", "num_prompt_tokens", "num_cached_prefix_tokens", "max_output_tokens",
+                 "num_branches", "num_output_tokens", "num_preemptions", "num_migrations", "num_lost_tokens",
+                 "num_itl_gaps", "num_events")
+#: (earlier, later, what is wrong when later < earlier): a request's values in the order they must come, where both
+#: are known. A latency is measured from the earlier timestamp (the derivation leaves it null when they run backwards,
+#: ``replay.derive.BACKWARDS_SQL``, and the gate would judge the run without it).
+ORDERED_COLUMNS = tuple((earlier, later, f"{later} is before {earlier} ({what})") for later, earlier, what in (
+    ("scheduled_ns", "arrival_ns", "a negative queue time"), ("first_token_ns", "arrival_ns", "a negative TTFT"),
+    ("last_token_ns", "arrival_ns", "a negative E2E"), ("last_token_ns", "first_token_ns", "a negative decode time"),
+    ("first_byte_ns", "client_sent_ns", "a negative client-side TTFT"),
+    ("last_byte_ns", "client_sent_ns", "a negative client-side E2E"),
+)) + (("num_cached_prefix_tokens", "num_prompt_tokens", "num_cached_prefix_tokens is above num_prompt_tokens"),)
 _FIX = "derive one with `servelens requests derive EVENTS --out requests.parquet`, or replay the run again"
+_ORDER = ("a request is scheduled and gets its first and last token after it arrives, its client receives bytes after "
+          "sending it, and its cached prefix is part of its prompt: values out of order come from clocks that disagree "
+          "or a broken emitter; fix them or drop those requests")
 
 
 def read_request_table(path: str | Path, columns: Sequence[str] = GATE_COLUMNS) -> pa.Table:
@@ -70,7 +87,8 @@ def read_request_table(path: str | Path, columns: Sequence[str] = GATE_COLUMNS) 
 def check_request_table(table: pa.Table, source: str | Path, columns: Sequence[str] = REQUIRED_COLUMNS) -> pa.Table:
     """``table`` if it is a request table (``REQUESTS_SCHEMA``) that can be judged, else a ``ReplayError`` naming
     ``source`` and what to fix: ``columns`` missing, a column of the wrong type, durations negative, NaN or
-    infinite, no arrival times at all, request ids that repeat."""
+    infinite, counts negative, timestamps out of order (a first token before the arrival), no arrival times at
+    all, request ids that repeat. A bad value is named with its column and the first request that has it."""
     missing = [c for c in columns if c not in table.column_names]
     if missing:
         raise ReplayError(f"{source}: not a request table: columns {', '.join(missing)} are missing", _FIX)
@@ -79,10 +97,7 @@ def check_request_table(table: pa.Table, source: str | Path, columns: Sequence[s
     if wrong:
         raise ReplayError(f"{source}: request table columns of the wrong type: {'; '.join(wrong)}",
                           f"write them with the request table's types (schemas.records.RequestRow); {_FIX}")
-    bad = [why for name in DURATION_COLUMNS if name in table.column_names for why in _bad_durations(table[name], name)]
-    if bad:
-        raise ReplayError(f"{source}: durations must be seconds, finite and not negative (null where not reached): "
-                          + "; ".join(bad), f"drop or fix those rows (null where a request never got there); {_FIX}")
+    _check_values(table, source)
     if table.num_rows and "arrival_ns" in table.column_names and table["arrival_ns"].null_count == table.num_rows:
         raise ReplayError(f"{source}: no request has an arrival_ns (all {table.num_rows:,} are null)",
                           f"every request needs its arrival time; {_FIX}")
@@ -92,6 +107,37 @@ def check_request_table(table: pa.Table, source: str | Path, columns: Sequence[s
             raise ReplayError(f"{source}: {repeated:,} rows repeat a request id of an earlier row (a request table "
                               "holds one row per request)", f"drop the repeated rows (a table joined to itself?); {_FIX}")
     return table
+
+
+def _check_values(table: pa.Table, source: str | Path) -> None:
+    """Durations finite and not negative, counts not negative, timestamps in order (nulls are fine everywhere)."""
+    names = set(table.column_names)
+    bad = [why for name in DURATION_COLUMNS if name in names for why in _bad_durations(table, name)]
+    if bad:
+        raise ReplayError(f"{source}: durations must be seconds, finite and not negative (null where not reached): "
+                          + "; ".join(bad), f"drop or fix those rows (null where a request never got there); {_FIX}")
+    bad = [_rows_where(table, pc.less(table[name], 0), f"{name} is negative", name)
+           for name in COUNT_COLUMNS if name in names]
+    if any(bad):
+        raise ReplayError(f"{source}: counts must not be negative (null where not known): " + "; ".join(filter(None, bad)),
+                          f"drop or fix those rows; {_FIX}")
+    bad = [_rows_where(table, pc.less(table[later], table[earlier]), what, earlier, later)
+           for earlier, later, what in ORDERED_COLUMNS if {earlier, later} <= names]
+    if any(bad):
+        raise ReplayError(f"{source}: values out of order: " + "; ".join(filter(None, bad)), _ORDER)
+
+
+def _rows_where(table: pa.Table, mask: pa.ChunkedArray | pa.Array, what: str, *shown: str) -> str:
+    """``what`` with how many rows ``mask`` marks and the first of them (its request id, and the values of the
+    ``shown`` columns), or '' when it marks none."""
+    mask = pc.fill_null(mask, False)
+    count = pc.sum(pc.cast(mask, pa.int64())).as_py() or 0
+    if not count:
+        return ""
+    row = pc.index(mask, True).as_py()
+    who = f"request {table['request_id'][row].as_py()!r}" if "request_id" in table.column_names else f"row {row:,}"
+    values = ", ".join(f"{name} {table[name][row].as_py()}" for name in shown)
+    return f"{what} in {count:,} row{'s' if count != 1 else ''} (the first: {who}, {values})"
 
 
 def _same_kind(found: pa.DataType, wanted: pa.DataType) -> bool:
@@ -108,13 +154,11 @@ def _same_kind(found: pa.DataType, wanted: pa.DataType) -> bool:
     return bool(found == wanted)
 
 
-def _bad_durations(column: pa.ChunkedArray, name: str) -> list[str]:
+def _bad_durations(table: pa.Table, name: str) -> list[str]:
     """What is wrong with a duration column: rows negative, rows NaN or infinite (nulls are fine)."""
-    values = pc.cast(column, pa.float64())
-    negative = pc.sum(pc.cast(pc.less(values, 0.0), pa.int64())).as_py() or 0
-    not_finite = pc.sum(pc.cast(pc.invert(pc.is_finite(values)), pa.int64())).as_py() or 0
-    return ([f"{name} is negative in {negative:,} rows"] if negative else []) + (
-        [f"{name} is NaN or infinite in {not_finite:,} rows"] if not_finite else [])
+    values = pc.cast(table[name], pa.float64())
+    return [why for why in (_rows_where(table, pc.less(values, 0.0), f"{name} is negative", name),
+                            _rows_where(table, pc.invert(pc.is_finite(values)), f"{name} is NaN or infinite", name)) if why]
 
 
 class Deliveries:

@@ -20,6 +20,9 @@ Any of them may be gzipped (``.gz``): pyarrow decompresses by the file name.
 
 from __future__ import annotations
 
+import csv
+import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +35,7 @@ from replay.blis import read_blis_workload
 from replay.errors import ReplayError
 from schemas.arrow import arrow_schema
 from schemas.records import WorkloadRequest
+from schemas.validate import shown_id
 from servelens.errors import DataNotFoundError, ServelensError
 
 WORKLOAD_SCHEMA = arrow_schema(WorkloadRequest)
@@ -40,6 +44,10 @@ MOONCAKE_BLOCK_TOKENS = 512
 #: windows: about 100 bytes a request, and the replay's state beside them). Tiling (``--requests``) streams
 #: its copies and has no such bound.
 MAX_WORKLOAD_REQUESTS = 50_000_000
+#: The most tokens a trace's prompt or output length may hold: the longest context window any model serves (the
+#: same bound as ``replay.inference_perf.MAX_SEQUENCE_TOKENS``, which imports this module). A count beyond it is a
+#: broken row, and near 2^63 it would overflow the replay's sums and round in its percentiles.
+MAX_TRACE_TOKENS = 10_000_000
 
 
 def check_workload_size(num_requests: int, what: str, hint: str) -> None:
@@ -133,23 +141,98 @@ def _workload(path: Path, prefix: str, columns: dict[str, pa.Array]) -> pa.Table
     return pa.Table.from_pydict(out, schema=WORKLOAD_SCHEMA)
 
 
-def _read_csv(path: Path, column_types: dict[str, pa.DataType]) -> pa.Table:
+def _read_csv(path: Path, column_types: dict[str, pa.DataType], hint: str,
+              retry_types: dict[str, pa.DataType] | None = None) -> pa.Table:
+    """The CSV with ``column_types`` (``retry_types`` instead where a time carries a zone offset those refuse);
+    a cell that is not its column's type is an error naming the column, the row and the value, with ``hint``
+    (what the format's cells hold), and a column named twice is refused by name."""
     try:
-        return pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(column_types=column_types))
+        try:
+            table = pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(column_types=column_types))
+        except pa.ArrowInvalid as exc:
+            if retry_types is None or "zone offset" not in str(exc):
+                raise
+            column_types = retry_types
+            table = pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(column_types=column_types))
     except (pa.ArrowInvalid, KeyError) as exc:
-        raise ServelensError(f"{path}: not a readable trace CSV: {exc}") from None
+        raise _unreadable_csv(path, exc, hint) from None
+    _refuse_repeated_columns(path, table.column_names)
+    return table
+
+
+#: pyarrow's message for a cell it cannot convert: the column's index (from 0), the type, why, the cell's text.
+_CONVERSION = re.compile(r"In CSV column #(\d+): CSV conversion error to ([^:]+): (.*?) ?'(.*)'(?:\. [^']*)?$", re.DOTALL)
+#: What a type's cells hold, in words.
+_TYPE_WORDS = {"int64": "a whole number", "string": "text"}
+
+
+def _unreadable_csv(path: Path, exc: Exception, hint: str) -> ServelensError:
+    """``exc`` (pyarrow's) as an error naming the column by its header name, the data row (numbered from 1)
+    and the cell's text, where pyarrow's message gives the column."""
+    names = _csv_header(path)
+    _refuse_repeated_columns(path, names)
+    match = _CONVERSION.match(str(exc))
+    if match is None or int(match[1]) >= len(names):
+        return ServelensError(f"{path}: not a readable trace CSV: {exc}", hint)
+    name, target, why, value = names[int(match[1])], match[2], match[3], match[4]
+    row = _row_holding(path, name, value)
+    where = f"data row {row}, " if row is not None else ""
+    if why == "invalid value":
+        kind = _TYPE_WORDS.get(target, "a date and time up to 2262" if target.startswith("timestamp") else target)
+        what = f"which is not {kind} ({target})"
+    else:  # e.g. "expected no zone offset in": a time with an offset where earlier ones have none
+        what = f"which cannot be read as {target}: {why.removesuffix(' in')}"
+    return ServelensError(f"{path}: not a readable trace CSV: {where}column {name} holds {shown_id(value)}, {what}",
+                          hint)
+
+
+def _csv_header(path: Path) -> list[str]:
+    """The column names of a CSV's first line (read through the compression its name says, as pyarrow reads it)."""
+    head = b""
+    try:
+        with pa.input_stream(str(path)) as stream:
+            while b"\n" not in head and len(head) < 1 << 20:
+                chunk = stream.read(1 << 16)
+                if not chunk:
+                    break
+                head += chunk
+    except (pa.ArrowException, OSError):
+        return []
+    line = head.split(b"\n", 1)[0].decode("utf-8-sig", "replace")
+    return next(csv.reader([line]), [])
+
+
+def _row_holding(path: Path, name: str, value: str) -> int | None:
+    """The data row (from 1) where column ``name`` first holds the text ``value``; None if not found."""
+    try:
+        column = pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(
+            include_columns=[name], column_types={name: pa.string()}, strings_can_be_null=False))[name]
+    except (pa.ArrowException, OSError, KeyError):
+        return None
+    index = pc.index(column, value).as_py()
+    return None if index < 0 else index + 1
+
+
+def _refuse_repeated_columns(path: Path, names: list[str]) -> None:
+    """A column named twice is ambiguous (which one holds the field?): refused by name, as the Parquet reader does."""
+    counts = Counter(names)
+    twice = sorted(name for name, count in counts.items() if count > 1)
+    if twice:
+        shown = ", ".join(f"{shown_id(name)} ({counts[name]} times)" for name in twice)
+        raise ServelensError(f"{path} names a column more than once: {shown}; which one holds the field is "
+                             "ambiguous, so the file is refused", "write each column once")
+
+
+_AZURE_HINT = ("ContextTokens and GeneratedTokens are whole token counts; TIMESTAMP is a UTC date and time as the "
+               "Azure trace writes it, e.g. 2023-11-16 18:15:46.6805900 (2024: with +00:00)")
 
 
 def read_azure(path: Path, prefix: str = "azure") -> pa.Table:
     """Azure LLM inference trace 2023 or 2024 (conversation or code); timestamps are UTC wall clock, without a
     zone (2023) or with an offset such as ``+00:00`` (2024)."""
     tokens = {"ContextTokens": pa.int64(), "GeneratedTokens": pa.int64()}
-    try:
-        t = _read_csv(path, {"TIMESTAMP": pa.timestamp("ns"), **tokens})
-    except ServelensError as exc:
-        if "zone offset" not in str(exc):
-            raise
-        t = _read_csv(path, {"TIMESTAMP": pa.timestamp("ns", tz="UTC"), **tokens})
+    t = _read_csv(path, {"TIMESTAMP": pa.timestamp("ns"), **tokens}, _AZURE_HINT,
+                  {"TIMESTAMP": pa.timestamp("ns", tz="UTC"), **tokens})
     _require(path, t, ["TIMESTAMP", "ContextTokens", "GeneratedTokens"])
     return _workload(
         path,
@@ -192,7 +275,9 @@ def read_mooncake(path: Path, prefix: str = "mooncake") -> pa.Table:
 
 def read_burstgpt(path: Path, prefix: str = "burstgpt") -> pa.Table:
     """BurstGPT trace (v1 columns, or the v2 release with sessions)."""
-    t = _read_csv(path, {"Timestamp": pa.string(), "Session ID": pa.string(), "Model": pa.string()})
+    t = _read_csv(path, {"Timestamp": pa.string(), "Session ID": pa.string(), "Model": pa.string()},
+                  "Request tokens and Response tokens are whole token counts; Timestamp is seconds from the trace's "
+                  "start, e.g. 5 or 12.25")
     _require(path, t, ["Timestamp", "Model", "Request tokens", "Response tokens"])
     response = pc.cast(t["Response tokens"], pa.int64())
     columns = {
@@ -275,6 +360,7 @@ def read_trace(name_or_path: str, shared: Path | None = None) -> pa.Table:
     if table.num_rows == 0:
         raise ServelensError(f"{path}: the trace holds no requests", "give a trace with at least one row")
     _check_not_negative(path, table)
+    _check_token_counts(path, fmt, table)
     return table
 
 
@@ -295,3 +381,25 @@ def _check_not_negative(path: Path, table: pa.Table) -> None:
             raise ServelensError(f"{path}: data row {row + 1} (request {table['request_id'][row]}) has a negative "
                                  f"{what}{where}: {column} {low}",
                                  "fix or drop the row: a replay cannot run a negative count or time")
+
+
+#: Each format's columns of the prompt and output lengths, as a message names them.
+_TOKEN_COLUMNS = {
+    "azure": {"num_prompt_tokens": "ContextTokens", "num_output_tokens": "GeneratedTokens"},
+    "mooncake": {"num_prompt_tokens": "input_length", "num_output_tokens": "output_length"},
+    "burstgpt": {"num_prompt_tokens": "Request tokens", "num_output_tokens": "Response tokens"},
+    "blis": {"num_prompt_tokens": "prefix_length + input_tokens", "num_output_tokens": "output_tokens"},
+}
+
+
+def _check_token_counts(path: Path, fmt: str, table: pa.Table) -> None:
+    """A prompt or output length above ``MAX_TRACE_TOKENS`` is an error naming its row and column."""
+    for column in ("num_prompt_tokens", "num_output_tokens"):
+        high = pc.max(table[column]).as_py()
+        if high is not None and high > MAX_TRACE_TOKENS:
+            row = pc.index(table[column], high).as_py()
+            name = _TOKEN_COLUMNS.get(fmt, {}).get(column, column)
+            raise ServelensError(f"{path}: data row {row + 1} (request {table['request_id'][row]}) has {high:,} tokens "
+                                 f"as its {_MEANING[column]} (column {name}), more than the {MAX_TRACE_TOKENS:,} of "
+                                 "the longest context window any model serves",
+                                 f"fix or drop the row: a token count is at most {MAX_TRACE_TOKENS:,}")

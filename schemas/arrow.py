@@ -62,6 +62,8 @@ def _lake_specs() -> dict[str, FieldSpec]:
                 specs[s.name] = s
             elif (seen.kind, seen.is_list) != (s.kind, s.is_list):
                 raise TypeError(f"field {s.name!r} has two types across event types")
+            elif seen.maximum != s.maximum:  # one lake column, one range: a field name means one thing
+                raise TypeError(f"field {s.name!r} has two maximums across event types")
     return specs
 
 

@@ -2,12 +2,12 @@
 
 ``check_table`` takes events already in Arrow columns (a parsed batch of JSON messages, a Parquet
 file from another producer) and returns which rows the contract accepts: a known event type and
-major version, every required field present, enum values allowed, numbers non-negative and finite,
-list items present (and distinct in a step's ``request_ids``), the cross-field rules. It also nulls the
-fields that belong to another event type (the per-type allowlist) and counts them. Rows it rejects go
-to ``schemas.validate``, the reference, for their reasons; ``tests/pipelines/test_decode.py`` proves
-the two agree on every record. Event ids repeated across rows are a check of a whole batch or file, not
-of a row: ``schemas.duplicates``.
+major version, every required field present, enum values allowed, numbers non-negative and finite (counts
+at most ``schemas.types.MAX_COUNT``), list items present (and distinct in a step's ``request_ids``), the
+cross-field rules. It also nulls the fields that belong to another event type (the per-type allowlist)
+and counts them. Rows it rejects go to ``schemas.validate``, the reference, for their reasons;
+``tests/pipelines/test_decode.py`` proves the two agree on every record. Event ids repeated across rows
+are a check of a whole batch or file, not of a row: ``schemas.duplicates``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from schemas.arrow import EVENTS_SCHEMA
-from schemas.events import EVENT_TYPES, SCHEMA_MAJOR
-from schemas.types import BAD_IDENTIFIER, FieldSpec, field_specs
+from schemas.events import EVENT_TYPES, SCHEMA_VERSION_PATTERN
+from schemas.types import BAD_IDENTIFIER, INT64_MAX, FieldSpec, field_specs
 
 #: The lake schema with every field nullable: what the JSON parser may produce.
 WIRE_SCHEMA = pa.schema(
@@ -40,11 +40,11 @@ def _type_masks(event_type: pa.Array) -> dict[str, pa.Array]:
     return {name: pc.fill_null(pc.equal(event_type, name), False) for name in EVENT_TYPES}
 
 
-def _nonneg(values: pa.Array, kind: str) -> pa.Array:
-    """Per row: the value (or every list item) is a non-null, non-negative (finite) number."""
+def _in_range(values: pa.Array, kind: str, upper: int) -> pa.Array:
+    """Per row: the value (or every list item) is a non-negative (finite) number, an integer at most ``upper``."""
     if pa.types.is_list(values.type):
         flat = pc.list_flatten(values)
-        ok_items = _nonneg(flat, kind)
+        ok_items = _in_range(flat, kind, upper)
         parents = pc.list_parent_indices(values)
         bad = np.zeros(len(values), dtype=bool)
         bad_items = ~ok_items.to_numpy(zero_copy_only=False)
@@ -54,6 +54,8 @@ def _nonneg(values: pa.Array, kind: str) -> pa.Array:
     ok = pc.greater_equal(values, 0)
     if kind == "float":
         ok = pc.and_(ok, pc.is_finite(values))
+    elif upper < INT64_MAX:  # a count's maximum (schemas.types.MAX_COUNT); int64 holds the rest
+        ok = pc.and_(ok, pc.less_equal(values, upper))
     return pc.fill_null(ok, True)  # nulls are judged by the required/nullable checks
 
 
@@ -89,9 +91,11 @@ def _values_allowed(spec: FieldSpec, column: pa.Array) -> np.ndarray:
     present, and distinct where the field says so); nulls pass (the required/nullable checks judge them)."""
     ok = np.ones(len(column), dtype=bool)
     if spec.enum:
-        ok &= pc.fill_null(pc.is_in(column, pa.array(list(spec.enum))), True).to_numpy(zero_copy_only=False)
+        # is_in answers False (not null) for a null: a null is judged by the required/nullable checks, not here
+        allowed = pc.or_kleene(pc.is_null(column), pc.is_in(column, pa.array(list(spec.enum))))
+        ok &= allowed.to_numpy(zero_copy_only=False)
     if spec.kind in ("int", "float"):
-        ok &= _nonneg(column, spec.kind).to_numpy(zero_copy_only=False)
+        ok &= _in_range(column, spec.kind, spec.upper).to_numpy(zero_copy_only=False)
     if spec.identifier:
         ok &= pc.fill_null(pc.invert(pc.match_substring_regex(column, BAD_IDENTIFIER)), True).to_numpy(zero_copy_only=False)
     if spec.is_list:
@@ -118,10 +122,8 @@ def check_table(table: pa.Table, values: Sequence[bytes] | None = None) -> tuple
     n = table.num_rows
     valid = np.ones(n, dtype=bool)
     dropped: Counter[str] = Counter()
-    version = table["schema_version"]
-    parsed = pc.extract_regex(version, r"^(?P<major>[0-9]+)\.(?P<minor>[0-9]+)$")
-    major = pc.struct_field(parsed, "major")
-    valid &= pc.fill_null(pc.equal(major, str(SCHEMA_MAJOR)), False).to_numpy(zero_copy_only=False)
+    readable = pc.match_substring_regex(table["schema_version"], SCHEMA_VERSION_PATTERN)  # the validator's rule
+    valid &= pc.fill_null(readable, False).to_numpy(zero_copy_only=False)
     etype = table["event_type"]
     masks = _type_masks(etype)
     known = np.zeros(n, dtype=bool)

@@ -29,11 +29,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from schemas.types import doc
+from schemas.types import MAX_COUNT, doc
 
 SCHEMA_MAJOR = 1
 SCHEMA_MINOR = 2
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
+#: A readable ``schema_version``: this major, a dot, a minor of ASCII digits (any minor: a newer one is read, its
+#: unknown fields ignored). One pattern for the JSON Schema, the columnar check (RE2) and the row validator (``re``,
+#: whole string), so the three agree; "01.2" or "1.²" (str.isdigit's digits) is none.
+SCHEMA_VERSION_PATTERN = rf"^{SCHEMA_MAJOR}\.[0-9]+$"
 
 Decision = Literal["accept", "queue", "route", "downgrade", "degrade", "reject"]
 PreemptionMode = Literal["recompute", "swap", "migrate"]
@@ -85,13 +89,13 @@ class RequestArrived(Event):
     EVENT_TYPE: ClassVar[str] = "request_arrived"
 
     request_id: str = doc("Request the event concerns.", identifier=True)
-    num_prompt_tokens: int = doc("Prompt length in tokens.")
+    num_prompt_tokens: int = doc("Prompt length in tokens.", maximum=MAX_COUNT)
     num_cached_prefix_tokens: int | None = doc(
         "Prompt tokens already in the prefix cache at arrival, when the engine knows (an estimate: the cache "
-        "changes while the request waits; request_finished carries the hit the engine got).", None
+        "changes while the request waits; request_finished carries the hit the engine got).", None, maximum=MAX_COUNT
     )
-    max_output_tokens: int | None = doc("The request's max_tokens limit, if any.", None)
-    num_branches: int = doc("Parallel samples requested (n); branches share the prompt's KV.", 1)
+    max_output_tokens: int | None = doc("The request's max_tokens limit, if any.", None, maximum=MAX_COUNT)
+    num_branches: int = doc("Parallel samples requested (n); branches share the prompt's KV.", 1, maximum=MAX_COUNT)
     ttft_deadline_ns: int | None = doc("Deadline hint for the first token, UTC epoch ns.", None)
     e2e_deadline_ns: int | None = doc("Deadline hint for the last token, UTC epoch ns.", None)
     session_id: str | None = doc("Conversation or session the request belongs to.", None)
@@ -119,10 +123,10 @@ class AdmissionDecided(Event):
     reason: str | None = doc("Why, in a few words (free text, scrubbed by privacy/).", None)
     retry_after_s: float | None = doc("Retry-after signal sent with a rejection, seconds.", None)
     predicted_output_tokens_low: int | None = doc(
-        "Lower end of the predicted output length interval that drove the decision.", None
+        "Lower end of the predicted output length interval that drove the decision.", None, maximum=MAX_COUNT
     )
     predicted_output_tokens_high: int | None = doc(
-        "Upper end of the predicted output length interval that drove the decision.", None
+        "Upper end of the predicted output length interval that drove the decision.", None, maximum=MAX_COUNT
     )
     target: str | None = doc(
         "Where the request goes: the instance for 'route', the model for 'downgrade'.", None
@@ -139,18 +143,18 @@ class StepExecuted(Event):
     step_index: int = doc("Monotonic step counter of the instance.")
     start_ns: int = doc("Step start, UTC epoch ns.")
     end_ns: int = doc("Step end, UTC epoch ns.")
-    num_prefill_tokens: int = doc("Prompt tokens processed in the step (all prefill chunks).")
-    num_decode_seqs: int = doc("Sequences that decoded one token in the step.")
+    num_prefill_tokens: int = doc("Prompt tokens processed in the step (all prefill chunks).", maximum=MAX_COUNT)
+    num_decode_seqs: int = doc("Sequences that decoded one token in the step.", maximum=MAX_COUNT)
     request_ids: list[str] = doc("Requests that were members of the batch, each once.", unique_items=True)
     request_num_tokens: list[int] = doc(
-        "Tokens each member processed in the step, parallel to request_ids."
+        "Tokens each member processed in the step, parallel to request_ids.", maximum=MAX_COUNT
     )
-    num_kv_blocks_used: int = doc("KV cache blocks in use after the step.")
-    num_kv_blocks_free: int = doc("KV cache blocks free after the step.")
+    num_kv_blocks_used: int = doc("KV cache blocks in use after the step.", maximum=MAX_COUNT)
+    num_kv_blocks_free: int = doc("KV cache blocks free after the step.", maximum=MAX_COUNT)
     num_steps: int = doc(
         "Consecutive steps of this same composition that the event summarizes (a fast replay "
         "coalesces runs of decode steps); start_ns/end_ns span them all, counts are per step.",
-        1,
+        1, maximum=MAX_COUNT
     )
 
 
@@ -163,7 +167,7 @@ class RequestPreempted(Event):
     request_id: str = doc("Request the event concerns.", identifier=True)
     mode: PreemptionMode = doc("recompute (KV dropped), swap (KV to host) or migrate (KV moved).")
     lease_generation: int = doc("The request's lease generation after preemption.")
-    num_lost_tokens: int = doc("Computed tokens that must be recomputed (0 for swap/migrate).", 0)
+    num_lost_tokens: int = doc("Computed tokens that must be recomputed (0 for swap/migrate).", 0, maximum=MAX_COUNT)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -183,7 +187,7 @@ class TokensDelivered(Event):
     EVENT_TYPE: ClassVar[str] = "tokens_delivered"
 
     request_id: str = doc("Request the event concerns.", identifier=True)
-    num_tokens: int = doc("Output tokens in this delivery (>= 1).")
+    num_tokens: int = doc("Output tokens in this delivery (>= 1).", maximum=MAX_COUNT)
     coalesced: bool = doc(
         "True when the tokens came as one stream chunk, so per-token gaps are not observable "
         "and ITL is a chunk gap.",
@@ -208,14 +212,14 @@ class RequestFinished(Event):
 
     request_id: str = doc("Request the event concerns.", identifier=True)
     outcome: Outcome = doc("completed, cancelled, rejected, timed_out or error.")
-    num_output_tokens: int = doc("Output tokens delivered to the client in total.")
+    num_output_tokens: int = doc("Output tokens delivered to the client in total.", maximum=MAX_COUNT)
     error_message: str | None = doc("Error text for outcome 'error' (scrubbed by privacy/).", None)
     last_byte_ns: int | None = doc(
         "When the last output token reached the client, where known (client-side E2E ends here; since 1.1).", None
     )
     num_cached_prefix_tokens: int | None = doc(
         "Prompt tokens the engine found in its prefix cache when it first scheduled the request (vLLM's "
-        "num_cached_tokens; 0 when it never ran), where known (since 1.2).", None
+        "num_cached_tokens; 0 when it never ran), where known (since 1.2).", None, maximum=MAX_COUNT
     )
 
 
@@ -228,8 +232,8 @@ class InstanceState(Event):
 
     instance_id: str = doc("Serving instance the event concerns.", identifier=True)
     state: InstanceLifecycle = doc("starting, ready, draining or stopped.")
-    num_kv_blocks_total: int = doc("KV cache capacity in blocks.")
-    kv_block_size_tokens: int = doc("Tokens per KV block.")
+    num_kv_blocks_total: int = doc("KV cache capacity in blocks.", maximum=MAX_COUNT)
+    kv_block_size_tokens: int = doc("Tokens per KV block.", maximum=MAX_COUNT)
     resident_models: list[str] = doc("Base models resident in memory.")
     resident_adapters: list[str] = doc("Adapters resident in memory.")
     scale_action: ScaleAction | None = doc("Set when the state change is a scaling action.", None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from schemas.events import EVENT_TYPES, SCHEMA_MAJOR, SCHEMA_VERSION
+from schemas.events import EVENT_TYPES, SCHEMA_VERSION, SCHEMA_VERSION_PATTERN
 from schemas.types import FieldSpec, field_specs
 
 _JSON_KIND = {"string": "string", "int": "integer", "float": "number", "bool": "boolean"}
@@ -23,6 +23,8 @@ def json_field_schema(spec: FieldSpec) -> dict[str, Any]:
         item = {"type": _JSON_KIND[spec.kind]}
         if spec.kind in ("int", "float"):
             item["minimum"] = 0
+        if spec.kind == "int":  # int64, or a count's maximum (schemas.types.MAX_COUNT)
+            item["maximum"] = spec.upper
         if spec.identifier:  # a visible character, no control characters (schemas.types.BAD_IDENTIFIER)
             item["pattern"] = r"^[^\x00-\x1f\x7f]*[^\x00-\x20\x7f][^\x00-\x1f\x7f]*$"
     value: dict[str, Any] = item
@@ -41,7 +43,7 @@ def event_json_schema(event_type: str) -> dict[str, Any]:
     properties["schema_version"] = {
         "description": properties["schema_version"]["description"],
         "type": "string",
-        "pattern": rf"^{SCHEMA_MAJOR}\.[0-9]+$",
+        "pattern": SCHEMA_VERSION_PATTERN,
     }
     return {
         "type": "object",

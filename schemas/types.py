@@ -25,17 +25,30 @@ _KIND_OF: dict[Any, Kind] = {str: "string", int: "int", float: "float", bool: "b
 #: U+007F). The same pattern in Python's ``re`` and RE2 (pyarrow's), so both validators agree.
 BAD_IDENTIFIER = r"^ *$|[\x00-\x1f\x7f]"
 
+#: The largest value a count field may hold (``doc(maximum=MAX_COUNT)``): tokens (a prompt, a delivery, a step's
+#: prefill, tokens lost to a preemption) or items (KV blocks, sequences, steps, branches). 2**31 - 1 is far above
+#: any real value (a million-token context is 2**20) and low enough that the derivations' sums stay exact in int64:
+#: a request's deliveries or preemptions summed over 2**32 events (4.3 billion) stay below 2**63 - 1, where counts
+#: up to int64 overflowed the first sum of two (``requests derive`` failed on two deliveries of 2**63 - 1 tokens).
+MAX_COUNT = 2**31 - 1
+
+#: The largest integer any field holds (int64: the lake's column type).
+INT64_MAX = 2**63 - 1
+
 
 def doc(text: str, default: Any = dataclasses.MISSING, *, wire_required: bool = False, identifier: bool = False,
-        unique_items: bool = False, **kwargs: Any) -> Any:
+        unique_items: bool = False, maximum: int | None = None, **kwargs: Any) -> Any:
     """A dataclass field carrying its help text (it becomes the Arrow and JSON Schema description).
 
     A field without a default is required on the wire; ``wire_required`` makes a defaulted field
     required there too (the envelope's version and type must always be written). An ``identifier``
     (an id events are joined or de-duplicated on) must hold a visible character and no control character.
-    A list with ``unique_items`` holds each value at most once (JSON Schema's ``uniqueItems``).
+    A list with ``unique_items`` holds each value at most once (JSON Schema's ``uniqueItems``). An integer field
+    (or list of integers) with a ``maximum`` holds values up to it (JSON Schema's ``maximum``; ``MAX_COUNT`` for
+    counts); without one, up to ``INT64_MAX``.
     """
-    metadata = {"doc": text, "wire_required": wire_required, "identifier": identifier, "unique_items": unique_items}
+    metadata = {"doc": text, "wire_required": wire_required, "identifier": identifier, "unique_items": unique_items,
+                "maximum": maximum}
     return dataclasses.field(default=default, metadata=metadata, **kwargs)
 
 
@@ -53,6 +66,12 @@ class FieldSpec:
     default: Any
     identifier: bool = False  # an id: not blank, no control characters (``BAD_IDENTIFIER``)
     unique_items: bool = False  # a list that holds each value at most once
+    maximum: int | None = None  # an int field's (or list item's) largest value; None: INT64_MAX
+
+    @property
+    def upper(self) -> int:
+        """The largest value an int field (or each item of an int list) may hold."""
+        return INT64_MAX if self.maximum is None else self.maximum
 
     def describe(self) -> str:
         """Human wording of the expected value, for error messages."""
@@ -112,6 +131,7 @@ def _spec(f: dataclasses.Field[Any], annotation: Any) -> FieldSpec:
         default=f.default if has_default else None,
         identifier=bool(f.metadata.get("identifier")),
         unique_items=bool(f.metadata.get("unique_items")),
+        maximum=f.metadata.get("maximum"),
     )
 
 

@@ -24,15 +24,17 @@ from typing import IO, TYPE_CHECKING, Any
 import numpy as np
 
 from schemas.duplicates import EventIdLedger, event_hashes, table_hashes
-from schemas.events import EVENT_TYPES, SCHEMA_MAJOR, SCHEMA_VERSION, Event
+from schemas.events import EVENT_TYPES, SCHEMA_MAJOR, SCHEMA_VERSION, SCHEMA_VERSION_PATTERN, Event
 from schemas.types import BAD_IDENTIFIER, FieldSpec, field_specs
 from schemas.wire import MAX_RECORD_BYTES, NOT_UTF8, OVERSIZED, decode_json
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
-INT64_MAX = 2**63 - 1
 _BAD_IDENTIFIER = re.compile(BAD_IDENTIFIER)
+_IDENTIFIER_FIELDS = frozenset(s.name for cls in EVENT_TYPES.values() for s in field_specs(cls) if s.identifier)
+_VERSION_FORM = re.compile(r"(0|[1-9][0-9]*)\.[0-9]+")  # MAJOR.MINOR, ASCII digits ([0-9]: not \d, not isdigit)
+_READABLE_VERSION = re.compile(SCHEMA_VERSION_PATTERN.removeprefix("^").removesuffix("$"))  # fullmatch: no "1.2\n"
 
 # Reasons (stable identifiers, used for counting and in dead-letter tables); see also schemas.wire.
 NOT_AN_OBJECT = "not_an_object"
@@ -126,11 +128,21 @@ def _scalar_error(spec: FieldSpec, value: Any, path: str) -> FieldError | None:
     if spec.identifier and _BAD_IDENTIFIER.search(value):
         return FieldError(NOT_ALLOWED, path, "an id that is blank or holds a control character (the value is not "
                           "printed)", "string", spec.describe())
-    if kind == "int" and not 0 <= value <= INT64_MAX:
-        return FieldError(OUT_OF_RANGE, path, f"{value} is outside 0..2^63-1", "integer", spec.describe())
+    if kind == "int" and not 0 <= value <= spec.upper:
+        return _int_range_error(spec, value, path)
     if kind == "float" and (not math.isfinite(value) or value < 0):
         return FieldError(OUT_OF_RANGE, path, f"{value} is not a finite number >= 0", "number", spec.describe())
     return None
+
+
+def _int_range_error(spec: FieldSpec, value: int, path: str) -> FieldError:
+    """An integer below 0 or above the field's maximum (int64, or ``MAX_COUNT`` for a count), the value shortened."""
+    text = str(value) if abs(value) < 10**30 else f"an integer of {len(str(abs(value))):,} digits"
+    if spec.maximum is None:
+        return FieldError(OUT_OF_RANGE, path, f"{text} is outside 0..2^63-1", "integer", spec.describe())
+    return FieldError(OUT_OF_RANGE, path, f"{text} is outside 0..{spec.maximum:,} (the most a count holds, so "
+                      "sums over many events stay exact in int64)", "integer",
+                      f"{spec.describe().removesuffix(' or null')} from 0 to {spec.maximum:,}{' or null' * spec.nullable}")
 
 
 def _field_errors(spec: FieldSpec, value: Any) -> list[FieldError]:
@@ -155,20 +167,38 @@ def _field_errors(spec: FieldSpec, value: Any) -> list[FieldError]:
 
 
 def _version_error(version: Any) -> FieldError | None:
+    """A ``schema_version`` that is not MAJOR.MINOR in ASCII digits, the major without a leading zero (``"1.²"``,
+    ``"١.٢"``, ``"01.2"``: ``bad_schema_version``), or of another major; the readable ones are exactly those of
+    ``SCHEMA_VERSION_PATTERN`` (the JSON Schema's and the columnar check's)."""
     if not isinstance(version, str):
         return FieldError(WRONG_TYPE, "$.schema_version", "wrong type", type_name(version), 'a "MAJOR.MINOR" string')
-    major, _, minor = version.partition(".")
-    if not (major.isdigit() and minor.isdigit()):
-        return FieldError(BAD_VERSION, "$.schema_version", "the value is not MAJOR.MINOR", "string", f'"{SCHEMA_VERSION}"')
-    if int(major) != SCHEMA_MAJOR:
+    form = _VERSION_FORM.fullmatch(version)
+    if form is None:
+        return FieldError(BAD_VERSION, "$.schema_version", "the value is not MAJOR.MINOR (ASCII digits, no leading "
+                          "zero in MAJOR)", "string", f'"{SCHEMA_VERSION}"')
+    if not _READABLE_VERSION.fullmatch(version):
+        major = form.group(1)
+        shown = major if len(major) <= 12 else f"{major[:12]}... ({len(major):,} digits)"
         return FieldError(
             UNSUPPORTED_MAJOR,
             "$.schema_version",
-            f"major version {int(major)} is not readable by this build (it reads {SCHEMA_MAJOR}.x); "
+            f"major version {shown} is not readable by this build (it reads {SCHEMA_MAJOR}.x); "
             "upgrade servelens or have the producer write a supported version",
             "string",
             f'"{SCHEMA_MAJOR}.<minor>"',
         )
+    return None
+
+
+def identifier_problem(name: str, value: str) -> str | None:
+    """What makes ``value`` one the contract refuses in the string field ``name`` (None: nothing): an id (a field
+    declared ``identifier``) blank or with a control character (``BAD_IDENTIFIER``), or any string that is not
+    valid Unicode (a lone surrogate). For input that names an event's field, such as a raw id to look up."""
+    if not _is_unicode(value):
+        return f"{shown_id(value)} holds a lone surrogate (bytes that are not UTF-8), not valid Unicode"
+    if name in _IDENTIFIER_FIELDS and _BAD_IDENTIFIER.search(value):
+        return (f"{shown_id(value)} is blank or holds a control character: the event contract refuses such an id "
+                "(a visible character, no control characters), so no event in the lake carries it")
     return None
 
 

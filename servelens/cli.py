@@ -23,7 +23,7 @@ import click
 from replay.cluster import MAX_INSTANCES, MAX_RANDOM_FAILURES, MAX_SCHEDULE_S, MIN_AUTOSCALE_S, MIN_LINK_GBPS
 from schemas.validate import InvalidEventsError, UnreadableFileError, read_parquet_table
 from servelens import __version__, layout
-from servelens.click_types import OUT_FILE, OUT_FOLDER, SEED, Duration, Finite, refuse_overwriting
+from servelens.click_types import KEY_ID_CHARS, OUT_FILE, OUT_FOLDER, SEED, Count, Duration, Finite, at_most_chars, refuse_overwriting
 from servelens.config import Config, load_config, shared_dir
 from servelens.engine_options import DEFAULT_ENGINE, ENGINE_HELP, check_engine, engine_instance, vllm_options
 from servelens.errors import ServelensError
@@ -139,6 +139,8 @@ def events_validate(file: Path, max_errors: int) -> None:
                 click.echo(f"{file}:{result.number}: {error.render()}")
     total = summary.num_valid + summary.num_invalid
     click.echo(f"{total:,} records: {summary.num_valid:,} valid, {summary.num_invalid:,} invalid")
+    if not total:  # not invalid (exit 0), but likely not what was meant: say so, as `privacy sanitize` does
+        click.echo(f"warning: {file} holds no records (an empty file, or only blank lines)", err=True)
     for reason, count in summary.by_reason.most_common():
         click.echo(f"  invalid, {reason.replace('_', ' ')}: {count:,}")
     ignored: dict[str, int] = {}
@@ -418,7 +420,7 @@ def requests_derive(ctx: click.Context, events_file: Path, out: Path) -> None:
       servelens requests derive out/demo/engine/events.parquet --out out/requests.parquet
     """
     refuse_overwriting(out, events_file)
-    from replay.derive import BACKWARDS_SQL, connect, count_backwards, write_requests
+    from replay.derive import BACKWARDS_SQL, connect, count_backwards, count_repeated_arrivals, write_requests
 
     started = time.monotonic()
     with _staging_folder(out) as work:
@@ -427,7 +429,11 @@ def requests_derive(ctx: click.Context, events_file: Path, out: Path) -> None:
         con = connect(_config(ctx).lake.duckdb_memory_limit)  # a bad limit is refused before the long part
         staged = _staged_events(ctx, events_file, work, started)
         count = write_requests(staged, work / out.name, con=con)
+        repeated = count_repeated_arrivals(con, staged)
         os.replace(work / out.name, out)
+    if repeated:
+        click.echo(f"warning: {repeated:,} requests arrived more than once (distinct request_arrived events): each row "
+                   "takes every arrival field from the first, by ts_ns then event_id (docs/schema.md)", err=True)
     click.echo(f"wrote {count:,} requests to {out} in {time.monotonic() - started:,.1f} s")
     if not count:
         click.echo(f"warning: {events_file} holds no request's events: {out} has no rows", err=True)
@@ -444,8 +450,13 @@ def _staging_folder(out: Path) -> Iterator[Path]:
     removed afterwards, on success or failure: a failed run leaves no partial file, and ``out`` as it was."""
     import tempfile
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name[:64]}.", suffix=".tmp") as work:
+    try:  # an error names the user's --out, not the temporary folder's name beside it
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name[:64]}.", suffix=".tmp")
+    except OSError as exc:
+        raise ServelensError(f"cannot write {out}: creating a file in {out.parent} failed ({exc.strerror or exc})",
+                             "give --out a path in a folder you can write") from None
+    with staging as work:
         yield Path(work)
 
 
@@ -645,7 +656,8 @@ def privacy() -> None:
 
 @privacy.command("keygen")
 @click.option("--out", type=OUT_FILE, required=True, help="Key file to create.")
-@click.option("--id", "key_id", default=None, help="Key id [default: k<UTC timestamp>].")
+@click.option("--id", "key_id", default=None, callback=at_most_chars(KEY_ID_CHARS, "a key id"),
+              help="Key id [default: k<UTC timestamp>].")
 def privacy_keygen(out: Path, key_id: str | None) -> None:
     """Create a key file with one fresh 32-byte pseudonym key (mode 0600).
 
@@ -665,7 +677,8 @@ def privacy_keygen(out: Path, key_id: str | None) -> None:
 
 @privacy.command("rotate")
 @click.argument("key_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--id", "key_id", default=None, help="New key id [default: k<UTC timestamp>].")
+@click.option("--id", "key_id", default=None, callback=at_most_chars(KEY_ID_CHARS, "a key id"),
+              help="New key id [default: k<UTC timestamp>].")
 def privacy_rotate(key_file: Path, key_id: str | None) -> None:
     """Add a fresh key to KEY_FILE and make it active; older keys stay for tenant lookups.
 
@@ -705,7 +718,10 @@ def privacy_lookup(ctx: click.Context, value: str, field: str, all_keys: bool) -
     """
     from privacy.keys import load_keyring
     from privacy.sanitize import FIELD_POLICIES
+    from schemas.validate import identifier_problem
 
+    if problem := identifier_problem(field, value):  # no such id can be in the lake: its events were refused
+        _fail(f"{field} {problem}", "give the id as the events carry it")
     ring = load_keyring(_config(ctx).privacy.key_file)
     policy = FIELD_POLICIES[field]
     keys = sorted(ring.secrets) if all_keys else [ring.active_id]
@@ -930,15 +946,20 @@ def _existing_lake(config: Config) -> Any:
     return store
 
 
-#: How long `lake sql` lets a query run before it is stopped, seconds (a recursive query can run forever).
+#: How long `lake sql` lets a query run before it is stopped, seconds (a recursive query can run forever), and the
+#: longest --timeout-s (a day: beyond it Python's timer overflows, and no query over a lake needs more).
 LAKE_SQL_TIMEOUT_S = 300.0
+MAX_LAKE_SQL_TIMEOUT_S = 86_400.0
+#: The most rows `lake sql` prints (an aggregate in SQL says more than a million printed rows).
+MAX_LAKE_SQL_LIMIT = 1_000_000
 
 
 @lake.command("sql")
 @click.argument("query")
-@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True, help="Rows to print.")
-@click.option("--timeout-s", type=Finite(0, min_open=True), default=LAKE_SQL_TIMEOUT_S, show_default=True,
-              help="Stop the query after this many seconds.")
+@click.option("--limit", type=Count(1, MAX_LAKE_SQL_LIMIT), default=50, show_default=True,
+              help="Rows to print (at most 1,000,000).")
+@click.option("--timeout-s", type=Finite(0, MAX_LAKE_SQL_TIMEOUT_S, min_open=True), default=LAKE_SQL_TIMEOUT_S,
+              show_default=True, help="Stop the query after this many seconds (at most 86,400, a day).")
 @click.pass_context
 def lake_sql(ctx: click.Context, query: str, limit: int, timeout_s: float) -> None:
     """Run a read-only SQL QUERY over the views events, dead_letters and requests.
@@ -951,31 +972,44 @@ def lake_sql(ctx: click.Context, query: str, limit: int, timeout_s: float) -> No
     Example:
       servelens --lake out/demo/lake lake sql "SELECT outcome, count(*) FROM requests GROUP BY 1"
     """
+    import tempfile
     import threading
 
     import duckdb
 
     from pipelines.tables import ReadOnlyViolation, check_query
+    from servelens.click_types import shown
+    from servelens.sql import sql_literal
 
-    con = _existing_lake(_config(ctx)).connect(read_only=True)
+    store = _existing_lake(_config(ctx))
     hint = "lake sql runs queries only, over the views events, dead_letters and requests (docs/operations.md)"
-    watchdog = threading.Timer(timeout_s, con.interrupt)
-    watchdog.start()
-    try:
-        check_query(con, query)
-        result = con.sql(query)
-        table = None if result is None else result.limit(limit).to_arrow_table()
-    except ReadOnlyViolation as exc:
-        raise ServelensError(f"refused: {exc}", hint) from None
-    except duckdb.PermissionException as exc:
-        raise ServelensError(f"refused: {exc}", hint) from None
-    except duckdb.InterruptException:
-        raise ServelensError(f"the query ran past --timeout-s ({timeout_s:g} s) and was stopped",
-                             "narrow it (a WHERE on dt, a LIMIT), or give a longer --timeout-s") from None
-    except duckdb.Error as exc:
-        raise ServelensError(f"the query failed: {exc}", "the views are events, dead_letters and requests") from None
-    finally:
-        watchdog.cancel()
+    # DuckDB lets a locked connection read its temp_directory (default: ./.tmp under the current folder) besides
+    # the lake: a fresh private folder of its own, removed afterwards, holds nothing but its spill files
+    with tempfile.TemporaryDirectory(prefix="servelens-lake-sql-", ignore_cleanup_errors=True) as spill:
+        con = store.duckdb()
+        con.execute(f"SET temp_directory = {sql_literal(spill)}")
+        con = store.connect(con, read_only=True)
+        watchdog = threading.Timer(timeout_s, con.interrupt)
+        watchdog.start()
+        try:
+            check_query(con, query)
+            result = con.sql(query)
+            table = None if result is None else result.limit(limit).to_arrow_table()
+        except ReadOnlyViolation as exc:  # named by its own text (DuckDB's type of INSTALL is LOAD)
+            given = next((" ".join(s.query.split()).rstrip(";") for s in con.extract_statements(query)
+                          if s.type != duckdb.StatementType.SELECT), None)
+            why = f"only queries (SELECT) may run here, not {shown(given)}" if given else str(exc)
+            raise ServelensError(f"refused: {why}", hint) from None
+        except duckdb.PermissionException as exc:
+            raise ServelensError(f"refused: {exc}", hint) from None
+        except duckdb.InterruptException:
+            raise ServelensError(f"the query ran past --timeout-s ({timeout_s:g} s) and was stopped",
+                                 "narrow it (a WHERE on dt, a LIMIT), or give a longer --timeout-s") from None
+        except duckdb.Error as exc:
+            raise ServelensError(f"the query failed: {exc}", "the views are events, dead_letters and requests") from None
+        finally:
+            watchdog.cancel()
+            con.close()
     if table is not None:
         click.echo(table.to_pandas().to_string(index=False))
 
@@ -1144,7 +1178,7 @@ def _echo_outputs(summary) -> None:
                    "measured step times as the clock; small workloads, reference mode (docs/calibration.md).")
 @click.option("--mode", type=click.Choice(["fast", "reference"]), default="fast", show_default=True,
               help="fast coalesces runs of identical decode steps (same timestamps); reference simulates every step.")
-@click.option("--requests", "num_requests", type=click.IntRange(1, MAX_REPLAY_REQUESTS), default=None,
+@click.option("--requests", "num_requests", type=Count(1, MAX_REPLAY_REQUESTS), default=None,
               help="Tile the workload to this many requests (at most 1,000,000,000).")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of every random choice (scenario draws).")
 @click.option("--out", type=OUT_FOLDER, required=True, help="Output folder.")
@@ -1435,7 +1469,7 @@ def gate(ctx: click.Context, baseline: Path | None, candidate: Path | None, gate
     """  # noqa: E501 (help examples run as written: one command per line)
     from replay.gate import compare_runs, config_yaml, decide, default_config, headline, load_config, parse_model_error
     from replay.gate_config import describe_metrics, with_model_error
-    from replay.report import write_reports
+    from replay.report import report_paths, write_reports
 
     if write_default_config is not None:
         write_default_config.write_text(config_yaml(default_config()))
@@ -1447,10 +1481,12 @@ def gate(ctx: click.Context, baseline: Path | None, candidate: Path | None, gate
     if list_metrics:
         click.echo("\n".join(describe_metrics(config)))
         return
+    out = out or layout.gate_dir(_config(ctx).paths.out_dir)
+    report_paths(out)  # a report's name held by a folder: refused before anything is judged
     base_run, cand_run = _gate_runs(ctx, baseline, candidate, live, baseline_pool, candidate_pool, since_s)
     verdict = compare_runs(base_run, cand_run, config)
     decision = decide(verdict, previous_config) if live else None
-    paths = write_reports(verdict, base_run, cand_run, out or layout.gate_dir(_config(ctx).paths.out_dir), decision)
+    paths = write_reports(verdict, base_run, cand_run, out, decision)
     click.echo(f"gate: {headline(verdict, decision)}")
     for line in (*verdict.notes, *verdict.reasons):
         click.echo(f"  - {line}")
@@ -1489,8 +1525,8 @@ def _gate_runs(ctx: click.Context, baseline: Path | None, candidate: Path | None
 @click.option("--loads", default=None, help="Comma-separated load scenarios [default: 1x,2x].")
 @click.option("--speedup", type=Finite(min=0, min_open=True), default=100.0, show_default=True,
               help="Emit the engine fleet's events this many times faster than recorded (bursts kept).")
-@click.option("--requests", "num_requests", type=click.IntRange(min=100), default=None,
-              help="Only the trace's first N requests (a quicker look) [default: all].")
+@click.option("--requests", "num_requests", type=Count(100, MAX_REPLAY_REQUESTS), default=None,
+              help="Only the trace's first N requests (a quicker look; at most 1,000,000,000) [default: all].")
 @click.option("--serve/--no-serve", default=True, show_default=True,
               help="Serve the dashboard after the summary until Ctrl-C (--no-serve: print the summary and exit).")
 @click.option("--port", type=click.IntRange(0, 65535), default=None,
@@ -1611,7 +1647,13 @@ def dashboard_command(ctx: click.Context, port: int | None, host: str | None, ru
 
     from dashboard.config import settings_from_config
     from dashboard.server import dashboard_url, preflight, resolved, serve, wait_until_ready
+    from servelens.click_types import SHOWN_PATH_CHARS, shown
 
+    for flag, folder, writer in (("--runs-dir", runs_dir, "replay"), ("--gate-dir", gate_dir, "gate")):
+        if folder is not None and not os.path.isdir(folder):  # a typo would show no runs, as if none were made
+            raise ServelensError(f"{flag} {shown(folder, SHOWN_PATH_CHARS)} does not exist",
+                                 f"give the folder `servelens {writer} --out` wrote (or one above it: it is searched "
+                                 f"three levels deep), or leave {flag} out for dashboard.{flag[2:].replace('-', '_')}")
     config = _config(ctx)
     overrides = {"port": port, "host": host, "runs_dir": runs_dir, "gate_dir": gate_dir}
     section = dataclasses.replace(config.dashboard, **{k: v for k, v in overrides.items() if v is not None})

@@ -24,7 +24,7 @@ def _scalar(spec: FieldSpec) -> st.SearchStrategy:
         return IDENTIFIERS
     return {
         "string": st.text(max_size=12),
-        "int": st.integers(0, INT64_MAX),
+        "int": st.integers(0, spec.upper),  # int64, or a count's maximum (schemas.types.MAX_COUNT)
         "float": st.floats(0, 1e12, allow_nan=False, allow_infinity=False),
         "bool": st.booleans(),
     }[spec.kind]

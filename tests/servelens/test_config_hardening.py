@@ -159,8 +159,9 @@ def test_keygen_names_the_path_it_could_not_write(tmp_path):
     (tmp_path / "plain").write_text("")
     result = _run("privacy", "keygen", "--out", str(tmp_path / "plain" / "k.toml"))
     assert result.exit_code == 3
-    assert result.stderr == (f"error: cannot write the pseudonym key file {tmp_path}/plain/k.toml: File exists\n"
-                             "  hint: check that its folder can be created and written by you\n")
+    assert result.stderr == (f"error: cannot write {tmp_path}/plain/k.toml: {tmp_path}/plain is a file, not a folder, "
+                             "so nothing can be created inside it\n"
+                             "  hint: give --out a path in a folder (or in one still to be made)\n")
 
 
 @pytest.mark.parametrize("command", [["privacy", "lookup", "abc"], ["privacy", "rotate", "{key}"]])
