@@ -292,23 +292,17 @@ def test_stages_that_together_last_beyond_the_span_are_refused(shared):
         parse_inference_perf(spec)
 
 
-def test_an_engine_file_number_yaml_reads_as_text_says_how_to_write_it(tmp_path):
+@pytest.mark.parametrize(("text", "error", "hint"), [
+    ("kv_offloading_size: 1e30", "kv_offloading_size must be float, not '1e30'",
+     "hint: YAML reads 1e30 as text, not a number: write a dot and a signed exponent, e.g. kv_offloading_size: 1.0e+30"),
+    ("max_num_seqs: 1e3", "max_num_seqs must be int, not '1e3'",
+     "hint: YAML reads 1e3 as text, not a number: write the whole number, e.g. max_num_seqs: 1000"),
+])
+def test_an_engine_file_number_yaml_reads_as_text_says_how_to_write_it(tmp_path, text, error, hint):
     engine = tmp_path / "engine.yaml"
-    engine.write_text("kv_offloading_size: 1e30\n")
+    engine.write_text(text + "\n")
     done = _run("replay", "--workload", "azure-conv", "--requests", "5", "--engine-config", str(engine), "--out",
                 str(tmp_path / "run"))
     assert done.exit_code == 3, done.output
-    assert f"error: {engine}: kv_offloading_size must be float, not '1e30'" in done.output
-    assert ("hint: YAML reads 1e30 as text, not a number: write a dot and a signed exponent, e.g. "
-            "kv_offloading_size: 1.0e+30") in done.output
+    assert f"error: {engine}: {error}" in done.output and hint in done.output
     assert yaml.safe_load("kv_offloading_size: 1.0e+30")["kv_offloading_size"] == 1e30  # the hint's spelling reads
-
-
-def test_an_engine_file_whole_number_yaml_reads_as_text_says_how_to_write_it(tmp_path):
-    engine = tmp_path / "engine.yaml"
-    engine.write_text("max_num_seqs: 1e3\n")
-    done = _run("replay", "--workload", "azure-conv", "--requests", "5", "--engine-config", str(engine), "--out",
-                str(tmp_path / "run"))
-    assert done.exit_code == 3, done.output
-    assert "max_num_seqs must be int, not '1e3'" in done.output
-    assert "hint: YAML reads 1e3 as text, not a number: write the whole number, e.g. max_num_seqs: 1000" in done.output

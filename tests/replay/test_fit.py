@@ -206,7 +206,7 @@ def _shipped_with(path: str, value) -> dict:
     ("name", None, "name must be text, not None"),
     ("engine_defaults.async_scheduling", 2, "engine_defaults.async_scheduling has value 2"),
     ("held_out_error_pct.e2e_mean", float("nan"), "held_out_error_pct.e2e_mean must be a finite number"),
-    ("held_out_error_pct.itl_mean", -5, "held_out_error_pct.itl_mean is an absolute error, so at least 0, not -5"),
+    ("held_out_error_pct.itl_mean", -5, "held_out_error_pct.itl_mean is an absolute error in percent, from 0 to 1000, not -5"),
     ("fitted_load.kv_share", 1.5, r"fitted_load.kv_share must be in \[0, 1\], not 1.5"),
     ("fitted_load", [0.5], "fitted_load must be a mapping"),
     ("notes", "x", "notes must be a list of names"),

@@ -362,7 +362,7 @@ def test_the_calibration_named_in_the_manifests_brings_its_held_out_error(tmp_pa
     ('{"calibration": {"name": "c", "held_out_error_pct": {"itl_mean": -1}}}', "held_out_error_pct itl_mean is -1"),
     ('{"calibration": {"name": "c", "held_out_error_pct": 5}}', "held_out_error_pct is 5, not a mapping"),
     ('{"calibration": {"held_out_error_pct": {}}}', "KeyError: 'name'"),
-    ('{"calibration": {"name": "c"}, "load": "2x"}', "AttributeError"),
+    ('{"calibration": {"name": "c"}, "load": "2x"}', "its load is a JSON str, not an object of fields"),
     ('{"calibration": {"name": "c", "held_out_error_pct": {"e2e_mean": 1e308}}}', "held_out_error_pct e2e_mean is 1e+308"),
     ('{"calibration": {"name": ["a"], "held_out_error_pct": {}}}', "calibration name is ['a'], not text"),
 ])
