@@ -23,7 +23,19 @@ import click
 from replay.cluster import MAX_INSTANCES, MAX_RANDOM_FAILURES, MAX_SCHEDULE_S, MIN_AUTOSCALE_S, MIN_LINK_GBPS
 from schemas.validate import InvalidEventsError, UnreadableFileError, read_parquet_table
 from servelens import __version__, layout
-from servelens.click_types import KEY_ID_CHARS, OUT_FILE, OUT_FOLDER, SEED, Count, Duration, Finite, at_most_chars, refuse_overwriting
+from servelens.click_types import (
+    KEY_ID_CHARS,
+    OUT_FILE,
+    OUT_FOLDER,
+    SEED,
+    SHOWN_PATH_CHARS,
+    Count,
+    Duration,
+    Finite,
+    at_most_chars,
+    refuse_overwriting,
+    shown,
+)
 from servelens.config import Config, load_config, shared_dir
 from servelens.engine_options import DEFAULT_ENGINE, ENGINE_HELP, check_engine, engine_instance, vllm_options
 from servelens.errors import ServelensError
@@ -978,7 +990,6 @@ def lake_sql(ctx: click.Context, query: str, limit: int, timeout_s: float) -> No
     import duckdb
 
     from pipelines.tables import ReadOnlyViolation, check_query
-    from servelens.click_types import shown
     from servelens.sql import sql_literal
 
     store = _existing_lake(_config(ctx))
@@ -1647,7 +1658,6 @@ def dashboard_command(ctx: click.Context, port: int | None, host: str | None, ru
 
     from dashboard.config import settings_from_config
     from dashboard.server import dashboard_url, preflight, resolved, serve, wait_until_ready
-    from servelens.click_types import SHOWN_PATH_CHARS, shown
 
     for flag, folder, writer in (("--runs-dir", runs_dir, "replay"), ("--gate-dir", gate_dir, "gate")):
         if folder is not None and not os.path.isdir(folder):  # a typo would show no runs, as if none were made

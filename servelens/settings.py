@@ -259,16 +259,23 @@ def read_toml(path: str | Path, what: str, hint: str | None = None, *, missing_h
         raise ConfigError(f"{what} {path} is not valid TOML: {_fault(exc)}", hint) from None
 
 
+def _regular_file(path: Path, what: str, hint: str | None) -> os.stat_result:
+    """``path``'s status, checked before it is opened (opening a named pipe blocks until something writes to it):
+    ``IsADirectoryError`` for a folder, a ``ConfigError`` naming ``what`` for anything else but a regular file."""
+    info = path.stat()
+    if stat.S_ISDIR(info.st_mode):
+        raise IsADirectoryError(path)
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigError(f"{what} {path} is not a regular file (a pipe, a device or a socket)", hint)
+    return info
+
+
 def _read_bounded(path: Path, max_bytes: int, what: str, hint: str | None) -> bytes:
     """The bytes of the regular file ``path``, refused (naming ``what``) when it is none (a pipe would block
     the reader until something writes to it, a device may never end) or larger than ``max_bytes``: by its
     size, before any of it is read (and by what it gave, should it grow meanwhile)."""
     bound = f"{max_bytes:,} bytes" + (f" ({max_bytes >> 20} MiB)" if max_bytes % (1 << 20) == 0 else "")
-    info = path.stat()  # before opening: opening a pipe blocks
-    if stat.S_ISDIR(info.st_mode):
-        raise IsADirectoryError(path)
-    if not stat.S_ISREG(info.st_mode):
-        raise ConfigError(f"{what} {path} is not a regular file (a pipe, a device or a socket)", hint)
+    info = _regular_file(path, what, hint)
     if info.st_size > max_bytes:
         raise ConfigError(f"{what} {path} is {info.st_size:,} bytes, above the bound of {bound}", hint)
     with path.open("rb") as fh:
@@ -287,9 +294,7 @@ def read_document(path: str | Path, what: str, hint: str | None = None) -> Any:
     path = Path(path)
     kind = "JSON" if path.suffix.lower() == ".json" else "YAML"
     try:
-        mode = path.stat().st_mode
-        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-            raise ConfigError(f"{what} {path} is not a regular file (a pipe, a device or a socket)", hint)
+        _regular_file(path, what, hint)
         text = path.read_text()
         if kind == "JSON":
             return json.loads(text, object_pairs_hook=unique_keys)
