@@ -27,6 +27,7 @@ from typing import Any
 
 from replay.config import ACCELERATORS, FrontendConfig, InstanceConfig, accelerator
 from replay.costmodel import RooflineConfig
+from replay.fidelity import METRICS as FIDELITY_METRICS
 from replay.load import Load
 from schemas.types import doc
 from servelens.errors import ConfigError, ServelensError
@@ -90,10 +91,9 @@ CALIBRATION_KEYS = ("calibration_version", "name", "engine", "accelerators", "me
                     "frontend", "engine_defaults", "held_out_error_pct", "in_sample_error_pct", "notes", "fitted_load")
 #: The figures a calibration's errors are given for: ``replay.fidelity.METRICS`` (fitted to runs) and the step times
 #: of a fit to step events (``replay.calibrate.calibrate_steps``).
-ERROR_METRICS = ("e2e_mean", "e2e_p50", "e2e_p90", "e2e_p99", "ttft_mean", "ttft_p50", "ttft_p90", "ttft_p99",
-                 "itl_mean", "step_time_median", "step_time_p90")
-#: The largest error a calibration may record, percent (the replay 10x off): as ``replay.gate.MAX_HELD_OUT_PCT``,
-#: beyond which the gate takes a run manifest's record as corrupt; no calibration worth using comes near it.
+ERROR_METRICS = (*FIDELITY_METRICS, "step_time_median", "step_time_p90")
+#: The largest error a calibration may record, percent (the replay 10x off): beyond it the gate also takes a run
+#: manifest's record as corrupt (``replay.gate``); no calibration worth using comes near it.
 MAX_ERROR_PCT = 1000.0
 #: The smallest share of the hardware's peak a calibrated step may achieve: 1%. The fitted shares are 0.05 to 1
 #: (``replay.fit`` bounds them so; the shipped ones 0.6 to 0.8); a share of 1e-9 makes a step a billion times the

@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from replay.calibration import MAX_ERROR_PCT
 from replay.compare import (
     Difference,
     Resampling,
@@ -301,7 +302,7 @@ def _condition_verdicts(diffs: _Differences, config: GateConfig, errors: dict[st
 #: the model cannot vouch for the figure, and this much error keeps every metric resting on it from passing.
 MAX_CALIBRATION_ERROR = 0.99
 #: The largest held-out error a manifest may record, percent (beyond it the record is taken as corrupt).
-MAX_HELD_OUT_PCT = 1000.0
+MAX_HELD_OUT_PCT = MAX_ERROR_PCT
 
 
 def calibration_errors(*runs: Run) -> tuple[dict[str, float], list[str]]:
